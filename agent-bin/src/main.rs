@@ -1,0 +1,2 @@
+//! The `tether` binary.
+fn main() {}

@@ -1,0 +1,536 @@
+//! Tests of config parsing: every error message is part of the UI, and round trips are exact.
+
+use std::os::unix::fs::symlink;
+
+use proptest::prelude::*;
+
+use super::*;
+
+fn file() -> Origin {
+    Origin::File("conf.d/web.toml".into())
+}
+
+#[track_caller]
+fn toml_error(text: &str) -> String {
+    parse_file(text, Format::Toml, &file()).unwrap_err().to_string()
+}
+
+#[track_caller]
+fn json_error(text: &str) -> String {
+    parse_file(text, Format::Json, &Origin::File("conf.d/web.json".into())).unwrap_err().to_string()
+}
+
+#[track_caller]
+fn proxy_error(proxy_lines: &str) -> String {
+    toml_error(&format!("[[service]]\nname = \"web\"\n[service.proxy]\n{proxy_lines}\n"))
+}
+
+#[track_caller]
+fn one(text: &str) -> Service {
+    let mut services = parse_file(text, Format::Toml, &file()).unwrap();
+    assert_eq!(services.len(), 1);
+    services.remove(0)
+}
+
+#[test]
+fn an_empty_proxy_table_gets_every_default() {
+    let service = one("[[service]]\nname = \"web\"\n[service.proxy]\n");
+    assert_eq!(service.id.as_str(), "web");
+    assert_eq!(service.address, "127.0.0.1");
+    assert_eq!(service.port, None);
+    let spec = service.proxy.unwrap();
+    assert_eq!(spec, ProxySpec::default());
+    assert_eq!(spec.command, ProxyCommand::BuiltIn);
+    assert_eq!(spec.kill, KillPolicy { signal: KillSignal::Int, timeout: Duration::from_secs(5) });
+    assert_eq!(spec.restart.free_attempts, 3);
+    assert_eq!(spec.restart.max_delay, Duration::from_secs(60));
+    assert_eq!(spec.restart.healthy_after, Duration::from_secs(10));
+    assert_eq!(spec.log, LogPolicy { max_size: 64 << 20, keep: 5 });
+    assert!(!spec.inherit_env);
+}
+
+#[test]
+fn every_field_of_the_schema_is_read() {
+    let service = one(r#"
+[[service]]
+name = "web"
+id = "web-1"
+address = "10.0.0.5"
+port = 8080
+tags = ["v1", "blue"]
+meta = { team = "edge" }
+
+[service.proxy]
+exec_mode = "daemon"
+command = ["/usr/bin/envoy", "-c", "/etc/envoy/web.yaml"]
+working_dir = "/srv/web"
+env = { LOG_LEVEL = "info" }
+inherit_env = true
+user = "nobody"
+kill_signal = "SIGTERM"
+kill_timeout = "1500ms"
+log_max_size = "1MiB"
+log_keep = 2
+config = { bind_port = 21000, upstreams = [{ name = "db" }] }
+
+[service.proxy.restart]
+free_attempts = 0
+max_delay = "1m"
+healthy_after = "30s"
+"#);
+    assert_eq!(service.id.as_str(), "web-1");
+    assert_eq!(service.name.as_str(), "web");
+    assert_eq!(service.address, "10.0.0.5");
+    assert_eq!(service.port, Some(8080));
+    assert_eq!(service.tags, ["v1", "blue"]);
+    assert_eq!(service.meta["team"], "edge");
+    let spec = service.proxy.unwrap();
+    let ProxyCommand::Exec(command) = &spec.command else { panic!("{:?}", spec.command) };
+    assert_eq!(command.program(), Path::new("/usr/bin/envoy"));
+    assert_eq!(command.args(), ["-c", "/etc/envoy/web.yaml"]);
+    assert_eq!(spec.working_dir.as_deref(), Some(Path::new("/srv/web")));
+    assert_eq!(spec.env["LOG_LEVEL"], "info");
+    assert!(spec.inherit_env);
+    assert_eq!(spec.user.as_deref(), Some("nobody"));
+    assert_eq!(spec.kill, KillPolicy { signal: KillSignal::Term, timeout: Duration::from_millis(1500) });
+    assert_eq!(spec.log, LogPolicy { max_size: 1 << 20, keep: 2 });
+    assert_eq!(spec.config["bind_port"], 21000);
+    assert_eq!(spec.config["upstreams"][0]["name"], "db");
+    assert_eq!(
+        spec.restart,
+        RestartPolicy { free_attempts: 0, max_delay: Duration::from_secs(60), healthy_after: Duration::from_secs(30) }
+    );
+}
+
+#[test]
+fn json_files_and_bodies_use_the_same_schema() {
+    let text =
+        r#"{"service": [{"name": "web", "port": 8080, "proxy": {"kill_signal": "TERM", "config": {"bind_port": 1}}}]}"#;
+    let services = parse_file(text, Format::Json, &file()).unwrap();
+    assert_eq!(services[0].proxy.as_ref().unwrap().kill.signal, KillSignal::Term);
+    let body = parse_service(r#"{"name": "db", "tags": ["a"]}"#, Format::Json, &Origin::Body).unwrap();
+    assert_eq!(body.tags, ["a"]);
+    assert!(body.proxy.is_none());
+}
+
+#[test]
+fn a_file_without_services_is_empty_not_an_error() {
+    assert!(parse_file("", Format::Toml, &file()).unwrap().is_empty());
+    assert!(parse_file("{}", Format::Json, &file()).unwrap().is_empty());
+}
+
+#[test]
+fn unknown_keys_name_file_line_and_field() {
+    assert_eq!(
+        toml_error("[[service]]\nname = \"web\"\nprot = 1\n"),
+        "conf.d/web.toml:3:1: field `service[0].prot`: unknown field `prot`, expected one of `name`, `id`, `address`, `port`, `tags`, `meta`, `proxy`"
+    );
+    assert_eq!(
+        toml_error("[sevice]\nname = \"web\"\n"),
+        "conf.d/web.toml:1:2: field `sevice`: unknown field `sevice`, expected `service`"
+    );
+    assert!(
+        proxy_error("comand = [\"/bin/true\"]")
+            .starts_with("conf.d/web.toml:4:1: field `service[0].proxy.comand`: unknown field `comand`")
+    );
+    assert!(
+        toml_error("[[service]]\nname = \"web\"\n[service.proxy.restart]\nmax_delays = \"1s\"\n")
+            .starts_with("conf.d/web.toml:4:1: field `service[0].proxy.restart.max_delays`: unknown field")
+    );
+    assert_eq!(
+        json_error("{\"service\": [{\"name\": \"web\", \"prot\": 1}]}"),
+        "conf.d/web.json:1:35: field `service[0].prot`: unknown field `prot`, expected one of `name`, `id`, `address`, `port`, `tags`, `meta`, `proxy`"
+    );
+}
+
+#[test]
+fn syntax_errors_name_the_position() {
+    assert_eq!(toml_error("[[service]]\nname = \"web\n"), "conf.d/web.toml:2:12: invalid basic string, expected `\"`");
+    assert_eq!(json_error("{\"service\": [{\"name\": \"web\"}]} x"), "conf.d/web.json:1:32: trailing characters");
+    assert_eq!(json_error("{\"service\": [{\"name\": \"web\""), "conf.d/web.json:1:27: EOF while parsing an object");
+}
+
+#[test]
+fn missing_name_is_reported_on_its_table() {
+    assert_eq!(toml_error("[[service]]\nport = 1\n"), "conf.d/web.toml:1:1: field `service[0]`: missing field `name`");
+}
+
+#[test]
+fn invalid_ids_and_names_are_refused_with_the_rule() {
+    assert_eq!(
+        toml_error("[[service]]\nname = \"web\"\nid = \"../x\"\n"),
+        "conf.d/web.toml:3:6: field `service[0].id`: invalid service id \"../x\": it must start with a letter or a digit (ids must match ^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$)"
+    );
+    assert_eq!(
+        toml_error("[[service]]\nname = \"web server\"\n"),
+        "conf.d/web.toml:1:1: field `service[0]`: no `id` is given, so the name must be a valid id: invalid service id \"web server\": it may only contain letters, digits, `.`, `_` and `-` (ids must match ^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$)"
+    );
+    // With an explicit id, the name may hold spaces.
+    assert_eq!(one("[[service]]\nname = \"web server\"\nid = \"web\"\n").name.as_str(), "web server");
+    assert!(
+        toml_error("[[service]]\nname = \"\"\nid = \"web\"\n")
+            .contains("field `service[0].name`: invalid service name \"\": it is empty")
+    );
+    assert!(toml_error("[[service]]\nname = \"web\"\nid = \"a/b\"\n").contains("may only contain"));
+}
+
+#[test]
+fn invalid_service_fields_are_refused() {
+    assert_eq!(
+        toml_error("[[service]]\nname = \"web\"\nport = 70000\n"),
+        "conf.d/web.toml:3:8: field `service[0].port`: invalid value: integer `70000`, expected u16"
+    );
+    assert!(
+        toml_error("[[service]]\nname = \"web\"\naddress = \"\"\n")
+            .contains("field `service[0].address`: invalid address \"\"")
+    );
+    assert!(
+        toml_error("[[service]]\nname = \"web\"\naddress = \"a b\"\n").contains("must be a host name or an IP address")
+    );
+    assert!(
+        toml_error("[[service]]\nname = \"web\"\ntags = [\"\"]\n").contains("field `service[0].tags[0]`: invalid tag")
+    );
+    assert!(toml_error("[[service]]\nname = \"web\"\nmeta = { \"\" = \"x\" }\n").contains("invalid meta key"));
+}
+
+#[test]
+fn exec_mode_other_than_daemon_is_an_error() {
+    assert_eq!(
+        proxy_error("exec_mode = \"script\""),
+        "conf.d/web.toml:4:13: field `service[0].proxy.exec_mode`: unknown variant `script`, expected `daemon`"
+    );
+}
+
+#[test]
+fn durations_use_humantime_and_say_so() {
+    let err = proxy_error("kill_timeout = \"5x\"");
+    assert!(
+        err.starts_with("conf.d/web.toml:4:16: field `service[0].proxy.kill_timeout`: invalid duration \"5x\""),
+        "{err}"
+    );
+    assert!(err.contains("(examples: \"500ms\", \"5s\", \"1m\")"), "{err}");
+    assert_eq!(
+        toml_error("[[service]]\nname = \"web\"\n[service.proxy.restart]\nmax_delay = 5\n"),
+        "conf.d/web.toml:4:13: field `service[0].proxy.restart.max_delay`: invalid type: integer `5`, expected a string"
+    );
+    assert!(
+        toml_error("[[service]]\nname = \"web\"\n[service.proxy.restart]\nhealthy_after = \"soon\"\n")
+            .contains("field `service[0].proxy.restart.healthy_after`: invalid duration \"soon\"")
+    );
+}
+
+#[test]
+fn kill_signal_must_be_a_known_signal() {
+    assert_eq!(
+        proxy_error("kill_signal = \"SIGSEGV\""),
+        "conf.d/web.toml:4:15: field `service[0].proxy.kill_signal`: unknown kill_signal \"SIGSEGV\": expected one of SIGINT, SIGTERM, SIGQUIT, SIGHUP, SIGUSR1, SIGUSR2, SIGKILL"
+    );
+}
+
+#[test]
+fn log_sizes_take_units_or_bytes() {
+    let size = |value: &str| {
+        let service = one(&format!("[[service]]\nname = \"web\"\n[service.proxy]\nlog_max_size = {value}\n"));
+        service.proxy.unwrap().log.max_size
+    };
+    assert_eq!(size("\"64MiB\""), 64 << 20);
+    assert_eq!(size("\"10MB\""), 10_000_000);
+    assert_eq!(size("\"512KiB\""), 512 << 10);
+    assert_eq!(size("\"2GiB\""), 2 << 30);
+    assert_eq!(size("8192"), 8192);
+    assert_eq!(
+        proxy_error("log_max_size = \"64XB\""),
+        "conf.d/web.toml:4:16: field `service[0].proxy.log_max_size`: invalid size \"64XB\": unknown unit \"XB\" (use B, KB, KiB, MB, MiB, GB or GiB)"
+    );
+    assert!(proxy_error("log_max_size = 10").contains("below the minimum of 4096"));
+    assert!(proxy_error("log_max_size = -1").contains("cannot be negative"));
+    assert!(proxy_error("log_max_size = \"99999999999GiB\"").contains("too large"));
+    assert!(
+        proxy_error("log_keep = 5000")
+            .contains("field `service[0].proxy.log_keep`: log_keep 5000 is more than 1000 files")
+    );
+}
+
+#[test]
+fn commands_must_name_a_program() {
+    assert_eq!(
+        proxy_error("command = []"),
+        "conf.d/web.toml:4:11: field `service[0].proxy.command`: command must name a program; leave `command` out for the built-in proxy"
+    );
+    assert!(proxy_error("command = [\"\"]").contains("must name a program"));
+    assert!(proxy_error("command = [\"/bin/sh\", \"a\\u0000b\"]").contains("NUL"));
+}
+
+#[test]
+fn working_dir_must_be_absolute() {
+    assert!(
+        proxy_error("working_dir = \"srv\"")
+            .contains("field `service[0].proxy.working_dir`: working_dir \"srv\" must be an absolute path")
+    );
+}
+
+#[test]
+fn env_names_are_checked_and_tether_variables_reserved() {
+    assert_eq!(
+        proxy_error("env = { TETHER_PROXY_ID = \"x\" }"),
+        "conf.d/web.toml:4:9: field `service[0].proxy.env.TETHER_PROXY_ID`: environment variable TETHER_PROXY_ID is reserved: tether sets the TETHER_* variables itself"
+    );
+    assert!(proxy_error("env = { \"A=B\" = \"x\" }").contains("invalid environment variable name \"A=B\""));
+    assert!(proxy_error("env = { \"1A\" = \"x\" }").contains("invalid environment variable name"));
+    assert!(proxy_error("env = { A = \"x\\u0000\" }").contains("NUL"));
+}
+
+#[test]
+fn user_names_are_checked() {
+    assert!(proxy_error("user = \"\"").contains("field `service[0].proxy.user`: invalid user \"\""));
+    assert!(proxy_error("user = \"a:b\"").contains("invalid user"));
+    assert_eq!(
+        one("[[service]]\nname = \"web\"\n[service.proxy]\nuser = \"65534\"\n").proxy.unwrap().user.as_deref(),
+        Some("65534")
+    );
+}
+
+#[test]
+fn duplicate_ids_in_one_file_name_both_places() {
+    assert_eq!(
+        toml_error("[[service]]\nname = \"web\"\n\n[[service]]\nname = \"api\"\nid = \"web\"\n"),
+        "conf.d/web.toml:4:1: duplicate service id `web`: already defined at conf.d/web.toml:1:1"
+    );
+    assert_eq!(
+        json_error("{\"service\": [{\"name\": \"web\"},\n  {\"name\": \"web\"}]}"),
+        "conf.d/web.json:2:3: duplicate service id `web`: already defined at conf.d/web.json:1:14"
+    );
+}
+
+#[test]
+fn register_bodies_refuse_trailing_data_and_lists() {
+    let err = parse_service("{\"name\": \"web\"} {}", Format::Json, &Origin::Body).unwrap_err().to_string();
+    assert_eq!(err, "request body:1:17: trailing characters");
+    let err = parse_service("[]", Format::Json, &Origin::Body).unwrap_err().to_string();
+    assert!(err.starts_with("request body:1:"), "{err}");
+}
+
+fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let path = dir.join(name);
+    fs::write(&path, text).unwrap();
+    path
+}
+
+#[test]
+fn dirs_load_toml_and_json_in_lexical_order_and_ignore_other_files() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "b.json", r#"{"service": [{"name": "b"}]}"#);
+    write(dir.path(), "a.toml", "[[service]]\nname = \"a\"\n[[service]]\nname = \"c\"\n");
+    write(dir.path(), "notes.txt", "not config");
+    write(dir.path(), "x.toml.bak", "[[oops");
+    let nested = dir.path().join("nested");
+    fs::create_dir(&nested).unwrap();
+    write(&nested, "d.toml", "[[service]]\nname = \"d\"\n");
+    let entries = load_dirs(&[dir.path()]).unwrap();
+    let ids: Vec<&str> = entries.iter().map(|e| e.service.id.as_str()).collect();
+    assert_eq!(ids, ["a", "c", "b"]);
+    assert_eq!(entries[2].file, dir.path().join("b.json"));
+}
+
+#[test]
+fn dirs_report_every_error_and_cross_file_duplicates() {
+    let one_dir = tempfile::tempdir().unwrap();
+    let two_dir = tempfile::tempdir().unwrap();
+    let first = write(one_dir.path(), "a.toml", "[[service]]\nname = \"web\"\n");
+    write(one_dir.path(), "b.toml", "[[service]]\nname = \"db\"\nprot = 1\n");
+    let second = write(two_dir.path(), "c.json", "{\"service\": [\n {\"name\": \"web\"}]}");
+    let errors = load_dirs(&[one_dir.path(), two_dir.path()]).unwrap_err().0;
+    let messages: Vec<String> = errors.iter().map(ToString::to_string).collect();
+    assert_eq!(messages.len(), 2, "{messages:#?}");
+    assert!(messages[0].contains("b.toml:3:1: field `service[0].prot`"), "{}", messages[0]);
+    assert_eq!(
+        messages[1],
+        format!("{}:2:2: duplicate service id `web`: already defined at {}:1:1", second.display(), first.display())
+    );
+}
+
+#[test]
+fn unreadable_inputs_are_clear_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("missing");
+    let err = load_dirs(&[&missing]).unwrap_err().0.remove(0);
+    assert!(matches!(err, ConfigError::Read { .. }), "{err:?}");
+    assert_eq!(err.to_string(), format!("{}: cannot read", missing.display()));
+
+    fs::create_dir(dir.path().join("dir.toml")).unwrap();
+    let binary = dir.path().join("bin.toml");
+    fs::write(&binary, b"[[service]]\nname = \"\xff\"\n").unwrap();
+    let huge = dir.path().join("huge.json");
+    fs::File::create(&huge).unwrap().set_len(MAX_FILE_SIZE + 1).unwrap();
+    let errors: Vec<String> = load_dirs(&[dir.path()]).unwrap_err().0.iter().map(ToString::to_string).collect();
+    assert_eq!(
+        errors,
+        [
+            format!("{}: not valid UTF-8", format_args!("{}:2:9", binary.display())),
+            format!("{}/dir.toml: not a regular file", dir.path().display()),
+            format!("{}: file is larger than {MAX_FILE_SIZE} bytes", huge.display()),
+        ]
+    );
+}
+
+#[test]
+fn symlinked_files_are_followed() {
+    let outside = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let target = write(outside.path(), "real.toml", "[[service]]\nname = \"web\"\n");
+    symlink(&target, dir.path().join("web.toml")).unwrap();
+    assert_eq!(load_dirs(&[dir.path()]).unwrap()[0].service.id.as_str(), "web");
+}
+
+#[test]
+fn control_characters_in_file_names_are_escaped() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "evil\n\x1b[31m.toml", "[[oops");
+    let message = load_dirs(&[dir.path()]).unwrap_err().0[0].to_string();
+    assert!(!message.contains('\n') && !message.contains('\x1b'), "{message:?}");
+    assert!(message.contains("evil\\n\\u{1b}[31m.toml"), "{message:?}");
+}
+
+#[test]
+fn deep_nesting_is_an_error_not_a_crash() {
+    let depth = 100_000;
+    let json = format!(
+        "{{\"service\": [{{\"name\": \"web\", \"proxy\": {{\"config\": {{\"a\": {}{}}}}}}}]}}",
+        "[".repeat(depth),
+        "]".repeat(depth)
+    );
+    assert!(parse_file(&json, Format::Json, &file()).is_err());
+    let toml = format!(
+        "[[service]]\nname = \"web\"\n[service.proxy]\nconfig = {{ a = {}{} }}\n",
+        "[".repeat(depth),
+        "]".repeat(depth)
+    );
+    assert!(parse_file(&toml, Format::Toml, &file()).is_err());
+}
+
+// ---------------------------------------------------------------------------------------
+// Round trips: what is written reads back to the same services.
+
+fn word() -> impl Strategy<Value = String> {
+    "[A-Za-z0-9 ._/:=-]{1,12}"
+}
+
+fn duration() -> impl Strategy<Value = Duration> {
+    prop_oneof![
+        (0u64..100_000).prop_map(Duration::from_millis),
+        (0u64..100_000).prop_map(Duration::from_secs),
+        (0u64..1_000_000_000).prop_map(Duration::from_nanos),
+    ]
+}
+
+fn config_value() -> impl Strategy<Value = serde_json::Value> {
+    // No nulls and no floats: TOML has no null, and float formatting is not the point here.
+    let leaf = prop_oneof![
+        any::<bool>().prop_map(serde_json::Value::from),
+        any::<i64>().prop_map(serde_json::Value::from),
+        word().prop_map(serde_json::Value::from),
+    ];
+    leaf.prop_recursive(3, 16, 4, |inner| {
+        prop_oneof![
+            prop::collection::vec(inner.clone(), 0..4).prop_map(serde_json::Value::from),
+            prop::collection::btree_map("[a-z_]{1,8}", inner, 0..4)
+                .prop_map(|map| serde_json::Value::Object(map.into_iter().collect())),
+        ]
+    })
+}
+
+fn proxy_spec() -> impl Strategy<Value = ProxySpec> {
+    (
+        prop::option::of(prop::collection::vec(word(), 1..4)),
+        prop::option::of("/[a-z]{1,8}(/[a-z]{1,8}){0,2}"),
+        prop::collection::btree_map(
+            "[A-Z_][A-Z0-9_]{0,8}".prop_filter("reserved", |k| !k.starts_with("TETHER_")),
+            word(),
+            0..3,
+        ),
+        any::<bool>(),
+        prop::option::of("[a-z][a-z0-9]{0,7}"),
+        (prop::sample::select(KillSignal::ALL.to_vec()), duration()),
+        (0u32..10, duration(), duration()),
+        (4096u64..(1 << 40), 0u32..=1000),
+        prop::collection::btree_map("[a-z_]{1,8}", config_value(), 0..3),
+    )
+        .prop_map(
+            |(command, working_dir, env, inherit_env, user, (signal, timeout), restart, (max_size, keep), config)| {
+                ProxySpec {
+                    exec_mode: ExecMode::Daemon,
+                    command: command
+                        .and_then(CommandLine::from_words)
+                        .map_or(ProxyCommand::BuiltIn, ProxyCommand::Exec),
+                    working_dir: working_dir.map(PathBuf::from),
+                    env,
+                    inherit_env,
+                    user,
+                    kill: KillPolicy { signal, timeout },
+                    restart: RestartPolicy { free_attempts: restart.0, max_delay: restart.1, healthy_after: restart.2 },
+                    log: LogPolicy { max_size, keep },
+                    config: config.into_iter().collect(),
+                }
+            },
+        )
+}
+
+fn service() -> impl Strategy<Value = Service> {
+    (
+        "[A-Za-z0-9][A-Za-z0-9._-]{0,20}",
+        "[A-Za-z0-9 ._-]{1,20}",
+        prop_oneof![Just("127.0.0.1".to_owned()), "[a-z]{1,10}(\\.[a-z]{1,5}){0,2}", Just("::1".to_owned())],
+        prop::option::of(any::<u16>()),
+        prop::collection::vec(word(), 0..3),
+        prop::collection::btree_map("[a-z]{1,6}", word(), 0..3),
+        prop::option::of(proxy_spec()),
+    )
+        .prop_map(|(id, name, address, port, tags, meta, proxy)| Service {
+            id: ServiceId::new(id).unwrap(),
+            name: ServiceName::new(name).unwrap(),
+            address,
+            port,
+            tags,
+            meta,
+            proxy,
+        })
+}
+
+fn distinct_services() -> impl Strategy<Value = Vec<Service>> {
+    prop::collection::vec(service(), 0..4).prop_map(|services| {
+        let mut seen = std::collections::HashSet::new();
+        services.into_iter().filter(|s| seen.insert(s.id.clone())).collect()
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    #[test]
+    fn toml_files_round_trip(services in distinct_services()) {
+        let text = to_file_text(&services, Format::Toml).unwrap();
+        let parsed = parse_file(&text, Format::Toml, &file()).map_err(|e| TestCaseError::fail(format!("{e}\n{text}")))?;
+        prop_assert_eq!(parsed, services);
+    }
+
+    #[test]
+    fn json_files_round_trip(services in distinct_services()) {
+        let text = to_file_text(&services, Format::Json).unwrap();
+        let parsed = parse_file(&text, Format::Json, &file()).map_err(|e| TestCaseError::fail(format!("{e}\n{text}")))?;
+        prop_assert_eq!(parsed, services);
+    }
+
+    #[test]
+    fn register_bodies_round_trip(service in service()) {
+        let text = to_service_text(&service, Format::Json).unwrap();
+        let parsed = parse_service(&text, Format::Json, &Origin::Body).map_err(|e| TestCaseError::fail(format!("{e}\n{text}")))?;
+        prop_assert_eq!(parsed, service);
+    }
+
+    #[test]
+    fn arbitrary_text_never_panics(text in any::<String>()) {
+        let _ = parse_file(&text, Format::Toml, &file());
+        let _ = parse_file(&text, Format::Json, &file());
+        let _ = parse_service(&text, Format::Json, &Origin::Body);
+    }
+}

@@ -1,0 +1,76 @@
+//! Domain types, validation, the catalog and its change notifications for tether, the
+//! node-local agent that keeps managed proxy processes in step with a catalog of services.
+//!
+//! - [`ServiceId`] and [`ProxyId`]: validated ids, safe to use as file names.
+//! - [`Service`], [`ProxySpec`] and [`ManagedProxy`]: what a service and its managed proxy
+//!   are, with SPEC's defaults, and [`ManagedProxy::change_to`]: whether a change needs a
+//!   restart or applies in place.
+//! - [`config`]: the TOML/JSON schema, with errors that name file, line and field.
+//! - [`LocalState`] and the [`Catalog`] trait: the desired set, with revisions, and
+//!   [`Subscription`]s that never miss a change and fold bursts into one wake-up.
+//! - [`persist`]: the data dir's layout, atomic writes, API registrations and tokens.
+//!
+//! The crate spawns no tasks and installs nothing global; only [`persist`] and
+//! [`config::load_dirs`] touch the file system.
+//!
+//! # Example
+//!
+//! A downstream program builds a catalog from config text and waits for a change:
+//!
+//! ```
+//! use tether_state::config::{parse_file, Format, Origin};
+//! use tether_state::{Catalog, LocalState, Source, SourceKind};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! let text = r#"
+//! [[service]]
+//! name = "web"
+//! port = 8080
+//! [service.proxy]
+//! command = ["/usr/bin/envoy", "-c", "/etc/envoy/web.yaml"]
+//! "#;
+//! let services = parse_file(text, Format::Toml, &Origin::Body).unwrap();
+//! let state = LocalState::new();
+//! let entries = services.into_iter().map(|s| (s, Source::Config { file: "web.toml".into() })).collect();
+//! state.replace_source(&SourceKind::Config, entries).unwrap();
+//!
+//! let mut subscription = state.subscribe();
+//! let seen = state.changes_since(None);
+//! assert_eq!(seen.upserted.len(), 1);
+//!
+//! // Another task registers a service; the subscriber wakes up and reads only the change.
+//! let writer = state.clone();
+//! tokio::spawn(async move {
+//!     let api = parse_file("[[service]]\nname = \"db\"\n[service.proxy]\n", Format::Toml, &Origin::Body).unwrap();
+//!     writer.upsert(api.into_iter().next().unwrap(), Source::Api).unwrap();
+//! });
+//! let revision = subscription.changed().await.unwrap();
+//! let changes = state.changes_since(Some(seen.revision));
+//! assert_eq!(changes.revision, revision);
+//! assert_eq!(changes.upserted[0].proxy.id().as_str(), "db-proxy");
+//! # }
+//! ```
+
+#![forbid(unsafe_code)]
+#![warn(missing_docs, unreachable_pub)]
+
+mod catalog;
+pub mod config;
+mod id;
+pub mod persist;
+mod service;
+mod token;
+
+#[cfg(any(test, feature = "mock"))]
+pub use catalog::MockCatalog;
+pub use catalog::{
+    Catalog, CatalogError, ChangeNotifier, Changes, DesiredProxy, Entry, LocalState, ReplaceReport, Revision, Source,
+    SourceKind, Subscription,
+};
+pub use id::{IdError, MAX_SERVICE_ID_LEN, PROXY_SUFFIX, ProxyId, SERVICE_ID_RULE, ServiceId};
+pub use service::{
+    CommandLine, ExecMode, KillPolicy, KillSignal, LogPolicy, ManagedProxy, NameError, ProxyChange, ProxyCommand,
+    ProxyConfigMap, ProxySpec, RestartPolicy, Service, ServiceName,
+};
+pub use token::{ProxyToken, TokenError, TokenFingerprint};

@@ -1,0 +1,73 @@
+//! `cargo xtask deps`: the crate graph against the allow-list.
+//!
+//! It reads `cargo metadata --no-deps` and nothing else.
+
+use std::path::Path;
+use std::process::Command;
+
+/// Allowed edges between workspace crates, for every kind of dependency (normal, dev,
+/// build). Editing this list is an architecture change: update ARCHITECTURE.md in the same
+/// pull request.
+const ALLOWED_DEPS: &[(&str, &[&str])] = &[
+    ("tether-state", &[]),
+    ("tether-manager", &["tether-state"]),
+    ("tether-proxy-daemon", &["tether-state", "tether-manager"]),
+    ("tether-agent", &["tether-state", "tether-manager", "tether-proxy-daemon"]),
+    ("xtask", &[]),
+];
+
+/// Every edge that is not allowed, and every member missing from the list.
+pub(crate) fn check(cargo: &str, root: &Path) -> Result<Vec<String>, String> {
+    let output = Command::new(cargo)
+        .args(["metadata", "--no-deps", "--format-version", "1"])
+        .current_dir(root)
+        .output()
+        .map_err(|err| format!("cannot run cargo metadata: {err}"))?;
+    if !output.status.success() {
+        return Err(format!("cargo metadata failed: {}", String::from_utf8_lossy(&output.stderr)));
+    }
+    let metadata: serde_json::Value =
+        serde_json::from_slice(&output.stdout).map_err(|err| format!("cargo metadata printed invalid JSON: {err}"))?;
+    let packages = metadata["packages"].as_array().ok_or("cargo metadata has no packages")?;
+    let members: Vec<&str> = packages.iter().filter_map(|p| p["name"].as_str()).collect();
+    let mut problems = Vec::new();
+    for package in packages {
+        let name = package["name"].as_str().unwrap_or("?");
+        let Some((_, allowed)) = ALLOWED_DEPS.iter().find(|(member, _)| *member == name) else {
+            problems.push(format!("{name}: workspace member missing from the allow-list in xtask/src/deps.rs"));
+            continue;
+        };
+        for dependency in package["dependencies"].as_array().into_iter().flatten() {
+            let Some(target) = dependency["name"].as_str() else { continue };
+            if members.contains(&target) && !allowed.contains(&target) {
+                let kind = dependency["kind"].as_str().unwrap_or("normal");
+                problems.push(format!("{name} -> {target} ({kind}): not an allowed edge; see ARCHITECTURE.md"));
+            }
+        }
+    }
+    Ok(problems)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_crate_graph_follows_the_allow_list() {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+        let problems = check(&cargo, root).unwrap();
+        assert!(problems.is_empty(), "{}", problems.join("\n"));
+    }
+
+    #[test]
+    fn the_allow_list_points_only_downwards() {
+        // Each crate may depend only on crates listed before it: the graph has no cycle.
+        for (index, (name, allowed)) in ALLOWED_DEPS.iter().enumerate() {
+            for target in *allowed {
+                let position = ALLOWED_DEPS.iter().position(|(member, _)| member == target);
+                assert!(position.is_some_and(|p| p < index), "{name} -> {target}");
+            }
+        }
+    }
+}

@@ -1,0 +1,123 @@
+//! `cargo xtask`: the project's automation, in Rust, needing nothing beyond `cargo`.
+//!
+//! It stays small and synchronous: it runs `cargo` (through `$CARGO`) and reads files,
+//! and never builds or links project code itself.
+
+#![allow(clippy::print_stdout, clippy::print_stderr)]
+
+mod deps;
+mod tidy;
+
+use std::env;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+
+const TASKS: &str = "\
+usage: cargo xtask <task>
+
+tasks:
+  ci      everything CI runs: fmt --check, clippy -D warnings, tests (nextest), doctests, docs, tidy, deps
+  test    the test suite only (nextest, then doctests)
+  tidy    module docs present, no #[should_panic], no bare #[ignore], no process spawning outside proxy-daemon
+  deps    the crate graph against the allow-list
+  bench   every crate's benchmarks, in release mode
+";
+
+fn main() -> ExitCode {
+    let task = env::args().nth(1);
+    let result = match task.as_deref() {
+        Some("ci") => ci(),
+        Some("test") => test(),
+        Some("tidy") => report(tidy::check(&workspace_root())),
+        Some("deps") => report(deps::check(&cargo(), &workspace_root())),
+        Some("bench") => bench(),
+        None | Some("help" | "-h" | "--help") => {
+            print!("{TASKS}");
+            return ExitCode::SUCCESS;
+        }
+        Some(other) => Err(format!("unknown task `{other}`\n\n{TASKS}")),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("xtask: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn cargo() -> String {
+    env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned())
+}
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."))
+}
+
+fn report(problems: Result<Vec<String>, String>) -> Result<(), String> {
+    let problems = problems?;
+    if problems.is_empty() {
+        return Ok(());
+    }
+    for problem in &problems {
+        eprintln!("  {problem}");
+    }
+    Err(format!("{} problem(s)", problems.len()))
+}
+
+fn run(step: &str, args: &[&str]) -> Result<(), String> {
+    eprintln!("xtask: {step}: cargo {}", args.join(" "));
+    let status = Command::new(cargo())
+        .args(args)
+        .current_dir(workspace_root())
+        .status()
+        .map_err(|err| format!("{step}: cannot run cargo: {err}"))?;
+    if status.success() { Ok(()) } else { Err(format!("{step} failed ({status})")) }
+}
+
+fn has_nextest() -> bool {
+    Command::new(cargo())
+        .args(["nextest", "--version"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|status| status.success())
+}
+
+fn test() -> Result<(), String> {
+    if has_nextest() {
+        let profile = if env::var_os("CI").is_some() { "ci" } else { "default" };
+        run("tests", &["nextest", "run", "--workspace", "--all-targets", "--profile", profile])?;
+    } else {
+        eprintln!("xtask: cargo-nextest is not installed; running the tests with `cargo test` instead");
+        run("tests", &["test", "--workspace", "--all-targets"])?;
+    }
+    run("doctests", &["test", "--workspace", "--doc"])
+}
+
+fn ci() -> Result<(), String> {
+    run("fmt", &["fmt", "--all", "--check"])?;
+    run("clippy", &["clippy", "--workspace", "--all-targets", "--all-features", "--", "-D", "warnings"])?;
+    report(tidy::check(&workspace_root()))?;
+    report(deps::check(&cargo(), &workspace_root()))?;
+    test()?;
+    // Warnings denied: a broken intra-doc link fails CI like a compiler warning does.
+    run_with_env("docs", &["doc", "--workspace", "--no-deps"], &[("RUSTDOCFLAGS", "-D warnings")])?;
+    eprintln!("xtask: ci passed");
+    Ok(())
+}
+
+fn run_with_env(step: &str, args: &[&str], vars: &[(&str, &str)]) -> Result<(), String> {
+    eprintln!("xtask: {step}: cargo {}", args.join(" "));
+    let status = Command::new(cargo())
+        .args(args)
+        .envs(vars.iter().copied())
+        .current_dir(workspace_root())
+        .status()
+        .map_err(|err| format!("{step}: cannot run cargo: {err}"))?;
+    if status.success() { Ok(()) } else { Err(format!("{step} failed ({status})")) }
+}
+
+fn bench() -> Result<(), String> {
+    run("bench", &["bench", "--workspace", "--benches"])
+}
