@@ -87,10 +87,10 @@ fn has_nextest() -> bool {
 fn test() -> Result<(), String> {
     if has_nextest() {
         let profile = if env::var_os("CI").is_some() { "ci" } else { "default" };
-        run("tests", &["nextest", "run", "--workspace", "--all-targets", "--profile", profile])?;
+        run("tests", &["nextest", "run", "--workspace", "--lib", "--bins", "--tests", "--profile", profile])?;
     } else {
         eprintln!("xtask: cargo-nextest is not installed; running the tests with `cargo test` instead");
-        run("tests", &["test", "--workspace", "--all-targets"])?;
+        run("tests", &["test", "--workspace", "--lib", "--bins", "--tests"])?;
     }
     run("doctests", &["test", "--workspace", "--doc"])
 }
