@@ -1,7 +1,124 @@
 //! The reconcile engine of tether.
 //!
 //! It keeps the proxies that run equal to the proxies the catalog asks for, through traits,
-//! and never touches an operating-system process itself.
+//! and never touches an operating-system process itself: it owns the decisions (start,
+//! stop, restart on change, in place, blocked, failed), the coalescing of catalog changes,
+//! the snapshot of what runs, and the two shutdowns. It must never depend on `nix`,
+//! `tokio::process` or `tether-proxy-daemon`.
+//!
+//! - [`Manager`]: the engine; [`ManagerConfig`]: its windows, bounds and root policy.
+//! - [`ProxyBackend`] and [`ProxyHandle`]: the seam to whatever runs proxies.
+//! - [`SnapshotStore`]: where the snapshot lives ([`FileSnapshotStore`], [`MemorySnapshotStore`]).
+//! - [`ManagerHandle`]: statuses, [`ProxyEvent`]s and [`ReconcileStats`] for the API and metrics.
+//!
+//! # Example
+//!
+//! A downstream agent plugs in its own backend (here one that runs nothing) and runs the
+//! engine until shutdown:
+//!
+//! ```
+//! use std::sync::Arc;
+//!
+//! use async_trait::async_trait;
+//! use tether_manager::{
+//!     BackendError, Manager, ManagerConfig, MemorySnapshotStore, ProcessStatus, ProxyBackend, ProxyHandle, ProxyState,
+//! };
+//! use tether_state::{LocalState, ManagedProxy, ProxyId, ProxySpec, Service, ServiceId, ServiceName, Source};
+//! use tokio::sync::watch;
+//! use tokio_util::sync::CancellationToken;
+//!
+//! /// A "process" that is only a status.
+//! struct Pretend(watch::Sender<ProcessStatus>);
+//!
+//! #[async_trait]
+//! impl ProxyHandle for Pretend {
+//!     async fn start(&self) -> Result<(), BackendError> {
+//!         self.0.send_modify(|s| s.state = ProxyState::Running);
+//!         Ok(())
+//!     }
+//!     async fn stop(&self) -> Result<(), BackendError> { Ok(()) }
+//!     async fn detach(&self) {}
+//!     async fn update(&self, _proxy: Arc<ManagedProxy>) -> Result<(), BackendError> { Ok(()) }
+//!     fn status(&self) -> watch::Receiver<ProcessStatus> { self.0.subscribe() }
+//!     fn record(&self) -> serde_json::Value { serde_json::json!({ "pretend": true }) }
+//! }
+//!
+//! struct PretendBackend;
+//!
+//! #[async_trait]
+//! impl ProxyBackend for PretendBackend {
+//!     fn create(&self, _proxy: Arc<ManagedProxy>) -> Box<dyn ProxyHandle> {
+//!         Box::new(Pretend(watch::Sender::new(ProcessStatus::default())))
+//!     }
+//!     async fn restore(
+//!         &self,
+//!         _id: ProxyId,
+//!         _record: serde_json::Value,
+//!         _desired: Option<Arc<ManagedProxy>>,
+//!     ) -> Option<Box<dyn ProxyHandle>> {
+//!         None // nothing survives an agent restart here, so nothing is adopted
+//!     }
+//!     async fn adoption_candidates(&self) -> Vec<(ProxyId, serde_json::Value)> { Vec::new() }
+//! }
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! let catalog = LocalState::new();
+//! let web = Service::new(ServiceId::new("web").unwrap(), ServiceName::new("web").unwrap()).with_proxy(ProxySpec::default());
+//! catalog.upsert(web, Source::Api).unwrap();
+//!
+//! let store = Arc::new(MemorySnapshotStore::new());
+//! let mut manager = Manager::new(Arc::new(catalog), Arc::new(PretendBackend), store.clone(), ManagerConfig::default());
+//! let view = manager.handle();
+//! let mut events = view.subscribe();
+//! let shutdown = CancellationToken::new();
+//!
+//! // Run until the proxy is up, then shut down without stopping it.
+//! let stop = shutdown.clone();
+//! let watch_events = async move {
+//!     while let Ok(_event) = events.recv().await {
+//!         if view.status().iter().all(|s| s.state == ProxyState::Running) {
+//!             stop.cancel();
+//!         }
+//!     }
+//! };
+//! tokio::join!(manager.run(shutdown.clone()), async {
+//!     tokio::select! { () = watch_events => {}, () = shutdown.cancelled() => {} }
+//! });
+//! manager.close().await.unwrap();
+//! assert_eq!(store.snapshot().unwrap().proxies[0].id.as_str(), "web-proxy");
+//! # }
+//! ```
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
+
+mod backend;
+mod manager;
+mod plan;
+mod snapshot;
+mod status;
+
+pub use backend::{BackendError, BoxError, LastExit, ProcessStatus, ProxyBackend, ProxyHandle, ProxyState};
+#[cfg(any(test, feature = "mock"))]
+pub use backend::{MockProxyBackend, MockProxyHandle};
+pub use manager::{Manager, ManagerConfig, ShutdownError};
+#[cfg(any(test, feature = "mock"))]
+pub use snapshot::MockSnapshotStore;
+pub use snapshot::{
+    BoxedCause, FileSnapshotStore, MemorySnapshotStore, ProxyRecord, SNAPSHOT_VERSION, Snapshot, SnapshotError,
+    SnapshotStore, UnknownVersion,
+};
+pub use status::{ManagerHandle, ProxyEvent, ProxyStatus, ReconcileStats};
+
+/// An error and its sources on one line, `outer: inner: innermost`, for statuses and logs.
+pub(crate) fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}

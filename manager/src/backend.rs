@@ -1,0 +1,220 @@
+//! The seam through which the engine drives whatever runs proxies: [`ProxyBackend`] builds
+//! and restores [`ProxyHandle`]s, and a handle starts, stops, detaches and observes one
+//! proxy.
+//!
+//! This module owns the vocabulary of that seam (states, exit reports, [`BackendError`]).
+//! It must never know how a proxy runs: no process ids are signalled here, no `nix`, no
+//! `tokio::process`. Restarting a proxy that exited is the backend's job; the engine only
+//! decides what should run.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+use tether_state::{ManagedProxy, ProxyId};
+use tokio::sync::watch;
+
+/// A boxed error from a backend's own layer, kept as the `source` of a [`BackendError`].
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// The state of a proxy, as SPEC names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+#[non_exhaustive]
+pub enum ProxyState {
+    /// Wanted, not started yet.
+    #[default]
+    Pending,
+    /// Being started.
+    Starting,
+    /// Running.
+    Running,
+    /// Exited, waiting to be restarted by the backend.
+    Backoff,
+    /// Being stopped.
+    Stopping,
+    /// Refused by policy (running as root); the error says why.
+    Blocked,
+    /// Cannot be started or stopped; the error says why, and the next change retries it.
+    Failed,
+}
+
+impl ProxyState {
+    /// The state's name, as SPEC and the API spell it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pending => "pending",
+            Self::Starting => "starting",
+            Self::Running => "running",
+            Self::Backoff => "backoff",
+            Self::Stopping => "stopping",
+            Self::Blocked => "blocked",
+            Self::Failed => "failed",
+        }
+    }
+}
+
+impl fmt::Display for ProxyState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// How a proxy's process last ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LastExit {
+    /// It exited with this code.
+    Code(i32),
+    /// It was killed by this signal.
+    Signal(i32),
+}
+
+/// What a backend observes of one proxy's process.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ProcessStatus {
+    /// One of `starting`, `running`, `backoff`, `stopping` or `failed`.
+    pub state: ProxyState,
+    /// The process id, while there is a process.
+    pub pid: Option<u32>,
+    /// How many times the backend restarted the process after an exit.
+    pub restarts: u32,
+    /// When the current process started.
+    pub started_at: Option<SystemTime>,
+    /// How the previous process ended.
+    pub last_exit: Option<LastExit>,
+    /// Why the backend gave up or is backing off, for display.
+    pub error: Option<String>,
+}
+
+/// An operation on a proxy that the backend could not carry out.
+///
+/// A proxy that exits non-zero is not an error: it shows up in [`ProcessStatus`].
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum BackendError {
+    /// The proxy could not be started.
+    #[error("cannot start proxy {id}")]
+    Start {
+        /// The proxy.
+        id: ProxyId,
+        /// Why.
+        #[source]
+        source: BoxError,
+    },
+    /// The proxy could not be stopped; it may still run.
+    #[error("cannot stop proxy {id}")]
+    Stop {
+        /// The proxy.
+        id: ProxyId,
+        /// Why.
+        #[source]
+        source: BoxError,
+    },
+    /// A change could not be applied to the running proxy.
+    #[error("cannot apply a change to proxy {id} in place")]
+    Update {
+        /// The proxy.
+        id: ProxyId,
+        /// Why.
+        #[source]
+        source: BoxError,
+    },
+}
+
+impl BackendError {
+    /// The proxy the operation was for.
+    pub fn id(&self) -> &ProxyId {
+        match self {
+            Self::Start { id, .. } | Self::Stop { id, .. } | Self::Update { id, .. } => id,
+        }
+    }
+}
+
+/// One proxy as the backend runs it. The engine never runs two operations on one handle at
+/// once, and holds it as `Arc<dyn ProxyHandle>`.
+///
+/// Dropping a handle must leave its process running, like [`ProxyHandle::detach`]: the
+/// engine drops handles when it is dropped without a shutdown, and a crash of the agent
+/// must not become a restart of every proxy.
+#[cfg_attr(any(test, feature = "mock"), mockall::automock)]
+#[async_trait]
+pub trait ProxyHandle: Send + Sync {
+    /// Starts the proxy. Returns once the process exists, not once it is ready; from then
+    /// on the backend restarts it when it exits, with its backoff.
+    ///
+    /// # Errors
+    ///
+    /// [`BackendError::Start`] when nothing runs (bad command, unknown user, …).
+    async fn start(&self) -> Result<(), BackendError>;
+
+    /// Stops the proxy gracefully (its kill signal, then SIGKILL after its kill timeout) and
+    /// returns once nothing of it runs.
+    ///
+    /// # Errors
+    ///
+    /// [`BackendError::Stop`] when the proxy may still run.
+    async fn stop(&self) -> Result<(), BackendError>;
+
+    /// Stops supervising the proxy and leaves its process running, for the next agent.
+    async fn detach(&self);
+
+    /// Applies a change that needs no restart (`config`, policies, service address, …).
+    ///
+    /// # Errors
+    ///
+    /// [`BackendError::Update`]; the proxy then runs as before.
+    async fn update(&self, proxy: Arc<ManagedProxy>) -> Result<(), BackendError>;
+
+    /// The proxy's status, which changes whenever the backend observes something.
+    fn status(&self) -> watch::Receiver<ProcessStatus>;
+
+    /// The backend's record of this proxy for the snapshot: whatever it needs to prove,
+    /// after an agent restart, that a process is this one (pid, start time, boot id, …).
+    /// Never a secret.
+    fn record(&self) -> serde_json::Value;
+}
+
+/// Builds [`ProxyHandle`]s: the engine's only way to make something run.
+///
+/// `tether-proxy-daemon` provides the production implementation; tests use
+/// `MockProxyBackend` (enable the `mock` feature outside this crate) or a fake.
+#[cfg_attr(any(test, feature = "mock"), mockall::automock)]
+#[async_trait]
+pub trait ProxyBackend: Send + Sync {
+    /// A handle for `proxy`, not started yet.
+    fn create(&self, proxy: Arc<ManagedProxy>) -> Box<dyn ProxyHandle>;
+
+    /// Takes over the proxy described by `record` (what [`ProxyHandle::record`] returned
+    /// before an agent restart, or an adoption candidate), leaving its process running.
+    ///
+    /// `desired` is the catalog's proxy of that id, if it still wants one: the spec a
+    /// backend restarts the process from should it exit, and what proves an adoption
+    /// candidate (its token). Whether the process must be restarted or stopped because it
+    /// differs from `desired` is the engine's decision, taken after the restore.
+    ///
+    /// Returns `None` unless the backend can prove that a live process is that proxy's
+    /// (a pid alone proves nothing); the engine then forgets the record.
+    ///
+    /// # Cancel safety
+    ///
+    /// Must be cancel safe: a dropped call takes over nothing, and the engine asks again.
+    async fn restore(
+        &self,
+        id: ProxyId,
+        record: serde_json::Value,
+        desired: Option<Arc<ManagedProxy>>,
+    ) -> Option<Box<dyn ProxyHandle>>;
+
+    /// Proxies that may still run from an earlier agent, found without a snapshot (for
+    /// example from pid files), as records for [`ProxyBackend::restore`]. Asked only when
+    /// there is no usable snapshot.
+    ///
+    /// Restoring a candidate with a `desired` proxy must prove that the process runs that
+    /// proxy (its token, command and environment), not merely that it is alive: the engine
+    /// then keeps it as started from `desired`. A candidate restored without `desired` is
+    /// stopped.
+    async fn adoption_candidates(&self) -> Vec<(ProxyId, serde_json::Value)>;
+}

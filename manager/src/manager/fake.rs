@@ -1,0 +1,226 @@
+//! A hand-written backend for the engine's tests: it records every call with its (paused)
+//! time, tracks what "runs", and checks that no proxy ever sees two operations at once.
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tether_state::{ManagedProxy, ProxyId};
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use crate::backend::{BackendError, ProcessStatus, ProxyBackend, ProxyHandle, ProxyState};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(super) enum Call {
+    Start,
+    Stop,
+    Update,
+    Detach,
+    Restore,
+}
+
+#[derive(Default)]
+pub(super) struct FakeState {
+    pub(super) calls: Vec<(Instant, ProxyId, Call)>,
+    /// What runs, as what it was last given.
+    pub(super) live: BTreeMap<ProxyId, Arc<ManagedProxy>>,
+    /// Every proxy ever started.
+    pub(super) started: HashSet<ProxyId>,
+    busy: HashMap<ProxyId, u32>,
+    pub(super) overlaps: Vec<ProxyId>,
+    pub(super) ran_twice: Vec<ProxyId>,
+    pub(super) fail_starts: HashSet<ProxyId>,
+    pub(super) stop_delay: HashMap<ProxyId, Duration>,
+    /// Scripted outcomes for start/stop/update, consumed in order: (fails, delay in ms).
+    pub(super) script: VecDeque<(bool, u64)>,
+    pub(super) unprovable: HashSet<ProxyId>,
+    pub(super) candidates: Vec<ProxyId>,
+    next_pid: u32,
+}
+
+pub(super) struct Fake {
+    state: Mutex<FakeState>,
+    calls: watch::Sender<usize>,
+}
+
+impl Fake {
+    pub(super) fn new() -> Arc<Self> {
+        Arc::new(Self {
+            state: Mutex::new(FakeState { next_pid: 100, ..FakeState::default() }),
+            calls: watch::Sender::new(0),
+        })
+    }
+
+    pub(super) fn state(&self) -> MutexGuard<'_, FakeState> {
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    pub(super) fn calls_of(&self, call: Call) -> Vec<(Instant, ProxyId)> {
+        self.state().calls.iter().filter(|(_, _, c)| *c == call).map(|(at, id, _)| (*at, id.clone())).collect()
+    }
+
+    pub(super) fn live_ids(&self) -> Vec<String> {
+        self.state().live.keys().map(|id| id.to_string()).collect()
+    }
+
+    /// Waits until `count` calls of kind `call` happened, and returns them.
+    pub(super) async fn wait_calls(&self, call: Call, count: usize) -> Vec<(Instant, ProxyId)> {
+        let mut calls = self.calls.subscribe();
+        let waited = tokio::time::timeout(Duration::from_secs(600), async {
+            loop {
+                if self.calls_of(call).len() >= count {
+                    return;
+                }
+                if calls.changed().await.is_err() {
+                    return;
+                }
+            }
+        })
+        .await;
+        let seen = self.calls_of(call);
+        assert!(waited.is_ok(), "timed out waiting for {count} {call:?} calls, saw {seen:?}");
+        seen
+    }
+
+    fn record(&self, id: &ProxyId, call: Call) {
+        self.state().calls.push((Instant::now(), id.clone(), call));
+        self.calls.send_modify(|n| *n += 1);
+    }
+
+    fn enter(&self, id: &ProxyId) -> (bool, Duration) {
+        let mut state = self.state();
+        let busy = state.busy.entry(id.clone()).or_default();
+        *busy += 1;
+        if *busy > 1 {
+            state.overlaps.push(id.clone());
+        }
+        let (fails, delay) = state.script.pop_front().unwrap_or((false, 0));
+        (fails, Duration::from_millis(delay))
+    }
+
+    fn leave(&self, id: &ProxyId) {
+        if let Some(busy) = self.state().busy.get_mut(id) {
+            *busy -= 1;
+        }
+    }
+
+    fn handle(self: &Arc<Self>, id: ProxyId, proxy: Option<Arc<ManagedProxy>>, pid: Option<u32>) -> FakeHandle {
+        let status = ProcessStatus {
+            state: if pid.is_some() { ProxyState::Running } else { ProxyState::Pending },
+            pid,
+            ..ProcessStatus::default()
+        };
+        FakeHandle { fake: self.clone(), id, proxy: Mutex::new(proxy), status: watch::Sender::new(status) }
+    }
+}
+
+pub(super) struct FakeHandle {
+    fake: Arc<Fake>,
+    id: ProxyId,
+    proxy: Mutex<Option<Arc<ManagedProxy>>>,
+    pub(super) status: watch::Sender<ProcessStatus>,
+}
+
+fn failure(what: &str) -> crate::BoxError {
+    format!("the fake refuses to {what}").into()
+}
+
+#[async_trait]
+impl ProxyHandle for FakeHandle {
+    async fn start(&self) -> Result<(), BackendError> {
+        let (mut fails, delay) = self.fake.enter(&self.id);
+        self.fake.record(&self.id, Call::Start);
+        tokio::time::sleep(delay).await;
+        fails |= self.fake.state().fail_starts.contains(&self.id);
+        let result = if fails {
+            Err(BackendError::Start { id: self.id.clone(), source: failure("start") })
+        } else {
+            let proxy = self.proxy.lock().unwrap().clone().expect("a created handle has its proxy");
+            let mut state = self.fake.state();
+            if state.live.insert(self.id.clone(), proxy).is_some() {
+                state.ran_twice.push(self.id.clone());
+            }
+            state.started.insert(self.id.clone());
+            state.next_pid += 1;
+            let pid = state.next_pid;
+            drop(state);
+            self.status.send_modify(|s| {
+                s.state = ProxyState::Running;
+                s.pid = Some(pid);
+            });
+            Ok(())
+        };
+        self.fake.leave(&self.id);
+        result
+    }
+
+    async fn stop(&self) -> Result<(), BackendError> {
+        let (fails, delay) = self.fake.enter(&self.id);
+        self.fake.record(&self.id, Call::Stop);
+        let delay = delay.max(self.fake.state().stop_delay.get(&self.id).copied().unwrap_or_default());
+        tokio::time::sleep(delay).await;
+        let result = if fails {
+            Err(BackendError::Stop { id: self.id.clone(), source: failure("stop") })
+        } else {
+            self.fake.state().live.remove(&self.id);
+            Ok(())
+        };
+        self.fake.leave(&self.id);
+        result
+    }
+
+    async fn detach(&self) {
+        self.fake.record(&self.id, Call::Detach);
+    }
+
+    async fn update(&self, proxy: Arc<ManagedProxy>) -> Result<(), BackendError> {
+        let (fails, delay) = self.fake.enter(&self.id);
+        self.fake.record(&self.id, Call::Update);
+        tokio::time::sleep(delay).await;
+        let result = if fails {
+            Err(BackendError::Update { id: self.id.clone(), source: failure("update") })
+        } else {
+            self.fake.state().live.insert(self.id.clone(), proxy.clone());
+            *self.proxy.lock().unwrap() = Some(proxy);
+            Ok(())
+        };
+        self.fake.leave(&self.id);
+        result
+    }
+
+    fn status(&self) -> watch::Receiver<ProcessStatus> {
+        self.status.subscribe()
+    }
+
+    fn record(&self) -> serde_json::Value {
+        serde_json::json!({ "proof": self.id.as_str(), "pid": self.status.borrow().pid })
+    }
+}
+
+#[async_trait]
+impl ProxyBackend for Arc<Fake> {
+    fn create(&self, proxy: Arc<ManagedProxy>) -> Box<dyn ProxyHandle> {
+        Box::new(self.handle(proxy.id().clone(), Some(proxy), None))
+    }
+
+    async fn restore(
+        &self,
+        id: ProxyId,
+        record: serde_json::Value,
+        _desired: Option<Arc<ManagedProxy>>,
+    ) -> Option<Box<dyn ProxyHandle>> {
+        self.record(&id, Call::Restore);
+        let state = self.state();
+        let proven = record["proof"] == id.as_str() && state.live.contains_key(&id) && !state.unprovable.contains(&id);
+        let pid = record["pid"].as_u64().and_then(|pid| u32::try_from(pid).ok());
+        drop(state);
+        proven.then(|| Box::new(self.handle(id, None, pid)) as Box<dyn ProxyHandle>)
+    }
+
+    async fn adoption_candidates(&self) -> Vec<(ProxyId, serde_json::Value)> {
+        let ids = self.state().candidates.clone();
+        ids.into_iter().map(|id| (id.clone(), serde_json::json!({ "proof": id.as_str(), "pid": 1 }))).collect()
+    }
+}

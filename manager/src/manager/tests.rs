@@ -1,0 +1,743 @@
+//! Tests of the engine: a fake backend and mocks under a paused clock, driving real catalogs.
+
+use std::time::Duration;
+
+use tether_state::{LocalState, ProxySpec, Service, ServiceId, ServiceName, Source};
+use tokio::task::JoinHandle;
+
+use super::fake::{Call, Fake};
+use super::*;
+use crate::snapshot::MemorySnapshotStore;
+use crate::{MockProxyBackend, MockProxyHandle, ProxyEvent};
+
+const LIMIT: Duration = Duration::from_secs(600);
+const QUIESCENT: Duration = Duration::from_millis(500);
+
+fn service(name: &str) -> Service {
+    Service::new(ServiceId::new(name).unwrap(), ServiceName::new(name).unwrap()).with_proxy(ProxySpec::default())
+}
+
+fn with_user(name: &str) -> Service {
+    let mut service = service(name);
+    service.proxy.as_mut().unwrap().user = Some("nobody".into());
+    service
+}
+
+fn pid(name: &str) -> ProxyId {
+    ServiceId::new(name).unwrap().proxy_id()
+}
+
+fn catalog(services: &[Service]) -> LocalState {
+    let state = LocalState::new();
+    for service in services {
+        state.upsert(service.clone(), Source::Api).unwrap();
+    }
+    state
+}
+
+struct Running {
+    state: LocalState,
+    fake: Arc<Fake>,
+    store: Arc<MemorySnapshotStore>,
+    handle: ManagerHandle,
+    shutdown: CancellationToken,
+    task: JoinHandle<Manager>,
+}
+
+fn run_with(state: &LocalState, fake: &Arc<Fake>, store: &Arc<MemorySnapshotStore>, config: ManagerConfig) -> Running {
+    let mut manager = Manager::new(Arc::new(state.clone()), Arc::new(fake.clone()), store.clone(), config);
+    let handle = manager.handle();
+    let shutdown = CancellationToken::new();
+    let token = shutdown.clone();
+    let task = tokio::spawn(async move {
+        manager.run(token).await;
+        manager
+    });
+    Running { state: state.clone(), fake: fake.clone(), store: store.clone(), handle, shutdown, task }
+}
+
+fn run(services: &[Service]) -> Running {
+    run_with(&catalog(services), &Fake::new(), &Arc::new(MemorySnapshotStore::new()), ManagerConfig::default())
+}
+
+impl Running {
+    async fn stop(self) -> Manager {
+        self.shutdown.cancel();
+        tokio::time::timeout(LIMIT, self.task).await.expect("run ends once cancelled").expect("run does not panic")
+    }
+
+    /// Waits until `id` shows `state`.
+    async fn until_state(&self, id: &ProxyId, state: ProxyState) -> ProxyStatus {
+        let mut events = self.handle.subscribe();
+        let result = tokio::time::timeout(LIMIT, async {
+            loop {
+                if let Some(status) = self.handle.proxy(id).filter(|s| s.state == state) {
+                    return status;
+                }
+                let _ = events.recv().await;
+            }
+        })
+        .await;
+        result.unwrap_or_else(|_| panic!("{id} never became {state}: {:?}", self.handle.proxy(id)))
+    }
+
+    async fn until_gone(&self, id: &ProxyId) {
+        let mut events = self.handle.subscribe();
+        let gone = tokio::time::timeout(LIMIT, async {
+            while self.handle.proxy(id).is_some() {
+                let _ = events.recv().await;
+            }
+        })
+        .await;
+        assert!(gone.is_ok(), "{id} never left the list: {:?}", self.handle.proxy(id));
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn initial_sync_starts_every_wanted_proxy_at_once() {
+    let t0 = Instant::now();
+    let running = run(&[service("web"), service("db")]);
+    let starts = running.fake.wait_calls(Call::Start, 2).await;
+    assert!(starts.iter().all(|(at, _)| *at == t0), "the first sync is not coalesced: {starts:?}");
+    running.until_state(&pid("web"), ProxyState::Running).await;
+    let db = running.until_state(&pid("db"), ProxyState::Running).await;
+    assert_eq!(db.service.as_str(), "db");
+    assert!(db.pid.is_some());
+    assert_eq!(running.fake.live_ids(), ["db-proxy", "web-proxy"]);
+    assert_eq!(running.handle.stats().passes, 1);
+    running.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn added_service_starts_after_the_quiescent_window_to_the_millisecond() {
+    let running = run(&[]);
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let t0 = Instant::now();
+    running.state.upsert(service("web"), Source::Api).unwrap();
+    let starts = running.fake.wait_calls(Call::Start, 1).await;
+    assert_eq!(starts[0].0 - t0, QUIESCENT);
+    running.until_state(&pid("web"), ProxyState::Running).await;
+    running.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_further_change_restarts_the_quiescent_window() {
+    let running = run(&[]);
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    running.state.upsert(service("web"), Source::Api).unwrap();
+    tokio::time::sleep(Duration::from_millis(499)).await;
+    let t1 = Instant::now();
+    running.state.upsert(service("db"), Source::Api).unwrap();
+    let starts = running.fake.wait_calls(Call::Start, 2).await;
+    assert!(starts.iter().all(|(at, _)| *at - t1 == QUIESCENT), "{starts:?} vs {t1:?}");
+    assert_eq!(running.handle.stats().passes, 2, "both changes fold into one pass");
+    running.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stream_of_changes_is_synced_at_most_max_delay_after_the_first() {
+    let running = run(&[]);
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let t0 = Instant::now();
+    // A change every 400ms never leaves 500ms of quiet.
+    for port in 0..20u16 {
+        let mut web = service("web");
+        web.port = Some(port);
+        running.state.upsert(web, Source::Api).unwrap();
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        if !running.fake.calls_of(Call::Start).is_empty() {
+            break;
+        }
+    }
+    let starts = running.fake.wait_calls(Call::Start, 1).await;
+    assert_eq!(starts[0].0 - t0, Duration::from_secs(5));
+    running.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn coalescing_windows_are_configurable() {
+    let config = ManagerConfig { sync_quiescent: Duration::from_millis(20), ..ManagerConfig::default() };
+    let running = run_with(&catalog(&[]), &Fake::new(), &Arc::new(MemorySnapshotStore::new()), config);
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let t0 = Instant::now();
+    running.state.upsert(service("web"), Source::Api).unwrap();
+    let starts = running.fake.wait_calls(Call::Start, 1).await;
+    assert_eq!(starts[0].0 - t0, Duration::from_millis(20));
+    running.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn removed_service_is_stopped_and_leaves_the_list() {
+    let running = run(&[service("web"), service("db")]);
+    running.until_state(&pid("web"), ProxyState::Running).await;
+    let mut events = running.handle.subscribe();
+    running.state.remove(&ServiceId::new("web").unwrap(), &tether_state::SourceKind::Api).unwrap();
+    running.until_gone(&pid("web")).await;
+    assert_eq!(running.fake.calls_of(Call::Stop).len(), 1);
+    assert_eq!(running.fake.live_ids(), ["db-proxy"]);
+    let mut seen = Vec::new();
+    while let Ok(event) = events.try_recv() {
+        seen.push(event);
+    }
+    assert!(seen.iter().any(|e| matches!(e, ProxyEvent::Changed(s) if s.state == ProxyState::Stopping)), "{seen:?}");
+    assert_eq!(seen.last(), Some(&ProxyEvent::Removed(pid("web"))));
+    running.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn restart_relevant_change_stops_then_starts() {
+    let running = run(&[service("web")]);
+    let first = running.until_state(&pid("web"), ProxyState::Running).await;
+    let mut web = service("web");
+    web.proxy.as_mut().unwrap().env.insert("LOG_LEVEL".into(), "debug".into());
+    running.state.upsert(web, Source::Api).unwrap();
+    let starts = running.fake.wait_calls(Call::Start, 2).await;
+    let stops = running.fake.calls_of(Call::Stop);
+    assert_eq!(stops.len(), 1);
+    assert!(stops[0].0 <= starts[1].0);
+    let second = running.until_state(&pid("web"), ProxyState::Running).await;
+    assert_ne!(first.pid, second.pid);
+    assert_eq!(running.fake.state().live[&pid("web")].spec().env["LOG_LEVEL"], "debug");
+    assert!(running.fake.calls_of(Call::Update).is_empty());
+    running.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn in_place_change_is_applied_without_a_restart() {
+    let running = run(&[service("web")]);
+    running.until_state(&pid("web"), ProxyState::Running).await;
+    let mut web = service("web");
+    web.port = Some(9090);
+    running.state.upsert(web, Source::Api).unwrap();
+    running.fake.wait_calls(Call::Update, 1).await;
+    assert_eq!(running.fake.calls_of(Call::Start).len(), 1);
+    assert!(running.fake.calls_of(Call::Stop).is_empty());
+    assert_eq!(running.fake.state().live[&pid("web")].service().port, Some(9090));
+    running.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_slow_stop_delays_no_other_action() {
+    let running = run(&[service("slow")]);
+    running.until_state(&pid("slow"), ProxyState::Running).await;
+    running.fake.state().stop_delay.insert(pid("slow"), Duration::from_secs(5));
+    let t0 = Instant::now();
+    running.state.remove(&ServiceId::new("slow").unwrap(), &tether_state::SourceKind::Api).unwrap();
+    running.state.upsert(service("fast"), Source::Api).unwrap();
+    let starts = running.fake.wait_calls(Call::Start, 2).await;
+    assert_eq!(starts[1], (t0 + QUIESCENT, pid("fast")));
+    let fast = running.until_state(&pid("fast"), ProxyState::Running).await;
+    assert_eq!(fast.state, ProxyState::Running);
+    assert_eq!(running.handle.proxy(&pid("slow")).map(|s| s.state), Some(ProxyState::Stopping));
+    running.until_gone(&pid("slow")).await;
+    assert_eq!(Instant::now() - t0, QUIESCENT + Duration::from_secs(5));
+    running.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn actions_beyond_the_bound_wait_for_a_free_slot() {
+    let config = ManagerConfig { max_concurrent_actions: 2, ..ManagerConfig::default() };
+    let fake = Fake::new();
+    fake.state().script.extend([(false, 100); 5]);
+    let names = ["a", "b", "c", "d", "e"].map(service);
+    let running = run_with(&catalog(&names), &fake, &Arc::new(MemorySnapshotStore::new()), config);
+    let starts = fake.wait_calls(Call::Start, 5).await;
+    let mut times: Vec<Duration> = starts.iter().map(|(at, _)| at.duration_since(starts[0].0)).collect();
+    times.sort();
+    assert_eq!(times, [0, 0, 100, 100, 200].map(Duration::from_millis));
+    for name in ["a", "b", "c", "d", "e"] {
+        running.until_state(&pid(name), ProxyState::Running).await;
+    }
+    running.stop().await;
+}
+
+fn mock_handle(start: Result<(), ()>) -> MockProxyHandle {
+    let mut handle = MockProxyHandle::new();
+    let (status, receiver) =
+        watch::channel(ProcessStatus { state: ProxyState::Running, pid: Some(7), ..Default::default() });
+    let status = Arc::new(status);
+    handle.expect_start().times(1).returning(move || match start {
+        Ok(()) => Ok(()),
+        Err(()) => Err(BackendError::Start { id: pid("web"), source: "exec failed: no such file".into() }),
+    });
+    handle.expect_status().returning(move || {
+        let _keep_sender = &status;
+        receiver.clone()
+    });
+    handle.expect_record().returning(|| serde_json::json!({ "pid": 7 }));
+    handle.expect_detach().returning(|| ());
+    handle
+}
+
+#[tokio::test(start_paused = true)]
+async fn failed_start_leaves_the_proxy_failed_and_the_next_change_retries_it() {
+    let mut backend = MockProxyBackend::new();
+    let mut sequence = mockall::Sequence::new();
+    backend.expect_create().times(1).in_sequence(&mut sequence).returning(|_| Box::new(mock_handle(Err(()))));
+    backend.expect_create().times(1).in_sequence(&mut sequence).returning(|_| Box::new(mock_handle(Ok(()))));
+    backend.expect_adoption_candidates().returning(Vec::new);
+    let state = catalog(&[service("web")]);
+    let store = Arc::new(MemorySnapshotStore::new());
+    let mut manager = Manager::new(Arc::new(state.clone()), Arc::new(backend), store, ManagerConfig::default());
+    let handle = manager.handle();
+    let shutdown = CancellationToken::new();
+    let token = shutdown.clone();
+    let task = tokio::spawn(async move {
+        manager.run(token).await;
+        manager
+    });
+    let mut events = handle.subscribe();
+    let failed = tokio::time::timeout(LIMIT, async {
+        loop {
+            if let Ok(ProxyEvent::Changed(status)) = events.recv().await {
+                if status.state == ProxyState::Failed {
+                    return status;
+                }
+            }
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(failed.error.as_deref(), Some("cannot start proxy web-proxy: exec failed: no such file"));
+    assert_eq!(handle.stats().failures, 1);
+    // Nothing retries it on its own: a complete pass of the same catalog leaves it failed.
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    assert_eq!(handle.proxy(&pid("web")).unwrap().state, ProxyState::Failed);
+    let mut web = service("web");
+    web.port = Some(1);
+    state.upsert(web, Source::Api).unwrap();
+    let running = tokio::time::timeout(LIMIT, async {
+        loop {
+            if let Ok(ProxyEvent::Changed(status)) = events.recv().await {
+                if status.state == ProxyState::Running {
+                    return status;
+                }
+            }
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!((running.pid, running.error), (Some(7), None));
+    shutdown.cancel();
+    let manager = tokio::time::timeout(LIMIT, task).await.unwrap().unwrap();
+    tokio::time::timeout(LIMIT, manager.close()).await.unwrap().unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn proxy_without_user_is_blocked_when_running_as_root() {
+    let config = ManagerConfig { running_as_root: true, ..ManagerConfig::default() };
+    let state = catalog(&[service("web"), with_user("db")]);
+    let running = run_with(&state, &Fake::new(), &Arc::new(MemorySnapshotStore::new()), config.clone());
+    let web = running.until_state(&pid("web"), ProxyState::Blocked).await;
+    assert!(web.error.as_deref().is_some_and(|e| e.contains("root")), "{web:?}");
+    running.until_state(&pid("db"), ProxyState::Running).await;
+    assert_eq!(running.fake.live_ids(), ["db-proxy"]);
+    // Giving it a user lifts the block.
+    state.upsert(with_user("web"), Source::Api).unwrap();
+    running.until_state(&pid("web"), ProxyState::Running).await;
+    running.stop().await;
+
+    let allowed = ManagerConfig { allow_root: true, ..config };
+    let running = run_with(&catalog(&[service("web")]), &Fake::new(), &Arc::new(MemorySnapshotStore::new()), allowed);
+    running.until_state(&pid("web"), ProxyState::Running).await;
+    running.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn close_detaches_every_proxy_and_keeps_it_in_the_snapshot() {
+    let running = run(&[service("web"), service("db")]);
+    running.until_state(&pid("web"), ProxyState::Running).await;
+    running.until_state(&pid("db"), ProxyState::Running).await;
+    let (fake, store) = (running.fake.clone(), running.store.clone());
+    let manager = running.stop().await;
+    tokio::time::timeout(LIMIT, manager.close()).await.unwrap().unwrap();
+    assert_eq!(fake.calls_of(Call::Detach).len(), 2);
+    assert!(fake.calls_of(Call::Stop).is_empty());
+    assert_eq!(fake.live_ids(), ["db-proxy", "web-proxy"]);
+    let ids: Vec<String> = store.snapshot().unwrap().proxies.iter().map(|r| r.id.to_string()).collect();
+    assert_eq!(ids, ["db-proxy", "web-proxy"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn kill_stops_every_proxy_in_parallel_and_empties_the_snapshot() {
+    let running = run(&[service("a"), service("b"), service("c")]);
+    for name in ["a", "b", "c"] {
+        running.until_state(&pid(name), ProxyState::Running).await;
+    }
+    let (fake, store) = (running.fake.clone(), running.store.clone());
+    for name in ["a", "b", "c"] {
+        fake.state().stop_delay.insert(pid(name), Duration::from_secs(5));
+    }
+    let manager = running.stop().await;
+    let t0 = Instant::now();
+    tokio::time::timeout(LIMIT, manager.kill()).await.unwrap().unwrap();
+    assert_eq!(Instant::now() - t0, Duration::from_secs(5), "three 5s stops run in parallel");
+    assert!(fake.live_ids().is_empty());
+    assert!(fake.calls_of(Call::Detach).is_empty());
+    assert_eq!(store.snapshot().unwrap().proxies, []);
+}
+
+#[tokio::test(start_paused = true)]
+async fn kill_reports_proxies_that_did_not_stop() {
+    let running = run(&[service("web")]);
+    running.until_state(&pid("web"), ProxyState::Running).await;
+    running.fake.state().script.push_back((true, 0));
+    let (fake, store) = (running.fake.clone(), running.store.clone());
+    let manager = running.stop().await;
+    let err = tokio::time::timeout(LIMIT, manager.kill()).await.unwrap().unwrap_err();
+    assert!(matches!(&err, ShutdownError::Stop { failed, .. } if failed == &[pid("web")]), "{err:?}");
+    assert_eq!(fake.live_ids(), ["web-proxy"]);
+    assert_eq!(store.snapshot().unwrap().proxies.len(), 1, "a proxy that still runs stays in the snapshot");
+}
+
+#[tokio::test(start_paused = true)]
+async fn snapshot_is_written_only_when_its_content_changes() {
+    let running = run(&[service("web")]);
+    let mut saves = running.store.saves();
+    running.until_state(&pid("web"), ProxyState::Running).await;
+    tokio::time::timeout(LIMIT, saves.wait_for(|n| *n == 1)).await.unwrap().unwrap();
+    let recorded = running.store.snapshot().unwrap();
+    let record = &recorded.proxies[0];
+    assert_eq!(record.token.as_ref(), Some(&running.state.tokens()[&pid("web")].fingerprint()));
+    let text = serde_json::to_string(&recorded).unwrap();
+    assert!(!text.contains(running.state.tokens()[&pid("web")].expose()), "no secret in the snapshot");
+
+    // A status change that leaves the record as it was writes nothing.
+    let before = running.handle.proxy(&pid("web")).unwrap();
+    running.state.upsert(with_user("db"), Source::Api).unwrap();
+    running.until_state(&pid("db"), ProxyState::Running).await;
+    tokio::time::timeout(LIMIT, saves.wait_for(|n| *n == 2)).await.unwrap().unwrap();
+    assert_eq!(running.handle.proxy(&pid("web")).unwrap(), before);
+    let store = running.store.clone();
+    let manager = running.stop().await;
+    tokio::time::timeout(LIMIT, manager.close()).await.unwrap().unwrap();
+    assert_eq!(*saves.borrow(), 2, "closing changed nothing, so it wrote nothing");
+    assert_eq!(store.snapshot().unwrap().proxies.len(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_backend_restart_rewrites_the_snapshot_with_the_new_pid() {
+    // The mock handle's status sender lets the test play the backend's supervisor.
+    let (status, receiver) =
+        watch::channel(ProcessStatus { state: ProxyState::Running, pid: Some(10), ..Default::default() });
+    let status = Arc::new(status);
+    let mut handle = MockProxyHandle::new();
+    handle.expect_start().returning(|| Ok(()));
+    handle.expect_status().returning(move || receiver.clone());
+    let reader = status.clone();
+    handle.expect_record().returning(move || serde_json::json!({ "pid": reader.borrow().pid }));
+    handle.expect_detach().returning(|| ());
+    let mut handle = Some(handle);
+    let mut backend = MockProxyBackend::new();
+    backend.expect_adoption_candidates().returning(Vec::new);
+    backend.expect_create().times(1).returning(move |_| Box::new(handle.take().unwrap()));
+    let store = Arc::new(MemorySnapshotStore::new());
+    let state = catalog(&[service("web")]);
+    let mut manager = Manager::new(Arc::new(state), Arc::new(backend), store.clone(), ManagerConfig::default());
+    let view = manager.handle();
+    let shutdown = CancellationToken::new();
+    let token = shutdown.clone();
+    let task = tokio::spawn(async move {
+        manager.run(token).await;
+        manager
+    });
+    let mut saves = store.saves();
+    tokio::time::timeout(LIMIT, saves.wait_for(|n| *n == 1)).await.unwrap().unwrap();
+    status.send_modify(|s| {
+        s.state = ProxyState::Running;
+        s.pid = Some(11);
+        s.restarts = 1;
+        s.last_exit = Some(crate::LastExit::Code(3));
+    });
+    tokio::time::timeout(LIMIT, saves.wait_for(|n| *n == 2)).await.unwrap().unwrap();
+    assert_eq!(store.snapshot().unwrap().proxies[0].backend, serde_json::json!({ "pid": 11 }));
+    let shown = view.proxy(&pid("web")).unwrap();
+    assert_eq!((shown.pid, shown.restarts, shown.last_exit), (Some(11), 1, Some(crate::LastExit::Code(3))));
+    shutdown.cancel();
+    let manager = tokio::time::timeout(LIMIT, task).await.unwrap().unwrap();
+    tokio::time::timeout(LIMIT, manager.close()).await.unwrap().unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn restore_adopts_a_proven_proxy_without_restarting_it() {
+    let first = run(&[service("web")]);
+    let web = first.until_state(&pid("web"), ProxyState::Running).await;
+    let (state, fake, store) = (first.state.clone(), first.fake.clone(), first.store.clone());
+    tokio::time::timeout(LIMIT, first.stop().await.close()).await.unwrap().unwrap();
+
+    let second = run_with(&state, &fake, &store, ManagerConfig::default());
+    fake.wait_calls(Call::Update, 1).await;
+    let adopted = second.until_state(&pid("web"), ProxyState::Running).await;
+    assert_eq!(adopted.pid, web.pid);
+    assert_eq!(fake.calls_of(Call::Restore).len(), 1);
+    assert_eq!(fake.calls_of(Call::Start).len(), 1, "only the first agent started it");
+    assert!(fake.calls_of(Call::Stop).is_empty());
+    assert!(fake.state().ran_twice.is_empty());
+    second.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn restore_drops_a_record_the_backend_cannot_prove() {
+    let ghost = ProxyRecord { id: pid("web"), service: None, token: None, backend: serde_json::json!({ "pid": 4242 }) };
+    let store = Arc::new(MemorySnapshotStore::with_snapshot(Snapshot { proxies: vec![ghost] }));
+    let mut backend = MockProxyBackend::new();
+    backend.expect_restore().times(1).returning(|_, _, _| None);
+    backend.expect_adoption_candidates().never();
+    backend.expect_create().times(1).returning(|_| Box::new(mock_handle(Ok(()))));
+    let mut manager =
+        Manager::new(Arc::new(catalog(&[service("web")])), Arc::new(backend), store.clone(), ManagerConfig::default());
+    let shutdown = CancellationToken::new();
+    let token = shutdown.clone();
+    let task = tokio::spawn(async move {
+        manager.run(token).await;
+        manager
+    });
+    let mut saves = store.saves();
+    // First the stale record is dropped, then the new process is recorded.
+    tokio::time::timeout(LIMIT, saves.wait_for(|n| *n >= 1)).await.unwrap().unwrap();
+    tokio::time::timeout(LIMIT, saves.wait_for(|_| store.snapshot().is_some_and(|s| s.proxies.len() == 1)))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(store.snapshot().unwrap().proxies[0].backend, serde_json::json!({ "pid": 7 }));
+    shutdown.cancel();
+    let manager = tokio::time::timeout(LIMIT, task).await.unwrap().unwrap();
+    tokio::time::timeout(LIMIT, manager.close()).await.unwrap().unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn corrupt_snapshot_falls_back_to_the_backends_candidates_and_keeps_a_proven_one() {
+    let fake = Fake::new();
+    // A proxy from an earlier agent still runs, and the backend finds it without a snapshot;
+    // restoring it against the wanted proxy proves that it runs that proxy.
+    let state = catalog(&[service("web")]);
+    let old = state.changes_since(None).upserted[0].proxy.clone();
+    fake.state().live.insert(pid("web"), old);
+    fake.state().candidates.push(pid("web"));
+    let store = Arc::new(MemorySnapshotStore::corrupt());
+    let running = run_with(&state, &fake, &store, ManagerConfig::default());
+    running.until_state(&pid("web"), ProxyState::Running).await;
+    let mut saves = store.saves();
+    tokio::time::timeout(LIMIT, saves.wait_for(|_| store.snapshot().is_some_and(|s| s.proxies.len() == 1)))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(fake.calls_of(Call::Restore).len(), 1);
+    assert!(fake.calls_of(Call::Start).is_empty(), "a proven candidate is not restarted");
+    assert!(fake.calls_of(Call::Stop).is_empty());
+    let record = &store.snapshot().unwrap().proxies[0];
+    assert!(record.service.is_some() && record.token.is_some(), "the snapshot now says what it runs");
+    running.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_adopted_candidate_that_is_no_longer_wanted_is_stopped() {
+    let fake = Fake::new();
+    let old = catalog(&[service("gone")]).changes_since(None).upserted[0].proxy.clone();
+    fake.state().live.insert(pid("gone"), old);
+    fake.state().candidates.push(pid("gone"));
+    let store = Arc::new(MemorySnapshotStore::corrupt());
+    let running = run_with(&catalog(&[]), &fake, &store, ManagerConfig::default());
+    fake.wait_calls(Call::Stop, 1).await;
+    assert!(fake.calls_of(Call::Start).is_empty());
+    assert!(!fake.state().live.contains_key(&pid("gone")));
+    running.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_dropped_run_future_leaves_its_actions_to_finish() {
+    let state = catalog(&[service("web")]);
+    let fake = Fake::new();
+    fake.state().script.push_back((false, 1000));
+    let mut manager = Manager::new(
+        Arc::new(state),
+        Arc::new(fake.clone()),
+        Arc::new(MemorySnapshotStore::new()),
+        ManagerConfig::default(),
+    );
+    let handle = manager.handle();
+    // Cancel the run future while the start is in flight.
+    let interrupted = tokio::time::timeout(Duration::from_millis(10), manager.run(CancellationToken::new())).await;
+    assert!(interrupted.is_err());
+    assert_eq!(handle.proxy(&pid("web")).unwrap().state, ProxyState::Starting);
+    tokio::time::timeout(LIMIT, manager.close()).await.unwrap().unwrap();
+    assert_eq!(fake.live_ids(), ["web-proxy"]);
+    assert_eq!(fake.calls_of(Call::Detach).len(), 1, "the finished start was applied, then detached");
+    assert_eq!(handle.proxy(&pid("web")).unwrap().state, ProxyState::Running);
+}
+
+mod property {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        /// Upsert service `index` in shape `variant` (0 and 1 differ in place, 2 by env, 3 by user).
+        Upsert {
+            index: usize,
+            variant: u8,
+        },
+        Remove {
+            index: usize,
+        },
+        Wait {
+            ms: u64,
+        },
+    }
+
+    const NAMES: [&str; 4] = ["a", "b", "c", "d"];
+
+    fn shaped(index: usize, variant: u8) -> Service {
+        let mut service = service(NAMES[index]);
+        let spec = service.proxy.as_mut().unwrap();
+        match variant {
+            0 => {}
+            1 => service.port = Some(1000),
+            2 => drop(spec.env.insert("MODE".into(), "b".into())),
+            _ => spec.user = Some("nobody".into()),
+        }
+        service
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (0..NAMES.len(), 0..4u8).prop_map(|(index, variant)| Op::Upsert { index, variant }),
+            (0..NAMES.len()).prop_map(|index| Op::Remove { index }),
+            (0..1500u64).prop_map(|ms| Op::Wait { ms }),
+        ]
+    }
+
+    async fn scenario(ops: Vec<Op>, outcomes: Vec<(bool, u64)>, bound: usize) {
+        let config = ManagerConfig { max_concurrent_actions: bound, ..ManagerConfig::default() };
+        let fake = Fake::new();
+        fake.state().script.extend(outcomes);
+        let state = LocalState::new();
+        let running = run_with(&state, &fake, &Arc::new(MemorySnapshotStore::new()), config);
+        let mut shapes: BTreeMap<usize, Service> = BTreeMap::new();
+        for op in ops {
+            match op {
+                Op::Upsert { index, variant } => {
+                    let service = shaped(index, variant);
+                    state.upsert(service.clone(), Source::Api).unwrap();
+                    shapes.insert(index, service);
+                }
+                Op::Remove { index } => {
+                    if shapes.remove(&index).is_some() {
+                        state.remove(&ServiceId::new(NAMES[index]).unwrap(), &tether_state::SourceKind::Api).unwrap();
+                    }
+                }
+                Op::Wait { ms } => tokio::time::sleep(Duration::from_millis(ms)).await,
+            }
+        }
+        // Settle: the backend stops failing, and every wanted proxy gets a change, which
+        // retries the failed ones.
+        fake.state().script.clear();
+        for service in shapes.values_mut() {
+            service.tags.push("touched".into());
+            state.upsert(service.clone(), Source::Api).unwrap();
+        }
+        let wanted: BTreeMap<ProxyId, Arc<ManagedProxy>> =
+            state.changes_since(None).upserted.into_iter().map(|d| (d.proxy.id().clone(), d.proxy)).collect();
+        let settled = tokio::time::timeout(LIMIT, async {
+            loop {
+                let live = fake.state().live.clone();
+                let failed: Vec<ProxyId> = running
+                    .handle
+                    .status()
+                    .into_iter()
+                    .filter(|s| s.state == ProxyState::Failed && !wanted.contains_key(&s.id))
+                    .map(|s| s.id)
+                    .collect();
+                let live_wanted: BTreeMap<_, _> =
+                    live.iter().filter(|(id, _)| !failed.contains(id)).map(|(k, v)| (k.clone(), v.clone())).collect();
+                let matches = live_wanted.len() == wanted.len()
+                    && wanted.iter().all(|(id, proxy)| {
+                        live_wanted
+                            .get(id)
+                            .is_some_and(|run| run.change_to(proxy) == tether_state::ProxyChange::Unchanged)
+                    });
+                let shown = running.handle.status();
+                let all_running =
+                    wanted.keys().all(|id| shown.iter().any(|s| &s.id == id && s.state == ProxyState::Running));
+                let only_known = shown.iter().all(|s| wanted.contains_key(&s.id) || failed.contains(&s.id));
+                if matches && all_running && only_known && running.handle.stats().in_flight == 0 {
+                    return;
+                }
+                // Polling a condition until a deadline, in paused time.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .await;
+        let live = fake.live_ids();
+        assert!(
+            settled.is_ok(),
+            "never settled: wanted {:?}, live {live:?}, shown {:?}",
+            wanted.keys(),
+            running.handle.status()
+        );
+        {
+            let fake_state = fake.state();
+            assert!(fake_state.overlaps.is_empty(), "two actions at once on {:?}", fake_state.overlaps);
+            assert!(fake_state.ran_twice.is_empty(), "ran twice: {:?}", fake_state.ran_twice);
+        }
+        let manager = running.stop().await;
+        tokio::time::timeout(LIMIT, manager.kill()).await.unwrap().unwrap();
+        // Every proxy ever started was stopped by the end (or was in the final set, which
+        // `kill` then stopped).
+        assert!(fake.live_ids().is_empty(), "left running: {:?}", fake.live_ids());
+        assert!(fake.state().overlaps.is_empty());
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+        #[test]
+        fn after_settling_what_runs_is_what_is_wanted(
+            ops in proptest::collection::vec(op(), 1..30),
+            outcomes in proptest::collection::vec((proptest::bool::weighted(0.3), 0..2000u64), 0..40),
+            bound in 1..4usize,
+        ) {
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build().unwrap();
+            runtime.block_on(scenario(ops, outcomes, bound));
+        }
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn restore_is_given_the_wanted_proxy_and_nothing_for_an_unwanted_one() {
+    let record = |name: &str| ProxyRecord { id: pid(name), service: None, token: None, backend: serde_json::json!({}) };
+    let store = Arc::new(MemorySnapshotStore::with_snapshot(Snapshot { proxies: vec![record("gone"), record("web")] }));
+    let mut backend = MockProxyBackend::new();
+    backend
+        .expect_restore()
+        .withf(|id, _, desired| id == &pid("web") && desired.as_ref().is_some_and(|p| p.id() == &pid("web")))
+        .times(1)
+        .returning(|_, _, _| None);
+    backend
+        .expect_restore()
+        .withf(|id, _, desired| id == &pid("gone") && desired.is_none())
+        .times(1)
+        .returning(|_, _, _| None);
+    backend.expect_create().times(1).returning(|_| Box::new(mock_handle(Ok(()))));
+    let mut manager =
+        Manager::new(Arc::new(catalog(&[service("web")])), Arc::new(backend), store.clone(), ManagerConfig::default());
+    let handle = manager.handle();
+    let shutdown = CancellationToken::new();
+    let token = shutdown.clone();
+    let task = tokio::spawn(async move {
+        manager.run(token).await;
+        manager
+    });
+    let mut events = handle.subscribe();
+    tokio::time::timeout(LIMIT, async {
+        while handle.proxy(&pid("web")).is_none_or(|s| s.state != ProxyState::Running) {
+            let _ = events.recv().await;
+        }
+    })
+    .await
+    .unwrap();
+    shutdown.cancel();
+    // Dropping the manager checks both restore expectations.
+    drop(tokio::time::timeout(LIMIT, task).await.unwrap().unwrap());
+}

@@ -1,0 +1,68 @@
+//! Tests of the snapshot stores and the deduplicating writer.
+
+use std::os::unix::fs::PermissionsExt;
+
+use super::*;
+
+fn record(id: &str) -> ProxyRecord {
+    ProxyRecord {
+        id: ProxyId::parse(id).unwrap(),
+        service: Some(serde_json::json!({ "name": "web", "proxy": {} })),
+        token: None,
+        backend: serde_json::json!({ "pid": 12 }),
+    }
+}
+
+#[tokio::test]
+async fn file_store_round_trips_with_a_version_and_mode_0600() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = FileSnapshotStore::new(dir.path().join("snapshot.json"));
+    assert!(store.load().await.unwrap().is_none());
+    let snapshot = Snapshot { proxies: vec![record("web-proxy")] };
+    store.save(snapshot.clone()).await.unwrap();
+    assert_eq!(store.load().await.unwrap(), Some(snapshot));
+    let text = std::fs::read_to_string(store.path()).unwrap();
+    assert!(text.contains("\"version\": 1"), "{text}");
+    let mode = std::fs::metadata(store.path()).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
+}
+
+#[tokio::test]
+async fn corrupt_file_is_moved_aside_and_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("snapshot.json");
+    for damaged in ["{not json", r#"{"version": 99, "proxies": []}"#, r#"{"version": 1, "proxies": [], "extra": 1}"#] {
+        std::fs::write(&path, damaged).unwrap();
+        let err = FileSnapshotStore::new(&path).load().await.unwrap_err();
+        let SnapshotError::Corrupt { moved_to, .. } = &err else { panic!("{err:?}") };
+        assert_eq!(moved_to.as_deref(), Some(dir.path().join("snapshot.json.corrupt").as_path()));
+        assert!(!path.exists());
+        assert!(err.to_string().starts_with("the snapshot"), "{err}");
+    }
+}
+
+#[tokio::test]
+async fn writer_skips_content_that_did_not_change() {
+    let store = Arc::new(MemorySnapshotStore::with_snapshot(Snapshot { proxies: vec![record("web-proxy")] }));
+    let (sender, messages) = mpsc::unbounded_channel();
+    let records = BTreeMap::from([(ProxyId::parse("web-proxy").unwrap(), record("web-proxy"))]);
+    let task = tokio::spawn(writer(store.clone(), messages, records, store.snapshot()));
+    let flush = |sender: &WriterSender| {
+        let (reply, answer) = oneshot::channel();
+        sender.send(WriterMessage::Flush(reply)).unwrap();
+        answer
+    };
+    sender.send(WriterMessage::Put(record("web-proxy"))).unwrap();
+    flush(&sender).await.unwrap().unwrap();
+    assert_eq!(*store.saves().borrow(), 0, "equal content is not written again");
+    sender.send(WriterMessage::Put(record("db-proxy"))).unwrap();
+    sender.send(WriterMessage::Remove(ProxyId::parse("db-proxy").unwrap())).unwrap();
+    flush(&sender).await.unwrap().unwrap();
+    assert_eq!(*store.saves().borrow(), 0, "a burst that ends where it started writes nothing");
+    sender.send(WriterMessage::Remove(ProxyId::parse("web-proxy").unwrap())).unwrap();
+    flush(&sender).await.unwrap().unwrap();
+    assert_eq!(*store.saves().borrow(), 1);
+    assert_eq!(store.snapshot().unwrap().proxies, []);
+    drop(sender);
+    task.await.unwrap();
+}
