@@ -1,7 +1,52 @@
 //! The operating-system backend of tether.
 //!
 //! It spawns proxy processes, supervises them, restarts them with backoff, stops them
-//! gracefully and adopts them again after an agent restart.
+//! gracefully and adopts them again after an agent restart. It owns every OS process the
+//! agent starts, and it is the only code that signals them. It never reaps processes it
+//! did not spawn (no `waitpid(-1)`), never touches SIGCHLD, never signals a process whose
+//! identity it has not proven, and its public API holds no `tether-manager` types, so that
+//! the supervisor can be reused without the engine.
+//!
+//! The entry point is [`Supervisor`]: [`Supervisor::spawn`] turns a [`ProcessSpec`] into a
+//! [`ProcessHandle`], through which the caller observes ([`ProcessStatus`]), updates, stops
+//! or detaches the process. [`Supervisor::adopt`] takes a detached process back on proof of
+//! its [`Identity`].
+//!
+//! ```no_run
+//! use tether_proxy_daemon::{ProcessName, ProcessSpec, Supervisor};
+//!
+//! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
+//! let name = ProcessName::new("web-proxy")?;
+//! let mut spec = ProcessSpec::new(name, "/usr/bin/envoy", "/var/lib/tether".as_ref());
+//! spec.args = vec!["-c".into(), "/etc/envoy/web.yaml".into()];
+//! spec.env = vec![("PATH".into(), "/usr/bin:/bin".into())];
+//!
+//! let supervisor = Supervisor::new()?;
+//! let handle = supervisor.spawn(spec)?;
+//! println!("running as pid {:?}", handle.status().pid);
+//! let last = handle.stop().await;
+//! println!("stopped: {:?}", last.last_exit);
+//! # Ok(())
+//! # }
+//! ```
 
 #![deny(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
+
+mod backend;
+mod backoff;
+mod error;
+mod pidfile;
+mod proc;
+mod rotate;
+mod spawn;
+mod spec;
+mod status;
+mod supervisor;
+
+pub use backend::{AgentEnvironment, BUILT_IN_PROXY_ARG, OsProcessBackend};
+pub use error::{DetachError, InvalidName, SpawnError};
+pub use proc::Identity;
+pub use spec::{KillPolicy, LogLimits, LogSpec, ProcessName, ProcessSpec, ProcessUpdate, RestartPolicy};
+pub use status::{ExitReason, ProcessState, ProcessStatus};
+pub use supervisor::{ProcessHandle, Supervisor};

@@ -1,0 +1,457 @@
+//! The adapter between `tether-manager`'s backend traits and the [`Supervisor`]: the only
+//! module that speaks both vocabularies.
+//!
+//! It builds a [`ProcessSpec`] from a `ManagedProxy` (SPEC's environment, log files, pid
+//! file, policies), forwards the supervisor's observations as the manager's status, and
+//! records in snapshots only what proves identity: never a token or an environment value.
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use nix::sys::signal::Signal;
+use serde::{Deserialize, Serialize};
+use tether_manager::{BackendError, LastExit, ProxyBackend, ProxyHandle, ProxyState};
+use tether_state::persist::DataDir;
+use tether_state::{KillSignal, ManagedProxy, ProxyCommand, ProxyId};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::proc::Identity;
+use crate::spec::{KillPolicy, LogLimits, LogSpec, ProcessName, ProcessSpec, ProcessUpdate, RestartPolicy};
+use crate::status::{ExitReason, ProcessState, ProcessStatus};
+use crate::supervisor::{ProcessHandle, Supervisor};
+
+/// What the agent tells every proxy about itself (SPEC's `TETHER_SOCKET`,
+/// `TETHER_HTTP_ADDR`).
+#[derive(Debug, Clone)]
+pub struct AgentEnvironment {
+    /// The absolute path of `agent.sock`.
+    pub socket: PathBuf,
+    /// The loopback HTTP address, when the agent serves one.
+    pub http_addr: Option<String>,
+}
+
+/// The argument that makes the agent's own binary run the built-in proxy.
+pub const BUILT_IN_PROXY_ARG: &str = "connect-proxy";
+
+/// [`ProxyBackend`] for `exec_mode = "daemon"`: every proxy is an OS process supervised by
+/// a [`Supervisor`].
+#[derive(Debug, Clone)]
+pub struct OsProcessBackend {
+    shared: Arc<Shared>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    supervisor: Supervisor,
+    data: DataDir,
+    environment: AgentEnvironment,
+}
+
+impl OsProcessBackend {
+    /// A backend that lays out pid and log files in `data`.
+    ///
+    /// # Errors
+    ///
+    /// When the supervisor's machinery cannot start ([`Supervisor::new`]).
+    ///
+    /// # Panics
+    ///
+    /// When called outside a tokio runtime.
+    pub fn new(data: DataDir, environment: AgentEnvironment) -> std::io::Result<Self> {
+        Ok(Self { shared: Arc::new(Shared { supervisor: Supervisor::new()?, data, environment }) })
+    }
+
+    /// The process spec that runs `proxy`, as SPEC describes it: own environment (agent's
+    /// `PATH` and `HOME`, then `TETHER_*`, then the proxy's `env`; or the agent's whole
+    /// environment with `inherit_env`), log and pid files under the data dir.
+    ///
+    /// The built-in proxy is resolved to the running executable here, at each spawn, so
+    /// that an upgrade that replaces the binary neither breaks nor restarts proxies.
+    pub fn process_spec(&self, proxy: &ManagedProxy) -> ProcessSpec {
+        self.shared.process_spec(proxy)
+    }
+}
+
+impl Shared {
+    fn process_spec(&self, proxy: &ManagedProxy) -> ProcessSpec {
+        let id = proxy.id();
+        let spec = proxy.spec();
+        let name = process_name(id);
+        let (program, args): (PathBuf, Vec<OsString>) = match &spec.command {
+            ProxyCommand::BuiltIn => (own_executable(), vec![OsString::from(BUILT_IN_PROXY_ARG)]),
+            ProxyCommand::Exec(line) => (line.program().to_owned(), line.args().iter().map(OsString::from).collect()),
+        };
+        let mut env: Vec<(OsString, OsString)> = if spec.inherit_env {
+            std::env::vars_os().filter(|(key, _)| !key.to_string_lossy().starts_with("TETHER_")).collect()
+        } else {
+            ["PATH", "HOME"].into_iter().filter_map(|key| Some((OsString::from(key), std::env::var_os(key)?))).collect()
+        };
+        let identity_env = vec![
+            (OsString::from("TETHER_PROXY_ID"), OsString::from(id.as_str())),
+            (OsString::from("TETHER_PROXY_TOKEN"), OsString::from(proxy.token().expose())),
+        ];
+        env.extend(identity_env.iter().cloned());
+        env.push(("TETHER_SERVICE_ID".into(), proxy.service().id.as_str().into()));
+        env.push(("TETHER_SOCKET".into(), self.environment.socket.clone().into_os_string()));
+        if let Some(addr) = &self.environment.http_addr {
+            env.push(("TETHER_HTTP_ADDR".into(), addr.into()));
+        }
+        env.extend(spec.env.iter().map(|(key, value)| (OsString::from(key), OsString::from(value))));
+        let (stdout, stderr) = self.data.log_files(id);
+        ProcessSpec {
+            name,
+            program,
+            args,
+            env,
+            working_dir: spec.working_dir.clone().unwrap_or_else(|| PathBuf::from("/")),
+            user: spec.user.clone(),
+            kill: kill_policy(proxy),
+            restart: RestartPolicy {
+                free_attempts: spec.restart.free_attempts,
+                max_delay: spec.restart.max_delay,
+                healthy_after: spec.restart.healthy_after,
+            },
+            restart_on_exit: true,
+            logs: LogSpec { stdout, stderr, limits: LogLimits { max_size: spec.log.max_size, keep: spec.log.keep } },
+            pid_file: self.data.pid_file(id),
+            identity_env,
+        }
+    }
+}
+
+/// A process name for a proxy id; both follow the same rule.
+fn process_name(id: &ProxyId) -> ProcessName {
+    ProcessName::new(id.as_str()).unwrap_or_else(|_| unreachable!("a proxy id is a valid process name"))
+}
+
+/// The running executable. When an upgrade replaced the file, the kernel reports the old
+/// inode as `<path> (deleted)`: the new binary is at `<path>`.
+fn own_executable() -> PathBuf {
+    let exe = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("/proc/self/exe"));
+    match exe.to_str().and_then(|path| path.strip_suffix(" (deleted)")) {
+        Some(path) => PathBuf::from(path),
+        None => exe,
+    }
+}
+
+fn signal_of(signal: KillSignal) -> Signal {
+    match signal {
+        KillSignal::Term => Signal::SIGTERM,
+        KillSignal::Quit => Signal::SIGQUIT,
+        KillSignal::Hup => Signal::SIGHUP,
+        KillSignal::Usr1 => Signal::SIGUSR1,
+        KillSignal::Usr2 => Signal::SIGUSR2,
+        KillSignal::Kill => Signal::SIGKILL,
+        _ => Signal::SIGINT,
+    }
+}
+
+fn kill_policy(proxy: &ManagedProxy) -> KillPolicy {
+    let kill = proxy.spec().kill;
+    KillPolicy { signal: signal_of(kill.signal), timeout: kill.timeout }
+}
+
+/// What a snapshot keeps of one proxy: its identity, and how to stop it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Record {
+    pid: u32,
+    pgid: u32,
+    start_time: u64,
+    boot_id: String,
+    kill_signal: String,
+    kill_timeout_ms: u64,
+}
+
+impl Record {
+    fn new(identity: &Identity, kill: KillPolicy) -> Self {
+        Self {
+            pid: identity.pid,
+            pgid: identity.pgid,
+            start_time: identity.start_time,
+            boot_id: identity.boot_id.clone(),
+            kill_signal: kill.signal.as_str().to_owned(),
+            kill_timeout_ms: u64::try_from(kill.timeout.as_millis()).unwrap_or(u64::MAX),
+        }
+    }
+
+    fn identity(&self) -> Identity {
+        Identity { pid: self.pid, pgid: self.pgid, start_time: self.start_time, boot_id: self.boot_id.clone() }
+    }
+
+    fn kill(&self) -> KillPolicy {
+        let signal = self.kill_signal.parse::<Signal>().unwrap_or(Signal::SIGINT);
+        KillPolicy { signal, timeout: Duration::from_millis(self.kill_timeout_ms) }
+    }
+}
+
+/// The record of an adoption candidate found in `pids/`: its process is proven by the
+/// id and token in its environment.
+fn pid_file_candidate() -> serde_json::Value {
+    serde_json::json!({ "pid_file": true })
+}
+
+#[async_trait]
+impl ProxyBackend for OsProcessBackend {
+    fn create(&self, proxy: Arc<ManagedProxy>) -> Box<dyn ProxyHandle> {
+        Box::new(OsProxyHandle::new(self.shared.clone(), proxy.id().clone(), Some(proxy)))
+    }
+
+    async fn restore(
+        &self,
+        id: ProxyId,
+        record: serde_json::Value,
+        desired: Option<Arc<ManagedProxy>>,
+    ) -> Option<Box<dyn ProxyHandle>> {
+        let process = if record == pid_file_candidate() {
+            // Only the desired proxy's id and token in the process's environment prove
+            // that the pid file's process is it; without them it is left alone.
+            let Some(proxy) = desired.as_deref() else {
+                tracing::warn!(proxy = %id, pid_file = %self.shared.data.pid_file(&id).display(), "a pid file names a proxy that is no longer wanted; without its token nothing proves its process, so it is left alone");
+                return None;
+            };
+            let spec = self.shared.process_spec(proxy);
+            let process = self.shared.supervisor.adopt_from_pid_file(spec.clone())?;
+            if !process.runs(&spec) {
+                // Its id and token prove it is this proxy's, so it may be signalled; it runs
+                // an older command or environment, so it is replaced.
+                tracing::info!(proxy = %id, "adopted from its pid file, but it runs another spec; stopping it");
+                process.stop().await;
+                return None;
+            }
+            process
+        } else {
+            match serde_json::from_value::<Record>(record) {
+                Ok(record) => {
+                    let spec = self.adoption_spec(&id, desired.as_deref(), record.kill());
+                    self.shared.supervisor.adopt(spec, &record.identity())?
+                }
+                Err(err) => {
+                    tracing::info!(proxy = %id, error = %err, "snapshot record unreadable; not adopting");
+                    return None;
+                }
+            }
+        };
+        let handle = OsProxyHandle::new(self.shared.clone(), id, desired);
+        handle.attach(process);
+        Some(Box::new(handle))
+    }
+
+    async fn adoption_candidates(&self) -> Vec<(ProxyId, serde_json::Value)> {
+        // Candidates come from pid files: proof needs the proxy's id and token in its
+        // environment, which only `restore` with the desired proxy can check.
+        let Ok(entries) = std::fs::read_dir(self.shared.data.pids_dir()) else { return Vec::new() };
+        let mut candidates = Vec::new();
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let Some(id) = name.to_str().and_then(|n| n.strip_suffix(".pid")) else { continue };
+            if let Ok(id) = ProxyId::parse(id) {
+                candidates.push((id, pid_file_candidate()));
+            }
+        }
+        candidates.sort_by(|a, b| a.0.cmp(&b.0));
+        candidates
+    }
+}
+
+impl OsProcessBackend {
+    /// The spec an adopted process is supervised with: the desired proxy's when there is
+    /// one; otherwise just enough to stop it (it is not restarted if it exits).
+    fn adoption_spec(&self, id: &ProxyId, desired: Option<&ManagedProxy>, kill: KillPolicy) -> ProcessSpec {
+        match desired {
+            Some(proxy) => self.shared.process_spec(proxy),
+            None => {
+                let mut spec = ProcessSpec::new(process_name(id), "/nonexistent", self.shared.data.root());
+                spec.pid_file = self.shared.data.pid_file(id);
+                spec.kill = kill;
+                spec.restart_on_exit = false;
+                spec
+            }
+        }
+    }
+}
+
+/// One proxy: its spec, its supervised process, and its status as the manager sees it.
+struct OsProxyHandle {
+    shared: Arc<Shared>,
+    id: ProxyId,
+    state: Mutex<HandleState>,
+    status: watch::Sender<tether_manager::ProcessStatus>,
+}
+
+struct HandleState {
+    proxy: Option<Arc<ManagedProxy>>,
+    process: Option<ProcessHandle>,
+    /// Forwards the supervisor's status; aborted when the process is replaced or dropped.
+    forward: Option<JoinHandle<()>>,
+    /// The last identity seen, kept after a detach for the final snapshot.
+    record: Option<Record>,
+}
+
+impl Drop for HandleState {
+    fn drop(&mut self) {
+        if let Some(forward) = self.forward.take() {
+            forward.abort();
+        }
+    }
+}
+
+impl OsProxyHandle {
+    fn new(shared: Arc<Shared>, id: ProxyId, proxy: Option<Arc<ManagedProxy>>) -> Self {
+        let (status, _) = watch::channel(tether_manager::ProcessStatus::default());
+        Self {
+            shared,
+            id,
+            state: Mutex::new(HandleState { proxy, process: None, forward: None, record: None }),
+            status,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HandleState> {
+        // Every critical section only moves values in or out.
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Takes over `process`: its status is forwarded from now on.
+    fn attach(&self, process: ProcessHandle) {
+        let mut observed = process.subscribe();
+        let status = self.status.clone();
+        let current = observed.borrow_and_update().clone();
+        let mut state = self.lock();
+        let kill = state.proxy.as_deref().map(kill_policy).unwrap_or_default();
+        state.record = current.identity.as_ref().map(|identity| Record::new(identity, kill));
+        status.send_replace(translate(&current));
+        let forward = tokio::spawn(async move {
+            while observed.changed().await.is_ok() {
+                let current = observed.borrow_and_update().clone();
+                status.send_replace(translate(&current));
+            }
+        });
+        if let Some(old) = state.forward.replace(forward) {
+            old.abort();
+        }
+        state.process = Some(process);
+    }
+
+    fn take_process(&self) -> Option<ProcessHandle> {
+        let mut state = self.lock();
+        let process = state.process.take();
+        if let (Some(process), Some(record)) = (&process, &mut state.record) {
+            if let Some(identity) = process.status().identity {
+                let kill = record.kill();
+                *record = Record::new(&identity, kill);
+            }
+        }
+        process
+    }
+}
+
+fn translate(status: &ProcessStatus) -> tether_manager::ProcessStatus {
+    tether_manager::ProcessStatus {
+        state: match status.state {
+            ProcessState::Starting => ProxyState::Starting,
+            ProcessState::Running => ProxyState::Running,
+            ProcessState::Backoff => ProxyState::Backoff,
+            ProcessState::Stopping => ProxyState::Stopping,
+            // A stopped process is no longer wanted; the engine removes it from the list.
+            ProcessState::Stopped => ProxyState::Stopping,
+            _ => ProxyState::Failed,
+        },
+        pid: status.pid,
+        restarts: u32::try_from(status.restarts).unwrap_or(u32::MAX),
+        started_at: status.started_at,
+        last_exit: status.last_exit.map(|exit| match exit {
+            ExitReason::Code(code) => LastExit::Code(code),
+            ExitReason::Signal(signal) => LastExit::Signal(signal),
+        }),
+        error: status.error.clone(),
+    }
+}
+
+#[async_trait]
+impl ProxyHandle for OsProxyHandle {
+    async fn start(&self) -> Result<(), BackendError> {
+        let Some(proxy) = self.lock().proxy.clone() else {
+            return Err(BackendError::Start { id: self.id.clone(), source: "no spec to start the proxy from".into() });
+        };
+        let spec = self.shared.process_spec(&proxy);
+        let process = self
+            .shared
+            .supervisor
+            .spawn(spec)
+            .map_err(|source| BackendError::Start { id: self.id.clone(), source: Box::new(source) })?;
+        self.attach(process);
+        Ok(())
+    }
+
+    async fn stop(&self) -> Result<(), BackendError> {
+        let Some(process) = self.take_process() else { return Ok(()) };
+        let last = process.stop().await;
+        self.status.send_replace(translate(&last));
+        self.lock().record = None;
+        match (last.state, last.error) {
+            (ProcessState::Stopped, _) | (ProcessState::Failed, None) => Ok(()),
+            (_, Some(error)) => Err(BackendError::Stop { id: self.id.clone(), source: error.into() }),
+            (state, None) => {
+                Err(BackendError::Stop { id: self.id.clone(), source: format!("ended as {state}").into() })
+            }
+        }
+    }
+
+    async fn detach(&self) {
+        let Some(process) = self.take_process() else { return };
+        match process.detach().await {
+            Ok(identity) => {
+                let mut state = self.lock();
+                let kill = state.record.as_ref().map(Record::kill).unwrap_or_default();
+                state.record = Some(Record::new(&identity, kill));
+            }
+            Err(err) => tracing::info!(proxy = %self.id, error = %err, "nothing to detach"),
+        }
+    }
+
+    async fn update(&self, proxy: Arc<ManagedProxy>) -> Result<(), BackendError> {
+        let spec = proxy.spec();
+        let kill = kill_policy(&proxy);
+        let update = ProcessUpdate {
+            kill: Some(kill),
+            restart: Some(RestartPolicy {
+                free_attempts: spec.restart.free_attempts,
+                max_delay: spec.restart.max_delay,
+                healthy_after: spec.restart.healthy_after,
+            }),
+            log_limits: Some(LogLimits { max_size: spec.log.max_size, keep: spec.log.keep }),
+        };
+        let mut state = self.lock();
+        if let Some(process) = &state.process {
+            process.update(update);
+        }
+        if let Some(record) = &mut state.record {
+            record.kill_signal = kill.signal.as_str().to_owned();
+            record.kill_timeout_ms = u64::try_from(kill.timeout.as_millis()).unwrap_or(u64::MAX);
+        }
+        state.proxy = Some(proxy);
+        Ok(())
+    }
+
+    fn status(&self) -> watch::Receiver<tether_manager::ProcessStatus> {
+        self.status.subscribe()
+    }
+
+    fn record(&self) -> serde_json::Value {
+        let mut state = self.lock();
+        let live = state.process.as_ref().and_then(|p| p.status().identity);
+        if let Some(identity) = live {
+            let kill = state.proxy.as_deref().map(kill_policy).unwrap_or_default();
+            state.record = Some(Record::new(&identity, kill));
+        }
+        match &state.record {
+            Some(record) => serde_json::to_value(record).unwrap_or(serde_json::Value::Null),
+            None => serde_json::Value::Null,
+        }
+    }
+}

@@ -1,0 +1,97 @@
+//! A stand-in proxy for the integration tests and the benchmark, in the spirit of
+//! Consul's helper process.
+//!
+//! It owns nothing but its own behaviour, chosen by flags applied in order; it never
+//! talks to the agent and never runs a shell. Flags:
+//!
+//! - `--ignore-sigint`: ignore SIGINT (inherited by workers forked afterwards).
+//! - `--fork-worker FILE`: fork a worker that sleeps forever, and write its pid to FILE
+//!   (atomically, so a reader never sees half a number).
+//! - `--print TEXT`: print TEXT and a newline to stdout.
+//! - `--print-env`: print the environment, one `KEY=VALUE` per line, to stdout.
+//! - `--print-cwd`: print the working directory to stdout.
+//! - `--write-bytes N`: write N bytes of output (lines of `x`) to stdout.
+//! - `--exit N`: exit with code N.
+//! - `--sleep` (also the default at the end): sleep until killed.
+
+#![deny(unsafe_code)]
+#![allow(clippy::print_stdout, clippy::print_stderr)] // printing is this program's whole purpose
+
+use std::io::Write;
+use std::time::Duration;
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    while let Some(flag) = args.next() {
+        let mut value = || args.next().unwrap_or_else(|| fail(&format!("{flag} needs a value")));
+        match flag.as_str() {
+            "--ignore-sigint" => ignore_sigint(),
+            "--fork-worker" => fork_worker(&value()),
+            "--print" => println!("{}", value()),
+            "--print-env" => {
+                for (key, val) in std::env::vars_os() {
+                    println!("{}={}", key.to_string_lossy(), val.to_string_lossy());
+                }
+            }
+            "--print-cwd" => println!("{}", std::env::current_dir().unwrap_or_default().display()),
+            "--write-bytes" => write_bytes(value().parse().unwrap_or_else(|_| fail("bad byte count"))),
+            "--exit" => {
+                let _ = std::io::stdout().flush();
+                std::process::exit(value().parse().unwrap_or_else(|_| fail("bad exit code")));
+            }
+            "--sleep" => sleep_forever(),
+            other => fail(&format!("unknown flag {other}")),
+        }
+    }
+    sleep_forever();
+}
+
+fn fail(message: &str) -> ! {
+    eprintln!("tether-test-proxy: {message}");
+    std::process::exit(100);
+}
+
+fn sleep_forever() -> ! {
+    let _ = std::io::stdout().flush();
+    loop {
+        std::thread::sleep(Duration::from_secs(3600));
+    }
+}
+
+fn ignore_sigint() {
+    use nix::sys::signal::{SigHandler, Signal, signal};
+    #[allow(unsafe_code)]
+    // SAFETY: SIG_IGN installs no handler code, so no async-signal-safety rule applies.
+    let result = unsafe { signal(Signal::SIGINT, SigHandler::SigIgn) };
+    if let Err(error) = result {
+        fail(&format!("cannot ignore SIGINT: {error}"));
+    }
+}
+
+fn fork_worker(pid_file: &str) {
+    let _ = std::io::stdout().flush();
+    #[allow(unsafe_code)]
+    // SAFETY: this program is single-threaded, so the child may run arbitrary code.
+    match unsafe { nix::unistd::fork() } {
+        Ok(nix::unistd::ForkResult::Child) => sleep_forever(),
+        Ok(nix::unistd::ForkResult::Parent { child }) => {
+            let temp = format!("{pid_file}.tmp");
+            std::fs::write(&temp, format!("{child}\n")).unwrap_or_else(|e| fail(&format!("write {temp}: {e}")));
+            std::fs::rename(&temp, pid_file).unwrap_or_else(|e| fail(&format!("rename {temp}: {e}")));
+        }
+        Err(error) => fail(&format!("fork failed: {error}")),
+    }
+}
+
+fn write_bytes(count: usize) {
+    let line = [b'x'; 1023];
+    let mut stdout = std::io::stdout().lock();
+    let mut left = count;
+    while left > 0 {
+        let chunk = left.min(1024);
+        let _ = stdout.write_all(&line[..chunk - 1]);
+        let _ = stdout.write_all(b"\n");
+        left -= chunk;
+    }
+    let _ = stdout.flush();
+}

@@ -1,0 +1,105 @@
+//! The errors of this crate, one type per operation.
+//!
+//! This module owns the error types and their messages. It never formats a cause into a
+//! message (causes are `#[source]`s) and never carries environment values, which may be
+//! secrets.
+
+use std::io;
+use std::path::PathBuf;
+
+use crate::status::ProcessState;
+
+/// A process name that breaks SPEC.md's id rule.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid process name {name:?}: it must match ^[A-Za-z0-9][A-Za-z0-9._-]{{0,127}}$")]
+pub struct InvalidName {
+    /// The rejected name.
+    pub name: String,
+}
+
+/// Why a process could not be started.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SpawnError {
+    /// The program could not be executed (missing, not executable, or the user switch
+    /// failed in the child).
+    #[error("failed to execute `{}`", .program.display())]
+    Exec {
+        /// The program.
+        program: PathBuf,
+        /// The cause reported by the child or by `posix_spawn`.
+        #[source]
+        source: io::Error,
+    },
+
+    /// The user to run as does not exist.
+    #[error("unknown user {user:?}")]
+    UnknownUser {
+        /// The user name from the spec.
+        user: String,
+    },
+
+    /// The user database could not be read.
+    #[error("failed to look up user {user:?}")]
+    UserLookup {
+        /// The user name from the spec.
+        user: String,
+        /// The cause.
+        #[source]
+        source: io::Error,
+    },
+
+    /// The working directory is not a usable directory.
+    #[error("working directory `{}` is not usable", .dir.display())]
+    WorkingDir {
+        /// The working directory from the spec.
+        dir: PathBuf,
+        /// The cause.
+        #[source]
+        source: io::Error,
+    },
+
+    /// A log file could not be opened or created.
+    #[error("failed to open log file `{}`", .path.display())]
+    OpenLog {
+        /// The log file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: io::Error,
+    },
+
+    /// The process started, but the supervisor could not watch it, so it was killed.
+    #[error("failed to watch pid {pid}")]
+    Watch {
+        /// The pid of the killed process.
+        pid: u32,
+        /// The cause.
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// Why [`ProcessHandle::detach`](crate::ProcessHandle::detach) returned no identity.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DetachError {
+    /// There was no process to detach: it had exited and was waiting to restart, or had
+    /// stopped or failed. Supervision has ended all the same.
+    #[error("no running process to detach (state {state})")]
+    NotRunning {
+        /// The state the process was in.
+        state: ProcessState,
+    },
+
+    /// The identity of the running process could not be read. The process keeps running,
+    /// unsupervised.
+    #[error("failed to read the identity of pid {pid}")]
+    Identity {
+        /// The pid of the process.
+        pid: u32,
+        /// The cause.
+        #[source]
+        source: io::Error,
+    },
+}

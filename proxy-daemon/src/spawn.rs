@@ -1,0 +1,142 @@
+//! The one place where processes are created.
+//!
+//! This module owns process creation: the environment, the process group, the log
+//! files, the working directory and the user switch. It never waits for, signals or
+//! restarts a process (that is `supervisor`'s job), never runs a shell, and never
+//! starts a thread per spawn. Without a user switch it adds no `pre_exec` hook, so the
+//! standard library keeps its `posix_spawn` fast path.
+
+use std::ffi::CString;
+use std::fs::{self, File, OpenOptions};
+use std::io;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::Stdio;
+
+use crate::error::SpawnError;
+use crate::proc::{self, Pidfd};
+use crate::spec::ProcessSpec;
+
+/// A freshly spawned process, not yet reaped, with a pidfd that proves which one it is.
+#[derive(Debug)]
+pub(crate) struct Spawned {
+    pub(crate) child: tokio::process::Child,
+    pub(crate) pid: u32,
+    pub(crate) pidfd: Pidfd,
+}
+
+/// The ids a process switches to before exec.
+struct Credentials {
+    uid: libc::uid_t,
+    gid: libc::gid_t,
+    groups: Vec<libc::gid_t>,
+}
+
+/// Starts `spec`'s program in its own process group. Returns once the process exists.
+///
+/// Must be called from within a tokio runtime.
+pub(crate) fn spawn(spec: &ProcessSpec) -> Result<Spawned, SpawnError> {
+    let credentials = spec.user.as_deref().map(resolve_user).transpose()?;
+    match fs::metadata(&spec.working_dir) {
+        Ok(metadata) if metadata.is_dir() => {}
+        Ok(_) => {
+            return Err(SpawnError::WorkingDir {
+                dir: spec.working_dir.clone(),
+                source: io::Error::from_raw_os_error(libc::ENOTDIR),
+            });
+        }
+        Err(source) => return Err(SpawnError::WorkingDir { dir: spec.working_dir.clone(), source }),
+    }
+    let stdout = open_log(&spec.logs.stdout)?;
+    let stderr = open_log(&spec.logs.stderr)?;
+
+    let mut command = std::process::Command::new(&spec.program); // std, for `process_group`
+    command
+        .args(&spec.args)
+        .env_clear() // proxies get only what the spec says, never the agent's secrets
+        .envs(spec.env.iter().map(|(key, value)| (key, value)))
+        .current_dir(&spec.working_dir)
+        .stdin(Stdio::null())
+        .stdout(stdout) // O_APPEND files opened by us: they outlive an agent restart,
+        .stderr(stderr) // where a pipe would hand the proxy a SIGPIPE when the agent dies
+        .process_group(0); // own group: terminal Ctrl-C skips it, one killpg reaches its children
+    if let Some(credentials) = credentials {
+        switch_user_before_exec(&mut command, credentials);
+    }
+    let mut command = tokio::process::Command::from(command);
+    let child = command.spawn().map_err(|source| SpawnError::Exec { program: spec.program.clone(), source })?;
+    let Some(pid) = child.id() else {
+        return Err(SpawnError::Exec {
+            program: spec.program.clone(),
+            source: io::Error::other("the child has no pid"),
+        });
+    };
+    // The child is not reaped until we await it, so its pid cannot have been reused yet.
+    let pidfd = match Pidfd::open(pid) {
+        Ok(pidfd) => pidfd,
+        Err(source) => {
+            // Without a pidfd we cannot supervise it: kill it rather than leave it loose.
+            // Dropping the child hands the reaping to tokio's orphan queue.
+            let _already_gone = proc::signal_group(pid, nix::sys::signal::Signal::SIGKILL);
+            return Err(SpawnError::Watch { pid, source });
+        }
+    };
+    Ok(Spawned { child, pid, pidfd })
+}
+
+/// Opens a log file for appending, creating it (0600) and its directory (0700).
+fn open_log(path: &Path) -> Result<File, SpawnError> {
+    let open = || {
+        if let Some(dir) = path.parent() {
+            if !dir.as_os_str().is_empty() && !dir.is_dir() {
+                fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
+            }
+        }
+        OpenOptions::new().append(true).create(true).mode(0o600).open(path)
+    };
+    open().map_err(|source| SpawnError::OpenLog { path: path.to_owned(), source })
+}
+
+/// Looks up `user`'s uid, primary gid and supplementary groups.
+fn resolve_user(user: &str) -> Result<Credentials, SpawnError> {
+    let lookup_error =
+        |source: nix::errno::Errno| SpawnError::UserLookup { user: user.to_owned(), source: source.into() };
+    let Some(entry) = nix::unistd::User::from_name(user).map_err(lookup_error)? else {
+        return Err(SpawnError::UnknownUser { user: user.to_owned() });
+    };
+    let name = CString::new(user).map_err(|_| SpawnError::UnknownUser { user: user.to_owned() })?;
+    let groups = nix::unistd::getgrouplist(&name, entry.gid).map_err(lookup_error)?;
+    Ok(Credentials {
+        uid: entry.uid.as_raw(),
+        gid: entry.gid.as_raw(),
+        groups: groups.into_iter().map(|gid| gid.as_raw()).collect(),
+    })
+}
+
+/// Makes the child drop to `credentials` between fork and exec.
+///
+/// The standard library's `uid`/`gid` would clear the supplementary groups, and its
+/// `groups` is unstable, so the whole switch happens here, in order: groups, gid, uid.
+fn switch_user_before_exec(command: &mut std::process::Command, credentials: Credentials) {
+    let Credentials { uid, gid, groups } = credentials;
+    #[allow(unsafe_code)]
+    // SAFETY: the hook runs in the forked child, where only async-signal-safe calls are
+    // allowed. It makes three raw system calls (setgroups, setgid, setuid) on data
+    // prepared in the parent, reads `groups` without allocating, and builds its error
+    // from errno with `io::Error::last_os_error`, which does not allocate either.
+    unsafe {
+        command.pre_exec(move || {
+            if libc::setgroups(groups.len(), groups.as_ptr()) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            if libc::setgid(gid) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            if libc::setuid(uid) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}

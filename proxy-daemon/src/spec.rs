@@ -1,0 +1,253 @@
+//! What to run and how to treat it: [`ProcessSpec`] and its policies.
+//!
+//! This module owns the plain data a caller hands to the supervisor, and its defaults
+//! (SPEC.md). It never performs I/O and never validates anything beyond the name: the
+//! caller (the agent) has validated the configuration already.
+
+use std::ffi::OsString;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+
+use crate::error::InvalidName;
+
+/// The name of a supervised process: the proxy id, such as `web-proxy`.
+///
+/// It becomes part of file names (pid file, log files) and appears in tracing fields as
+/// `proxy`, so it follows SPEC.md's id rule: `^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$`.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ProcessName(String);
+
+impl ProcessName {
+    /// Checks `name` against the id rule.
+    ///
+    /// # Errors
+    ///
+    /// [`InvalidName`] when `name` is empty, longer than 128 bytes, starts with anything but
+    /// an ASCII letter or digit, or holds anything but ASCII letters, digits, `.`, `_`, `-`.
+    pub fn new(name: impl Into<String>) -> Result<Self, InvalidName> {
+        let name = name.into();
+        let bytes = name.as_bytes();
+        let valid = !bytes.is_empty()
+            && bytes.len() <= 128
+            && bytes[0].is_ascii_alphanumeric()
+            && bytes.iter().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+        if !valid {
+            return Err(InvalidName { name });
+        }
+        Ok(Self(name))
+    }
+
+    /// The name as a string slice.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for ProcessName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl fmt::Debug for ProcessName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&self.0, f)
+    }
+}
+
+/// How a process is stopped: `signal` to its group, then SIGKILL after `timeout`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KillPolicy {
+    /// Sent first to the whole process group (default SIGINT).
+    pub signal: Signal,
+    /// How long to wait for the main process after `signal` before SIGKILL (default 5 s).
+    pub timeout: Duration,
+}
+
+impl Default for KillPolicy {
+    fn default() -> Self {
+        Self { signal: Signal::SIGINT, timeout: Duration::from_secs(5) }
+    }
+}
+
+/// When an exited process is started again (SPEC.md's restart policy).
+///
+/// The first `free_attempts` restarts happen at once, then after 1 s, 2 s, 4 s, … capped at
+/// `max_delay`. A run that lasted at least `healthy_after` resets the count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RestartPolicy {
+    /// Restarts without delay before the backoff starts (default 3).
+    pub free_attempts: u32,
+    /// The cap of the exponential backoff (default 60 s).
+    pub max_delay: Duration,
+    /// A run this long resets the attempt count (default 10 s).
+    pub healthy_after: Duration,
+}
+
+impl Default for RestartPolicy {
+    fn default() -> Self {
+        Self { free_attempts: 3, max_delay: Duration::from_secs(60), healthy_after: Duration::from_secs(10) }
+    }
+}
+
+/// Size limits of a log file: rotate past `max_size`, keep `keep` rotated copies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LogLimits {
+    /// Rotate a log file once it is larger than this many bytes (default 64 MiB).
+    pub max_size: u64,
+    /// Rotated files kept per stream, `<file>.1` (newest) to `<file>.<keep>` (default 5).
+    /// With 0, a file past its cap is only truncated.
+    pub keep: u32,
+}
+
+impl Default for LogLimits {
+    fn default() -> Self {
+        Self { max_size: 64 * 1024 * 1024, keep: 5 }
+    }
+}
+
+/// Where a process's output goes, and the limits on it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LogSpec {
+    /// The file stdout is appended to (created 0600 if missing).
+    pub stdout: PathBuf,
+    /// The file stderr is appended to (created 0600 if missing).
+    pub stderr: PathBuf,
+    /// Rotation limits, applied to each file separately.
+    pub limits: LogLimits,
+}
+
+/// Everything needed to start, supervise, stop and recognise one process.
+///
+/// The supervisor passes `env` and nothing else: the caller builds `PATH`, `HOME` and the
+/// `TETHER_*` variables. `Debug` prints environment variable names but never their
+/// values, which may be secrets.
+#[derive(Clone)]
+pub struct ProcessSpec {
+    /// The proxy id; used in tracing fields, and by [`ProcessSpec::new`] in file names.
+    pub name: ProcessName,
+    /// The program to execute. An absolute path: there is no `PATH` search by the agent.
+    pub program: PathBuf,
+    /// The arguments, without the program name.
+    pub args: Vec<OsString>,
+    /// The complete environment of the process, in order.
+    pub env: Vec<(OsString, OsString)>,
+    /// The working directory (default `/`).
+    pub working_dir: PathBuf,
+    /// Run as this user (uid, primary gid and supplementary groups), if set.
+    pub user: Option<String>,
+    /// How the process is stopped.
+    pub kill: KillPolicy,
+    /// When it is restarted after an exit.
+    pub restart: RestartPolicy,
+    /// Whether an exit is followed by a restart at all (default `true`). `false` suits a
+    /// process adopted only to be stopped: its exit then ends supervision as `stopped`.
+    pub restart_on_exit: bool,
+    /// Where its output goes.
+    pub logs: LogSpec,
+    /// The pid file, written atomically (0600) on every start, removed on stop.
+    pub pid_file: PathBuf,
+    /// Environment entries that prove a process found through `pid_file` is this one:
+    /// every pair must appear in its `/proc/<pid>/environ` (for example `TETHER_PROXY_ID`
+    /// and `TETHER_PROXY_TOKEN`). Empty means that pid files prove nothing.
+    pub identity_env: Vec<(OsString, OsString)>,
+}
+
+impl ProcessSpec {
+    /// A spec with SPEC.md's file layout under `data_dir` and default policies.
+    ///
+    /// The pid file is `<data_dir>/pids/<name>.pid`, the logs are
+    /// `<data_dir>/logs/<name>-stdout.log` and `-stderr.log`. The environment is empty and
+    /// the working directory is `/`.
+    pub fn new(name: ProcessName, program: impl Into<PathBuf>, data_dir: &Path) -> Self {
+        let logs = data_dir.join("logs");
+        Self {
+            program: program.into(),
+            args: Vec::new(),
+            env: Vec::new(),
+            working_dir: PathBuf::from("/"),
+            user: None,
+            kill: KillPolicy::default(),
+            restart: RestartPolicy::default(),
+            restart_on_exit: true,
+            logs: LogSpec {
+                stdout: logs.join(format!("{name}-stdout.log")),
+                stderr: logs.join(format!("{name}-stderr.log")),
+                limits: LogLimits::default(),
+            },
+            pid_file: data_dir.join("pids").join(format!("{name}.pid")),
+            identity_env: Vec::new(),
+            name,
+        }
+    }
+}
+
+impl fmt::Debug for ProcessSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let env_names: Vec<_> = self.env.iter().map(|(key, _)| key).collect();
+        let identity_names: Vec<_> = self.identity_env.iter().map(|(key, _)| key).collect();
+        f.debug_struct("ProcessSpec")
+            .field("name", &self.name)
+            .field("program", &self.program)
+            .field("args", &self.args)
+            .field("env", &env_names)
+            .field("working_dir", &self.working_dir)
+            .field("user", &self.user)
+            .field("kill", &self.kill)
+            .field("restart", &self.restart)
+            .field("restart_on_exit", &self.restart_on_exit)
+            .field("logs", &self.logs)
+            .field("pid_file", &self.pid_file)
+            .field("identity_env", &identity_names)
+            .finish()
+    }
+}
+
+/// Changes applied to a running process in place, without restarting it.
+///
+/// `None` leaves a setting as it is.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ProcessUpdate {
+    /// A new kill policy, used by the next stop.
+    pub kill: Option<KillPolicy>,
+    /// A new restart policy, used from the next exit on.
+    pub restart: Option<RestartPolicy>,
+    /// New log limits, used from the next write on.
+    pub log_limits: Option<LogLimits>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_the_id_rule() {
+        for good in ["web-proxy", "a", "A.b_c-1", &"x".repeat(128)] {
+            assert!(ProcessName::new(good).is_ok(), "{good:?} should be valid");
+        }
+        for bad in ["", "..", "-web", ".hidden", "a/b", "a b", "a\0b", &"x".repeat(129)] {
+            assert!(ProcessName::new(bad).is_err(), "{bad:?} should be invalid");
+        }
+    }
+
+    #[test]
+    fn debug_output_hides_environment_values() {
+        let mut spec = ProcessSpec::new(ProcessName::new("web-proxy").unwrap(), "/bin/true", Path::new("/d"));
+        spec.env = vec![("TETHER_PROXY_TOKEN".into(), "s3cr3t".into())];
+        spec.identity_env = spec.env.clone();
+        let debug = format!("{spec:?}");
+        assert!(debug.contains("TETHER_PROXY_TOKEN"), "{debug}");
+        assert!(!debug.contains("s3cr3t"), "{debug}");
+    }
+
+    #[test]
+    fn new_lays_files_out_as_in_the_spec() {
+        let spec = ProcessSpec::new(ProcessName::new("web-proxy").unwrap(), "/bin/true", Path::new("/d"));
+        assert_eq!(spec.pid_file, Path::new("/d/pids/web-proxy.pid"));
+        assert_eq!(spec.logs.stdout, Path::new("/d/logs/web-proxy-stdout.log"));
+        assert_eq!(spec.logs.stderr, Path::new("/d/logs/web-proxy-stderr.log"));
+    }
+}

@@ -1,0 +1,109 @@
+//! What the supervisor observed about a process: [`ProcessStatus`].
+//!
+//! This module owns the observation types published through the status channel. It
+//! never decides anything: the supervisor task writes these values, callers read them.
+
+use std::fmt;
+use std::time::SystemTime;
+
+use crate::proc::Identity;
+
+/// The lifecycle state of a supervised process (SPEC.md's proxy states, minus the ones
+/// only the engine knows).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ProcessState {
+    /// A new instance is being spawned.
+    Starting,
+    /// The process exists.
+    Running,
+    /// The process exited and waits for its restart delay.
+    Backoff,
+    /// A stop is in progress.
+    Stopping,
+    /// The process was stopped; it will not be restarted.
+    Stopped,
+    /// The process could not be restarted; `error` says why. Supervision has ended.
+    Failed,
+}
+
+impl ProcessState {
+    /// Whether supervision has ended in this state.
+    pub fn is_final(self) -> bool {
+        matches!(self, Self::Stopped | Self::Failed)
+    }
+
+    /// The lowercase name used by SPEC.md (`running`, `backoff`, …).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Starting => "starting",
+            Self::Running => "running",
+            Self::Backoff => "backoff",
+            Self::Stopping => "stopping",
+            Self::Stopped => "stopped",
+            Self::Failed => "failed",
+        }
+    }
+}
+
+impl fmt::Display for ProcessState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// How a process ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ExitReason {
+    /// It exited with this code.
+    Code(i32),
+    /// It was killed by this signal number.
+    Signal(i32),
+}
+
+impl ExitReason {
+    /// The reason recorded in a wait status.
+    pub fn from_status(status: std::process::ExitStatus) -> Option<Self> {
+        use std::os::unix::process::ExitStatusExt;
+        match (status.code(), status.signal()) {
+            (Some(code), _) => Some(Self::Code(code)),
+            (None, Some(signal)) => Some(Self::Signal(signal)),
+            (None, None) => None,
+        }
+    }
+}
+
+/// The last observed status of a supervised process.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProcessStatus {
+    /// The lifecycle state.
+    pub state: ProcessState,
+    /// The pid of the current instance, while one exists.
+    pub pid: Option<u32>,
+    /// What proves, after a restart of the supervising side, that the current instance is
+    /// still this process: what a snapshot records. `None` while no instance exists.
+    pub identity: Option<Identity>,
+    /// Restarts since supervision began (not reset by a healthy run).
+    pub restarts: u64,
+    /// When the current (or last) instance started.
+    pub started_at: Option<SystemTime>,
+    /// How the previous instance ended. `None` before the first exit, and for adopted
+    /// processes, whose exit status belongs to their real parent.
+    pub last_exit: Option<ExitReason>,
+    /// The last error, if the latest operation on this process failed.
+    pub error: Option<String>,
+}
+
+impl ProcessStatus {
+    pub(crate) fn running(pid: u32, started_at: SystemTime, identity: Option<Identity>) -> Self {
+        Self {
+            state: ProcessState::Running,
+            pid: Some(pid),
+            identity,
+            restarts: 0,
+            started_at: Some(started_at),
+            last_exit: None,
+            error: None,
+        }
+    }
+}

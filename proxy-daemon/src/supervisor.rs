@@ -1,0 +1,643 @@
+//! The [`Supervisor`] and its per-process [`ProcessHandle`].
+//!
+//! This module owns the lifecycle of every supervised process: one tokio task per
+//! process that learns of its exit through a pidfd, sweeps its process group, restarts
+//! it per the restart policy, and stops or detaches it on command. It never polls,
+//! never waits for a pid it did not spawn (adopted processes are watched, not reaped),
+//! never signals a process group whose leader it has not proven to be the same process,
+//! and never restarts a process after a stop.
+
+use std::io;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime};
+
+use nix::sys::signal::Signal;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::time::Instant;
+use tracing::Instrument;
+
+use crate::backoff;
+use crate::error::{DetachError, SpawnError};
+use crate::pidfile::PidFiles;
+use crate::proc::{self, Identity, Pidfd};
+use crate::rotate::Rotator;
+use crate::spawn::{self, Spawned};
+use crate::spec::{ProcessName, ProcessSpec, ProcessUpdate};
+use crate::status::{ExitReason, ProcessState, ProcessStatus};
+
+/// Spawns, supervises, restarts, stops and adopts OS processes.
+///
+/// Cheap to clone: clones share one log-rotation task and one pid-file writer. Each
+/// supervised process is one tokio task, owned by its [`ProcessHandle`].
+#[derive(Clone)]
+pub struct Supervisor {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    boot_id: String,
+    /// Boot time (seconds since the epoch) and clock ticks per second, to turn a start
+    /// time from `/proc/<pid>/stat` into a `SystemTime`.
+    boot_time: Option<(u64, u64)>,
+    pid_files: PidFiles,
+    rotator: Rotator,
+    next_key: AtomicU64,
+}
+
+impl std::fmt::Debug for Supervisor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Supervisor").field("boot_id", &self.shared.boot_id).finish_non_exhaustive()
+    }
+}
+
+impl Supervisor {
+    /// Starts the shared machinery: the log-rotation task and the pid-file writer thread.
+    ///
+    /// # Errors
+    ///
+    /// When the boot id cannot be read, inotify cannot be initialised, or the pid-file
+    /// thread cannot be started.
+    ///
+    /// # Panics
+    ///
+    /// When called outside a tokio runtime.
+    pub fn new() -> io::Result<Self> {
+        let shared = Shared {
+            boot_id: proc::read_boot_id()?,
+            boot_time: read_boot_time(),
+            pid_files: PidFiles::start()?,
+            rotator: Rotator::start()?,
+            next_key: AtomicU64::new(0),
+        };
+        Ok(Self { shared: Arc::new(shared) })
+    }
+
+    /// Starts `spec` and supervises it. Returns once the process exists.
+    ///
+    /// The pid file is written shortly after, by the pid-file writer.
+    ///
+    /// # Errors
+    ///
+    /// [`SpawnError`] when the process could not be started; nothing is left running.
+    ///
+    /// # Panics
+    ///
+    /// When called outside a tokio runtime.
+    pub fn spawn(&self, spec: ProcessSpec) -> Result<ProcessHandle, SpawnError> {
+        let Spawned { child, pid, pidfd } = spawn::spawn(&spec)?;
+        tracing::info!(proxy = %spec.name, pid, program = %spec.program.display(), "process started");
+        // Our child is not reaped until we wait for it, so its /proc entry is its own.
+        let start_time = proc::read_stat(pid).ok().map(|stat| stat.start_time);
+        let identity = self.shared.identity(pid, pid, start_time);
+        let instance =
+            Instance { kind: InstanceKind::Child(child), pidfd, pid, pgid: pid, start_time, started: Instant::now() };
+        Ok(self.supervise(spec, instance, ProcessStatus::running(pid, SystemTime::now(), identity)))
+    }
+
+    /// Takes back a detached process, if `identity` proves that it is still the same one.
+    ///
+    /// Proof: the boot id matches, a pidfd for `identity.pid` can be opened, and then the
+    /// process's start time and process group match `identity`, and it was still alive
+    /// after they were read (so the pidfd cannot refer to a reused pid). Without proof the
+    /// process is left alone, never signalled, and `None` is returned. An adopted process
+    /// is not our child: its exit is learned through the pidfd, and it is then restarted
+    /// from `spec` like any other.
+    ///
+    /// # Panics
+    ///
+    /// When called outside a tokio runtime.
+    pub fn adopt(&self, spec: ProcessSpec, identity: &Identity) -> Option<ProcessHandle> {
+        let span = tracing::info_span!("proxy.adopt", proxy = %spec.name, pid = identity.pid);
+        let _entered = span.enter();
+        if identity.boot_id != self.shared.boot_id {
+            tracing::info!("not adopting: the machine rebooted since the process was detached");
+            return None;
+        }
+        let pidfd = open_pidfd(identity.pid)?;
+        let stat = match proc::read_stat(identity.pid) {
+            Ok(stat) => stat,
+            Err(error) => {
+                tracing::info!(%error, "not adopting: cannot read the process's stat");
+                return None;
+            }
+        };
+        if stat.start_time != identity.start_time || stat.pgid != identity.pgid {
+            tracing::info!("not adopting: the pid belongs to another process now");
+            return None;
+        }
+        self.adopt_proven(spec, pidfd, identity.pid, stat)
+    }
+
+    /// Takes back the process named in `spec.pid_file`, if its environment proves that it
+    /// is this spec's process.
+    ///
+    /// Proof: a pidfd for the pid can be opened, and then every pair of
+    /// `spec.identity_env` appears in its `/proc/<pid>/environ`, it leads its own process
+    /// group, and it was still alive after those were read. With an empty
+    /// `identity_env`, a missing or malformed pid file, or failed proof, the process is
+    /// left alone, never signalled, and `None` is returned.
+    ///
+    /// # Panics
+    ///
+    /// When called outside a tokio runtime.
+    pub fn adopt_from_pid_file(&self, spec: ProcessSpec) -> Option<ProcessHandle> {
+        let span = tracing::info_span!("proxy.adopt", proxy = %spec.name, pid = tracing::field::Empty);
+        let _entered = span.enter();
+        if spec.identity_env.is_empty() {
+            tracing::info!("not adopting: the spec has no identity to prove");
+            return None;
+        }
+        let pid = match std::fs::read(&spec.pid_file) {
+            Ok(text) => proc::parse_pid_file(&text)?,
+            Err(error) => {
+                tracing::debug!(%error, "not adopting: no readable pid file");
+                return None;
+            }
+        };
+        span.record("pid", pid);
+        let pidfd = open_pidfd(pid)?;
+        let proven = proc::read_environ(pid).map(|environ| proc::environ_contains(&environ, &spec.identity_env));
+        if !matches!(proven, Ok(true)) {
+            tracing::info!("not adopting: the pid's environment does not hold the identity");
+            return None;
+        }
+        let stat = match proc::read_stat(pid) {
+            Ok(stat) if stat.pgid == pid => stat,
+            _ => {
+                tracing::info!("not adopting: the process does not lead its own group");
+                return None;
+            }
+        };
+        self.adopt_proven(spec, pidfd, pid, stat)
+    }
+
+    /// Finishes an adoption once `/proc` has vouched for `pid`: the pidfd, opened before
+    /// `/proc` was read, must still refer to a live process.
+    fn adopt_proven(&self, spec: ProcessSpec, pidfd: Pidfd, pid: u32, stat: proc::Stat) -> Option<ProcessHandle> {
+        if !matches!(pidfd.has_exited(), Ok(false)) {
+            tracing::info!("not adopting: the process exited during the checks");
+            return None;
+        }
+        let started_at = self.shared.start_time_to_system_time(stat.start_time).unwrap_or_else(SystemTime::now);
+        let age = SystemTime::now().duration_since(started_at).unwrap_or_default();
+        let now = Instant::now();
+        let instance = Instance {
+            kind: InstanceKind::Adopted,
+            pidfd,
+            pid,
+            pgid: stat.pgid,
+            start_time: Some(stat.start_time),
+            started: now.checked_sub(age).unwrap_or(now),
+        };
+        tracing::info!("process adopted");
+        let identity = self.shared.identity(pid, stat.pgid, Some(stat.start_time));
+        Some(self.supervise(spec, instance, ProcessStatus::running(pid, started_at, identity)))
+    }
+
+    fn supervise(&self, spec: ProcessSpec, instance: Instance, status: ProcessStatus) -> ProcessHandle {
+        let key = self.shared.next_key.fetch_add(1, Ordering::Relaxed);
+        self.shared.pid_files.write(&spec.pid_file, instance.pid);
+        self.shared.rotator.watch(key, &spec.logs.stdout, &spec.logs.stderr, spec.logs.limits);
+        let (status_sender, status) = watch::channel(status);
+        let (commands, receiver) = mpsc::unbounded_channel();
+        let name = spec.name.clone();
+        let span = tracing::info_span!("proxy", proxy = %name);
+        let task =
+            Task { key, spec, shared: Arc::clone(&self.shared), status: status_sender, commands: receiver, attempt: 0 };
+        let task = tokio::spawn(task.run(instance).instrument(span));
+        ProcessHandle { name, commands, status, task }
+    }
+}
+
+fn open_pidfd(pid: u32) -> Option<Pidfd> {
+    match Pidfd::open(pid) {
+        Ok(pidfd) => Some(pidfd),
+        Err(error) => {
+            tracing::info!(%error, "not adopting: the process is gone");
+            None
+        }
+    }
+}
+
+impl Shared {
+    fn identity(&self, pid: u32, pgid: u32, start_time: Option<u64>) -> Option<Identity> {
+        Some(Identity { pid, pgid, start_time: start_time?, boot_id: self.boot_id.clone() })
+    }
+
+    fn start_time_to_system_time(&self, start_time: u64) -> Option<SystemTime> {
+        let (boot_secs, ticks_per_second) = self.boot_time?;
+        let since_boot = Duration::from_secs_f64(start_time as f64 / ticks_per_second as f64);
+        Some(SystemTime::UNIX_EPOCH + Duration::from_secs(boot_secs) + since_boot)
+    }
+}
+
+/// Reads `btime` from `/proc/stat` and the clock tick rate.
+fn read_boot_time() -> Option<(u64, u64)> {
+    let text = std::fs::read_to_string("/proc/stat").ok()?;
+    let boot_secs = text.lines().find_map(|line| line.strip_prefix("btime "))?.trim().parse().ok()?;
+    let ticks = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK).ok()??;
+    Some((boot_secs, u64::try_from(ticks).ok().filter(|&ticks| ticks > 0)?))
+}
+
+/// The caller's side of one supervised process.
+///
+/// Dropping the handle ends supervision and leaves the process running, like
+/// [`ProcessHandle::detach`] without the identity: an agent that shuts down must not
+/// turn into a restart of every proxy.
+#[derive(Debug)]
+pub struct ProcessHandle {
+    name: ProcessName,
+    commands: mpsc::UnboundedSender<Command>,
+    status: watch::Receiver<ProcessStatus>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+enum Command {
+    Stop,
+    Detach(oneshot::Sender<Result<Identity, DetachError>>),
+    // Boxed so that the channel's slots stay small: updates are rare.
+    Update(Box<ProcessUpdate>),
+}
+
+impl ProcessHandle {
+    /// Whether the running process was started from `spec`: the same command line, the
+    /// same working directory, and every variable of `spec.env` in its environment (the
+    /// agent's own `PATH` and `HOME` excepted, which may legitimately have changed).
+    /// `false` when nothing runs or `/proc` cannot tell.
+    pub fn runs(&self, spec: &ProcessSpec) -> bool {
+        let Some(pid) = self.status.borrow().pid else { return false };
+        let mut expected = vec![spec.program.clone().into_os_string()];
+        expected.extend(spec.args.iter().cloned());
+        let same_command = proc::read_cmdline(pid).is_ok_and(|words| words == expected);
+        let same_dir = proc::read_cwd(pid).is_ok_and(|dir| dir == spec.working_dir);
+        let pairs: Vec<_> = spec.env.iter().filter(|(key, _)| key != "PATH" && key != "HOME").cloned().collect();
+        let same_env = proc::read_environ(pid).is_ok_and(|environ| proc::environ_contains(&environ, &pairs));
+        same_command && same_dir && same_env
+    }
+
+    /// The name of the process, as given in its spec.
+    pub fn name(&self) -> &ProcessName {
+        &self.name
+    }
+
+    /// The last observed status.
+    pub fn status(&self) -> ProcessStatus {
+        self.status.borrow().clone()
+    }
+
+    /// A subscription to every change of the status.
+    pub fn subscribe(&self) -> watch::Receiver<ProcessStatus> {
+        self.status.clone()
+    }
+
+    /// Stops the process: its kill signal to the process group, up to its kill timeout
+    /// for the main process to exit, then SIGKILL to the group; reaps it and removes the
+    /// pid file. Returns the final status (state `stopped`, or `failed` if supervision
+    /// had already ended that way).
+    ///
+    /// Idempotent: later calls return the same final status. A stopped process is never
+    /// restarted, whatever exit event arrives late.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe: the stop proceeds once requested, even if the future is dropped.
+    pub async fn stop(&self) -> ProcessStatus {
+        let _already_ended = self.commands.send(Command::Stop);
+        let mut status = self.status.clone();
+        let result = status.wait_for(|status| status.state.is_final()).await.map(|status| status.clone());
+        result.unwrap_or_else(|_task_gone| status.borrow().clone())
+    }
+
+    /// Ends supervision and leaves the process running; returns the [`Identity`] through
+    /// which [`Supervisor::adopt`] can take it back. The pid file stays.
+    ///
+    /// # Errors
+    ///
+    /// [`DetachError::NotRunning`] when no process exists (it is waiting to restart, or
+    /// has stopped); [`DetachError::Identity`] when its identity cannot be read. In both
+    /// cases supervision has ended.
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel-safe: if the future is dropped, supervision still ends, but the
+    /// identity is lost.
+    pub async fn detach(self) -> Result<Identity, DetachError> {
+        let (reply, identity) = oneshot::channel();
+        let not_running =
+            |status: &watch::Receiver<ProcessStatus>| DetachError::NotRunning { state: status.borrow().state };
+        if self.commands.send(Command::Detach(reply)).is_err() {
+            return Err(not_running(&self.status));
+        }
+        let result = identity.await.unwrap_or_else(|_task_gone| Err(not_running(&self.status)));
+        let _panicked = self.task.await;
+        result
+    }
+
+    /// Applies in-place changes (kill policy, restart policy, log limits) without a
+    /// restart. Does nothing once supervision has ended.
+    pub fn update(&self, update: ProcessUpdate) {
+        let _already_ended = self.commands.send(Command::Update(Box::new(update)));
+    }
+}
+
+/// One running instance of a supervised process.
+struct Instance {
+    kind: InstanceKind,
+    /// Opened while the process could not have been reaped, so it is the right one.
+    pidfd: Pidfd,
+    pid: u32,
+    pgid: u32,
+    /// Known for adopted processes; read from `/proc` on demand for our children.
+    start_time: Option<u64>,
+    started: Instant,
+}
+
+enum InstanceKind {
+    /// Our child: we reap it.
+    Child(tokio::process::Child),
+    /// Adopted: its parent (init or a subreaper) reaps it.
+    Adopted,
+}
+
+impl Instance {
+    /// Reaps the exited main process, if it is ours, and reads how it ended.
+    async fn reap(self) -> Option<ExitReason> {
+        match self.kind {
+            InstanceKind::Child(mut child) => match child.wait().await {
+                Ok(status) => ExitReason::from_status(status),
+                Err(error) => {
+                    tracing::warn!(pid = self.pid, %error, "failed to reap process");
+                    None
+                }
+            },
+            InstanceKind::Adopted => None,
+        }
+    }
+}
+
+/// The supervising task of one process.
+struct Task {
+    key: u64,
+    spec: ProcessSpec,
+    shared: Arc<Shared>,
+    status: watch::Sender<ProcessStatus>,
+    commands: mpsc::UnboundedReceiver<Command>,
+    /// The attempt number of the restart that began the current run (0: first start).
+    attempt: u32,
+}
+
+enum Event {
+    Command(Option<Command>),
+    Exited(io::Result<()>),
+}
+
+impl Task {
+    async fn run(mut self, mut instance: Instance) {
+        loop {
+            let event = tokio::select! {
+                // Both branches are cancel-safe: `recv` loses no message and a pidfd stays
+                // readable once its process exited.
+                command = self.commands.recv() => Event::Command(command),
+                exited = instance.pidfd.exited() => Event::Exited(exited),
+            };
+            match event {
+                Event::Command(Some(Command::Update(update))) => self.apply(*update),
+                Event::Command(Some(Command::Stop)) => return Box::pin(self.stop(instance)).await,
+                Event::Command(Some(Command::Detach(reply))) => {
+                    let _caller_gone = reply.send(self.detach(&mut instance));
+                    return;
+                }
+                Event::Command(None) => {
+                    self.shared.rotator.forget(self.key);
+                    tracing::info!(pid = instance.pid, "handle dropped; process left running unsupervised");
+                    return;
+                }
+                Event::Exited(result) => {
+                    if let Err(error) = result {
+                        // The reactor failed us; the process may be alive, so leave it be.
+                        tracing::error!(pid = instance.pid, %error, "cannot watch process; supervision ended");
+                        self.finish(ProcessState::Failed, None, Some(format!("cannot watch process: {error}"))).await;
+                        return;
+                    }
+                    match Box::pin(self.restart_after_exit(instance)).await {
+                        Some(next) => instance = next,
+                        None => return,
+                    }
+                }
+            }
+        }
+    }
+
+    fn apply(&mut self, update: ProcessUpdate) {
+        if let Some(kill) = update.kill {
+            self.spec.kill = kill;
+        }
+        if let Some(restart) = update.restart {
+            self.spec.restart = restart;
+        }
+        if let Some(limits) = update.log_limits {
+            self.spec.logs.limits = limits;
+            self.shared.rotator.set_limits(self.key, limits);
+        }
+        tracing::debug!(?update, "applied in-place update");
+    }
+
+    fn detach(&self, instance: &mut Instance) -> Result<Identity, DetachError> {
+        self.shared.rotator.forget(self.key);
+        let identity = self.identity(instance)?;
+        tracing::info!(pid = instance.pid, "process detached; left running");
+        Ok(identity)
+    }
+
+    fn identity(&self, instance: &mut Instance) -> Result<Identity, DetachError> {
+        // Our child is not reaped until we wait for it, so its pid is still its own.
+        let start_time = match instance.start_time {
+            Some(start_time) => start_time,
+            None => {
+                let start_time = proc::read_stat(instance.pid)
+                    .map_err(|source| DetachError::Identity { pid: instance.pid, source })?
+                    .start_time;
+                instance.start_time = Some(start_time);
+                start_time
+            }
+        };
+        Ok(Identity { pid: instance.pid, pgid: instance.pgid, start_time, boot_id: self.shared.boot_id.clone() })
+    }
+
+    /// Stops the running instance and ends supervision.
+    async fn stop(mut self, instance: Instance) {
+        let pid = instance.pid;
+        self.status.send_modify(|status| status.state = ProcessState::Stopping);
+        let kill = self.spec.kill;
+        // The leader is alive or an unreaped zombie while its pidfd is not readable or it
+        // is our child, so the group id cannot have been reused.
+        let leader_known =
+            matches!(instance.kind, InstanceKind::Child(_)) || matches!(instance.pidfd.has_exited(), Ok(false));
+        let mut error = None;
+        if leader_known {
+            if let Err(cause) = proc::signal_group(instance.pgid, kill.signal) {
+                error = Some(format!("failed to signal process group {}: {cause}", instance.pgid));
+            }
+            if tokio::time::timeout(kill.timeout, instance.pidfd.exited()).await.is_err() {
+                tracing::warn!(
+                    pid,
+                    timeout_ms = kill.timeout.as_millis() as u64,
+                    "process ignored its kill signal; sending SIGKILL"
+                );
+                if let Err(cause) = proc::signal_group(instance.pgid, Signal::SIGKILL) {
+                    error = Some(format!("failed to kill process group {}: {cause}", instance.pgid));
+                }
+                if let Err(cause) = instance.pidfd.exited().await {
+                    error = Some(format!("cannot watch process: {cause}"));
+                }
+            }
+        }
+        // Grandchildren that outlived the leader; the unreaped leader still holds the id.
+        let _empty = proc::signal_group(instance.pgid, Signal::SIGKILL);
+        let last_exit = instance.reap().await;
+        self.commands.close();
+        tracing::info!(pid, ?last_exit, "process stopped");
+        self.finish(ProcessState::Stopped, last_exit, error).await;
+    }
+
+    /// Publishes a final state after removing the pid file and forgetting the logs.
+    async fn finish(&mut self, state: ProcessState, last_exit: Option<ExitReason>, error: Option<String>) {
+        self.shared.rotator.forget(self.key);
+        let removed = self.shared.pid_files.remove(&self.spec.pid_file).await;
+        let error = error.or_else(|| removed.err().map(|cause| format!("failed to remove pid file: {cause}")));
+        self.status.send_modify(|status| {
+            status.state = state;
+            status.pid = None;
+            status.identity = None;
+            if last_exit.is_some() {
+                status.last_exit = last_exit;
+            }
+            if error.is_some() {
+                status.error = error;
+            }
+        });
+    }
+
+    /// Handles an exit: sweeps the group, reaps, waits out the backoff, starts anew.
+    /// `None` when supervision ended instead (a stop, a detach, or a failed start).
+    async fn restart_after_exit(&mut self, instance: Instance) -> Option<Instance> {
+        let (pid, run) = (instance.pid, instance.started.elapsed());
+        // Sweep before reaping: until the leader is reaped its pgid cannot be reused, and a
+        // forked worker must not keep the port the next instance binds.
+        let _empty = proc::signal_group(instance.pgid, Signal::SIGKILL);
+        let last_exit = instance.reap().await;
+        if !self.spec.restart_on_exit {
+            tracing::info!(pid, ?last_exit, "process exited; not restarted");
+            self.commands.close();
+            self.finish(ProcessState::Stopped, last_exit, None).await;
+            return None;
+        }
+
+        self.attempt = backoff::next_attempt(&self.spec.restart, self.attempt, run);
+        let delay = backoff::delay(&self.spec.restart, self.attempt);
+        let (code, signal) = match last_exit {
+            Some(ExitReason::Code(code)) => (Some(code), None),
+            Some(ExitReason::Signal(signal)) => (None, Some(signal)),
+            None => (None, None),
+        };
+        tracing::warn!(
+            pid,
+            code,
+            signal,
+            attempt = self.attempt,
+            backoff_ms = delay.as_millis() as u64,
+            "process exited; restarting"
+        );
+        let state = if delay.is_zero() { ProcessState::Starting } else { ProcessState::Backoff };
+        self.status.send_modify(|status| {
+            status.state = state;
+            status.pid = None;
+            status.identity = None;
+            status.last_exit = last_exit;
+        });
+
+        if !delay.is_zero() && !self.wait_backoff(delay).await {
+            return None;
+        }
+        self.status.send_modify(|status| status.state = ProcessState::Starting);
+        match spawn::spawn(&self.spec) {
+            Ok(Spawned { child, pid, pidfd }) => {
+                self.shared.pid_files.write(&self.spec.pid_file, pid);
+                self.shared.rotator.watch(
+                    self.key,
+                    &self.spec.logs.stdout,
+                    &self.spec.logs.stderr,
+                    self.spec.logs.limits,
+                );
+                tracing::info!(pid, attempt = self.attempt, "process restarted");
+                let start_time = proc::read_stat(pid).ok().map(|stat| stat.start_time);
+                let identity = self.shared.identity(pid, pid, start_time);
+                self.status.send_modify(|status| {
+                    status.state = ProcessState::Running;
+                    status.pid = Some(pid);
+                    status.identity = identity;
+                    status.restarts += 1;
+                    status.started_at = Some(SystemTime::now());
+                    status.error = None;
+                });
+                Some(Instance {
+                    kind: InstanceKind::Child(child),
+                    pidfd,
+                    pid,
+                    pgid: pid,
+                    start_time,
+                    started: Instant::now(),
+                })
+            }
+            Err(error) => {
+                let message = error_chain(&error);
+                tracing::warn!(error = %message, "process cannot be restarted");
+                self.finish(ProcessState::Failed, None, Some(message)).await;
+                None
+            }
+        }
+    }
+
+    /// Waits `delay` while answering commands. `false` when supervision ended meanwhile.
+    async fn wait_backoff(&mut self, delay: Duration) -> bool {
+        let deadline = tokio::time::sleep(delay);
+        tokio::pin!(deadline);
+        loop {
+            tokio::select! {
+                // The sleep is pinned outside the loop, so updates do not restart it.
+                () = &mut deadline => return true,
+                command = self.commands.recv() => match command {
+                    Some(Command::Update(update)) => self.apply(*update),
+                    Some(Command::Stop) => {
+                        self.commands.close();
+                        tracing::info!("process stopped during backoff");
+                        self.finish(ProcessState::Stopped, None, None).await;
+                        return false;
+                    }
+                    Some(Command::Detach(reply)) => {
+                        let _caller_gone = reply.send(Err(DetachError::NotRunning { state: ProcessState::Backoff }));
+                        self.finish(ProcessState::Stopped, None, None).await;
+                        return false;
+                    }
+                    None => {
+                        self.finish(ProcessState::Stopped, None, None).await;
+                        return false;
+                    }
+                },
+            }
+        }
+    }
+}
+
+/// The error and its causes on one line, for the status's `error` field.
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut message = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        message.push_str(": ");
+        message.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    message
+}

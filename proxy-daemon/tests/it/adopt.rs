@@ -1,0 +1,126 @@
+//! Detaching and adopting: proof of identity, the pidfd watch, no signals without proof.
+
+use nix::sys::signal::Signal;
+use tether_proxy_daemon::{DetachError, ProcessState, Supervisor};
+
+use crate::support::*;
+
+#[tokio::test]
+async fn detached_process_keeps_running_and_is_adopted_back() {
+    let fx = Fixture::new();
+    let spec = fx.spec("adopt-proxy", &["--sleep"]);
+    let pid_file = spec.pid_file.clone();
+    let handle = fx.supervisor.spawn(spec.clone()).unwrap();
+    let pid = handle.status().pid.unwrap();
+    pid_in_file(&pid_file).await;
+
+    let identity = within("detach", handle.detach()).await.unwrap();
+    assert_eq!((identity.pid, identity.pgid), (pid, pid));
+    assert!(identity.start_time > 0);
+    assert!(!is_dead(pid), "detach leaves the process running");
+    assert_eq!(read_pid_file(&pid_file), Some(pid), "detach keeps the pid file");
+
+    // A fresh supervisor, as after an agent restart.
+    let next = Supervisor::new().unwrap();
+    let adopted = next.adopt(spec, &identity).expect("the same process is adopted");
+    let status = adopted.status();
+    assert_eq!((status.state, status.pid, status.restarts), (ProcessState::Running, Some(pid), 0));
+    let started_at = status.started_at.unwrap();
+    assert!(started_at <= std::time::SystemTime::now());
+    assert!(started_at.elapsed().unwrap() < std::time::Duration::from_secs(60), "start time comes from /proc");
+
+    let stopped = within("stop", adopted.stop()).await;
+    assert_eq!(stopped.state, ProcessState::Stopped);
+    assert_eq!(stopped.last_exit, None, "an adopted process's exit status belongs to its parent");
+    eventually("the adopted process to die", || is_dead(pid)).await;
+    assert!(!pid_file.exists());
+}
+
+#[tokio::test]
+async fn adopted_process_exit_is_noticed_through_the_pidfd_and_restarted() {
+    let fx = Fixture::new();
+    let spec = fx.spec("watch-proxy", &["--sleep"]);
+    let pid_file = spec.pid_file.clone();
+    let handle = fx.supervisor.spawn(spec.clone()).unwrap();
+    let identity = within("detach", handle.detach()).await.unwrap();
+    let adopted = Supervisor::new().unwrap().adopt(spec, &identity).expect("adopted");
+
+    send(identity.pid, Signal::SIGKILL);
+    let replacement = restarted(&adopted, identity.pid).await;
+    assert_eq!(adopted.status().restarts, 1);
+    eventually("the pid file to name the replacement", || read_pid_file(&pid_file) == Some(replacement)).await;
+    within("stop", adopted.stop()).await;
+    assert!(!exists(replacement));
+}
+
+#[tokio::test]
+async fn identity_that_does_not_match_is_not_adopted_and_not_signalled() {
+    let fx = Fixture::new();
+    let spec = fx.spec("mismatch-proxy", &["--sleep"]);
+    let handle = fx.supervisor.spawn(spec.clone()).unwrap();
+    let identity = within("detach", handle.detach()).await.unwrap();
+
+    let next = Supervisor::new().unwrap();
+    let mut later_start = identity.clone();
+    later_start.start_time += 1;
+    assert!(next.adopt(spec.clone(), &later_start).is_none(), "another start time is another process");
+    let mut other_boot = identity.clone();
+    other_boot.boot_id = "00000000-0000-0000-0000-000000000000".into();
+    assert!(next.adopt(spec.clone(), &other_boot).is_none(), "another boot is another process");
+    let mut other_group = identity.clone();
+    other_group.pgid += 1;
+    assert!(next.adopt(spec.clone(), &other_group).is_none());
+    assert!(!is_dead(identity.pid), "the process was not signalled");
+
+    // The real identity still works, so the refusals above were about the mismatch.
+    let adopted = next.adopt(spec, &identity).expect("the true identity is adopted");
+    within("stop", adopted.stop()).await;
+}
+
+#[tokio::test]
+async fn dead_process_is_not_adopted() {
+    let fx = Fixture::new();
+    let spec = fx.spec("dead-proxy", &["--sleep"]);
+    let handle = fx.supervisor.spawn(spec.clone()).unwrap();
+    let identity = within("detach", handle.detach()).await.unwrap();
+    send(identity.pid, Signal::SIGKILL);
+    eventually("the detached process to be gone", || !exists(identity.pid)).await;
+    assert!(Supervisor::new().unwrap().adopt(spec.clone(), &identity).is_none());
+    assert!(Supervisor::new().unwrap().adopt_from_pid_file(spec).is_none());
+}
+
+#[tokio::test]
+async fn pid_file_adoption_needs_the_identity_in_the_environment() {
+    let fx = Fixture::new();
+    let spec = fx.spec("pidfile-proxy", &["--sleep"]);
+    let handle = fx.supervisor.spawn(spec.clone()).unwrap();
+    let pid = handle.status().pid.unwrap();
+    pid_in_file(&spec.pid_file).await;
+    within("detach", handle.detach()).await.unwrap();
+    let next = Supervisor::new().unwrap();
+
+    let mut wrong_token = spec.clone();
+    wrong_token.identity_env[1].1 = "not-the-token".into();
+    assert!(next.adopt_from_pid_file(wrong_token).is_none());
+    let mut no_identity = spec.clone();
+    no_identity.identity_env.clear();
+    assert!(next.adopt_from_pid_file(no_identity).is_none(), "an empty identity proves nothing");
+    assert!(!is_dead(pid), "the process was not signalled");
+
+    let adopted = next.adopt_from_pid_file(spec).expect("the proven process is adopted");
+    assert_eq!(adopted.status().pid, Some(pid));
+    within("stop", adopted.stop()).await;
+    eventually("the adopted process to die", || is_dead(pid)).await;
+}
+
+#[tokio::test]
+async fn detach_during_backoff_reports_that_nothing_runs() {
+    let fx = Fixture::new();
+    let mut spec = fx.spec("backoff-proxy", &["--exit", "1"]);
+    spec.restart.free_attempts = 0;
+    let handle = fx.supervisor.spawn(spec).unwrap();
+    status_where(&handle, "backoff", |status| status.state == ProcessState::Backoff).await;
+    let error = within("detach", handle.detach()).await.unwrap_err();
+    assert!(matches!(error, DetachError::NotRunning { state: ProcessState::Backoff }), "{error:?}");
+    assert!(fx.marked_processes().is_empty());
+}

@@ -1,0 +1,78 @@
+//! Log files: appended across restarts, rotated at their cap.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+use nix::sys::signal::Signal;
+use tether_proxy_daemon::{LogLimits, ProcessUpdate};
+
+use crate::support::*;
+
+fn rotated(path: &Path, index: u32) -> PathBuf {
+    PathBuf::from(format!("{}.{index}", path.display()))
+}
+
+fn size(path: &Path) -> u64 {
+    std::fs::metadata(path).map(|metadata| metadata.len()).unwrap_or(0)
+}
+
+#[tokio::test]
+async fn logs_are_appended_across_restarts() {
+    let fx = Fixture::new();
+    let spec = fx.spec("append-proxy", &["--print", "hello"]);
+    let stdout = spec.logs.stdout.clone();
+    std::fs::create_dir_all(stdout.parent().unwrap()).unwrap();
+    std::fs::write(&stdout, "from before\n").unwrap();
+    let handle = fx.supervisor.spawn(spec).unwrap();
+    let count = || std::fs::read_to_string(&stdout).unwrap_or_default().matches("hello\n").count();
+    eventually("the first greeting", || count() == 1).await;
+    for _ in 0..2 {
+        let pid = handle.status().pid.unwrap();
+        let before = count();
+        send(pid, Signal::SIGKILL);
+        restarted(&handle, pid).await;
+        eventually("the next greeting", || count() == before + 1).await;
+    }
+    let log = std::fs::read_to_string(&stdout).unwrap();
+    assert_eq!(log, "from before\nhello\nhello\nhello\n");
+    within("stop", handle.stop()).await;
+}
+
+#[tokio::test]
+async fn logs_are_rotated_at_their_cap() {
+    let fx = Fixture::new();
+    let mut spec = fx.spec("chatty-proxy", &["--write-bytes", "300000"]);
+    spec.logs.limits = LogLimits { max_size: 64 * 1024, keep: 2 };
+    let stdout = spec.logs.stdout.clone();
+    let handle = fx.supervisor.spawn(spec).unwrap();
+
+    eventually("a rotated copy and a file back under its cap", || {
+        rotated(&stdout, 1).exists() && size(&stdout) <= 64 * 1024
+    })
+    .await;
+    assert!(!rotated(&stdout, 3).exists(), "only `keep` copies are kept");
+    assert_eq!(std::fs::metadata(rotated(&stdout, 1)).unwrap().permissions().mode() & 0o777, 0o600);
+    assert!(size(&rotated(&stdout, 1)) > 64 * 1024, "the copy holds what passed the cap");
+
+    // The process keeps its fd: new output lands in the truncated file, from offset 0.
+    let pid = handle.status().pid.unwrap();
+    assert!(!is_dead(pid));
+    within("stop", handle.stop()).await;
+}
+
+#[tokio::test]
+async fn log_limit_changes_apply_in_place() {
+    let fx = Fixture::new();
+    let spec = fx.spec("limits-proxy", &["--write-bytes", "20000"]);
+    let stdout = spec.logs.stdout.clone();
+    let handle = fx.supervisor.spawn(spec).unwrap();
+    eventually("the output", || size(&stdout) == 20000).await;
+    assert!(!rotated(&stdout, 1).exists(), "under the default cap nothing rotates");
+
+    handle
+        .update(ProcessUpdate { log_limits: Some(LogLimits { max_size: 4096, keep: 1 }), ..ProcessUpdate::default() });
+    eventually("rotation under the new cap", || rotated(&stdout, 1).exists() && size(&stdout) == 0).await;
+    assert_eq!(size(&rotated(&stdout, 1)), 20000);
+    assert!(!rotated(&stdout, 2).exists());
+    within("stop", handle.stop()).await;
+}

@@ -1,0 +1,157 @@
+//! Restarting: after an exit, the pid file following, the group swept first.
+
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::Signal;
+use tether_proxy_daemon::{ExitReason, ProcessState, ProcessUpdate, RestartPolicy};
+
+use crate::support::*;
+
+#[tokio::test]
+async fn exited_process_is_restarted_and_the_pid_file_follows() {
+    let fx = Fixture::new();
+    let spec = fx.spec("restart-proxy", &["--sleep"]);
+    let pid_file = spec.pid_file.clone();
+    let handle = fx.supervisor.spawn(spec).unwrap();
+    let first = handle.status().pid.unwrap();
+    assert_eq!(pid_in_file(&pid_file).await, first);
+
+    send(first, Signal::SIGKILL);
+    let second = restarted(&handle, first).await;
+    let status = handle.status();
+    assert_eq!(status.restarts, 1);
+    assert_eq!(status.last_exit, Some(ExitReason::Signal(libc::SIGKILL)));
+    eventually("the pid file to follow the restart", || read_pid_file(&pid_file) == Some(second)).await;
+
+    send(second, Signal::SIGTERM);
+    let third = restarted(&handle, second).await;
+    assert_eq!(handle.status().restarts, 2);
+    assert_eq!(handle.status().last_exit, Some(ExitReason::Signal(libc::SIGTERM)));
+    eventually("the pid file to follow again", || read_pid_file(&pid_file) == Some(third)).await;
+    within("stop", handle.stop()).await;
+}
+
+#[tokio::test]
+async fn killed_main_process_has_its_surviving_worker_swept_before_the_restart() {
+    let fx = Fixture::new();
+    let worker_file = fx.data_dir().join("worker.pid");
+    let spec = fx.spec("master-proxy", &["--fork-worker", worker_file.to_str().unwrap()]);
+    let handle = fx.supervisor.spawn(spec).unwrap();
+    let master = handle.status().pid.unwrap();
+    let worker = pid_in_file(&worker_file).await;
+    std::fs::remove_file(&worker_file).unwrap();
+
+    // Like the OOM killer: only the master dies, the worker would keep its port.
+    send(master, Signal::SIGKILL);
+    let replacement = restarted(&handle, master).await;
+    // The sweep's SIGKILL was sent before the replacement was spawned; give the kernel
+    // its moment to finish the kill.
+    eventually("the old worker to be dead", || is_dead(worker)).await;
+    let new_worker = pid_in_file(&worker_file).await;
+    assert_ne!(new_worker, worker);
+    assert!(!is_dead(new_worker), "the new instance's worker is untouched");
+    assert!(!is_dead(replacement));
+    within("stop", handle.stop()).await;
+    eventually("the new worker to die with the stop", || is_dead(new_worker)).await;
+}
+
+#[tokio::test]
+async fn crash_loop_backs_off_after_the_free_attempts() {
+    let fx = Fixture::new();
+    let mut spec = fx.spec("loop-proxy", &["--exit", "7"]);
+    spec.restart =
+        RestartPolicy { free_attempts: 2, max_delay: Duration::from_secs(60), healthy_after: Duration::from_secs(60) };
+    let handle = fx.supervisor.spawn(spec).unwrap();
+    // Two free restarts, then the third exit waits 1 s in backoff.
+    let status =
+        status_where(&handle, "backoff after two free restarts", |status| status.state == ProcessState::Backoff).await;
+    assert_eq!(status.restarts, 2);
+    assert_eq!(status.last_exit, Some(ExitReason::Code(7)));
+    // After the 1 s delay it restarts, exits again, and waits 2 s.
+    let status = status_where(&handle, "the restart after the first delay", |status| status.restarts == 3).await;
+    assert_eq!(status.last_exit, Some(ExitReason::Code(7)));
+    status_where(&handle, "the second backoff", |status| status.state == ProcessState::Backoff && status.restarts == 3)
+        .await;
+    within("stop", handle.stop()).await;
+}
+
+#[tokio::test]
+async fn restart_policy_changes_apply_in_place() {
+    let fx = Fixture::new();
+    let mut spec = fx.spec("policy-proxy", &["--sleep"]);
+    spec.restart.free_attempts = 0;
+    spec.restart.max_delay = Duration::from_secs(3600);
+    let handle = fx.supervisor.spawn(spec).unwrap();
+    let pid = handle.status().pid.unwrap();
+    handle.update(ProcessUpdate {
+        restart: Some(RestartPolicy { free_attempts: 5, ..RestartPolicy::default() }),
+        ..ProcessUpdate::default()
+    });
+    assert_eq!(handle.status().pid, Some(pid), "the update did not restart the process");
+    send(pid, Signal::SIGKILL);
+    // With the old policy this would wait an hour; the new one restarts at once.
+    restarted(&handle, pid).await;
+    assert_eq!(handle.status().restarts, 1);
+    within("stop", handle.stop()).await;
+}
+
+#[tokio::test]
+async fn dropping_the_handle_leaves_the_process_running() {
+    let fx = Fixture::new();
+    let handle = fx.supervisor.spawn(fx.spec("drop-proxy", &["--sleep"])).unwrap();
+    let pid = handle.status().pid.unwrap();
+    let mut status = handle.subscribe();
+    drop(handle);
+    within("the supervising task to end", status.changed()).await.unwrap_err();
+    assert!(!is_dead(pid), "supervision ended, the process did not");
+    // The fixture's guard kills it.
+}
+
+#[tokio::test]
+async fn restart_that_cannot_exec_ends_in_failed_with_the_reason() {
+    let fx = Fixture::new();
+    let program = fx.data_dir().join("vanishing-proxy");
+    std::fs::copy(helper(), &program).unwrap();
+    let mut spec = fx.spec("vanish-proxy", &["--sleep"]);
+    spec.program = program.clone();
+    let pid_file = spec.pid_file.clone();
+    let handle = fx.supervisor.spawn(spec).unwrap();
+    let pid = handle.status().pid.unwrap();
+    pid_in_file(&pid_file).await;
+
+    std::fs::remove_file(&program).unwrap();
+    send(pid, Signal::SIGKILL);
+    let status = status_where(&handle, "the failed restart", |status| status.state == ProcessState::Failed).await;
+    let error = status.error.expect("the reason");
+    assert!(error.starts_with(&format!("failed to execute `{}`", program.display())), "{error}");
+    assert_eq!(status.pid, None);
+    assert_eq!(status.last_exit, Some(ExitReason::Signal(libc::SIGKILL)));
+    assert!(!pid_file.exists(), "no pid file names a process that does not exist");
+    assert_eq!(within("stop", handle.stop()).await.state, ProcessState::Failed, "stop after failure is a no-op");
+}
+
+#[tokio::test]
+async fn a_healthy_run_resets_the_backoff() {
+    let fx = Fixture::new();
+    let mut spec = fx.spec("healthy-proxy", &["--sleep"]);
+    let healthy_after = Duration::from_millis(150);
+    spec.restart = RestartPolicy { free_attempts: 1, max_delay: Duration::from_secs(60), healthy_after };
+    let handle = fx.supervisor.spawn(spec).unwrap();
+    for round in 1..=3 {
+        let status = handle.status();
+        let pid = status.pid.unwrap();
+        let started_at = status.started_at.unwrap();
+        // The condition is the passing of time itself: the run must reach `healthy_after`.
+        eventually("a healthy run", || started_at.elapsed().unwrap_or_default() > healthy_after).await;
+        let killed_at = Instant::now();
+        send(pid, Signal::SIGKILL);
+        restarted(&handle, pid).await;
+        // Without the reset, the second exit would be attempt 2 and wait 1 s in backoff.
+        assert!(
+            killed_at.elapsed() < Duration::from_millis(900),
+            "round {round}: restarted at once after a healthy run"
+        );
+        assert_eq!(handle.status().restarts, round);
+    }
+    within("stop", handle.stop()).await;
+}

@@ -1,0 +1,86 @@
+//! Stopping: the kill signal, the escalation to SIGKILL, the whole group, idempotence.
+
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::Signal;
+use tether_proxy_daemon::{ExitReason, KillPolicy, ProcessState, ProcessUpdate};
+
+use crate::support::*;
+
+#[tokio::test]
+async fn process_ignoring_sigint_is_killed_after_kill_timeout_with_its_grandchild() {
+    let fx = Fixture::new();
+    let worker_file = fx.data_dir().join("worker.pid");
+    let mut spec = fx.spec("stubborn-proxy", &["--ignore-sigint", "--fork-worker", worker_file.to_str().unwrap()]);
+    spec.kill.timeout = Duration::from_millis(300);
+    let handle = fx.supervisor.spawn(spec).unwrap();
+    let pid = handle.status().pid.unwrap();
+    let worker = pid_in_file(&worker_file).await;
+    assert!(!is_dead(worker));
+
+    let start = Instant::now();
+    let mut status = handle.subscribe();
+    let (stopped, ()) = tokio::join!(within("stop", handle.stop()), async {
+        let stopping =
+            within("the stopping state", status.wait_for(|status| status.state != ProcessState::Running)).await;
+        assert_eq!(stopping.unwrap().state, ProcessState::Stopping, "the kill timeout is visible as `stopping`");
+    });
+    assert!(
+        start.elapsed() >= Duration::from_millis(300),
+        "SIGINT was ignored, so the stop waited: {:?}",
+        start.elapsed()
+    );
+    assert_eq!(stopped.state, ProcessState::Stopped);
+    assert_eq!(stopped.last_exit, Some(ExitReason::Signal(libc::SIGKILL)));
+    assert!(!exists(pid), "the leader is reaped");
+    eventually("the grandchild to die", || is_dead(worker)).await;
+}
+
+#[tokio::test]
+async fn stop_is_idempotent_and_the_process_never_comes_back() {
+    let fx = Fixture::new();
+    let handle = fx.supervisor.spawn(fx.spec("idem-proxy", &["--sleep"])).unwrap();
+    let first = within("first stop", handle.stop()).await;
+    let second = within("second stop", handle.stop()).await;
+    assert_eq!(first, second);
+    assert_eq!(second.state, ProcessState::Stopped);
+    assert_eq!(handle.status().state, ProcessState::Stopped);
+    assert!(fx.marked_processes().is_empty(), "nothing restarted after the stop");
+}
+
+#[tokio::test]
+async fn kill_policy_changes_apply_in_place() {
+    let fx = Fixture::new();
+    let handle = fx.supervisor.spawn(fx.spec("term-proxy", &["--ignore-sigint"])).unwrap();
+    let pid = handle.status().pid.unwrap();
+    handle.update(ProcessUpdate {
+        kill: Some(KillPolicy { signal: Signal::SIGTERM, timeout: Duration::from_secs(5) }),
+        ..ProcessUpdate::default()
+    });
+    let start = Instant::now();
+    let stopped = within("stop", handle.stop()).await;
+    assert_eq!(stopped.last_exit, Some(ExitReason::Signal(libc::SIGTERM)), "the new signal was used");
+    assert!(start.elapsed() < Duration::from_secs(5), "no escalation was needed");
+    assert_eq!(stopped.restarts, 0, "the update did not restart the process");
+    assert!(!exists(pid));
+}
+
+#[tokio::test]
+async fn stop_during_backoff_ends_supervision_without_a_restart() {
+    let fx = Fixture::new();
+    let mut spec = fx.spec("crash-proxy", &["--exit", "3"]);
+    spec.restart.free_attempts = 0;
+    spec.restart.max_delay = Duration::from_secs(60);
+    let pid_file = spec.pid_file.clone();
+    let handle = fx.supervisor.spawn(spec).unwrap();
+    let status = status_where(&handle, "backoff", |status| status.state == ProcessState::Backoff).await;
+    assert_eq!(status.last_exit, Some(ExitReason::Code(3)));
+    assert_eq!(status.pid, None);
+    assert_eq!(status.restarts, 0);
+
+    let stopped = within("stop", handle.stop()).await;
+    assert_eq!(stopped.state, ProcessState::Stopped);
+    assert_eq!(stopped.last_exit, Some(ExitReason::Code(3)));
+    assert_eq!(stopped.restarts, 0);
+    assert!(!pid_file.exists());
+}
