@@ -1,2 +1,95 @@
-//! The `tether` binary.
-fn main() {}
+//! The `tether` binary: parses the command line and hands each command to its module.
+//!
+//! This is the only place that maps errors to exit codes: 0 success, 1 runtime failure,
+//! 2 usage or config error (SPEC's CLI table).
+
+mod agent;
+mod api;
+mod cli;
+mod client;
+mod commands;
+mod connect_proxy;
+mod logging;
+mod metrics;
+mod validate;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+use crate::cli::{Cli, Command, LogFormat};
+
+/// An error that is the user's input, not a runtime failure: exit code 2.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub(crate) struct UsageError(String);
+
+/// An error and its causes on one line: `a: b: c`.
+pub(crate) fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut line = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        line.push_str(": ");
+        line.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    line
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // Everything tether creates is private to its user: the socket, pid files, logs.
+    nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
+    match run(cli) {
+        Ok(code) => code,
+        Err(err) => {
+            #[allow(clippy::print_stderr)] // The one place that reports a failed command.
+            {
+                eprintln!("tether: {err:#}");
+            }
+            ExitCode::from(if err.is::<UsageError>() { 2 } else { 1 })
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    match cli.command {
+        Command::Validate(args) => validate::run(&args),
+        Command::Agent(args) => {
+            logging::install(&args.log_level, args.log_format)?;
+            runtime()?.block_on(async move {
+                if args.dev {
+                    agent::dev::run(args.http_addr, args.sync_quiescent, args.sync_max_delay).await
+                } else {
+                    agent::run(agent::AgentOptions {
+                        config_dirs: args.config_dirs,
+                        data_dir: args.data_dir,
+                        http_addr: args.http_addr,
+                        allow_root: args.allow_root,
+                        allow_api_commands: args.allow_api_commands,
+                        sync_quiescent: args.sync_quiescent,
+                        sync_max_delay: args.sync_max_delay,
+                        stop_proxies_on_exit: false,
+                    })
+                    .await
+                }
+            })
+        }
+        Command::ConnectProxy => {
+            logging::install("info", LogFormat::Text)?;
+            runtime()?.block_on(connect_proxy::run())
+        }
+        Command::Status(args) => current_thread()?.block_on(commands::status(&args.socket.socket(), args.json)),
+        Command::Register(args) => current_thread()?.block_on(commands::register(&args.socket.socket(), &args.file)),
+        Command::Deregister(args) => current_thread()?.block_on(commands::deregister(&args.socket.socket(), &args.id)),
+        Command::Leave(args) => current_thread()?.block_on(commands::leave(&args.socket())),
+    }
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread().enable_all().build()?)
+}
+
+fn current_thread() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_current_thread().enable_all().build()?)
+}

@@ -1,0 +1,102 @@
+//! `tether agent --dev`: the agent on an embedded demo, in a temporary data dir.
+//!
+//! The agent serves a demo upstream on loopback itself, and runs one demo service whose
+//! built-in proxy forwards to it, so that one command shows tether working with nothing
+//! else installed. Nothing persists: the proxies stop and the temp dir goes on exit.
+
+use std::io::Write;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+use tokio::task::JoinSet;
+
+use super::AgentOptions;
+
+/// The demo upstream's answer to every request.
+const GREETING: &str = "hello from the tether demo upstream, through the built-in proxy\n";
+
+/// Runs the agent on the demo config until SIGINT, SIGTERM or `leave`.
+pub(crate) async fn run(
+    http_addr: Option<SocketAddr>,
+    sync_quiescent: Duration,
+    sync_max_delay: Duration,
+) -> anyhow::Result<ExitCode> {
+    let temp = tempfile::Builder::new().prefix("tether-dev-").tempdir().context("creating the temporary data dir")?;
+    let config_dir = temp.path().join("config");
+    std::fs::create_dir(&config_dir).context("creating the demo config dir")?;
+
+    let upstream = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await.context("binding the demo upstream")?;
+    let upstream_port = upstream.local_addr()?.port();
+    let proxy_port = free_port().context("finding a free port for the demo proxy")?;
+    let demo = format!(
+        "# The embedded demo of `tether agent --dev`.\n\
+         [[service]]\nname = \"demo\"\naddress = \"127.0.0.1\"\nport = {upstream_port}\ntags = [\"dev\"]\n\n\
+         [service.proxy]\nconfig = {{ bind_port = {proxy_port} }}\n"
+    );
+    std::fs::write(config_dir.join("demo.toml"), demo).context("writing the demo config")?;
+
+    let mut tasks = JoinSet::new();
+    tasks.spawn(serve_demo_upstream(upstream));
+
+    let data_dir = temp.path().join("data");
+    let tether = std::env::current_exe().map_or_else(|_| "tether".to_owned(), |exe| exe.display().to_string());
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "tether dev agent")?;
+    writeln!(out, "  data dir:       {} (removed on exit)", data_dir.display())?;
+    writeln!(out, "  demo upstream:  127.0.0.1:{upstream_port}, served by the agent")?;
+    writeln!(out, "  demo proxy:     127.0.0.1:{proxy_port} -> 127.0.0.1:{upstream_port} (built-in proxy)")?;
+    writeln!(out, "try, once the proxy runs (about a second):")?;
+    writeln!(out, "  curl http://127.0.0.1:{proxy_port}/")?;
+    writeln!(out, "  {tether} status --data-dir {}", data_dir.display())?;
+    writeln!(out, "stop with Ctrl-C: the demo proxy stops with the agent")?;
+    drop(out);
+
+    let options = AgentOptions {
+        config_dirs: vec![config_dir],
+        data_dir,
+        http_addr,
+        allow_root: true,
+        allow_api_commands: false,
+        sync_quiescent,
+        sync_max_delay,
+        stop_proxies_on_exit: true,
+    };
+    let result = super::run(options).await;
+    tasks.abort_all();
+    drop(temp);
+    result
+}
+
+/// A port that was free a moment ago on loopback.
+fn free_port() -> std::io::Result<u16> {
+    let probe = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
+    Ok(probe.local_addr()?.port())
+}
+
+/// Answers every HTTP request with [`GREETING`].
+async fn serve_demo_upstream(listener: TcpListener) {
+    let mut connections = JoinSet::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let Ok((mut stream, _)) = accepted else { continue };
+                connections.spawn(async move {
+                    let mut request = [0u8; 4096];
+                    // One read is enough for a demo request line and headers.
+                    let _ = stream.read(&mut request).await;
+                    let response = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{GREETING}",
+                        GREETING.len()
+                    );
+                    let _ = stream.write_all(response.as_bytes()).await;
+                    let _ = stream.shutdown().await;
+                });
+            }
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+        }
+    }
+}

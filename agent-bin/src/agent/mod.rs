@@ -1,0 +1,240 @@
+//! `tether agent`: wires the catalog, the engine, the process backend and the control API
+//! together, and turns signals into reloads and shutdowns.
+//!
+//! Two shutdowns, never confused: *close* (SIGTERM/SIGINT) stops the API, detaches every
+//! proxy and writes the snapshot, so that the next agent adopts them; *kill* (`tether
+//! leave`) stops every proxy in parallel and removes the snapshot.
+
+pub(crate) mod dev;
+pub(crate) mod sources;
+
+use std::net::SocketAddr;
+use std::os::unix::fs::PermissionsExt;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use tether_manager::{FileSnapshotStore, Manager, ManagerConfig};
+use tether_proxy_daemon::{AgentEnvironment, OsProcessBackend};
+use tether_state::config::DisplayPath;
+use tether_state::persist::DataDir;
+use tokio::net::{TcpListener, UnixListener};
+use tokio::signal::unix::{SignalKind, signal};
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::UsageError;
+use crate::api::{self, ApiState, LeaveRequest};
+use crate::metrics::Metrics;
+use sources::Sources;
+
+/// What `tether agent` runs with, after `--dev` has been resolved.
+pub(crate) struct AgentOptions {
+    pub(crate) config_dirs: Vec<PathBuf>,
+    pub(crate) data_dir: PathBuf,
+    pub(crate) http_addr: Option<SocketAddr>,
+    pub(crate) allow_root: bool,
+    pub(crate) allow_api_commands: bool,
+    pub(crate) sync_quiescent: Duration,
+    pub(crate) sync_max_delay: Duration,
+    /// Stop every proxy on any exit, not only on `leave` (`--dev`).
+    pub(crate) stop_proxies_on_exit: bool,
+}
+
+/// How the agent is told to end.
+enum Ending {
+    /// SIGTERM or SIGINT: leave proxies running for the next agent.
+    Close(&'static str),
+    /// `tether leave`: stop every proxy, then answer the request.
+    Leave(LeaveRequest),
+}
+
+/// Holds the data dir's lock for the agent's lifetime, so that two agents never manage the
+/// same proxies.
+struct DataDirLock {
+    _file: nix::fcntl::Flock<std::fs::File>,
+}
+
+fn lock_data_dir(data: &DataDir) -> anyhow::Result<DataDirLock> {
+    let path = data.root().join("agent.lock");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("cannot open {}", DisplayPath(&path)))?;
+    match nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock) {
+        Ok(lock) => Ok(DataDirLock { _file: lock }),
+        Err((_, errno)) => {
+            Err(anyhow::anyhow!("another agent is running with the data dir {} ({errno})", DisplayPath(data.root())))
+        }
+    }
+}
+
+/// Runs the agent until a signal or `leave`.
+pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
+    if let Some(addr) = options.http_addr.filter(|addr| !addr.ip().is_loopback()) {
+        return Err(UsageError(format!("--http-addr {addr} is not a loopback address")).into());
+    }
+    let data = DataDir::open(&options.data_dir).context("preparing the data dir")?;
+    let _lock = lock_data_dir(&data)?;
+    let sources = match Sources::open(data.clone(), options.config_dirs.clone(), options.allow_api_commands) {
+        Ok(sources) => Arc::new(sources),
+        Err(errors) => {
+            let lines: Vec<String> = errors.0.iter().map(|e| crate::error_chain(e)).collect();
+            return Err(UsageError(format!("invalid config:\n{}", lines.join("\n"))).into());
+        }
+    };
+    let running_as_root = nix::unistd::geteuid().is_root();
+    let socket_path = std::path::absolute(data.socket_path()).context("resolving the socket path")?;
+    let environment =
+        AgentEnvironment { socket: socket_path.clone(), http_addr: options.http_addr.map(|addr| addr.to_string()) };
+    let backend = Arc::new(OsProcessBackend::new(data.clone(), environment).context("starting the process backend")?);
+    let store = Arc::new(FileSnapshotStore::in_data_dir(&data));
+    let config = ManagerConfig {
+        sync_quiescent: options.sync_quiescent,
+        sync_max_delay: options.sync_max_delay,
+        running_as_root,
+        allow_root: options.allow_root,
+        ..ManagerConfig::default()
+    };
+    let catalog = Arc::new(sources.state().clone());
+    let mut manager = Manager::new(catalog, backend, store, config);
+    let handle = manager.handle();
+
+    let (leave_tx, mut leave_rx) = mpsc::channel::<LeaveRequest>(1);
+    let api_stop = CancellationToken::new();
+    let api_state = ApiState {
+        sources: sources.clone(),
+        manager: handle.clone(),
+        leave: leave_tx,
+        metrics: Arc::new(Metrics::new(handle)),
+        shutdown: api_stop.clone(),
+    };
+    let mut servers = JoinSet::new();
+    let unix = bind_socket(&socket_path)?;
+    servers.spawn(serve_unix(unix, api::socket_router(api_state.clone()), api_stop.clone()));
+    if let Some(addr) = options.http_addr {
+        let tcp = TcpListener::bind(addr).await.with_context(|| format!("cannot listen on --http-addr {addr}"))?;
+        tracing::info!(%addr, "serving the read endpoints over HTTP");
+        servers.spawn(serve_tcp(tcp, api::http_router(api_state), api_stop.clone()));
+    }
+    tracing::info!(socket = %DisplayPath(&socket_path), services = sources.state().len(), root = running_as_root, "agent started");
+
+    let mut sighup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
+    let mut sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut sigint = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    let engine_stop = CancellationToken::new();
+    // The engine runs in its own task, so that a slow reload never stalls reconciling.
+    let mut engine = tokio::spawn({
+        let stop = engine_stop.clone();
+        async move {
+            manager.run(stop).await;
+            manager
+        }
+    });
+    let ending = loop {
+        tokio::select! {
+            _ = &mut engine => return Err(anyhow::anyhow!("the engine stopped on its own")),
+            _ = sighup.recv() => {
+                tracing::info!("SIGHUP: reloading the config");
+                let reloading = sources.clone();
+                match tokio::task::spawn_blocking(move || reloading.reload()).await {
+                    Ok(Ok(report)) => tracing::info!(added = report.added, changed = report.changed, removed = report.removed, "config reloaded"),
+                    Ok(Err(_)) => tracing::error!("config reload refused; the previous config stays in force"),
+                    Err(err) => tracing::error!(error = %err, "config reload failed"),
+                }
+            }
+            _ = sigterm.recv() => break Ending::Close("SIGTERM"),
+            _ = sigint.recv() => break Ending::Close("SIGINT"),
+            Some(request) = leave_rx.recv() => break Ending::Leave(request),
+        }
+    };
+    engine_stop.cancel();
+    let manager = engine.await.context("the engine task failed")?;
+    match ending {
+        Ending::Leave(request) => {
+            tracing::info!("leave: stopping every proxy");
+            let result = manager.kill().await;
+            if result.is_ok() {
+                remove_snapshot(&data);
+            }
+            let reply = result.as_ref().map(|_| ()).map_err(|err| crate::error_chain(err));
+            let _ = request.send(reply);
+            // Let the answer reach the client before the socket closes.
+            stop_servers(&api_stop, &mut servers).await;
+            let _ = std::fs::remove_file(&socket_path);
+            result.context("stopping the proxies")?;
+        }
+        Ending::Close(signal) => {
+            if options.stop_proxies_on_exit {
+                tracing::info!(signal, "shutting down; stopping every proxy");
+            } else {
+                tracing::info!(signal, "shutting down; proxies keep running");
+            }
+            stop_servers(&api_stop, &mut servers).await;
+            let _ = std::fs::remove_file(&socket_path);
+            if options.stop_proxies_on_exit {
+                manager.kill().await.context("stopping the proxies")?;
+                remove_snapshot(&data);
+            } else {
+                manager.close().await.context("writing the snapshot")?;
+            }
+        }
+    }
+    tracing::info!("agent stopped");
+    Ok(ExitCode::SUCCESS)
+}
+
+/// How long open requests may take to finish once the API stops.
+const DRAIN: Duration = Duration::from_secs(2);
+
+/// Stops accepting requests, lets open ones finish within [`DRAIN`], then drops the rest.
+async fn stop_servers(stop: &CancellationToken, servers: &mut JoinSet<()>) {
+    stop.cancel();
+    let drained = tokio::time::timeout(DRAIN, async { while servers.join_next().await.is_some() {} }).await;
+    if drained.is_err() {
+        tracing::warn!("requests still open after the drain period; closing them");
+        servers.abort_all();
+        while servers.join_next().await.is_some() {}
+    }
+}
+
+fn remove_snapshot(data: &DataDir) {
+    match std::fs::remove_file(data.snapshot_path()) {
+        Ok(()) => {}
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
+        Err(err) => tracing::warn!(error = %err, "cannot remove the snapshot"),
+    }
+}
+
+/// Binds `agent.sock` with mode 0600, replacing a stale socket left by a crashed agent
+/// (the data dir lock proves no other agent uses it).
+fn bind_socket(path: &std::path::Path) -> anyhow::Result<UnixListener> {
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
+        Err(err) => return Err(err).with_context(|| format!("cannot remove the stale socket {}", DisplayPath(path))),
+    }
+    let listener = UnixListener::bind(path).with_context(|| format!("cannot listen on {}", DisplayPath(path)))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+        .with_context(|| format!("cannot restrict {}", DisplayPath(path)))?;
+    Ok(listener)
+}
+
+async fn serve_unix(listener: UnixListener, router: axum::Router, stop: CancellationToken) {
+    let served = axum::serve(listener, router).with_graceful_shutdown(stop.cancelled_owned()).await;
+    if let Err(err) = served {
+        tracing::error!(error = %err, "control socket server failed");
+    }
+}
+
+async fn serve_tcp(listener: TcpListener, router: axum::Router, stop: CancellationToken) {
+    let served = axum::serve(listener, router).with_graceful_shutdown(stop.cancelled_owned()).await;
+    if let Err(err) = served {
+        tracing::error!(error = %err, "HTTP server failed");
+    }
+}

@@ -1,0 +1,71 @@
+//! The wire shapes of the control API, owned by the binary so that a change to the wire
+//! format never forces a change in a library crate.
+//!
+//! `ProxyStatusDto` is exactly SPEC's `status --json` object. Nothing here holds a secret.
+
+use std::time::SystemTime;
+
+use serde::{Deserialize, Serialize};
+
+/// One proxy, as `GET /v1/agent/proxies` and `tether status --json` show it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct ProxyStatusDto {
+    pub(crate) id: String,
+    pub(crate) service: String,
+    pub(crate) state: String,
+    pub(crate) pid: Option<u32>,
+    pub(crate) restarts: u64,
+    /// RFC 3339, UTC, seconds.
+    pub(crate) started_at: Option<String>,
+    pub(crate) last_exit: Option<ExitDto>,
+    pub(crate) error: Option<String>,
+}
+
+/// How a proxy's process last ended: `{"code": n}` or `{"signal": n}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum ExitDto {
+    Code(i32),
+    Signal(i32),
+}
+
+/// `{"error": "..."}`.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct ErrorDto {
+    pub(crate) error: String,
+}
+
+/// `{"status": "ok"}`.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct HealthDto {
+    pub(crate) status: String,
+}
+
+/// RFC 3339 in UTC to the second, as SPEC's `started_at`.
+pub(crate) fn rfc3339(time: SystemTime) -> String {
+    humantime::format_rfc3339_seconds(time).to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_serializes_exactly_as_spec() {
+        let dto = ProxyStatusDto {
+            id: "web-proxy".into(),
+            service: "web".into(),
+            state: "running".into(),
+            pid: Some(42),
+            restarts: 1,
+            started_at: Some(rfc3339(SystemTime::UNIX_EPOCH)),
+            last_exit: Some(ExitDto::Signal(9)),
+            error: None,
+        };
+        assert_eq!(
+            serde_json::to_string(&dto).unwrap(),
+            r#"{"id":"web-proxy","service":"web","state":"running","pid":42,"restarts":1,"started_at":"1970-01-01T00:00:00Z","last_exit":{"signal":9},"error":null}"#
+        );
+        assert_eq!(serde_json::to_string(&ExitDto::Code(3)).unwrap(), r#"{"code":3}"#);
+    }
+}

@@ -1,0 +1,177 @@
+//! The control API: HTTP/1.1 + JSON on `agent.sock`, and its read-only subset on
+//! `--http-addr`.
+//!
+//! Handlers translate between the wire (`dto`) and the libraries; they hold no state of
+//! their own and never block the runtime. Errors are `{"error": "..."}` with 400, 403,
+//! 404, 409 or 500.
+
+pub(crate) mod dto;
+pub(crate) mod proxy_config;
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, put};
+use axum::{Json, Router};
+use tether_manager::{LastExit, ManagerHandle, ProxyStatus};
+use tether_state::config::{self, Format, Origin};
+use tether_state::{CatalogError, ProxyId, ServiceId};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::agent::sources::{RegisterError, Sources};
+use crate::metrics::Metrics;
+use dto::{ErrorDto, ExitDto, HealthDto, ProxyStatusDto};
+
+/// A request to stop every proxy and exit; answered once the proxies are stopped.
+pub(crate) type LeaveRequest = oneshot::Sender<Result<(), String>>;
+
+/// What the handlers share.
+#[derive(Clone)]
+pub(crate) struct ApiState {
+    pub(crate) sources: Arc<Sources>,
+    pub(crate) manager: ManagerHandle,
+    pub(crate) leave: mpsc::Sender<LeaveRequest>,
+    pub(crate) metrics: Arc<Metrics>,
+    /// Cancelled when the API stops: blocking queries answer at once then.
+    pub(crate) shutdown: tokio_util::sync::CancellationToken,
+}
+
+/// An API error: a status code and a message for `{"error": ...}`.
+pub(crate) struct ApiError {
+    status: StatusCode,
+    message: String,
+}
+
+impl ApiError {
+    pub(crate) fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        Self { status, message: message.into() }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, Json(ErrorDto { error: self.message })).into_response()
+    }
+}
+
+impl From<RegisterError> for ApiError {
+    fn from(err: RegisterError) -> Self {
+        let status = match &err {
+            RegisterError::CommandRefused { .. } => StatusCode::FORBIDDEN,
+            RegisterError::Catalog(CatalogError::Conflict { .. } | CatalogError::Duplicate { .. }) => {
+                StatusCode::CONFLICT
+            }
+            RegisterError::Catalog(CatalogError::NotFound { .. }) => StatusCode::NOT_FOUND,
+            RegisterError::Catalog(_) | RegisterError::Persist(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        Self::new(status, crate::error_chain(&err))
+    }
+}
+
+/// The routes of `agent.sock`: everything.
+pub(crate) fn socket_router(state: ApiState) -> Router {
+    read_routes()
+        .route("/v1/agent/service/register", put(register))
+        .route("/v1/agent/service/deregister/{id}", put(deregister))
+        .route("/v1/agent/leave", put(leave))
+        .fallback(not_found)
+        .with_state(state)
+}
+
+/// The routes of `--http-addr`: reading only.
+pub(crate) fn http_router(state: ApiState) -> Router {
+    read_routes().fallback(not_found).with_state(state)
+}
+
+fn read_routes() -> Router<ApiState> {
+    Router::new()
+        .route("/v1/agent/proxies", get(proxies))
+        .route("/v1/agent/proxy/{id}", get(proxy))
+        .route("/v1/agent/proxy/{id}/config", get(proxy_config::get_config))
+        .route("/v1/agent/health", get(health))
+        .route("/metrics", get(metrics))
+}
+
+async fn not_found() -> ApiError {
+    ApiError::new(StatusCode::NOT_FOUND, "no such endpoint")
+}
+
+/// The wire form of a proxy's status.
+pub(crate) fn status_dto(status: &ProxyStatus) -> ProxyStatusDto {
+    ProxyStatusDto {
+        id: status.id.to_string(),
+        service: status.service.to_string(),
+        state: status.state.as_str().to_owned(),
+        pid: status.pid,
+        restarts: u64::from(status.restarts),
+        started_at: status.started_at.map(dto::rfc3339),
+        last_exit: status.last_exit.map(|exit| match exit {
+            LastExit::Code(code) => ExitDto::Code(code),
+            LastExit::Signal(signal) => ExitDto::Signal(signal),
+        }),
+        error: status.error.clone(),
+    }
+}
+
+async fn proxies(State(state): State<ApiState>) -> Json<Vec<ProxyStatusDto>> {
+    Json(state.manager.status().iter().map(status_dto).collect())
+}
+
+async fn proxy(State(state): State<ApiState>, Path(id): Path<String>) -> Result<Json<ProxyStatusDto>, ApiError> {
+    let id = ProxyId::parse(id).map_err(|err| ApiError::new(StatusCode::NOT_FOUND, err.to_string()))?;
+    let status =
+        state.manager.proxy(&id).ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, format!("no proxy {id}")))?;
+    Ok(Json(status_dto(&status)))
+}
+
+async fn register(State(state): State<ApiState>, body: Bytes) -> Result<Json<serde_json::Value>, ApiError> {
+    let text = std::str::from_utf8(&body).map_err(|_| ApiError::new(StatusCode::BAD_REQUEST, "body is not UTF-8"))?;
+    let service = config::parse_service(text, Format::Json, &Origin::Body)
+        .map_err(|err| ApiError::new(StatusCode::BAD_REQUEST, crate::error_chain(&err)))?;
+    let id = service.id.clone();
+    let sources = state.sources.clone();
+    // Persisting fsyncs: keep it off the runtime's worker threads.
+    tokio::task::spawn_blocking(move || sources.register(service))
+        .await
+        .map_err(|err| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, err.to_string()))??;
+    Ok(Json(serde_json::json!({ "registered": id.as_str() })))
+}
+
+async fn deregister(
+    State(state): State<ApiState>,
+    Path(id): Path<String>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let id = ServiceId::new(id).map_err(|err| ApiError::new(StatusCode::BAD_REQUEST, err.to_string()))?;
+    let sources = state.sources.clone();
+    let service = id.clone();
+    tokio::task::spawn_blocking(move || sources.deregister(&service))
+        .await
+        .map_err(|err| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, err.to_string()))??;
+    Ok(Json(serde_json::json!({ "deregistered": id.as_str() })))
+}
+
+async fn leave(State(state): State<ApiState>) -> Result<Json<serde_json::Value>, ApiError> {
+    let (done, stopped) = oneshot::channel();
+    state
+        .leave
+        .send(done)
+        .await
+        .map_err(|_| ApiError::new(StatusCode::CONFLICT, "the agent is already shutting down"))?;
+    match stopped.await {
+        Ok(Ok(())) => Ok(Json(serde_json::json!({ "left": true }))),
+        Ok(Err(message)) => Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message)),
+        Err(_) => Err(ApiError::new(StatusCode::CONFLICT, "the agent is already shutting down")),
+    }
+}
+
+async fn health() -> Json<HealthDto> {
+    Json(HealthDto { status: "ok".to_owned() })
+}
+
+async fn metrics(State(state): State<ApiState>) -> impl IntoResponse {
+    let body = state.metrics.render();
+    ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], body)
+}

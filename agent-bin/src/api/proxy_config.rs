@@ -1,0 +1,126 @@
+//! `GET /v1/agent/proxy/{id}/config`: a proxy's service and opaque `config`, for the proxy
+//! itself, authenticated by its token, with Consul-style blocking queries.
+//!
+//! A blocking query waits on the catalog's change notifications and one timer for its
+//! `wait`, so a thousand waiting proxies cost no wake-up while nothing changes. Refusals
+//! never say which proxy ids exist.
+
+use std::time::Duration;
+
+use axum::Json;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde::{Deserialize, Serialize};
+use tether_state::{Catalog, Entry, LocalState, ProxyConfigMap, ProxyId, ProxyToken, Revision};
+
+use super::{ApiError, ApiState};
+
+/// The header that carries a proxy's token.
+pub(crate) const TOKEN_HEADER: &str = "x-tether-proxy-token";
+
+/// The header that carries the config's index, as in the body.
+pub(crate) const INDEX_HEADER: &str = "x-tether-index";
+
+/// How long a blocking query waits when it does not say.
+const DEFAULT_WAIT: Duration = Duration::from_secs(300);
+
+/// The longest a blocking query may wait.
+const MAX_WAIT: Duration = Duration::from_secs(600);
+
+#[derive(Debug, Deserialize)]
+pub(crate) struct ConfigQuery {
+    index: Option<u64>,
+    wait: Option<String>,
+}
+
+/// What a proxy learns about itself.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct ProxyConfigDto {
+    pub(crate) proxy_id: String,
+    pub(crate) service: ServiceDto,
+    pub(crate) config: ProxyConfigMap,
+    /// Passes when the service or its proxy changes: the `index` of the next blocking query.
+    pub(crate) index: u64,
+}
+
+/// The service a proxy fronts.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct ServiceDto {
+    pub(crate) id: String,
+    pub(crate) name: String,
+    pub(crate) address: String,
+    pub(crate) port: Option<u16>,
+}
+
+fn forbidden() -> ApiError {
+    ApiError::new(StatusCode::FORBIDDEN, "missing or invalid X-Tether-Proxy-Token for this proxy")
+}
+
+/// A fixed token to compare against when the id is unknown, so that an unknown id and a
+/// wrong token take the same path and time.
+fn decoy() -> ProxyToken {
+    ProxyToken::from_hex("0".repeat(64)).unwrap_or_else(|_| unreachable!("64 hex digits are a valid token"))
+}
+
+/// The entry of the proxy `id`, if `token` is its token.
+fn authorised(state: &LocalState, id: &Option<ProxyId>, token: &str) -> Option<Entry> {
+    let entry = id.as_ref().and_then(|id| state.get(&id.service_id())).filter(|entry| entry.proxy.is_some());
+    let expected = entry.as_ref().and_then(|e| e.proxy.as_ref()).map_or_else(decoy, |p| p.token().clone());
+    let matches = expected.matches(token);
+    entry.filter(|_| matches)
+}
+
+pub(crate) async fn get_config(
+    State(state): State<ApiState>,
+    Path(id): Path<String>,
+    Query(query): Query<ConfigQuery>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    let token = headers.get(TOKEN_HEADER).and_then(|v| v.to_str().ok()).ok_or_else(forbidden)?.to_owned();
+    let id = ProxyId::parse(id).ok();
+    let catalog = state.sources.state();
+    // Subscribe before reading, so that a change between the read and the wait wakes us.
+    let mut changes = catalog.subscribe();
+    let mut entry = authorised(catalog, &id, &token).ok_or_else(forbidden)?;
+    if let Some(index) = query.index {
+        let wait = match &query.wait {
+            Some(wait) => humantime::parse_duration(wait)
+                .map_err(|err| ApiError::new(StatusCode::BAD_REQUEST, format!("invalid wait {wait:?}: {err}")))?,
+            None => DEFAULT_WAIT,
+        }
+        .min(MAX_WAIT);
+        let deadline = tokio::time::sleep(wait);
+        tokio::pin!(deadline);
+        while entry.revision <= Revision::new(index) {
+            tokio::select! {
+                () = &mut deadline => break,
+                () = state.shutdown.cancelled() => break,
+                changed = changes.changed() => {
+                    if changed.is_none() {
+                        break;
+                    }
+                    entry = authorised(catalog, &id, &token).ok_or_else(forbidden)?;
+                }
+            }
+        }
+    }
+    let Some(proxy) = entry.proxy.as_ref() else { return Err(forbidden()) };
+    let service = &entry.service;
+    let body = ProxyConfigDto {
+        proxy_id: proxy.id().to_string(),
+        service: ServiceDto {
+            id: service.id.to_string(),
+            name: service.name.to_string(),
+            address: service.address.clone(),
+            port: service.port,
+        },
+        config: proxy.spec().config.clone(),
+        index: entry.revision.get(),
+    };
+    let mut response = Json(body).into_response();
+    if let Ok(value) = HeaderValue::from_str(&entry.revision.get().to_string()) {
+        response.headers_mut().insert(INDEX_HEADER, value);
+    }
+    Ok(response)
+}

@@ -1,0 +1,126 @@
+//! The command line: every subcommand and flag of SPEC's CLI table, as clap structs.
+//!
+//! Parsing only: no command runs here.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+/// Where the agent keeps its state when `--data-dir` is not given.
+pub(crate) const DEFAULT_DATA_DIR: &str = "/var/lib/tether";
+
+/// tether: keeps managed proxy processes in step with a catalog of services.
+#[derive(Debug, Parser)]
+#[command(name = "tether", version, propagate_version = true)]
+pub(crate) struct Cli {
+    #[command(subcommand)]
+    pub(crate) command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum Command {
+    /// Run the agent: load config, adopt running proxies, keep them in step.
+    Agent(AgentArgs),
+    /// Show every proxy: id, service, state, pid, restarts, uptime, last exit, error.
+    Status(StatusArgs),
+    /// Register the services in FILE (same schema as a config file).
+    Register(RegisterArgs),
+    /// Deregister a service registered through the API, stopping its proxy.
+    Deregister(DeregisterArgs),
+    /// Stop every proxy and the agent.
+    Leave(SocketArgs),
+    /// Check config dirs without an agent: exit 0 if valid, 2 and every error otherwise.
+    Validate(ValidateArgs),
+    /// The built-in TCP proxy; normally started by the agent.
+    ConnectProxy,
+}
+
+/// How the agent finds its data dir, and so its socket.
+#[derive(Debug, Args)]
+pub(crate) struct SocketArgs {
+    /// The agent's data dir (its socket is DIR/agent.sock).
+    #[arg(long, value_name = "DIR", env = "TETHER_DATA_DIR", default_value = DEFAULT_DATA_DIR)]
+    pub(crate) data_dir: PathBuf,
+}
+
+impl SocketArgs {
+    pub(crate) fn socket(&self) -> PathBuf {
+        self.data_dir.join("agent.sock")
+    }
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct StatusArgs {
+    #[command(flatten)]
+    pub(crate) socket: SocketArgs,
+    /// Print a JSON array instead of a table.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct RegisterArgs {
+    #[command(flatten)]
+    pub(crate) socket: SocketArgs,
+    /// A .toml or .json file of services.
+    #[arg(value_name = "FILE")]
+    pub(crate) file: PathBuf,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct DeregisterArgs {
+    #[command(flatten)]
+    pub(crate) socket: SocketArgs,
+    /// The service's id.
+    #[arg(value_name = "SERVICE_ID")]
+    pub(crate) id: String,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct ValidateArgs {
+    /// Config dirs to check (every *.toml and *.json file directly in each).
+    #[arg(value_name = "DIR", required = true)]
+    pub(crate) dirs: Vec<PathBuf>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct AgentArgs {
+    /// A directory of *.toml and *.json service files (repeatable).
+    #[arg(long = "config-dir", value_name = "DIR")]
+    pub(crate) config_dirs: Vec<PathBuf>,
+    /// Where the agent keeps its state (created 0700 if missing).
+    #[arg(long, value_name = "DIR", env = "TETHER_DATA_DIR", default_value = DEFAULT_DATA_DIR)]
+    pub(crate) data_dir: PathBuf,
+    /// Serve the read endpoints on this loopback TCP address too.
+    #[arg(long, value_name = "ADDR")]
+    pub(crate) http_addr: Option<SocketAddr>,
+    /// Allow proxies without a `user` to run when the agent runs as root.
+    #[arg(long)]
+    pub(crate) allow_root: bool,
+    /// Allow the register API to set a proxy's `command`.
+    #[arg(long)]
+    pub(crate) allow_api_commands: bool,
+    /// Sync after this long without a further catalog change.
+    #[arg(long, value_name = "DUR", default_value = "500ms", value_parser = humantime::parse_duration)]
+    pub(crate) sync_quiescent: Duration,
+    /// Sync at most this long after the first unsynced change.
+    #[arg(long, value_name = "DUR", default_value = "5s", value_parser = humantime::parse_duration)]
+    pub(crate) sync_max_delay: Duration,
+    /// The least severe log level shown: error, warn, info, debug or trace.
+    #[arg(long, value_name = "LEVEL", default_value = "info")]
+    pub(crate) log_level: String,
+    /// How log lines are written.
+    #[arg(long, value_enum, default_value = "text")]
+    pub(crate) log_format: LogFormat,
+    /// Run on the embedded demo config in a temporary data dir; stop every proxy on exit.
+    #[arg(long, conflicts_with_all = ["config_dirs", "data_dir"])]
+    pub(crate) dev: bool,
+}

@@ -1,0 +1,103 @@
+//! A small HTTP/1.1 client for the control socket, used by the CLI commands.
+//!
+//! One request per connection; no retries. It knows the wire format only as JSON values.
+
+use std::path::Path;
+use std::time::Duration;
+
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use hyper::{Method, Request, StatusCode};
+use hyper_util::rt::TokioIo;
+use tether_state::config::DisplayPath;
+use tokio::net::UnixStream;
+
+/// How long a CLI command waits for the agent.
+const TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Why a request did not get an answer.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ClientError {
+    #[error("cannot reach the agent at {}: is `tether agent` running with this --data-dir?", DisplayPath(.socket))]
+    Connect {
+        socket: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the agent did not answer within {}", humantime::format_duration(TIMEOUT))]
+    Timeout,
+    #[error("the request to the agent failed")]
+    Http(#[source] hyper::Error),
+    #[error("cannot build the request")]
+    Request(#[source] hyper::http::Error),
+}
+
+/// An answer from the agent.
+pub(crate) struct Response {
+    pub(crate) status: StatusCode,
+    pub(crate) body: Bytes,
+}
+
+impl Response {
+    /// The `error` field of a JSON error body, or the body itself.
+    pub(crate) fn error_message(&self) -> String {
+        serde_json::from_slice::<serde_json::Value>(&self.body)
+            .ok()
+            .and_then(|v| v.get("error").and_then(|e| e.as_str()).map(str::to_owned))
+            .unwrap_or_else(|| String::from_utf8_lossy(&self.body).trim().to_owned())
+    }
+}
+
+/// Sends one request to the agent's socket.
+pub(crate) async fn request(
+    socket: &Path,
+    method: Method,
+    path: &str,
+    body: Option<Vec<u8>>,
+) -> Result<Response, ClientError> {
+    tokio::time::timeout(TIMEOUT, send(socket, method, path, body, &[])).await.map_err(|_| ClientError::Timeout)?
+}
+
+/// Sends one request with extra headers, waiting up to `timeout` for the answer.
+pub(crate) async fn request_with(
+    socket: &Path,
+    path: &str,
+    headers: &[(&str, &str)],
+    timeout: Duration,
+) -> Result<Response, ClientError> {
+    tokio::time::timeout(timeout, send(socket, Method::GET, path, None, headers))
+        .await
+        .map_err(|_| ClientError::Timeout)?
+}
+
+async fn send(
+    socket: &Path,
+    method: Method,
+    path: &str,
+    body: Option<Vec<u8>>,
+    headers: &[(&str, &str)],
+) -> Result<Response, ClientError> {
+    let stream = UnixStream::connect(socket)
+        .await
+        .map_err(|source| ClientError::Connect { socket: socket.to_owned(), source })?;
+    let (mut sender, connection) =
+        hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(ClientError::Http)?;
+    // The connection task ends with the request; it is awaited below through the response.
+    let connection = tokio::spawn(connection);
+    let mut request = Request::builder().method(method);
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let request = request
+        .uri(path)
+        .header(hyper::header::HOST, "tether")
+        .header(hyper::header::CONTENT_TYPE, "application/json")
+        .body(Full::new(Bytes::from(body.unwrap_or_default())))
+        .map_err(ClientError::Request)?;
+    let response = sender.send_request(request).await.map_err(ClientError::Http)?;
+    let status = response.status();
+    let body = response.into_body().collect().await.map_err(ClientError::Http)?.to_bytes();
+    drop(sender);
+    let _ = connection.await;
+    Ok(Response { status, body })
+}

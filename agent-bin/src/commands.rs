@@ -1,0 +1,178 @@
+//! The CLI commands that talk to a running agent: `status`, `register`, `deregister`,
+//! `leave`. Each validates its input locally first (exit 2), then asks the agent (exit 1
+//! when the agent is unreachable or refuses).
+
+use std::io::Write;
+use std::path::Path;
+use std::process::ExitCode;
+use std::time::{Duration, SystemTime};
+
+use anyhow::Context;
+use hyper::{Method, StatusCode};
+use tether_state::ServiceId;
+use tether_state::config::{self, Format, Origin};
+
+use crate::UsageError;
+use crate::api::dto::{ExitDto, ProxyStatusDto};
+use crate::client::{self, Response};
+
+fn refused(what: &str, response: &Response) -> anyhow::Error {
+    anyhow::anyhow!("{what}: the agent answered {}: {}", response.status, response.error_message())
+}
+
+/// `tether status [--json]`.
+pub(crate) async fn status(socket: &Path, json: bool) -> anyhow::Result<ExitCode> {
+    let response = client::request(socket, Method::GET, "/v1/agent/proxies", None).await?;
+    if response.status != StatusCode::OK {
+        return Err(refused("status", &response));
+    }
+    let proxies: Vec<ProxyStatusDto> =
+        serde_json::from_slice(&response.body).context("the agent sent a status this version cannot read")?;
+    let mut stdout = std::io::stdout().lock();
+    if json {
+        serde_json::to_writer_pretty(&mut stdout, &proxies)?;
+        writeln!(stdout)?;
+    } else {
+        stdout.write_all(table(&proxies, SystemTime::now()).as_bytes())?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The human-readable `status` table.
+pub(crate) fn table(proxies: &[ProxyStatusDto], now: SystemTime) -> String {
+    let header = ["ID", "SERVICE", "STATE", "PID", "RESTARTS", "UPTIME", "LAST EXIT", "ERROR"].map(str::to_owned);
+    let rows: Vec<[String; 8]> = proxies
+        .iter()
+        .map(|p| {
+            let uptime = p
+                .started_at
+                .as_deref()
+                .filter(|_| p.state == "running")
+                .and_then(|t| humantime::parse_rfc3339(t).ok())
+                .and_then(|t| now.duration_since(t).ok())
+                .map(|d| humantime::format_duration(Duration::from_secs(d.as_secs())).to_string());
+            let last_exit = match p.last_exit {
+                Some(ExitDto::Code(code)) => format!("code {code}"),
+                Some(ExitDto::Signal(signal)) => format!("signal {signal}"),
+                None => "-".to_owned(),
+            };
+            [
+                p.id.clone(),
+                p.service.clone(),
+                p.state.clone(),
+                p.pid.map_or_else(|| "-".to_owned(), |pid| pid.to_string()),
+                p.restarts.to_string(),
+                uptime.unwrap_or_else(|| "-".to_owned()),
+                last_exit,
+                p.error.clone().unwrap_or_else(|| "-".to_owned()),
+            ]
+        })
+        .collect();
+    let mut widths = header.clone().map(|h| h.len());
+    for row in &rows {
+        for (width, cell) in widths.iter_mut().zip(row) {
+            *width = (*width).max(cell.chars().count());
+        }
+    }
+    let mut out = String::new();
+    for row in std::iter::once(&header).chain(&rows) {
+        let mut line = String::new();
+        for (index, (cell, width)) in row.iter().zip(widths).enumerate() {
+            if index + 1 == row.len() {
+                line.push_str(cell);
+            } else {
+                line.push_str(&format!("{cell:<width$}  "));
+            }
+        }
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
+    out
+}
+
+/// `tether register FILE`: every service in FILE, one request each.
+pub(crate) async fn register(socket: &Path, file: &Path) -> anyhow::Result<ExitCode> {
+    let format = Format::of_path(file)
+        .ok_or_else(|| UsageError(format!("{}: a service file ends in .toml or .json", file.display())))?;
+    let text =
+        std::fs::read_to_string(file).map_err(|err| UsageError(format!("{}: cannot read: {err}", file.display())))?;
+    let services = config::parse_file(&text, format, &Origin::File(file.to_owned()))
+        .map_err(|err| UsageError(crate::error_chain(&err)))?;
+    if services.is_empty() {
+        return Err(UsageError(format!("{}: no [[service]] to register", file.display())).into());
+    }
+    let mut stdout = std::io::stdout().lock();
+    for service in &services {
+        let body = config::to_service_text(service, Format::Json)?;
+        let response =
+            client::request(socket, Method::PUT, "/v1/agent/service/register", Some(body.into_bytes())).await?;
+        if response.status != StatusCode::OK {
+            return Err(refused(&format!("register {}", service.id), &response));
+        }
+        writeln!(stdout, "registered {}", service.id)?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `tether deregister SERVICE_ID`.
+pub(crate) async fn deregister(socket: &Path, id: &str) -> anyhow::Result<ExitCode> {
+    let id = ServiceId::new(id).map_err(|err| UsageError(err.to_string()))?;
+    let path = format!("/v1/agent/service/deregister/{id}");
+    let response = client::request(socket, Method::PUT, &path, None).await?;
+    if response.status != StatusCode::OK {
+        return Err(refused(&format!("deregister {id}"), &response));
+    }
+    writeln!(std::io::stdout(), "deregistered {id}")?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `tether leave`: returns once the agent has stopped every proxy.
+pub(crate) async fn leave(socket: &Path) -> anyhow::Result<ExitCode> {
+    let response = client::request(socket, Method::PUT, "/v1/agent/leave", None).await?;
+    if response.status != StatusCode::OK {
+        return Err(refused("leave", &response));
+    }
+    writeln!(std::io::stdout(), "left: every proxy stopped, agent exiting")?;
+    Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_aligns_columns_and_shows_uptime_only_when_running() {
+        let started = humantime::parse_rfc3339("2026-01-01T00:00:00Z").unwrap();
+        let now = started + Duration::from_secs(3725);
+        let proxies = [
+            ProxyStatusDto {
+                id: "web-proxy".into(),
+                service: "web".into(),
+                state: "running".into(),
+                pid: Some(4242),
+                restarts: 2,
+                started_at: Some("2026-01-01T00:00:00Z".into()),
+                last_exit: Some(ExitDto::Code(3)),
+                error: None,
+            },
+            ProxyStatusDto {
+                id: "db-proxy".into(),
+                service: "db".into(),
+                state: "blocked".into(),
+                pid: None,
+                restarts: 0,
+                started_at: None,
+                last_exit: None,
+                error: Some("refusing to run as root".into()),
+            },
+        ];
+        assert_eq!(
+            table(&proxies, now),
+            "\
+ID         SERVICE  STATE    PID   RESTARTS  UPTIME    LAST EXIT  ERROR
+web-proxy  web      running  4242  2         1h 2m 5s  code 3     -
+db-proxy   db       blocked  -     0         -         -          refusing to run as root
+"
+        );
+    }
+}

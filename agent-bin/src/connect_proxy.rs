@@ -1,0 +1,237 @@
+//! `tether connect-proxy`: the built-in TCP proxy, normally started by the agent.
+//!
+//! It reads its identity from `TETHER_*`, fetches its config from the agent and follows
+//! changes through blocking queries: a new bind address gets a new listener (the old one
+//! closes; established connections keep flowing), a new upstream applies to new
+//! connections. It keeps forwarding while the agent is away, and reconnects with backoff.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context;
+use hyper::StatusCode;
+use tokio::net::{TcpListener, TcpStream, lookup_host};
+use tokio::signal::unix::{SignalKind, signal};
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::UsageError;
+use crate::api::proxy_config::{ProxyConfigDto, TOKEN_HEADER};
+use crate::client;
+
+/// The longest pause between two attempts to reach the agent.
+const MAX_RETRY: Duration = Duration::from_secs(5);
+
+/// How long one blocking query may wait at the agent.
+const QUERY_WAIT: Duration = Duration::from_secs(300);
+
+/// Where to listen and where to forward, from the proxy's config.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Route {
+    pub(crate) bind: String,
+    pub(crate) upstream: String,
+}
+
+impl Route {
+    /// The route a config describes: `bind_address` (default 127.0.0.1) and `bind_port`
+    /// (required); `local_service_address` or else the service's address and port.
+    pub(crate) fn from_config(config: &ProxyConfigDto) -> Result<Self, String> {
+        let get_str = |key: &str| config.config.get(key).and_then(|v| v.as_str());
+        let bind_address = get_str("bind_address").unwrap_or("127.0.0.1");
+        let bind_port = config
+            .config
+            .get("bind_port")
+            .and_then(serde_json::Value::as_u64)
+            .and_then(|p| u16::try_from(p).ok())
+            .ok_or("config.bind_port is required: the port the built-in proxy listens on (1-65535)")?;
+        let upstream = match get_str("local_service_address") {
+            Some(address) => address.to_owned(),
+            None => {
+                let port =
+                    config.service.port.ok_or("the service has no port: set it, or config.local_service_address")?;
+                join_host_port(&config.service.address, port)
+            }
+        };
+        Ok(Self { bind: join_host_port(bind_address, bind_port), upstream })
+    }
+}
+
+fn join_host_port(host: &str, port: u16) -> String {
+    if host.contains(':') && !host.starts_with('[') { format!("[{host}]:{port}") } else { format!("{host}:{port}") }
+}
+
+struct Identity {
+    proxy_id: String,
+    token: String,
+    socket: PathBuf,
+}
+
+fn identity() -> Result<Identity, UsageError> {
+    let var = |name: &str| {
+        std::env::var(name).map_err(|_| {
+            UsageError(format!("{name} is not set: connect-proxy is started by the agent, which sets TETHER_*"))
+        })
+    };
+    Ok(Identity {
+        proxy_id: var("TETHER_PROXY_ID")?,
+        token: var("TETHER_PROXY_TOKEN")?,
+        socket: var("TETHER_SOCKET")?.into(),
+    })
+}
+
+/// Runs the proxy until SIGINT or SIGTERM.
+pub(crate) async fn run() -> anyhow::Result<ExitCode> {
+    let identity = identity()?;
+    let mut sigint = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    let mut sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let stop = CancellationToken::new();
+    let (routes, route) = watch::channel(None::<Route>);
+    let mut tasks = JoinSet::new();
+    tasks.spawn(follow_config(identity, routes, stop.clone()));
+    tasks.spawn(serve(route, stop.clone()));
+    tokio::select! {
+        _ = sigint.recv() => tracing::info!("SIGINT: closing listeners"),
+        _ = sigterm.recv() => tracing::info!("SIGTERM: closing listeners"),
+        Some(ended) = tasks.join_next() => {
+            stop.cancel();
+            ended.context("a proxy task failed")??;
+        }
+    }
+    stop.cancel();
+    while let Some(ended) = tasks.join_next().await {
+        ended.context("a proxy task failed")??;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Fetches the config and follows it through blocking queries, publishing each route.
+async fn follow_config(
+    identity: Identity,
+    routes: watch::Sender<Option<Route>>,
+    stop: CancellationToken,
+) -> anyhow::Result<()> {
+    let mut index: Option<u64> = None;
+    let mut retry = Duration::from_millis(100);
+    let path_base = format!("/v1/agent/proxy/{}/config", identity.proxy_id);
+    while !stop.is_cancelled() {
+        let path = match index {
+            Some(index) => format!("{path_base}?index={index}&wait={}s", QUERY_WAIT.as_secs()),
+            None => path_base.clone(),
+        };
+        let headers = [(TOKEN_HEADER, identity.token.as_str())];
+        let answer = tokio::select! {
+            () = stop.cancelled() => return Ok(()),
+            answer = client::request_with(&identity.socket, &path, &headers, QUERY_WAIT + Duration::from_secs(30)) => answer,
+        };
+        let config = match answer {
+            Ok(response) if response.status == StatusCode::OK => {
+                serde_json::from_slice::<ProxyConfigDto>(&response.body)
+                    .map_err(|err| format!("the agent sent a config this proxy cannot read: {err}"))
+            }
+            Ok(response) => {
+                Err(format!("the agent refused the config request: {}: {}", response.status, response.error_message()))
+            }
+            Err(err) => Err(crate::error_chain(&err)),
+        };
+        match config {
+            Ok(config) => {
+                retry = Duration::from_millis(100);
+                index = Some(config.index);
+                match Route::from_config(&config) {
+                    Ok(route) => {
+                        routes.send_if_modified(|current| {
+                            let changed = current.as_ref() != Some(&route);
+                            if changed {
+                                tracing::info!(bind = %route.bind, upstream = %route.upstream, "route");
+                                *current = Some(route);
+                            }
+                            changed
+                        });
+                    }
+                    Err(problem) => {
+                        tracing::error!(proxy = %identity.proxy_id, %problem, "config unusable; keeping the previous route")
+                    }
+                }
+            }
+            Err(problem) => {
+                // The agent may be restarting: keep forwarding, and ask again later.
+                tracing::warn!(proxy = %identity.proxy_id, %problem, retry_ms = retry.as_millis(), "cannot get the config");
+                tokio::select! {
+                    () = stop.cancelled() => return Ok(()),
+                    () = tokio::time::sleep(retry) => {}
+                }
+                retry = (retry * 2).min(MAX_RETRY);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Listens on the route's bind address and forwards every connection to its upstream.
+async fn serve(mut route: watch::Receiver<Option<Route>>, stop: CancellationToken) -> anyhow::Result<()> {
+    let mut connections = JoinSet::new();
+    let mut listener: Option<(String, TcpListener)> = None;
+    loop {
+        let current = route.borrow_and_update().clone();
+        if let Some(wanted) = &current {
+            if listener.as_ref().map(|(bind, _)| bind) != Some(&wanted.bind) {
+                match TcpListener::bind(&wanted.bind).await {
+                    Ok(bound) => {
+                        tracing::info!(bind = %wanted.bind, "listening");
+                        listener = Some((wanted.bind.clone(), bound));
+                    }
+                    Err(err) => {
+                        tracing::error!(bind = %wanted.bind, error = %err, "cannot listen; keeping the previous listener")
+                    }
+                }
+            }
+        }
+        let accept = async {
+            match &listener {
+                Some((_, listener)) => listener.accept().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            () = stop.cancelled() => break,
+            changed = route.changed() => if changed.is_err() { break },
+            accepted = accept => match accepted {
+                Ok((client, peer)) => {
+                    let upstream = current.as_ref().map(|r| r.upstream.clone()).unwrap_or_default();
+                    connections.spawn(forward(client, peer, upstream));
+                }
+                Err(err) => tracing::warn!(error = %err, "accept failed"),
+            },
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+        }
+    }
+    // Listeners close here; established connections end with the process.
+    drop(listener);
+    connections.abort_all();
+    Ok(())
+}
+
+async fn forward(mut client: TcpStream, peer: SocketAddr, upstream: String) {
+    let target = match lookup_host(&upstream).await.map(|mut addrs| addrs.next()) {
+        Ok(Some(target)) => target,
+        Ok(None) | Err(_) => {
+            tracing::warn!(%peer, %upstream, "cannot resolve the upstream");
+            return;
+        }
+    };
+    let mut server = match TcpStream::connect(target).await {
+        Ok(server) => server,
+        Err(err) => {
+            tracing::warn!(%peer, %upstream, error = %err, "cannot connect to the upstream");
+            return;
+        }
+    };
+    let _ = client.set_nodelay(true);
+    let _ = server.set_nodelay(true);
+    if let Err(err) = tokio::io::copy_bidirectional(&mut client, &mut server).await {
+        tracing::debug!(%peer, error = %err, "connection ended with an error");
+    }
+}

@@ -1,0 +1,23 @@
+//! The tracing subscriber: installed once, by the binary, in text or JSON.
+//!
+//! Libraries only emit events; this is the one place that decides where they go.
+
+use tracing_subscriber::EnvFilter;
+
+use crate::UsageError;
+use crate::cli::LogFormat;
+
+/// Logs to stderr at `level` (or `RUST_LOG` when set) in `format`.
+pub(crate) fn install(level: &str, format: LogFormat) -> Result<(), UsageError> {
+    let filter = match std::env::var("RUST_LOG") {
+        Ok(directives) if !directives.is_empty() => EnvFilter::try_new(directives),
+        _ => EnvFilter::try_new(level),
+    }
+    .map_err(|err| UsageError(format!("invalid --log-level {level:?}: {err}")))?;
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let installed = match format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().flatten_event(true).with_current_span(false).try_init(),
+    };
+    installed.map_err(|err| UsageError(format!("cannot install the logger: {err}")))
+}

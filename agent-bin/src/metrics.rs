@@ -1,0 +1,115 @@
+//! `GET /metrics`: the agent's Prometheus metrics.
+//!
+//! Values are read from the manager's published view at scrape time, so that nothing is
+//! counted twice and an idle agent does no work for metrics. This module only reads.
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::registry::Registry;
+use tether_manager::{ManagerHandle, ProxyState};
+
+/// The agent's metrics registry.
+#[derive(Debug)]
+pub(crate) struct Metrics {
+    registry: Registry,
+}
+
+impl Metrics {
+    pub(crate) fn new(manager: ManagerHandle) -> Self {
+        let mut registry = Registry::default();
+        registry.register_collector(Box::new(ManagerCollector { manager }));
+        Self { registry }
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub(crate) fn render(&self) -> String {
+        let mut out = String::new();
+        // Writing to a String cannot fail.
+        let _ = prometheus_client::encoding::prometheus_text::encode(&mut out, &self.registry);
+        out
+    }
+}
+
+/// The states a proxy can be in, all reported (zero included) so that dashboards and
+/// alerts see every series.
+const STATES: [ProxyState; 7] = [
+    ProxyState::Pending,
+    ProxyState::Starting,
+    ProxyState::Running,
+    ProxyState::Backoff,
+    ProxyState::Stopping,
+    ProxyState::Blocked,
+    ProxyState::Failed,
+];
+
+#[derive(Debug)]
+struct ManagerCollector {
+    manager: ManagerHandle,
+}
+
+impl Collector for ManagerCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let statuses = self.manager.status();
+        let stats = self.manager.stats();
+
+        let gauge = ConstGauge::new(0i64);
+        let mut family =
+            encoder.encode_descriptor("tether_proxies", "Managed proxies by state", None, gauge.metric_type())?;
+        for state in STATES {
+            let count = statuses.iter().filter(|s| s.state == state).count();
+            let labels = [("state", state.as_str())];
+            ConstGauge::new(i64::try_from(count).unwrap_or(i64::MAX)).encode(family.encode_family(&labels)?)?;
+        }
+
+        let counter = ConstCounter::new(0u64);
+        let mut family = encoder.encode_descriptor(
+            "tether_proxy_restarts",
+            "Restarts of a proxy's process after it exited",
+            None,
+            counter.metric_type(),
+        )?;
+        for status in &statuses {
+            let labels = [("proxy", status.id.as_str()), ("service", status.service.as_str())];
+            ConstCounter::new(u64::from(status.restarts)).encode(family.encode_family(&labels)?)?;
+        }
+
+        let passes = ConstCounter::new(stats.passes);
+        passes.encode(encoder.encode_descriptor(
+            "tether_reconcile_passes",
+            "Reconcile passes",
+            None,
+            passes.metric_type(),
+        )?)?;
+        let duration = ConstCounter::new(stats.total_duration.as_secs_f64());
+        duration.encode(encoder.encode_descriptor(
+            "tether_reconcile_duration_seconds",
+            "Time spent in reconcile passes",
+            None,
+            duration.metric_type(),
+        )?)?;
+        let actions = ConstCounter::new(stats.actions);
+        actions.encode(encoder.encode_descriptor(
+            "tether_actions",
+            "Actions (start, stop, restart, update) dispatched",
+            None,
+            actions.metric_type(),
+        )?)?;
+        let failures = ConstCounter::new(stats.failures);
+        failures.encode(encoder.encode_descriptor(
+            "tether_action_failures",
+            "Actions that failed",
+            None,
+            failures.metric_type(),
+        )?)?;
+        let in_flight = ConstGauge::new(i64::try_from(stats.in_flight).unwrap_or(i64::MAX));
+        in_flight.encode(encoder.encode_descriptor(
+            "tether_actions_in_flight",
+            "Actions running now",
+            None,
+            in_flight.metric_type(),
+        )?)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,246 @@
+//! The built-in proxy: traffic, live config through blocking queries, tokens, and an agent
+//! restart underneath it.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::Signal;
+
+use crate::support::*;
+
+fn root_flags() -> Vec<&'static str> {
+    if is_root() { vec!["--allow-root"] } else { vec![] }
+}
+
+/// An upstream that answers each line with `<name>: <line>`, on its own thread.
+struct Upstream {
+    port: u16,
+}
+
+impl Upstream {
+    fn start(name: &'static str) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { return };
+                std::thread::spawn(move || {
+                    let mut buffer = [0u8; 1024];
+                    while let Ok(n) = stream.read(&mut buffer) {
+                        if n == 0 {
+                            return;
+                        }
+                        let line = String::from_utf8_lossy(&buffer[..n]);
+                        if stream.write_all(format!("{name}: {line}").as_bytes()).is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        Self { port }
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn builtin(name: &str, upstream: u16, bind: u16) -> String {
+    format!(
+        "[[service]]\nname = \"{name}\"\nport = {upstream}\n[service.proxy]\nkill_timeout = \"2s\"\nconfig = {{ bind_port = {bind} }}\n"
+    )
+}
+
+/// Connects to `port`, retrying while the proxy starts listening.
+fn connect(port: u16) -> TcpStream {
+    let stream = wait_for("the proxy to listen", || TcpStream::connect(("127.0.0.1", port)).ok());
+    stream.set_read_timeout(Some(DEADLINE)).unwrap();
+    stream
+}
+
+fn exchange(stream: &mut TcpStream, line: &str) -> String {
+    stream.write_all(line.as_bytes()).unwrap();
+    let mut buffer = [0u8; 1024];
+    let n = stream.read(&mut buffer).unwrap();
+    String::from_utf8_lossy(&buffer[..n]).into_owned()
+}
+
+fn token_of(pid: i64) -> String {
+    let environ = wait_for("the proxy's environment", || {
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+        (!environ.is_empty()).then_some(environ)
+    });
+    environ
+        .split(|b| *b == 0)
+        .find_map(|var| var.strip_prefix(b"TETHER_PROXY_TOKEN="))
+        .map(|t| String::from_utf8(t.to_vec()).unwrap())
+        .unwrap()
+}
+
+#[test]
+fn traffic_flows_and_a_new_bind_port_moves_the_listener_without_a_restart_or_a_broken_connection() {
+    let dirs = Dirs::new();
+    let upstream = Upstream::start("up");
+    let (old_port, new_port) = (free_port(), free_port());
+    dirs.write_config("a.toml", &builtin("web", upstream.port, old_port));
+    let agent = Agent::start(&dirs, &root_flags());
+    let pid = agent.wait_state("web-proxy", "running")["pid"].as_i64().unwrap();
+
+    let mut open = connect(old_port);
+    assert_eq!(exchange(&mut open, "one"), "up: one");
+
+    dirs.write_config("a.toml", &builtin("web", upstream.port, new_port));
+    agent.signal(Signal::SIGHUP);
+    let mut moved = connect(new_port);
+    assert_eq!(exchange(&mut moved, "two"), "up: two");
+    wait_for("the old listener to close", || TcpStream::connect(("127.0.0.1", old_port)).is_err().then_some(()));
+    assert_eq!(exchange(&mut open, "three"), "up: three", "the established connection keeps flowing");
+    assert_eq!(agent.proxy("web-proxy").unwrap()["pid"].as_i64(), Some(pid), "the proxy was not restarted");
+}
+
+#[test]
+fn the_config_endpoint_needs_the_token_and_hints_nothing() {
+    let dirs = Dirs::new();
+    let upstream = Upstream::start("up");
+    dirs.write_config("a.toml", &builtin("web", upstream.port, free_port()));
+    let agent = Agent::start(&dirs, &root_flags());
+    let pid = agent.wait_state("web-proxy", "running")["pid"].as_i64().unwrap();
+    let token = token_of(pid);
+    let socket = dirs.socket();
+    let config = |id: &str, token: Option<&str>| {
+        let headers: Vec<(&str, &str)> = token.map(|t| ("X-Tether-Proxy-Token", t)).into_iter().collect();
+        request(&socket, "GET", &format!("/v1/agent/proxy/{id}/config"), &headers, None).unwrap()
+    };
+    let good = config("web-proxy", Some(&token));
+    assert_eq!(good.status, 200, "{}", good.body);
+    let body = good.json();
+    assert_eq!(body["service"]["port"], upstream.port);
+    assert!(body["config"]["bind_port"].is_number());
+    assert!(body["index"].as_u64().unwrap() > 0);
+
+    let wrong = config("web-proxy", Some(&"0".repeat(64)));
+    let missing = config("web-proxy", None);
+    let unknown = config("nope-proxy", Some(&token));
+    for refused in [&wrong, &missing, &unknown] {
+        assert_eq!(refused.status, 403);
+    }
+    assert_eq!(wrong.body, unknown.body, "an unknown id and a wrong token look the same");
+}
+
+#[test]
+fn a_blocking_query_returns_on_change_and_on_timeout() {
+    let dirs = Dirs::new();
+    let upstream = Upstream::start("up");
+    let bind = free_port();
+    dirs.write_config("a.toml", &builtin("web", upstream.port, bind));
+    let agent = Agent::start(&dirs, &root_flags());
+    let pid = agent.wait_state("web-proxy", "running")["pid"].as_i64().unwrap();
+    let token = token_of(pid);
+    let socket = dirs.socket();
+    let headers = [("X-Tether-Proxy-Token", token.as_str())];
+    let index = request(&socket, "GET", "/v1/agent/proxy/web-proxy/config", &headers, None).unwrap().json()["index"]
+        .as_u64()
+        .unwrap();
+
+    let started = Instant::now();
+    let timed_out =
+        request(&socket, "GET", &format!("/v1/agent/proxy/web-proxy/config?index={index}&wait=300ms"), &headers, None)
+            .unwrap();
+    assert!(started.elapsed() >= Duration::from_millis(300), "it waited for the change that did not come");
+    assert_eq!(timed_out.json()["index"].as_u64(), Some(index));
+
+    let waiter = {
+        let socket = socket.clone();
+        let token = token.clone();
+        std::thread::spawn(move || {
+            let headers = [("X-Tether-Proxy-Token", token.as_str())];
+            request(&socket, "GET", &format!("/v1/agent/proxy/web-proxy/config?index={index}&wait=60s"), &headers, None)
+        })
+    };
+    dirs.write_config("a.toml", &builtin("web", upstream.port, bind).replace("bind_port", "answer = 42, bind_port"));
+    agent.signal(Signal::SIGHUP);
+    let changed = waiter.join().unwrap().unwrap().json();
+    assert!(changed["index"].as_u64().unwrap() > index);
+    assert_eq!(changed["config"]["answer"], 42);
+    let stale = request(&socket, "GET", "/v1/agent/proxy/web-proxy/config?index=0&wait=60s", &headers, None).unwrap();
+    assert_eq!(stale.status, 200, "a stale index answers at once");
+}
+
+#[test]
+fn the_built_in_proxy_survives_an_agent_restart_and_keeps_forwarding() {
+    let dirs = Dirs::new();
+    let upstream = Upstream::start("up");
+    let bind = free_port();
+    dirs.write_config("a.toml", &builtin("web", upstream.port, bind));
+    let mut first = Agent::start(&dirs, &root_flags());
+    let pid = first.wait_state("web-proxy", "running")["pid"].as_i64().unwrap();
+    let mut open = connect(bind);
+    assert_eq!(exchange(&mut open, "before"), "up: before");
+
+    first.signal(Signal::SIGTERM);
+    assert!(first.wait().success());
+    assert_eq!(exchange(&mut open, "during"), "up: during", "forwarding goes on without the agent");
+    let mut fresh = connect(bind);
+    assert_eq!(exchange(&mut fresh, "new"), "up: new");
+
+    let second = Agent::start(&dirs, &root_flags());
+    assert_eq!(second.wait_state("web-proxy", "running")["pid"].as_i64(), Some(pid));
+    assert_eq!(exchange(&mut open, "after"), "up: after");
+}
+
+#[test]
+fn dev_mode_serves_the_demo_through_the_built_in_proxy_and_leaves_nothing_behind() {
+    use std::io::BufRead;
+    let mut child = tether()
+        .args(["agent", "--dev", "--sync-quiescent", "20ms"])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    struct Guard(std::process::Child, Option<std::path::PathBuf>);
+    impl Drop for Guard {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+            if let Some(socket) = &self.1 {
+                kill_proxies_of(socket);
+            }
+        }
+    }
+    let stdout = child.stdout.take().unwrap();
+    let mut guard = Guard(child, None);
+    let mut lines = std::io::BufReader::new(stdout).lines();
+    let mut port = None;
+    let mut data_dir = None;
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        if let Some(dir) = line.trim().strip_prefix("data dir:") {
+            data_dir = Some(std::path::PathBuf::from(dir.split_whitespace().next().unwrap()));
+        }
+        if let Some(url) = line.trim().strip_prefix("curl http://127.0.0.1:") {
+            port = Some(url.trim_end_matches('/').parse::<u16>().unwrap());
+            break;
+        }
+    }
+    let (port, data_dir) = (port.expect("a curl command"), data_dir.expect("the data dir"));
+    guard.1 = Some(data_dir.join("agent.sock"));
+    let answer = wait_for("the demo through the proxy", || {
+        let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
+        stream.set_read_timeout(Some(DEADLINE)).ok()?;
+        stream.write_all(b"GET / HTTP/1.1\r\nHost: demo\r\n\r\n").ok()?;
+        let mut answer = String::new();
+        stream.read_to_string(&mut answer).ok()?;
+        (!answer.is_empty()).then_some(answer)
+    });
+    assert!(answer.starts_with("HTTP/1.1 200 OK"), "{answer}");
+    assert!(answer.contains("hello from the tether demo upstream"), "{answer}");
+
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(guard.0.id() as i32), Signal::SIGINT).unwrap();
+    let status = wait_for("the dev agent to exit", || guard.0.try_wait().unwrap());
+    assert!(status.success());
+    assert!(proxies_of(&data_dir.join("agent.sock")).is_empty(), "--dev stops its proxies on exit");
+    assert!(!data_dir.exists(), "--dev leaves no data dir behind");
+}

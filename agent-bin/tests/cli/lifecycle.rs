@@ -1,0 +1,319 @@
+//! The agent's lifecycle: start, reload, close and restart with adoption, crash recovery,
+//! leave, restarts of exited proxies, policy, file modes and secrets.
+
+use assert_cmd::prelude::*;
+use nix::sys::signal::Signal;
+use predicates::prelude::*;
+
+use crate::support::*;
+
+/// `--allow-root` when the tests run as root, so that proxies without `user` may run.
+fn root_flags() -> Vec<&'static str> {
+    if is_root() { vec!["--allow-root"] } else { vec![] }
+}
+
+fn pid_of(status: &serde_json::Value) -> i64 {
+    status["pid"].as_i64().unwrap_or_else(|| panic!("no pid in {status}"))
+}
+
+#[test]
+fn sigterm_leaves_proxies_running_and_the_next_agent_adopts_them_with_the_same_pid() {
+    let dirs = Dirs::new();
+    dirs.write_config("a.toml", &format!("{}{}", sleeper("web"), sleeper("db")));
+    let mut first = Agent::start(&dirs, &root_flags());
+    let web = pid_of(&first.wait_state("web-proxy", "running"));
+    let db = pid_of(&first.wait_state("db-proxy", "running"));
+
+    first.signal(Signal::SIGTERM);
+    assert!(first.wait().success(), "the agent exits 0 on SIGTERM");
+    assert!(alive(web) && alive(db), "proxies keep running without the agent");
+    assert!(dirs.data.join("snapshot.json").exists());
+
+    let second = Agent::start(&dirs, &root_flags());
+    let adopted = second.wait_state("web-proxy", "running");
+    assert_eq!(pid_of(&adopted), web);
+    assert_eq!(adopted["restarts"], 0);
+    assert_eq!(pid_of(&second.wait_state("db-proxy", "running")), db);
+    assert!(second.logs().contains("proxy adopted"), "{}", second.logs());
+
+    tether().arg("leave").arg("--data-dir").arg(&dirs.data).assert().code(0);
+    let mut second = second;
+    assert!(second.wait().success());
+    wait_for("no proxy left", || proxies_of(&dirs.socket()).is_empty().then_some(()));
+    assert!(!alive(web) && !alive(db));
+    assert!(!dirs.data.join("snapshot.json").exists(), "leave removes the snapshot");
+    assert!(!dirs.data.join("pids/web-proxy.pid").exists(), "stopped proxies have no pid file");
+}
+
+#[test]
+fn sigkill_of_the_agent_is_recovered_by_the_next_agent_and_an_adopted_exit_is_restarted() {
+    let dirs = Dirs::new();
+    dirs.write_config("a.toml", &sleeper("web"));
+    let mut first = Agent::start(&dirs, &root_flags());
+    let web = pid_of(&first.wait_state("web-proxy", "running"));
+    first.signal(Signal::SIGKILL);
+    first.wait();
+    assert!(alive(web), "a crash of the agent is not a crash of its proxies");
+
+    let second = Agent::start(&dirs, &root_flags());
+    assert_eq!(pid_of(&second.wait_state("web-proxy", "running")), web);
+
+    // The adopted proxy is not the new agent's child; its exit is still noticed.
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(web as i32), Signal::SIGKILL).unwrap();
+    let restarted = wait_for("a new web-proxy process", || {
+        second.proxy("web-proxy").filter(|p| p["state"] == "running" && p["pid"].as_i64().is_some_and(|pid| pid != web))
+    });
+    assert_eq!(restarted["restarts"], 1);
+    let pid_file = std::fs::read_to_string(dirs.data.join("pids/web-proxy.pid")).unwrap();
+    assert_eq!(pid_file.trim().parse::<i64>().unwrap(), pid_of(&restarted), "the pid file follows the restart");
+}
+
+#[test]
+fn a_corrupt_snapshot_is_moved_aside_and_proxies_are_adopted_from_pid_files() {
+    let dirs = Dirs::new();
+    dirs.write_config("a.toml", &sleeper("web"));
+    let mut first = Agent::start(&dirs, &root_flags());
+    let web = pid_of(&first.wait_state("web-proxy", "running"));
+    first.signal(Signal::SIGTERM);
+    first.wait();
+    std::fs::write(dirs.data.join("snapshot.json"), "{ not json").unwrap();
+
+    let second = Agent::start(&dirs, &root_flags());
+    assert_eq!(pid_of(&second.wait_state("web-proxy", "running")), web, "adopted through its pid file, not restarted");
+    assert!(dirs.data.join("snapshot.json.corrupt").exists());
+    assert!(second.logs().contains("snapshot unusable"), "{}", second.logs());
+}
+
+#[test]
+fn sighup_adds_removes_restarts_and_changes_in_place() {
+    let dirs = Dirs::new();
+    dirs.write_config("a.toml", &format!("{}{}{}", sleeper("keep"), sleeper("gone"), sleeper("changed")));
+    let agent = Agent::start(&dirs, &root_flags());
+    let keep = pid_of(&agent.wait_state("keep-proxy", "running"));
+    let gone = pid_of(&agent.wait_state("gone-proxy", "running"));
+    let changed = pid_of(&agent.wait_state("changed-proxy", "running"));
+
+    let in_place = sleeper("keep").replace("kill_timeout = \"2s\"", "kill_timeout = \"3s\"\nconfig = { a = 1 }");
+    let restart = sleeper("changed").replace("\"3600\"", "\"3601\"");
+    dirs.write_config("a.toml", &format!("{in_place}{restart}{}", sleeper("added")));
+    agent.signal(Signal::SIGHUP);
+
+    agent.wait_gone("gone-proxy");
+    wait_for("gone-proxy's process to end", || (!alive(gone)).then_some(()));
+    agent.wait_state("added-proxy", "running");
+    let restarted = wait_for("changed-proxy to run anew", || {
+        agent.proxy("changed-proxy").filter(|p| p["state"] == "running" && p["pid"].as_i64() != Some(changed))
+    });
+    assert!(!alive(changed));
+    assert_ne!(pid_of(&restarted), changed);
+    assert_eq!(pid_of(&agent.wait_state("keep-proxy", "running")), keep, "an in-place change keeps the process");
+}
+
+#[test]
+fn sighup_with_a_broken_file_keeps_the_whole_previous_config() {
+    let dirs = Dirs::new();
+    dirs.write_config("a.toml", &sleeper("web"));
+    let agent = Agent::start(&dirs, &root_flags());
+    let web = pid_of(&agent.wait_state("web-proxy", "running"));
+
+    dirs.write_config("a.toml", &sleeper("other"));
+    dirs.write_config("b.toml", "[[service]]\nname = \"bad\"\nprot = 1\n");
+    agent.signal(Signal::SIGHUP);
+    wait_for("the reload error in the log", || agent.logs().contains("config reload refused").then_some(()));
+    assert!(agent.logs().contains("b.toml:3:1: field `service[0].prot`"), "{}", agent.logs());
+    let proxies = agent.proxies();
+    assert_eq!(proxies.len(), 1, "nothing started, nothing stopped: {proxies:?}");
+    assert_eq!(pid_of(&proxies[0]), web);
+
+    std::fs::remove_file(dirs.config.join("b.toml")).unwrap();
+    agent.signal(Signal::SIGHUP);
+    agent.wait_state("other-proxy", "running");
+    agent.wait_gone("web-proxy");
+}
+
+#[test]
+fn an_invalid_config_at_start_exits_2_naming_file_and_line() {
+    let dirs = Dirs::new();
+    dirs.write_config("web.toml", "[[service]]\nname = \"web\"\n[service.proxy]\nexec_mode = \"script\"\n");
+    let mut agent = Agent::spawn(&dirs, &[]);
+    let status = agent.wait();
+    assert_eq!(status.code(), Some(2));
+    let logs = agent.logs();
+    assert!(logs.contains("web.toml:4:13: field `service[0].proxy.exec_mode`: unknown variant `script`"), "{logs}");
+}
+
+#[test]
+fn a_second_agent_on_the_same_data_dir_is_refused() {
+    let dirs = Dirs::new();
+    dirs.write_config("a.toml", &sleeper("web"));
+    let first = Agent::start(&dirs, &root_flags());
+    first.wait_state("web-proxy", "running");
+    let mut second = Agent::spawn(&dirs, &root_flags());
+    assert_eq!(second.wait().code(), Some(1));
+    assert!(second.logs().contains("another agent is running with the data dir"), "{}", second.logs());
+    assert_eq!(first.proxies().len(), 1);
+}
+
+#[test]
+fn an_exiting_proxy_is_restarted_with_backoff_and_its_exit_is_shown() {
+    let dirs = Dirs::new();
+    dirs.write_config(
+        "a.toml",
+        "[[service]]\nname = \"crash\"\n[service.proxy]\ncommand = [\"/bin/sh\", \"-c\", \"exit 3\"]\n\
+         [service.proxy.restart]\nfree_attempts = 1\nmax_delay = \"30s\"\n",
+    );
+    let agent = Agent::start(&dirs, &root_flags());
+    let status = agent.wait_state("crash-proxy", "backoff");
+    assert_eq!(status["last_exit"], serde_json::json!({ "code": 3 }));
+    assert!(status["restarts"].as_u64().unwrap() >= 1, "{status}");
+    assert!(agent.logs().contains("process exited; restarting"), "{}", agent.logs());
+}
+
+#[test]
+fn a_proxy_that_cannot_start_is_failed_with_the_reason() {
+    let dirs = Dirs::new();
+    dirs.write_config("a.toml", "[[service]]\nname = \"nope\"\n[service.proxy]\ncommand = [\"/nonexistent/proxy\"]\n");
+    let agent = Agent::start(&dirs, &root_flags());
+    let status = agent.wait_state("nope-proxy", "failed");
+    let error = status["error"].as_str().unwrap();
+    assert!(error.contains("/nonexistent/proxy"), "{error}");
+}
+
+#[test]
+fn as_root_a_proxy_without_user_is_blocked_unless_root_is_allowed() {
+    if !is_root() {
+        eprintln!("skipped: needs root (the root policy applies only to an agent running as uid 0)");
+        return;
+    }
+    let dirs = Dirs::new();
+    dirs.write_config("a.toml", &sleeper("web"));
+    let agent = Agent::start(&dirs, &[]);
+    let status = agent.wait_state("web-proxy", "blocked");
+    assert!(status["error"].as_str().unwrap().contains("--allow-root"), "{status}");
+    assert!(proxies_of(&dirs.socket()).is_empty(), "a blocked proxy never runs");
+}
+
+#[test]
+fn as_root_a_proxy_with_a_user_runs_as_that_user() {
+    if !is_root() {
+        eprintln!("skipped: needs root (switching users)");
+        return;
+    }
+    let dirs = Dirs::new();
+    dirs.write_config("a.toml", &sleeper("web").replace("kill_timeout", "user = \"nobody\"\nkill_timeout"));
+    let agent = Agent::start(&dirs, &[]);
+    let pid = pid_of(&agent.wait_state("web-proxy", "running"));
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let uid = status.lines().find(|l| l.starts_with("Uid:")).unwrap();
+    let nobody = nix::unistd::User::from_name("nobody").unwrap().unwrap().uid;
+    assert!(uid.split_whitespace().nth(1) == Some(&nobody.to_string()), "{uid}");
+}
+
+#[test]
+fn files_have_spec_modes_and_secrets_appear_nowhere_but_private_files() {
+    let dirs = Dirs::new();
+    dirs.write_config("a.toml", &sleeper("web"));
+    let mut agent = Agent::start(&dirs, &root_flags());
+    let pid = pid_of(&agent.wait_state("web-proxy", "running"));
+    wait_for("the pid file", || dirs.data.join("pids/web-proxy.pid").exists().then_some(()));
+    wait_for("the snapshot", || dirs.data.join("snapshot.json").exists().then_some(()));
+
+    assert_eq!(mode(&dirs.data), 0o700);
+    for dir in ["registrations", "pids", "logs"] {
+        assert_eq!(mode(&dirs.data.join(dir)), 0o700, "{dir}");
+    }
+    for file in [
+        "agent.sock",
+        "snapshot.json",
+        "tokens.json",
+        "pids/web-proxy.pid",
+        "logs/web-proxy-stdout.log",
+        "logs/web-proxy-stderr.log",
+    ] {
+        assert_eq!(mode(&dirs.data.join(file)), 0o600, "{file}");
+    }
+
+    let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+    let token = environ
+        .split(|b| *b == 0)
+        .find_map(|var| var.strip_prefix(b"TETHER_PROXY_TOKEN="))
+        .map(|t| String::from_utf8(t.to_vec()).unwrap())
+        .expect("the proxy has its token");
+    assert!(token.len() >= 32, "at least 128 bits of hex");
+    let status = tether().args(["status", "--json", "--data-dir"]).arg(&dirs.data).output().unwrap();
+    let table = tether().args(["status", "--data-dir"]).arg(&dirs.data).output().unwrap();
+    agent.signal(Signal::SIGTERM);
+    agent.wait();
+    for (what, text) in [
+        ("status --json", String::from_utf8_lossy(&status.stdout).into_owned()),
+        ("status", String::from_utf8_lossy(&table.stdout).into_owned()),
+        ("agent log", agent.logs()),
+        ("snapshot", std::fs::read_to_string(dirs.data.join("snapshot.json")).unwrap()),
+    ] {
+        assert!(!text.contains(&token), "the token appears in the {what}");
+    }
+    assert!(
+        std::fs::read_to_string(dirs.data.join("tokens.json")).unwrap().contains(&token),
+        "kept for the next agent"
+    );
+}
+
+#[test]
+fn the_proxy_environment_is_clean_and_complete() {
+    let dirs = Dirs::new();
+    dirs.write_config(
+        "a.toml",
+        &sleeper("web")
+            .replace("kill_timeout", "env = { LOG_LEVEL = \"debug\" }\nworking_dir = \"/tmp\"\nkill_timeout"),
+    );
+    let agent = Agent::start(&dirs, &root_flags());
+    let pid = pid_of(&agent.wait_state("web-proxy", "running"));
+    let environ = wait_for("the proxy's environment", || {
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+        (!environ.is_empty()).then_some(environ)
+    });
+    let mut names: Vec<String> = environ
+        .split(|b| *b == 0)
+        .filter(|v| !v.is_empty())
+        .map(|v| String::from_utf8_lossy(v).split('=').next().unwrap().to_owned())
+        .collect();
+    names.sort();
+    let mut expected = vec!["LOG_LEVEL", "TETHER_PROXY_ID", "TETHER_PROXY_TOKEN", "TETHER_SERVICE_ID", "TETHER_SOCKET"];
+    if std::env::var_os("PATH").is_some() {
+        expected.push("PATH");
+    }
+    if std::env::var_os("HOME").is_some() {
+        expected.push("HOME");
+    }
+    expected.sort();
+    assert_eq!(names, expected);
+    assert_eq!(std::fs::read_link(format!("/proc/{pid}/cwd")).unwrap(), std::path::Path::new("/tmp"));
+    assert_eq!(std::fs::read_link(format!("/proc/{pid}/fd/0")).unwrap(), std::path::Path::new("/dev/null"));
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let fields: Vec<&str> = stat.rsplit_once(") ").unwrap().1.split(' ').collect();
+    assert_eq!(fields[2], pid.to_string(), "the proxy leads its own process group");
+}
+
+#[test]
+fn status_prints_a_table_and_exact_json() {
+    let dirs = Dirs::new();
+    dirs.write_config("a.toml", &sleeper("web"));
+    let agent = Agent::start(&dirs, &root_flags());
+    agent.wait_state("web-proxy", "running");
+    tether()
+        .args(["status", "--data-dir"])
+        .arg(&dirs.data)
+        .assert()
+        .code(0)
+        .stdout(predicate::str::starts_with("ID         SERVICE  STATE    PID"))
+        .stdout(predicate::str::contains("web-proxy  web      running"));
+    let output = tether().args(["status", "--json", "--data-dir"]).arg(&dirs.data).output().unwrap();
+    let json: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    let entry = json.as_array().unwrap()[0].as_object().unwrap();
+    let mut keys: Vec<&str> = entry.keys().map(String::as_str).collect();
+    keys.sort_unstable();
+    assert_eq!(keys, ["error", "id", "last_exit", "pid", "restarts", "service", "started_at", "state"]);
+    assert!(entry["pid"].is_number() && entry["error"].is_null() && entry["last_exit"].is_null());
+    let started = entry["started_at"].as_str().unwrap();
+    assert!(humantime::parse_rfc3339(started).is_ok(), "{started}");
+}

@@ -1,0 +1,10 @@
+//! Black-box tests of the `tether` binary: real processes, temp dirs, the real socket.
+
+// Skipped tests say why on stderr.
+#![allow(clippy::print_stderr)]
+
+mod api;
+mod builtin;
+mod lifecycle;
+mod support;
+mod validate;

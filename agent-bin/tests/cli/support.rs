@@ -1,0 +1,291 @@
+//! Helpers for driving the real `tether` binary: temp dirs, an agent guard that kills
+//! everything it started (even when a test fails), a tiny HTTP client for the socket, and
+//! waits on conditions with deadlines.
+
+#![allow(dead_code)]
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{Signal, kill, killpg};
+use nix::unistd::Pid;
+
+/// How long any wait in these tests may take before it fails.
+pub const DEADLINE: Duration = Duration::from_secs(20);
+
+pub fn tether() -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_tether"));
+    for (key, _) in std::env::vars_os() {
+        if key.to_string_lossy().starts_with("TETHER_") {
+            command.env_remove(key);
+        }
+    }
+    command.env_remove("RUST_LOG");
+    command
+}
+
+/// Polls `condition` until it returns `Some`, or panics with `what` after [`DEADLINE`].
+#[track_caller]
+pub fn wait_for<T>(what: &str, mut condition: impl FnMut() -> Option<T>) -> T {
+    let start = Instant::now();
+    loop {
+        if let Some(value) = condition() {
+            return value;
+        }
+        assert!(start.elapsed() < DEADLINE, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A config dir and a data dir in one temp dir.
+pub struct Dirs {
+    pub temp: tempfile::TempDir,
+    pub config: PathBuf,
+    pub data: PathBuf,
+}
+
+impl Dirs {
+    pub fn new() -> Self {
+        let temp = tempfile::tempdir().unwrap();
+        let config = temp.path().join("config");
+        std::fs::create_dir(&config).unwrap();
+        let data = temp.path().join("data");
+        Self { temp, config, data }
+    }
+
+    pub fn write_config(&self, name: &str, text: &str) {
+        // Written whole and renamed, so that a reload never sees half a file.
+        let path = self.config.join(name);
+        let temp = self.config.join(format!(".{name}.tmp"));
+        std::fs::write(&temp, text).unwrap();
+        std::fs::rename(temp, path).unwrap();
+    }
+
+    pub fn socket(&self) -> PathBuf {
+        self.data.join("agent.sock")
+    }
+}
+
+/// A `[[service]]` whose proxy is `sleep`.
+pub fn sleeper(name: &str) -> String {
+    format!(
+        "[[service]]\nname = \"{name}\"\n[service.proxy]\ncommand = [\"/bin/sleep\", \"3600\"]\nkill_timeout = \"2s\"\n"
+    )
+}
+
+/// A running `tether agent`; dropping it kills the agent and every proxy it started.
+pub struct Agent {
+    pub child: Option<Child>,
+    pub socket: PathBuf,
+    pub log: PathBuf,
+}
+
+impl Agent {
+    /// Starts an agent on `dirs` with fast coalescing and `extra` flags, and waits until its
+    /// socket answers.
+    pub fn start(dirs: &Dirs, extra: &[&str]) -> Self {
+        let agent = Self::spawn(dirs, extra);
+        wait_for("the agent's socket", || get(&agent.socket, "/v1/agent/health").ok().filter(|r| r.status == 200));
+        agent
+    }
+
+    /// Starts an agent without waiting for it.
+    pub fn spawn(dirs: &Dirs, extra: &[&str]) -> Self {
+        static STARTED: AtomicUsize = AtomicUsize::new(0);
+        let log = dirs.temp.path().join(format!("agent-{}.log", STARTED.fetch_add(1, Ordering::Relaxed)));
+        let stderr = std::fs::File::create(&log).unwrap();
+        let child = tether()
+            .arg("agent")
+            .arg("--config-dir")
+            .arg(&dirs.config)
+            .arg("--data-dir")
+            .arg(&dirs.data)
+            .args([
+                "--sync-quiescent",
+                "20ms",
+                "--sync-max-delay",
+                "200ms",
+                "--log-format",
+                "json",
+                "--log-level",
+                "debug",
+            ])
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(stderr)
+            .spawn()
+            .unwrap();
+        Self { child: Some(child), socket: dirs.socket(), log }
+    }
+
+    pub fn pid(&self) -> Pid {
+        Pid::from_raw(self.child.as_ref().unwrap().id() as i32)
+    }
+
+    pub fn signal(&self, signal: Signal) {
+        kill(self.pid(), signal).unwrap();
+    }
+
+    /// Waits for the agent to exit.
+    #[track_caller]
+    pub fn wait(&mut self) -> ExitStatus {
+        let child = self.child.as_mut().unwrap();
+        let status = wait_for("the agent to exit", || child.try_wait().unwrap());
+        self.child = None;
+        status
+    }
+
+    pub fn logs(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Every proxy, as `GET /v1/agent/proxies` shows it.
+    pub fn proxies(&self) -> Vec<serde_json::Value> {
+        let response = get(&self.socket, "/v1/agent/proxies").expect("the agent answers");
+        assert_eq!(response.status, 200, "{}", response.body);
+        serde_json::from_str(&response.body).unwrap()
+    }
+
+    pub fn proxy(&self, id: &str) -> Option<serde_json::Value> {
+        self.proxies().into_iter().find(|p| p["id"] == id)
+    }
+
+    /// Waits until proxy `id` is in `state`, and returns its status.
+    #[track_caller]
+    pub fn wait_state(&self, id: &str, state: &str) -> serde_json::Value {
+        wait_for(&format!("{id} to be {state}"), || self.proxy(id).filter(|p| p["state"] == state))
+    }
+
+    /// Waits until proxy `id` is gone from the list.
+    #[track_caller]
+    pub fn wait_gone(&self, id: &str) {
+        wait_for(&format!("{id} to leave the list"), || self.proxy(id).is_none().then_some(()));
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        kill_proxies_of(&self.socket);
+    }
+}
+
+/// SIGKILLs the process group of every process whose environment names `socket`: the
+/// proxies of one test's agent, whatever happened to the agent.
+pub fn kill_proxies_of(socket: &Path) {
+    for pid in proxies_of(socket) {
+        let _ = killpg(Pid::from_raw(pid), Signal::SIGKILL);
+        let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+    }
+}
+
+/// The pids of live processes whose environment names `socket` (zombies excluded).
+pub fn proxies_of(socket: &Path) -> Vec<i32> {
+    let needle = format!("TETHER_SOCKET={}", socket.display());
+    let mut found = Vec::new();
+    let Ok(entries) = std::fs::read_dir("/proc") else { return found };
+    for entry in entries.flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else { continue };
+        let Ok(environ) = std::fs::read(entry.path().join("environ")) else { continue };
+        let zombie = std::fs::read_to_string(entry.path().join("stat"))
+            .ok()
+            .and_then(|stat| stat.rsplit_once(") ").map(|(_, rest)| rest.starts_with('Z')))
+            .unwrap_or(true);
+        if !zombie && environ.split(|b| *b == 0).any(|var| var == needle.as_bytes()) {
+            found.push(pid);
+        }
+    }
+    found
+}
+
+/// An HTTP answer.
+#[derive(Debug)]
+pub struct Response {
+    pub status: u16,
+    pub headers: String,
+    pub body: String,
+}
+
+impl Response {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|err| panic!("{err}: {}", self.body))
+    }
+}
+
+pub fn get(socket: &Path, path: &str) -> std::io::Result<Response> {
+    request(socket, "GET", path, &[], None)
+}
+
+pub fn put(socket: &Path, path: &str, body: Option<&str>) -> std::io::Result<Response> {
+    request(socket, "PUT", path, &[], body)
+}
+
+/// One HTTP/1.1 request over the agent's socket, `Connection: close`.
+pub fn request(
+    socket: &Path,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&str>,
+) -> std::io::Result<Response> {
+    let mut stream = UnixStream::connect(socket)?;
+    stream.set_read_timeout(Some(DEADLINE))?;
+    let body = body.unwrap_or("");
+    let mut head =
+        format!("{method} {path} HTTP/1.1\r\nHost: tether\r\nConnection: close\r\nContent-Length: {}\r\n", body.len());
+    for (name, value) in headers {
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    head.push_str("\r\n");
+    stream.write_all(head.as_bytes())?;
+    stream.write_all(body.as_bytes())?;
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw)?;
+    parse(&raw)
+}
+
+fn parse(raw: &[u8]) -> std::io::Result<Response> {
+    let text = String::from_utf8_lossy(raw);
+    let (head, body) = text.split_once("\r\n\r\n").ok_or_else(|| std::io::Error::other("no HTTP head"))?;
+    let status =
+        head.split(' ').nth(1).and_then(|s| s.parse().ok()).ok_or_else(|| std::io::Error::other("no status"))?;
+    let chunked = head.to_ascii_lowercase().contains("transfer-encoding: chunked");
+    let body = if chunked { dechunk(body) } else { body.to_owned() };
+    Ok(Response { status, headers: head.to_owned(), body })
+}
+
+fn dechunk(mut body: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = body.split_once("\r\n") {
+        let Ok(size) = usize::from_str_radix(size.trim(), 16) else { break };
+        if size == 0 || rest.len() < size {
+            break;
+        }
+        out.push_str(&rest[..size]);
+        body = rest[size..].trim_start_matches("\r\n");
+    }
+    out
+}
+
+/// Whether the process `pid` is alive (and not a zombie).
+pub fn alive(pid: i64) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return false };
+    stat.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z'))
+}
+
+pub fn is_root() -> bool {
+    nix::unistd::geteuid().is_root()
+}
+
+pub fn mode(path: &Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::symlink_metadata(path).unwrap().permissions().mode() & 0o777
+}

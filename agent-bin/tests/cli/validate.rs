@@ -1,0 +1,96 @@
+//! `tether validate` and the CLI's usage errors.
+
+use assert_cmd::prelude::*;
+use predicates::prelude::*;
+
+use crate::support::{Dirs, tether};
+
+#[test]
+fn valid_config_dirs_exit_zero_with_a_summary() {
+    let dirs = Dirs::new();
+    dirs.write_config("web.toml", "[[service]]\nname = \"web\"\n[service.proxy]\n[[service]]\nname = \"db\"\n");
+    tether()
+        .arg("validate")
+        .arg(&dirs.config)
+        .assert()
+        .code(0)
+        .stdout(predicate::str::contains("valid: 2 service(s), 1 with a managed proxy"));
+}
+
+#[test]
+fn unknown_config_key_is_a_usage_error_naming_file_line_and_field() {
+    let dirs = Dirs::new();
+    dirs.write_config("web.toml", "[sevice]\nname = \"web\"\n");
+    let file = dirs.config.join("web.toml");
+    tether()
+        .arg("validate")
+        .arg(&dirs.config)
+        .assert()
+        .code(2)
+        .stderr(predicate::str::contains(format!("{}:1:2: field `sevice`: unknown field `sevice`", file.display())));
+}
+
+#[test]
+fn every_error_of_every_dir_is_reported() {
+    let one = Dirs::new();
+    let two = Dirs::new();
+    one.write_config("a.toml", "[[service]]\nname = \"web\"\n[service.proxy]\nkill_timeout = \"5x\"\n");
+    two.write_config("b.json", "{\"service\": [{\"name\": \"db\", \"port\": 99999}]}");
+    tether()
+        .arg("validate")
+        .arg(&one.config)
+        .arg(&two.config)
+        .assert()
+        .code(2)
+        .stderr(predicate::str::contains("a.toml:4:16: field `service[0].proxy.kill_timeout`"))
+        .stderr(predicate::str::contains("b.json:1:41: field `service[0].port`"))
+        .stderr(predicate::str::contains("2 error(s)"));
+}
+
+#[test]
+fn cli_commands_without_an_agent_fail_with_exit_one_and_say_why() {
+    let dirs = Dirs::new();
+    tether()
+        .args(["status", "--data-dir"])
+        .arg(&dirs.data)
+        .assert()
+        .code(1)
+        .stderr(predicate::str::contains("cannot reach the agent at"))
+        .stderr(predicate::str::contains("is `tether agent` running with this --data-dir?"));
+}
+
+#[test]
+fn bad_arguments_are_usage_errors() {
+    tether().args(["status", "--bogus"]).assert().code(2);
+    let dirs = Dirs::new();
+    tether()
+        .args(["deregister", "../etc", "--data-dir"])
+        .arg(&dirs.data)
+        .assert()
+        .code(2)
+        .stderr(predicate::str::contains("invalid service id \"../etc\""));
+    tether()
+        .args(["register", "/nonexistent/services.toml", "--data-dir"])
+        .arg(&dirs.data)
+        .assert()
+        .code(2)
+        .stderr(predicate::str::contains("/nonexistent/services.toml: cannot read"));
+}
+
+#[test]
+fn connect_proxy_outside_an_agent_explains_itself() {
+    tether()
+        .arg("connect-proxy")
+        .assert()
+        .code(2)
+        .stderr(predicate::str::contains("TETHER_PROXY_ID is not set: connect-proxy is started by the agent"));
+}
+
+#[test]
+fn help_lists_every_command() {
+    let assert = tether().arg("--help").assert().code(0);
+    let out = String::from_utf8(assert.get_output().stdout.clone()).unwrap();
+    for command in ["agent", "status", "register", "deregister", "leave", "validate", "connect-proxy"] {
+        assert!(out.contains(command), "{command} missing from:\n{out}");
+    }
+}
