@@ -4,11 +4,12 @@
 //! counted twice and an idle agent does no work for metrics. This module only reads.
 
 use prometheus_client::collector::Collector;
+use prometheus_client::encoding::NoLabelSet as NoLabels;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::Registry;
-use tether_manager::{ManagerHandle, ProxyState};
+use tether_manager::{LastExit, ManagerHandle, PASS_BUCKETS, ProxyState};
 
 /// The agent's metrics registry.
 #[derive(Debug)]
@@ -75,34 +76,72 @@ impl Collector for ManagerCollector {
             ConstCounter::new(u64::from(status.restarts)).encode(family.encode_family(&labels)?)?;
         }
 
-        let passes = ConstCounter::new(stats.passes);
-        passes.encode(encoder.encode_descriptor(
-            "tether_reconcile_passes",
-            "Reconcile passes",
-            None,
-            passes.metric_type(),
-        )?)?;
-        let duration = ConstCounter::new(stats.total_duration.as_secs_f64());
-        duration.encode(encoder.encode_descriptor(
-            "tether_reconcile_duration_seconds",
-            "Time spent in reconcile passes",
-            None,
-            duration.metric_type(),
-        )?)?;
-        let actions = ConstCounter::new(stats.actions);
-        actions.encode(encoder.encode_descriptor(
-            "tether_actions",
-            "Actions (start, stop, restart, update) dispatched",
-            None,
-            actions.metric_type(),
-        )?)?;
-        let failures = ConstCounter::new(stats.failures);
-        failures.encode(encoder.encode_descriptor(
-            "tether_action_failures",
-            "Actions that failed",
-            None,
-            failures.metric_type(),
-        )?)?;
+        {
+            let histogram_type = prometheus_client::metrics::MetricType::Histogram;
+            let mut metric = encoder.encode_descriptor(
+                "tether_reconcile_duration_seconds",
+                "Reconcile passes by duration",
+                None,
+                histogram_type,
+            )?;
+            let buckets: Vec<(f64, u64)> = PASS_BUCKETS
+                .iter()
+                .copied()
+                .chain(std::iter::once(f64::INFINITY))
+                .zip(stats.pass_buckets.iter().copied())
+                .collect();
+            metric.encode_histogram::<NoLabels>(stats.total_duration.as_secs_f64(), stats.passes, &buckets, None)?;
+        }
+        {
+            let counter = ConstCounter::new(0u64);
+            let mut family = encoder.encode_descriptor(
+                "tether_actions",
+                "Actions run on proxies, by kind and result",
+                None,
+                counter.metric_type(),
+            )?;
+            for ((kind, succeeded), count) in &stats.actions_by_kind {
+                let labels = [("kind", kind.as_str()), ("result", if *succeeded { "ok" } else { "error" })];
+                ConstCounter::new(*count).encode(family.encode_family(&labels)?)?;
+            }
+        }
+        {
+            let counter = ConstCounter::new(0u64);
+            let mut family = encoder.encode_descriptor(
+                "tether_proxy_exits",
+                "Exits of proxy processes, by exit code or signal",
+                None,
+                counter.metric_type(),
+            )?;
+            for (exit, count) in &stats.exits {
+                let (how, value) = match exit {
+                    LastExit::Code(code) => ("code", code.to_string()),
+                    LastExit::Signal(signal) => ("signal", signal.to_string()),
+                };
+                let labels = [("exit", how), ("value", value.as_str())];
+                ConstCounter::new(*count).encode(family.encode_family(&labels)?)?;
+            }
+        }
+        {
+            let counter = ConstCounter::new(0u64);
+            let mut family = encoder.encode_descriptor(
+                "tether_adoptions",
+                "Proxies from an earlier agent: adopted on proof, or dropped as unprovable",
+                None,
+                counter.metric_type(),
+            )?;
+            ConstCounter::new(stats.adopted).encode(family.encode_family(&[("result", "adopted")])?)?;
+            ConstCounter::new(stats.dropped).encode(family.encode_family(&[("result", "dropped")])?)?;
+        }
+        for (name, help, value) in [
+            ("tether_reconcile_passes", "Reconcile passes", stats.passes),
+            ("tether_action_failures", "Actions that failed", stats.failures),
+            ("tether_snapshot_writes", "Snapshots written", stats.snapshot_writes),
+            ("tether_snapshot_write_failures", "Snapshot writes that failed", stats.snapshot_failures),
+        ] {
+            let counter = ConstCounter::new(value);
+            counter.encode(encoder.encode_descriptor(name, help, None, counter.metric_type())?)?;
+        }
         let in_flight = ConstGauge::new(i64::try_from(stats.in_flight).unwrap_or(i64::MAX));
         in_flight.encode(encoder.encode_descriptor(
             "tether_actions_in_flight",

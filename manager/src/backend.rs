@@ -63,7 +63,7 @@ impl fmt::Display for ProxyState {
 }
 
 /// How a proxy's process last ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum LastExit {
     /// It exited with this code.

@@ -109,7 +109,7 @@ pub use snapshot::{
     BoxedCause, FileSnapshotStore, MemorySnapshotStore, ProxyRecord, SNAPSHOT_VERSION, Snapshot, SnapshotError,
     SnapshotStore, UnknownVersion,
 };
-pub use status::{ManagerHandle, ProxyEvent, ProxyStatus, ReconcileStats};
+pub use status::{ActionKind, ManagerHandle, PASS_BUCKETS, ProxyEvent, ProxyStatus, ReconcileStats};
 
 /// An error and its sources on one line, `outer: inner: innermost`, for statuses and logs.
 pub(crate) fn error_chain(error: &dyn std::error::Error) -> String {

@@ -21,7 +21,7 @@ use tracing::Instrument;
 use crate::backend::{BackendError, ProcessStatus, ProxyBackend, ProxyHandle, ProxyState};
 use crate::plan::{Action, Observed, Origin, Policy, decide};
 use crate::snapshot::{ProxyRecord, Snapshot, SnapshotError, SnapshotStore, WriterMessage, WriterSender, writer};
-use crate::status::{ManagerHandle, ProxyStatus, Published};
+use crate::status::{ActionKind, ManagerHandle, ProxyStatus, Published};
 
 /// How the engine behaves. `Default` gives SPEC's defaults.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -422,6 +422,7 @@ impl Manager {
         match restored {
             Some(handle) => {
                 tracing::info!(proxy = %id, "proxy adopted");
+                self.published.lock().stats.adopted += 1;
                 // A candidate without a snapshot record that the backend proved against the
                 // wanted proxy runs that proxy, by the backend's contract.
                 if record.service.is_none() && record.token.is_none() {
@@ -437,7 +438,10 @@ impl Manager {
                 self.install(&id, handle.into(), record.service, record.token);
                 self.publish(&id);
             }
-            None => tracing::info!(proxy = %id, "snapshot record dropped: its process cannot be proven to be the same"),
+            None => {
+                tracing::info!(proxy = %id, "snapshot record dropped: its process cannot be proven to be the same");
+                self.published.lock().stats.dropped += 1;
+            }
         }
         true
     }
@@ -455,7 +459,9 @@ impl Manager {
             self.slots.keys().filter_map(|id| Some((id.clone(), self.record_of(id)?))).collect();
         let (sender, messages) = mpsc::unbounded_channel();
         let store = self.store.clone();
-        self.background.spawn(writer(store, messages, records, saved).instrument(tracing::info_span!("snapshot")));
+        let published = self.published.clone();
+        self.background
+            .spawn(writer(store, messages, records, saved, published).instrument(tracing::info_span!("snapshot")));
         self.writer = Some(sender);
     }
 
@@ -525,10 +531,8 @@ impl Manager {
         }
         let elapsed = started.elapsed();
         let mut board = self.published.lock();
-        board.stats.passes += 1;
+        board.stats.observe_pass(elapsed);
         board.stats.revision = self.seen;
-        board.stats.last_duration = elapsed;
-        board.stats.total_duration += elapsed;
         board.stats.in_flight = self.actions.len();
         board.stats.queued = self.backlog.len();
     }
@@ -621,6 +625,10 @@ impl Manager {
         let action = slot.busy.take();
         let wanted = slot.launched_for.take();
         let mut failed = None;
+        let succeeded = matches!(outcome, Ok(Outcome::Started { .. } | Outcome::Stopped | Outcome::Updated { .. }));
+        if let Some(kind) = action.and_then(action_kind) {
+            *self.published.lock().stats.actions_by_kind.entry((kind, succeeded)).or_default() += 1;
+        }
         match outcome {
             Ok(Outcome::Started { proxy, handle }) => {
                 tracing::info!(proxy = %id, "proxy started");
@@ -772,6 +780,17 @@ async fn sleep_until(deadline: Option<Instant>) {
     match deadline {
         Some(deadline) => tokio::time::sleep_until(deadline).await,
         None => std::future::pending().await,
+    }
+}
+
+/// The kind of a backend action, for counting; `None` for decisions that are not actions.
+fn action_kind(action: Action) -> Option<ActionKind> {
+    match action {
+        Action::Start => Some(ActionKind::Start),
+        Action::Stop => Some(ActionKind::Stop),
+        Action::Restart => Some(ActionKind::Restart),
+        Action::Update => Some(ActionKind::Update),
+        Action::Block | Action::Forget => None,
     }
 }
 

@@ -11,6 +11,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
+use crate::status::Published;
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use tether_state::persist::{self, PersistError};
@@ -296,10 +297,11 @@ pub(crate) async fn writer(
     mut messages: mpsc::UnboundedReceiver<WriterMessage>,
     mut records: BTreeMap<ProxyId, ProxyRecord>,
     saved: Option<Snapshot>,
+    published: Published,
 ) {
     let mut saved = saved.unwrap_or_default();
     let mut dirty = true;
-    let _ = save_if_changed(&*store, &records, &mut saved, &mut dirty).await;
+    let _ = save_if_changed(&*store, &records, &mut saved, &mut dirty, &published).await;
     while let Some(first) = messages.recv().await {
         let mut next = Some(first);
         while let Some(message) = next.take().or_else(|| messages.try_recv().ok()) {
@@ -312,12 +314,12 @@ pub(crate) async fn writer(
                 }
                 WriterMessage::Remove(id) => dirty |= records.remove(&id).is_some(),
                 WriterMessage::Flush(reply) => {
-                    let result = save_if_changed(&*store, &records, &mut saved, &mut dirty).await;
+                    let result = save_if_changed(&*store, &records, &mut saved, &mut dirty, &published).await;
                     let _ = reply.send(result);
                 }
             }
         }
-        let _ = save_if_changed(&*store, &records, &mut saved, &mut dirty).await;
+        let _ = save_if_changed(&*store, &records, &mut saved, &mut dirty, &published).await;
     }
 }
 
@@ -326,6 +328,7 @@ async fn save_if_changed(
     records: &BTreeMap<ProxyId, ProxyRecord>,
     saved: &mut Snapshot,
     dirty: &mut bool,
+    published: &Published,
 ) -> Result<(), SnapshotError> {
     if !*dirty {
         return Ok(());
@@ -338,6 +341,7 @@ async fn save_if_changed(
     match store.save(snapshot.clone()).await {
         Ok(()) => {
             tracing::debug!(proxies = snapshot.proxies.len(), "snapshot written");
+            published.lock().stats.snapshot_writes += 1;
             *saved = snapshot;
             *dirty = false;
             Ok(())
@@ -345,6 +349,7 @@ async fn save_if_changed(
         Err(err) => {
             // Stay dirty: the next change or flush tries again.
             tracing::warn!(error = %crate::error_chain(&err), "cannot write the snapshot");
+            published.lock().stats.snapshot_failures += 1;
             Err(err)
         }
     }

@@ -44,6 +44,35 @@ pub enum ProxyEvent {
     Removed(ProxyId),
 }
 
+/// Upper bounds, in seconds, of the buckets of [`ReconcileStats::pass_buckets`].
+pub const PASS_BUCKETS: [f64; 12] = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0];
+
+/// What an action does to a proxy, as counted in [`ReconcileStats::actions_by_kind`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[non_exhaustive]
+pub enum ActionKind {
+    /// Started a proxy.
+    Start,
+    /// Stopped a proxy.
+    Stop,
+    /// Stopped a proxy and started it again from a changed spec.
+    Restart,
+    /// Applied a change in place.
+    Update,
+}
+
+impl ActionKind {
+    /// The kind's name, as metrics label it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Start => "start",
+            Self::Stop => "stop",
+            Self::Restart => "restart",
+            Self::Update => "update",
+        }
+    }
+}
+
 /// Reconcile counters and timings, for metrics.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -64,6 +93,34 @@ pub struct ReconcileStats {
     pub in_flight: usize,
     /// Actions waiting for a free slot now.
     pub queued: usize,
+    /// Passes by duration: entry `i` counts the passes that took at most `PASS_BUCKETS[i]`
+    /// and more than the bucket before; the last entry counts the longer ones.
+    pub pass_buckets: [u64; PASS_BUCKETS.len() + 1],
+    /// Finished actions by kind and by success (`true`) or failure.
+    pub actions_by_kind: BTreeMap<(ActionKind, bool), u64>,
+    /// Process exits observed, by exit code or signal (stops included; the exits of
+    /// adopted processes, whose status belongs to their real parent, are not known).
+    pub exits: BTreeMap<LastExit, u64>,
+    /// Snapshots written.
+    pub snapshot_writes: u64,
+    /// Snapshot writes that failed (and are retried on the next change).
+    pub snapshot_failures: u64,
+    /// Proxies taken over from an earlier agent, proven to be the same process.
+    pub adopted: u64,
+    /// Snapshot records or candidates dropped because nothing proved their process.
+    pub dropped: u64,
+}
+
+impl ReconcileStats {
+    /// Counts one pass of `duration`.
+    pub(crate) fn observe_pass(&mut self, duration: Duration) {
+        let seconds = duration.as_secs_f64();
+        let bucket = PASS_BUCKETS.iter().position(|&bound| seconds <= bound).unwrap_or(PASS_BUCKETS.len());
+        self.pass_buckets[bucket] += 1;
+        self.passes += 1;
+        self.last_duration = duration;
+        self.total_duration += duration;
+    }
 }
 
 #[derive(Debug, Default)]
@@ -96,8 +153,17 @@ impl Published {
     /// Publishes `status` if it differs from what is shown.
     pub(crate) fn set(&self, status: ProxyStatus) {
         let mut board = self.lock();
-        if board.proxies.get(&status.id) == Some(&status) {
+        let shown = board.proxies.get(&status.id);
+        if shown == Some(&status) {
             return;
+        }
+        // Exits seen so far: one per restart, and one more while the last process is gone.
+        // Counting the growth of that number catches an exit even when the restart that
+        // followed it is already shown.
+        let exits_seen = |s: &ProxyStatus| u64::from(s.restarts) + u64::from(s.pid.is_none() && s.last_exit.is_some());
+        let grown = exits_seen(&status).saturating_sub(shown.map_or(0, exits_seen));
+        if let (true, Some(exit)) = (grown > 0, status.last_exit) {
+            *board.stats.exits.entry(exit).or_default() += grown;
         }
         board.proxies.insert(status.id.clone(), status.clone());
         drop(board);
@@ -142,5 +208,53 @@ impl ManagerHandle {
     /// Every status change from now on.
     pub fn subscribe(&self) -> broadcast::Receiver<ProxyEvent> {
         self.published.events.subscribe()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn status(pid: Option<u32>, last_exit: Option<LastExit>) -> ProxyStatus {
+        ProxyStatus {
+            id: ServiceId::new("web").unwrap().proxy_id(),
+            service: ServiceId::new("web").unwrap(),
+            state: ProxyState::Running,
+            pid,
+            restarts: 0,
+            started_at: None,
+            last_exit,
+            error: None,
+        }
+    }
+
+    #[test]
+    fn an_exit_is_counted_once_when_a_process_goes_away() {
+        let published = Published::new();
+        let restarted = |restarts, pid, exit| ProxyStatus { restarts, ..status(pid, exit) };
+        published.set(status(Some(1), None));
+        published.set(status(None, Some(LastExit::Code(3))));
+        // The same status again, and the restart of that exit, count nothing.
+        published.set(status(None, Some(LastExit::Code(3))));
+        published.set(restarted(1, Some(2), Some(LastExit::Code(3))));
+        // An exit whose restart is already shown when it is published still counts.
+        published.set(restarted(2, Some(3), Some(LastExit::Signal(9))));
+        // A stop: the process is gone and says how it ended.
+        published.set(restarted(2, None, Some(LastExit::Code(0))));
+        let exits = published.handle().stats().exits;
+        assert_eq!(exits, BTreeMap::from([(LastExit::Code(0), 1), (LastExit::Code(3), 1), (LastExit::Signal(9), 1)]));
+    }
+
+    #[test]
+    fn passes_fall_into_their_buckets() {
+        let mut stats = ReconcileStats::default();
+        stats.observe_pass(Duration::from_micros(50));
+        stats.observe_pass(Duration::from_micros(100));
+        stats.observe_pass(Duration::from_millis(3));
+        stats.observe_pass(Duration::from_secs(2));
+        assert_eq!(stats.pass_buckets[0], 2, "a bound is inclusive");
+        assert_eq!(stats.pass_buckets[5], 1, "3 ms is in the 5 ms bucket");
+        assert_eq!(stats.pass_buckets[PASS_BUCKETS.len()], 1, "longer than every bound");
+        assert_eq!(stats.passes, 4);
     }
 }

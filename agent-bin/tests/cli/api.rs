@@ -165,8 +165,13 @@ fn metrics_are_prometheus_text_and_move_when_proxies_restart() {
 
     let pid = first["pid"].as_i64().unwrap();
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
-    wait_for("the restart counter to move", || {
+    let body = wait_for("the restart counter to move", || {
         let body = get(&dirs.socket(), "/metrics").ok()?.body;
-        (sample(&body, "tether_proxy_restarts_total", "proxy=\"web-proxy\"") == Some(1.0)).then_some(())
+        (sample(&body, "tether_proxy_restarts_total", "proxy=\"web-proxy\"") == Some(1.0)).then_some(body)
     });
+    assert_eq!(sample(&body, "tether_proxy_exits_total", "exit=\"signal\",value=\"9\""), Some(1.0), "{body}");
+    assert_eq!(sample(&body, "tether_actions_total", "kind=\"start\",result=\"ok\""), Some(1.0), "{body}");
+    assert!(sample(&body, "tether_reconcile_duration_seconds_count", "").unwrap() >= 1.0, "{body}");
+    assert!(sample(&body, "tether_snapshot_writes_total", "").unwrap() >= 1.0, "{body}");
+    assert_eq!(sample(&body, "tether_adoptions_total", "result=\"dropped\""), Some(0.0), "{body}");
 }

@@ -318,6 +318,10 @@ async fn failed_start_leaves_the_proxy_failed_and_the_next_change_retries_it() {
     .await
     .unwrap();
     assert_eq!((running.pid, running.error), (Some(7), None));
+    let stats = handle.stats();
+    assert_eq!(stats.actions_by_kind.get(&(crate::ActionKind::Start, false)), Some(&1));
+    assert_eq!(stats.actions_by_kind.get(&(crate::ActionKind::Start, true)), Some(&1));
+    assert!(stats.pass_buckets.iter().sum::<u64>() == stats.passes && stats.passes >= 2, "{stats:?}");
     shutdown.cancel();
     let manager = tokio::time::timeout(LIMIT, task).await.unwrap().unwrap();
     tokio::time::timeout(LIMIT, manager.close()).await.unwrap().unwrap();
@@ -470,6 +474,7 @@ async fn restore_adopts_a_proven_proxy_without_restarting_it() {
     let adopted = second.until_state(&pid("web"), ProxyState::Running).await;
     assert_eq!(adopted.pid, web.pid);
     assert_eq!(fake.calls_of(Call::Restore).len(), 1);
+    assert_eq!((second.handle.stats().adopted, second.handle.stats().dropped), (1, 0));
     assert_eq!(fake.calls_of(Call::Start).len(), 1, "only the first agent started it");
     assert!(fake.calls_of(Call::Stop).is_empty());
     assert!(fake.state().ran_twice.is_empty());
@@ -486,6 +491,7 @@ async fn restore_drops_a_record_the_backend_cannot_prove() {
     backend.expect_create().times(1).returning(|_| Box::new(mock_handle(Ok(()))));
     let mut manager =
         Manager::new(Arc::new(catalog(&[service("web")])), Arc::new(backend), store.clone(), ManagerConfig::default());
+    let view = manager.handle();
     let shutdown = CancellationToken::new();
     let token = shutdown.clone();
     let task = tokio::spawn(async move {
@@ -500,6 +506,8 @@ async fn restore_drops_a_record_the_backend_cannot_prove() {
         .unwrap()
         .unwrap();
     assert_eq!(store.snapshot().unwrap().proxies[0].backend, serde_json::json!({ "pid": 7 }));
+    assert_eq!((view.stats().adopted, view.stats().dropped), (0, 1));
+    assert!(view.stats().snapshot_writes >= 1);
     shutdown.cancel();
     let manager = tokio::time::timeout(LIMIT, task).await.unwrap().unwrap();
     tokio::time::timeout(LIMIT, manager.close()).await.unwrap().unwrap();

@@ -3,6 +3,7 @@
 use std::os::unix::fs::PermissionsExt;
 
 use super::*;
+use crate::status::Published;
 
 fn record(id: &str) -> ProxyRecord {
     ProxyRecord {
@@ -46,7 +47,8 @@ async fn writer_skips_content_that_did_not_change() {
     let store = Arc::new(MemorySnapshotStore::with_snapshot(Snapshot { proxies: vec![record("web-proxy")] }));
     let (sender, messages) = mpsc::unbounded_channel();
     let records = BTreeMap::from([(ProxyId::parse("web-proxy").unwrap(), record("web-proxy"))]);
-    let task = tokio::spawn(writer(store.clone(), messages, records, store.snapshot()));
+    let published = Published::new();
+    let task = tokio::spawn(writer(store.clone(), messages, records, store.snapshot(), published.clone()));
     let flush = |sender: &WriterSender| {
         let (reply, answer) = oneshot::channel();
         sender.send(WriterMessage::Flush(reply)).unwrap();
@@ -63,6 +65,29 @@ async fn writer_skips_content_that_did_not_change() {
     flush(&sender).await.unwrap().unwrap();
     assert_eq!(*store.saves().borrow(), 1);
     assert_eq!(store.snapshot().unwrap().proxies, []);
+    assert_eq!(published.lock().stats.snapshot_writes, 1, "only real writes are counted");
+    drop(sender);
+    task.await.unwrap();
+}
+
+#[tokio::test]
+async fn failed_writes_are_counted_and_retried_on_the_next_change() {
+    let mut store = MockSnapshotStore::new();
+    let mut seq = mockall::Sequence::new();
+    store.expect_save().times(1).in_sequence(&mut seq).returning(|_| Err(SnapshotError::WriterGone));
+    store.expect_save().times(1).in_sequence(&mut seq).returning(|_| Ok(()));
+    let (sender, messages) = mpsc::unbounded_channel();
+    let published = Published::new();
+    let task = tokio::spawn(writer(Arc::new(store), messages, BTreeMap::new(), None, published.clone()));
+    sender.send(WriterMessage::Put(record("web-proxy"))).unwrap();
+    let (reply, answer) = oneshot::channel();
+    sender.send(WriterMessage::Flush(reply)).unwrap();
+    assert!(answer.await.unwrap().is_err());
+    assert_eq!(published.lock().stats.snapshot_failures, 1);
+    let (reply, answer) = oneshot::channel();
+    sender.send(WriterMessage::Flush(reply)).unwrap();
+    answer.await.unwrap().unwrap();
+    assert_eq!(published.lock().stats.snapshot_writes, 1);
     drop(sender);
     task.await.unwrap();
 }
