@@ -6,5 +6,6 @@
 mod api;
 mod builtin;
 mod lifecycle;
+mod operations;
 mod support;
 mod validate;

@@ -18,7 +18,12 @@ use nix::unistd::Pid;
 pub const DEADLINE: Duration = Duration::from_secs(20);
 
 pub fn tether() -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_tether"));
+    command(Path::new(env!("CARGO_BIN_EXE_tether")))
+}
+
+/// `program`, without the `TETHER_*` variables of the developer's environment.
+pub fn command(program: &Path) -> Command {
+    let mut command = Command::new(program);
     for (key, _) in std::env::vars_os() {
         if key.to_string_lossy().starts_with("TETHER_") {
             command.env_remove(key);
@@ -93,12 +98,24 @@ impl Agent {
         agent
     }
 
+    /// Like [`Agent::start`], with the agent's executable at `program`.
+    pub fn start_with(program: &Path, dirs: &Dirs, extra: &[&str]) -> Self {
+        let agent = Self::spawn_with(program, dirs, extra);
+        wait_for("the agent's socket", || get(&agent.socket, "/v1/agent/health").ok().filter(|r| r.status == 200));
+        agent
+    }
+
     /// Starts an agent without waiting for it.
     pub fn spawn(dirs: &Dirs, extra: &[&str]) -> Self {
+        Self::spawn_with(Path::new(env!("CARGO_BIN_EXE_tether")), dirs, extra)
+    }
+
+    /// Starts the agent at `program` without waiting for it.
+    pub fn spawn_with(program: &Path, dirs: &Dirs, extra: &[&str]) -> Self {
         static STARTED: AtomicUsize = AtomicUsize::new(0);
         let log = dirs.temp.path().join(format!("agent-{}.log", STARTED.fetch_add(1, Ordering::Relaxed)));
         let stderr = std::fs::File::create(&log).unwrap();
-        let child = tether()
+        let child = command(program)
             .arg("agent")
             .arg("--config-dir")
             .arg(&dirs.config)
@@ -288,4 +305,57 @@ pub fn is_root() -> bool {
 pub fn mode(path: &Path) -> u32 {
     use std::os::unix::fs::PermissionsExt;
     std::fs::symlink_metadata(path).unwrap().permissions().mode() & 0o777
+}
+
+/// Polls `condition` until it returns `Ok`, or panics with `what` and the last `Err` (what was
+/// still wrong) after [`DEADLINE`].
+#[track_caller]
+pub fn wait_until<T>(what: &str, mut condition: impl FnMut() -> Result<T, String>) -> T {
+    let start = Instant::now();
+    loop {
+        match condition() {
+            Ok(value) => return value,
+            Err(wrong) => assert!(start.elapsed() < DEADLINE, "timed out waiting for {what}; last seen: {wrong}"),
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The value of `name` in the environment of process `pid`.
+pub fn environ_var(pid: i32, name: &str) -> Option<String> {
+    let environ = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    let prefix = format!("{name}=");
+    environ
+        .split(|b| *b == 0)
+        .find_map(|var| var.strip_prefix(prefix.as_bytes()))
+        .map(|value| String::from_utf8_lossy(value).into_owned())
+}
+
+/// The command line of process `pid`, one argument per element.
+pub fn cmdline(pid: i32) -> Vec<String> {
+    let raw = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    raw.split(|b| *b == 0).filter(|arg| !arg.is_empty()).map(|arg| String::from_utf8_lossy(arg).into_owned()).collect()
+}
+
+/// The live processes whose environment names `socket` ([`proxies_of`]), grouped by their
+/// `TETHER_PROXY_ID` (`"?"` when it cannot be read).
+pub fn processes_by_proxy_id(socket: &Path) -> std::collections::BTreeMap<String, Vec<i32>> {
+    let mut by_id = std::collections::BTreeMap::<String, Vec<i32>>::new();
+    for pid in proxies_of(socket) {
+        let id = environ_var(pid, "TETHER_PROXY_ID").unwrap_or_else(|| "?".to_owned());
+        by_id.entry(id).or_default().push(pid);
+    }
+    for pids in by_id.values_mut() {
+        pids.sort_unstable();
+    }
+    by_id
+}
+
+/// The process group and session of `pid`, from `/proc/<pid>/stat`.
+pub fn pgid_and_sid(pid: i32) -> Option<(i32, i32)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (_, rest) = stat.rsplit_once(") ")?;
+    // After the command: state, ppid, pgrp, session.
+    let mut fields = rest.split(' ').skip(2);
+    Some((fields.next()?.parse().ok()?, fields.next()?.parse().ok()?))
 }
