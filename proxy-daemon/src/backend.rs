@@ -20,7 +20,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::proc::Identity;
-use crate::spec::{KillPolicy, LogLimits, LogSpec, ProcessName, ProcessSpec, ProcessUpdate, RestartPolicy};
+use crate::spec::{KillPolicy, LogLimits, LogSpec, ProcessName, ProcessSpec, ProcessUpdate};
 use crate::status::{ExitReason, ProcessState, ProcessStatus};
 use crate::supervisor::{ProcessHandle, Supervisor};
 
@@ -110,11 +110,7 @@ impl Shared {
             working_dir: spec.working_dir.clone().unwrap_or_else(|| PathBuf::from("/")),
             user: spec.user.clone(),
             kill: kill_policy(proxy),
-            restart: RestartPolicy {
-                free_attempts: spec.restart.free_attempts,
-                max_delay: spec.restart.max_delay,
-                healthy_after: spec.restart.healthy_after,
-            },
+            restart: spec.restart,
             restart_on_exit: true,
             logs: LogSpec { stdout, stderr, limits: LogLimits { max_size: spec.log.max_size, keep: spec.log.keep } },
             pid_file: self.data.pid_file(id),
@@ -419,11 +415,7 @@ impl ProxyHandle for OsProxyHandle {
         let kill = kill_policy(&proxy);
         let update = ProcessUpdate {
             kill: Some(kill),
-            restart: Some(RestartPolicy {
-                free_attempts: spec.restart.free_attempts,
-                max_delay: spec.restart.max_delay,
-                healthy_after: spec.restart.healthy_after,
-            }),
+            restart: Some(spec.restart),
             log_limits: Some(LogLimits { max_size: spec.log.max_size, keep: spec.log.keep }),
         };
         let mut state = self.lock();

@@ -73,25 +73,9 @@ impl Default for KillPolicy {
     }
 }
 
-/// When an exited process is started again (SPEC.md's restart policy).
-///
-/// The first `free_attempts` restarts happen at once, then after 1 s, 2 s, 4 s, … capped at
-/// `max_delay`. A run that lasted at least `healthy_after` resets the count.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RestartPolicy {
-    /// Restarts without delay before the backoff starts (default 3).
-    pub free_attempts: u32,
-    /// The cap of the exponential backoff (default 60 s).
-    pub max_delay: Duration,
-    /// A run this long resets the attempt count (default 10 s).
-    pub healthy_after: Duration,
-}
-
-impl Default for RestartPolicy {
-    fn default() -> Self {
-        Self { free_attempts: 3, max_delay: Duration::from_secs(60), healthy_after: Duration::from_secs(10) }
-    }
-}
+/// When an exited process is started again: SPEC.md's restart policy, shared with the
+/// catalog's types so that its schedule ([`RestartPolicy::delay_before`]) is written once.
+pub use tether_state::RestartPolicy;
 
 /// Size limits of a log file: rotate past `max_size`, keep `keep` rotated copies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

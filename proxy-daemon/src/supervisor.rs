@@ -535,7 +535,7 @@ impl Task {
         }
 
         self.attempt = backoff::next_attempt(&self.spec.restart, self.attempt, run);
-        let delay = backoff::delay(&self.spec.restart, self.attempt);
+        let delay = self.spec.restart.delay_before(self.attempt);
         let (code, signal) = match last_exit {
             Some(ExitReason::Code(code)) => (Some(code), None),
             Some(ExitReason::Signal(signal)) => (None, Some(signal)),
