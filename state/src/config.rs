@@ -283,6 +283,13 @@ fn load_file(path: &Path) -> Result<LoadedFile, ConfigError> {
     let Some(format) = Format::of_path(path) else {
         return Err(ConfigError::NotAFile { location });
     };
+    // Look before opening: opening a FIFO (or a symlink to one) for reading blocks until a
+    // writer comes, which would hang `validate`, the agent's start and every reload. The
+    // check after opening still guards against an entry replaced in between.
+    let target = fs::metadata(path).map_err(|source| ConfigError::Read { location: location.clone(), source })?;
+    if !target.is_file() {
+        return Err(ConfigError::NotAFile { location });
+    }
     let file = fs::File::open(path).map_err(|source| ConfigError::Read { location: location.clone(), source })?;
     let metadata = file.metadata().map_err(|source| ConfigError::Read { location: location.clone(), source })?;
     if !metadata.is_file() {
@@ -535,7 +542,7 @@ struct ProxyDef {
     kill_timeout: Option<HumanDuration>,
     log_max_size: Option<ByteSize>,
     log_keep: Option<LogKeep>,
-    config: Option<ProxyConfigMap>,
+    config: Option<ConfigDef>,
     restart: Option<RestartDef>,
 }
 
@@ -602,7 +609,7 @@ impl From<ProxyDef> for ProxySpec {
                 max_size: def.log_max_size.map_or(log_default.max_size, |s| s.0),
                 keep: def.log_keep.map_or(log_default.keep, |k| k.0),
             },
-            config: def.config.unwrap_or_default(),
+            config: def.config.map(|c| c.0).unwrap_or_default(),
         }
     }
 }
@@ -719,6 +726,109 @@ impl<'de> Deserialize<'de> for CommandDef {
         CommandLine::from_words(words)
             .map(Self)
             .ok_or_else(|| de::Error::custom("command must name a program; leave `command` out for the built-in proxy"))
+    }
+}
+
+/// The opaque `config` table. Any value JSON can hold is accepted; TOML's `nan` and `inf`
+/// are refused here, because `serde_json` would quietly turn them into `null`, which the
+/// proxy never asked for and which TOML cannot even write back.
+struct ConfigDef(ProxyConfigMap);
+
+impl<'de> Deserialize<'de> for ConfigDef {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct TableVisitor;
+
+        impl<'de> Visitor<'de> for TableVisitor {
+            type Value = ProxyConfigMap;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a map")
+            }
+
+            fn visit_map<A: de::MapAccess<'de>>(self, map: A) -> Result<ProxyConfigMap, A::Error> {
+                read_config_map(map)
+            }
+        }
+
+        deserializer.deserialize_map(TableVisitor).map(Self)
+    }
+}
+
+fn read_config_map<'de, A: de::MapAccess<'de>>(mut map: A) -> Result<ProxyConfigMap, A::Error> {
+    let mut values = ProxyConfigMap::new();
+    while let Some(key) = map.next_key::<String>()? {
+        let ConfigValue(value) = map.next_value()?;
+        values.insert(key, value);
+    }
+    Ok(values)
+}
+
+/// One value inside `config`, read like `serde_json::Value` but without non-finite floats.
+struct ConfigValue(serde_json::Value);
+
+impl<'de> Deserialize<'de> for ConfigValue {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(ConfigValueVisitor).map(Self)
+    }
+}
+
+struct ConfigValueVisitor;
+
+impl<'de> Visitor<'de> for ConfigValueVisitor {
+    type Value = serde_json::Value;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any value JSON can hold")
+    }
+
+    fn visit_bool<E: de::Error>(self, value: bool) -> Result<Self::Value, E> {
+        Ok(value.into())
+    }
+
+    fn visit_i64<E: de::Error>(self, value: i64) -> Result<Self::Value, E> {
+        Ok(value.into())
+    }
+
+    fn visit_u64<E: de::Error>(self, value: u64) -> Result<Self::Value, E> {
+        Ok(value.into())
+    }
+
+    fn visit_f64<E: de::Error>(self, value: f64) -> Result<Self::Value, E> {
+        serde_json::Number::from_f64(value).map(serde_json::Value::Number).ok_or_else(|| {
+            E::custom(format!("{value} cannot be passed to the proxy as JSON: use a finite number or a string"))
+        })
+    }
+
+    fn visit_str<E: de::Error>(self, value: &str) -> Result<Self::Value, E> {
+        Ok(value.into())
+    }
+
+    fn visit_string<E: de::Error>(self, value: String) -> Result<Self::Value, E> {
+        Ok(value.into())
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(serde_json::Value::Null)
+    }
+
+    fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(serde_json::Value::Null)
+    }
+
+    fn visit_some<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
+        ConfigValue::deserialize(deserializer).map(|v| v.0)
+    }
+
+    fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut values = Vec::new();
+        while let Some(ConfigValue(value)) = seq.next_element()? {
+            values.push(value);
+        }
+        Ok(serde_json::Value::Array(values))
+    }
+
+    fn visit_map<A: de::MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+        read_config_map(map).map(serde_json::Value::Object)
     }
 }
 

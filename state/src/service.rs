@@ -272,9 +272,10 @@ impl RestartPolicy {
     /// assert_eq!(policy.delay_before(100), Duration::from_secs(60));
     /// ```
     pub fn delay_before(&self, attempt: u32) -> Duration {
-        let Some(backoff_step) = attempt.checked_sub(self.free_attempts + 1) else {
+        if attempt <= self.free_attempts {
             return Duration::ZERO;
-        };
+        }
+        let backoff_step = attempt - self.free_attempts - 1;
         let delay = match 1u64.checked_shl(backoff_step) {
             Some(secs) if backoff_step < 63 => Duration::from_secs(secs),
             _ => self.max_delay,
@@ -499,6 +500,9 @@ mod tests {
         assert_eq!(none_free.delay_before(1), Duration::from_secs(1));
         let sub_second = RestartPolicy { max_delay: Duration::from_millis(300), ..none_free };
         assert_eq!(sub_second.delay_before(5), Duration::from_millis(300));
+        let always_free = RestartPolicy { free_attempts: u32::MAX, ..policy };
+        assert_eq!(always_free.delay_before(u32::MAX), Duration::ZERO, "no overflow at the top of the range");
+        assert_eq!(always_free.delay_before(7), Duration::ZERO);
     }
 
     #[test]

@@ -383,6 +383,30 @@ fn symlinked_files_are_followed() {
 }
 
 #[test]
+fn a_fifo_in_the_config_dir_is_not_a_file_and_is_never_opened() {
+    let outside = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    // Opening a FIFO for reading blocks until a writer comes: load in a thread, and fail
+    // (rather than hang) if it does not answer.
+    let mode = nix::sys::stat::Mode::from_bits_truncate(0o600);
+    nix::unistd::mkfifo(&outside.path().join("fifo"), mode).unwrap();
+    symlink(outside.path().join("fifo"), dir.path().join("linked.toml")).unwrap();
+    nix::unistd::mkfifo(&dir.path().join("fifo.json"), mode).unwrap();
+    let (sender, answer) = std::sync::mpsc::channel();
+    let path = dir.path().to_owned();
+    std::thread::spawn(move || sender.send(load_dirs(&[path]).map(|_| ()).unwrap_err()));
+    let errors = answer.recv_timeout(Duration::from_secs(10)).expect("load_dirs opened a FIFO and blocked");
+    let errors: Vec<String> = errors.0.iter().map(ToString::to_string).collect();
+    assert_eq!(
+        errors,
+        [
+            format!("{}/fifo.json: not a regular file", dir.path().display()),
+            format!("{}/linked.toml: not a regular file", dir.path().display()),
+        ]
+    );
+}
+
+#[test]
 fn control_characters_in_file_names_are_escaped() {
     let dir = tempfile::tempdir().unwrap();
     write(dir.path(), "evil\n\x1b[31m.toml", "[[oops");
@@ -406,6 +430,28 @@ fn deep_nesting_is_an_error_not_a_crash() {
         "]".repeat(depth)
     );
     assert!(parse_file(&toml, Format::Toml, &file()).is_err());
+}
+
+#[test]
+fn non_finite_floats_in_config_are_refused_not_turned_into_null() {
+    // Found by the `config_toml` fuzz target: `nan` was read as `null`, so the service
+    // could not be written back as TOML.
+    for value in ["nan", "-nan", "inf", "-inf", "[1.5, inf]", "{ deep = { x = +nan } }"] {
+        let err = proxy_error(&format!("config = {{ x = {value} }}"));
+        assert!(err.contains("field `service[0].proxy.config.x"), "{value}: {err}");
+        assert!(err.contains("cannot be passed to the proxy as JSON"), "{value}: {err}");
+    }
+    let service = one("[[service]]\nname = \"web\"\n[service.proxy]\nconfig = { x = 0.5, y = [1, \"a\"], z = {} }\n");
+    let config = &service.proxy.unwrap().config;
+    assert_eq!(serde_json::Value::Object(config.clone()), serde_json::json!({"x": 0.5, "y": [1, "a"], "z": {}}));
+    let body = r#"{"name": "web", "proxy": {"config": {"x": null, "y": [null], "z": 1e308}}}"#;
+    let service = parse_service(body, Format::Json, &Origin::Body).unwrap();
+    assert_eq!(
+        serde_json::Value::Object(service.proxy.unwrap().config),
+        serde_json::json!({"x": null, "y": [null], "z": 1e308})
+    );
+    assert!(json_error(r#"{"service": [{"name": "web", "proxy": {"config": [1]}}]}"#).contains("expected a map"));
+    assert!(toml_error("[[service]]\nname = \"web\"\n[service.proxy]\nconfig = 1\n").contains("expected a map"));
 }
 
 // ---------------------------------------------------------------------------------------
