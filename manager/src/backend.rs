@@ -208,9 +208,11 @@ pub trait ProxyBackend: Send + Sync {
         desired: Option<Arc<ManagedProxy>>,
     ) -> Option<Box<dyn ProxyHandle>>;
 
-    /// Proxies that may still run from an earlier agent, found without a snapshot (for
-    /// example from pid files), as records for [`ProxyBackend::restore`]. Asked only when
-    /// there is no usable snapshot.
+    /// Proxies that may still run from an earlier agent, found without the snapshot (for
+    /// example from pid files), as records for [`ProxyBackend::restore`]. Asked at every
+    /// restore: they cover a proxy started after the last snapshot write, and one whose
+    /// snapshot record cannot be proven; a candidate of an id already adopted through the
+    /// snapshot is not restored.
     ///
     /// Restoring a candidate with a `desired` proxy must prove that the process runs that
     /// proxy (its token, command and environment), not merely that it is alive: the engine

@@ -364,18 +364,26 @@ impl Manager {
                 () = shutdown.cancelled() => return false,
                 loaded = self.store.load() => loaded,
             };
-            let (records, saved) = match loaded {
+            let (mut records, saved) = match loaded {
                 Ok(Some(snapshot)) => (snapshot.proxies.clone(), Some(snapshot)),
-                Ok(None) => (self.candidates(shutdown).await, None),
+                Ok(None) => (Vec::new(), None),
                 Err(err) => {
                     tracing::warn!(error = %crate::error_chain(&err), "snapshot unusable; adopting the backend's candidates instead");
-                    (self.candidates(shutdown).await, None)
+                    (Vec::new(), None)
                 }
             };
             let mut seen = HashSet::new();
+            records.retain(|record| seen.insert(record.id.clone()));
+            // The backend's candidates come after the snapshot's records: they cover a
+            // proxy started after the last snapshot write (an agent killed in between), and
+            // one whose record cannot be proven any more. A candidate of an id already
+            // adopted is skipped, so nothing is taken over twice.
+            let mut candidate_ids = HashSet::new();
+            let candidates = self.candidates(shutdown).await;
+            records.extend(candidates.into_iter().filter(|record| candidate_ids.insert(record.id.clone())));
+            seen.extend(candidate_ids);
             let queue: VecDeque<_> = records
                 .into_iter()
-                .filter(|record| seen.insert(record.id.clone()))
                 .map(|record| {
                     let origin = origin_of(&record);
                     (record, origin)
@@ -409,8 +417,13 @@ impl Manager {
     }
 
     async fn restore_one(&mut self, shutdown: &CancellationToken) -> bool {
-        let RestoreStage::Adopt { queue, wanted, .. } = &self.restore else { return true };
+        let RestoreStage::Adopt { queue, wanted, .. } = &mut self.restore else { return true };
         let Some((record, _)) = queue.front() else { return true };
+        if self.slots.contains_key(&record.id) {
+            // Its snapshot record was adopted: the candidate of the same id is that process.
+            queue.pop_front();
+            return true;
+        }
         let (id, backend_record) = (record.id.clone(), record.backend.clone());
         let desired = wanted.get(&id).cloned();
         let restored = tokio::select! {

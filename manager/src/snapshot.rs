@@ -10,6 +10,7 @@ use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use crate::status::Published;
 use async_trait::async_trait;
@@ -301,9 +302,19 @@ pub(crate) async fn writer(
 ) {
     let mut saved = saved.unwrap_or_default();
     let mut dirty = true;
-    let _ = save_if_changed(&*store, &records, &mut saved, &mut dirty, &published).await;
-    while let Some(first) = messages.recv().await {
-        let mut next = Some(first);
+    let mut retry = Retry::default();
+    retry.after(save_if_changed(&*store, &records, &mut saved, &mut dirty, &published).await);
+    loop {
+        let first = tokio::select! {
+            message = messages.recv() => match message {
+                Some(message) => Some(message),
+                None => break,
+            },
+            // A failed write is retried on its own, so that a snapshot that names a dead
+            // pid does not wait for the next change (the disk may be full for a while).
+            () = retry.wait(), if retry.pending() => None,
+        };
+        let mut next = first;
         while let Some(message) = next.take().or_else(|| messages.try_recv().ok()) {
             match message {
                 WriterMessage::Put(record) => {
@@ -319,7 +330,40 @@ pub(crate) async fn writer(
                 }
             }
         }
-        let _ = save_if_changed(&*store, &records, &mut saved, &mut dirty, &published).await;
+        retry.after(save_if_changed(&*store, &records, &mut saved, &mut dirty, &published).await);
+    }
+}
+
+/// When to try a failed snapshot write again: 1 s after the first failure, doubling up to
+/// [`MAX_RETRY`], and not at all once a write succeeded.
+#[derive(Default)]
+struct Retry {
+    at: Option<tokio::time::Instant>,
+    delay: Duration,
+}
+
+/// The longest wait between two attempts to write a snapshot that failed.
+const MAX_RETRY: Duration = Duration::from_secs(30);
+
+impl Retry {
+    fn after(&mut self, result: Result<(), SnapshotError>) {
+        if result.is_ok() {
+            *self = Self::default();
+            return;
+        }
+        self.delay = if self.delay.is_zero() { Duration::from_secs(1) } else { (self.delay * 2).min(MAX_RETRY) };
+        self.at = Some(tokio::time::Instant::now() + self.delay);
+    }
+
+    fn pending(&self) -> bool {
+        self.at.is_some()
+    }
+
+    async fn wait(&self) {
+        match self.at {
+            Some(at) => tokio::time::sleep_until(at).await,
+            None => std::future::pending().await,
+        }
     }
 }
 

@@ -64,8 +64,12 @@ fn sigkill_of_the_agent_is_recovered_by_the_next_agent_and_an_adopted_exit_is_re
         second.proxy("web-proxy").filter(|p| p["state"] == "running" && p["pid"].as_i64().is_some_and(|pid| pid != web))
     });
     assert_eq!(restarted["restarts"], 1);
-    let pid_file = std::fs::read_to_string(dirs.data.join("pids/web-proxy.pid")).unwrap();
-    assert_eq!(pid_file.trim().parse::<i64>().unwrap(), pid_of(&restarted), "the pid file follows the restart");
+    // The pid file is written by a background writer, just after the process starts.
+    let new_pid = pid_of(&restarted);
+    wait_for("the pid file to follow the restart", || {
+        let text = std::fs::read_to_string(dirs.data.join("pids/web-proxy.pid")).ok()?;
+        (text.trim().parse::<i64>().ok()? == new_pid).then_some(())
+    });
 }
 
 #[test]

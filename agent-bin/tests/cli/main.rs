@@ -5,6 +5,7 @@
 
 mod api;
 mod builtin;
+mod faults;
 mod lifecycle;
 mod operations;
 mod support;

@@ -30,7 +30,8 @@ fn the_systemd_unit_of_the_operations_guide_verifies() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("tether.service");
     std::fs::write(&path, unit.replace("/usr/local/bin/tether", env!("CARGO_BIN_EXE_tether"))).unwrap();
-    let verify = std::process::Command::new("systemd-analyze").args(["verify", "--man=no"]).arg(&path).output().unwrap();
+    let verify =
+        std::process::Command::new("systemd-analyze").args(["verify", "--man=no"]).arg(&path).output().unwrap();
     let stderr = String::from_utf8_lossy(&verify.stderr);
     assert!(verify.status.success() && stderr.trim().is_empty(), "systemd-analyze verify: {stderr}");
 }

@@ -359,3 +359,25 @@ pub fn pgid_and_sid(pid: i32) -> Option<(i32, i32)> {
     let mut fields = rest.split(' ').skip(2);
     Some((fields.next()?.parse().ok()?, fields.next()?.parse().ok()?))
 }
+
+/// On drop, SIGKILLs the processes whose environment names `socket` until a scan finds none
+/// (or [`DEADLINE`] passes). Declare it before the `Agent`s of a test, so that it drops after
+/// them: a proxy that the dying agent had forked but not yet exec'd does not carry the socket
+/// in its environment during the `Agent`'s single sweep, and would escape it.
+pub struct SweepOnDrop(pub PathBuf);
+
+impl Drop for SweepOnDrop {
+    fn drop(&mut self) {
+        let start = Instant::now();
+        let mut quiet = 0;
+        while quiet < 3 && start.elapsed() < DEADLINE {
+            if proxies_of(&self.0).is_empty() {
+                quiet += 1;
+            } else {
+                quiet = 0;
+                kill_proxies_of(&self.0);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}

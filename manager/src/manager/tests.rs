@@ -487,7 +487,7 @@ async fn restore_drops_a_record_the_backend_cannot_prove() {
     let store = Arc::new(MemorySnapshotStore::with_snapshot(Snapshot { proxies: vec![ghost] }));
     let mut backend = MockProxyBackend::new();
     backend.expect_restore().times(1).returning(|_, _, _| None);
-    backend.expect_adoption_candidates().never();
+    backend.expect_adoption_candidates().returning(Vec::new);
     backend.expect_create().times(1).returning(|_| Box::new(mock_handle(Ok(()))));
     let mut manager =
         Manager::new(Arc::new(catalog(&[service("web")])), Arc::new(backend), store.clone(), ManagerConfig::default());
@@ -727,6 +727,7 @@ async fn restore_is_given_the_wanted_proxy_and_nothing_for_an_unwanted_one() {
         .withf(|id, _, desired| id == &pid("gone") && desired.is_none())
         .times(1)
         .returning(|_, _, _| None);
+    backend.expect_adoption_candidates().returning(Vec::new);
     backend.expect_create().times(1).returning(|_| Box::new(mock_handle(Ok(()))));
     let mut manager =
         Manager::new(Arc::new(catalog(&[service("web")])), Arc::new(backend), store.clone(), ManagerConfig::default());
@@ -748,4 +749,55 @@ async fn restore_is_given_the_wanted_proxy_and_nothing_for_an_unwanted_one() {
     shutdown.cancel();
     // Dropping the manager checks both restore expectations.
     drop(tokio::time::timeout(LIMIT, task).await.unwrap().unwrap());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_proxy_started_after_the_last_snapshot_write_is_adopted_from_its_candidate_not_run_twice() {
+    let fake = Fake::new();
+    let state = catalog(&[service("web"), service("late")]);
+    let proxies: Vec<_> = state.changes_since(None).upserted.into_iter().map(|d| d.proxy).collect();
+    for proxy in &proxies {
+        fake.state().live.insert(proxy.id().clone(), proxy.clone());
+    }
+    // The snapshot knows only `web`; `late` was started after its last write, and the
+    // agent was killed before the next one. The backend still finds `late` (pid file).
+    let web = ProxyRecord {
+        id: pid("web"),
+        service: service_value(&proxies[1]),
+        token: Some(proxies[1].token().fingerprint()),
+        backend: serde_json::json!({ "proof": "web-proxy", "pid": 5 }),
+    };
+    assert_eq!(proxies[1].id(), &pid("web"));
+    fake.state().candidates.extend([pid("late"), pid("web")]);
+    let store = Arc::new(MemorySnapshotStore::with_snapshot(Snapshot { proxies: vec![web] }));
+    let running = run_with(&state, &fake, &store, ManagerConfig::default());
+    running.until_state(&pid("late"), ProxyState::Running).await;
+    running.until_state(&pid("web"), ProxyState::Running).await;
+    assert!(fake.calls_of(Call::Start).is_empty(), "both were adopted, none started again");
+    assert_eq!(fake.calls_of(Call::Restore).len(), 2, "the candidate of an adopted id is not restored");
+    assert!(fake.state().ran_twice.is_empty());
+    running.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_unprovable_snapshot_record_falls_back_to_the_candidate_of_its_id() {
+    let fake = Fake::new();
+    let state = catalog(&[service("web")]);
+    let proxy = state.changes_since(None).upserted[0].proxy.clone();
+    fake.state().live.insert(pid("web"), proxy.clone());
+    fake.state().candidates.push(pid("web"));
+    // A stale record (the process was restarted after the last write): it proves nothing.
+    let stale = ProxyRecord {
+        id: pid("web"),
+        service: service_value(&proxy),
+        token: Some(proxy.token().fingerprint()),
+        backend: serde_json::json!({ "proof": "another process", "pid": 4 }),
+    };
+    let store = Arc::new(MemorySnapshotStore::with_snapshot(Snapshot { proxies: vec![stale] }));
+    let running = run_with(&state, &fake, &store, ManagerConfig::default());
+    running.until_state(&pid("web"), ProxyState::Running).await;
+    assert!(fake.calls_of(Call::Start).is_empty(), "adopted through its candidate, not started again");
+    assert_eq!(fake.calls_of(Call::Restore).len(), 2);
+    assert_eq!((running.handle.stats().adopted, running.handle.stats().dropped), (1, 1));
+    running.stop().await;
 }

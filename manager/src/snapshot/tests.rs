@@ -91,3 +91,45 @@ async fn failed_writes_are_counted_and_retried_on_the_next_change() {
     drop(sender);
     task.await.unwrap();
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_failed_write_is_retried_on_its_own_with_backoff() {
+    let mut store = MockSnapshotStore::new();
+    let mut seq = mockall::Sequence::new();
+    let start = tokio::time::Instant::now();
+    let (times, attempts) = std::sync::mpsc::channel();
+    for outcome in [false, false, true] {
+        let times = times.clone();
+        store.expect_save().times(1).in_sequence(&mut seq).returning(move |_| {
+            times.send(tokio::time::Instant::now() - start).unwrap();
+            if outcome { Ok(()) } else { Err(SnapshotError::WriterGone) }
+        });
+    }
+    let (sender, messages) = mpsc::unbounded_channel::<WriterMessage>();
+    let published = Published::new();
+    let records = BTreeMap::from([(ProxyId::parse("web-proxy").unwrap(), record("web-proxy"))]);
+    let task = tokio::spawn(writer(Arc::new(store), messages, records, None, published.clone()));
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        // Paused time: waiting on the channel lets the clock run to the writer's timer.
+        seen.push(
+            tokio::time::timeout(Duration::from_secs(60), async {
+                loop {
+                    if let Ok(at) = attempts.try_recv() {
+                        return at;
+                    }
+                    tokio::task::yield_now().await;
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            })
+            .await
+            .unwrap(),
+        );
+    }
+    let seconds: Vec<u64> = seen.iter().map(|d| d.as_secs()).collect();
+    assert_eq!(seconds, [0, 1, 3], "a first try, then 1 s, then 2 s later");
+    let stats = published.handle().stats();
+    assert_eq!((stats.snapshot_failures, stats.snapshot_writes), (2, 1));
+    drop(sender);
+    task.await.unwrap();
+}
