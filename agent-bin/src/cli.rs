@@ -35,6 +35,76 @@ pub(crate) enum Command {
     Validate(ValidateArgs),
     /// The built-in TCP proxy; normally started by the agent.
     ConnectProxy,
+    /// Put, list and remove a node's services in etcd, the fleet catalog.
+    #[command(subcommand)]
+    Fleet(FleetCommand),
+}
+
+/// How to reach etcd and where the fleet's keys are: the shape of etcdctl's flags.
+#[derive(Debug, Args)]
+pub(crate) struct EtcdArgs {
+    /// The key prefix of the fleet: keys are PREFIX/nodes/NODE/services/ID.
+    #[arg(long, value_name = "PREFIX", env = "TETHER_ETCD_PREFIX", default_value = crate::fleet::DEFAULT_PREFIX)]
+    pub(crate) etcd_prefix: String,
+    /// Verify etcd's server certificate with this CA bundle (PEM); turns on TLS.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) etcd_cacert: Option<PathBuf>,
+    /// Present this client certificate (PEM) to etcd; needs --etcd-key.
+    #[arg(long, value_name = "FILE", requires = "etcd_key")]
+    pub(crate) etcd_cert: Option<PathBuf>,
+    /// The client certificate's private key (PEM); needs --etcd-cert.
+    #[arg(long, value_name = "FILE", requires = "etcd_cert")]
+    pub(crate) etcd_key: Option<PathBuf>,
+    /// Authenticate as this etcd user: NAME, or NAME:PASSWORD as etcdctl's --user.
+    #[arg(long, value_name = "NAME[:PASSWORD]", env = "TETHER_ETCD_USER", hide_env_values = true)]
+    pub(crate) etcd_user: Option<String>,
+    /// The etcd user's password; prefer the environment variable, which other users cannot read.
+    #[arg(long, value_name = "PASSWORD", env = "TETHER_ETCD_PASSWORD", hide_env_values = true)]
+    pub(crate) etcd_password: Option<String>,
+}
+
+/// The etcd endpoints of a `fleet` command, and how to reach them.
+#[derive(Debug, Args)]
+pub(crate) struct FleetEtcdArgs {
+    /// etcd's client URLs, comma-separated (http://127.0.0.1:2379 or https://...).
+    #[arg(long = "etcd", value_name = "ENDPOINTS", env = "TETHER_ETCD", value_delimiter = ',', required = true)]
+    pub(crate) endpoints: Vec<String>,
+    #[command(flatten)]
+    pub(crate) etcd: EtcdArgs,
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum FleetCommand {
+    /// Put every service in FILE (.toml or .json, as a config file) under NODE, one key each.
+    Put {
+        #[command(flatten)]
+        etcd: FleetEtcdArgs,
+        /// The node whose services these are.
+        #[arg(value_name = "NODE")]
+        node: String,
+        /// A .toml or .json file of services.
+        #[arg(value_name = "FILE")]
+        file: PathBuf,
+    },
+    /// List NODE's services in etcd, and whether each value is valid.
+    Ls {
+        #[command(flatten)]
+        etcd: FleetEtcdArgs,
+        /// The node.
+        #[arg(value_name = "NODE")]
+        node: String,
+    },
+    /// Remove service ID from NODE.
+    Rm {
+        #[command(flatten)]
+        etcd: FleetEtcdArgs,
+        /// The node.
+        #[arg(value_name = "NODE")]
+        node: String,
+        /// The service's id.
+        #[arg(value_name = "ID")]
+        id: String,
+    },
 }
 
 /// How the agent finds its data dir, and so its socket.
@@ -120,7 +190,15 @@ pub(crate) struct AgentArgs {
     /// How log lines are written.
     #[arg(long, value_enum, default_value = "text")]
     pub(crate) log_format: LogFormat,
+    /// Follow this node's services in etcd: its client URLs, comma-separated (needs --node).
+    #[arg(long = "etcd", value_name = "ENDPOINTS", value_delimiter = ',', requires = "node")]
+    pub(crate) etcd: Vec<String>,
+    /// This host's name in the fleet: the agent follows PREFIX/nodes/NAME/services/.
+    #[arg(long, value_name = "NAME", requires = "etcd")]
+    pub(crate) node: Option<String>,
+    #[command(flatten)]
+    pub(crate) etcd_options: EtcdArgs,
     /// Run on the embedded demo config in a temporary data dir; stop every proxy on exit.
-    #[arg(long, conflicts_with_all = ["config_dirs", "data_dir"])]
+    #[arg(long, conflicts_with_all = ["config_dirs", "data_dir", "etcd"])]
     pub(crate) dev: bool,
 }

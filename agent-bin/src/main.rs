@@ -9,6 +9,7 @@ mod cli;
 mod client;
 mod commands;
 mod connect_proxy;
+mod fleet;
 mod logging;
 mod metrics;
 mod validate;
@@ -57,6 +58,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Validate(args) => validate::run(&args),
         Command::Agent(args) => {
             logging::install(&args.log_level, args.log_format)?;
+            let fleet = fleet::FleetOptions::of_agent(&args)?;
             runtime()?.block_on(async move {
                 if args.dev {
                     agent::dev::run(args.http_addr, args.sync_quiescent, args.sync_max_delay).await
@@ -70,6 +72,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         sync_quiescent: args.sync_quiescent,
                         sync_max_delay: args.sync_max_delay,
                         stop_proxies_on_exit: false,
+                        fleet,
                     })
                     .await
                 }
@@ -83,6 +86,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Register(args) => current_thread()?.block_on(commands::register(&args.socket.socket(), &args.file)),
         Command::Deregister(args) => current_thread()?.block_on(commands::deregister(&args.socket.socket(), &args.id)),
         Command::Leave(args) => current_thread()?.block_on(commands::leave(&args.socket())),
+        Command::Fleet(command) => current_thread()?.block_on(fleet::cli::run(command)),
     }
 }
 

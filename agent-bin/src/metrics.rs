@@ -24,6 +24,11 @@ impl Metrics {
         Self { registry }
     }
 
+    /// Adds another source of metrics, read at scrape time like the manager's.
+    pub(crate) fn register(&mut self, collector: Box<dyn Collector>) {
+        self.registry.register_collector(collector);
+    }
+
     /// The Prometheus text exposition of every metric.
     pub(crate) fn render(&self) -> String {
         let mut out = String::new();

@@ -64,6 +64,7 @@ pub(crate) async fn run(
         sync_quiescent,
         sync_max_delay,
         stop_proxies_on_exit: true,
+        fleet: None,
     };
     let result = super::run(options).await;
     tasks.abort_all();

@@ -28,6 +28,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::UsageError;
 use crate::api::{self, ApiState, LeaveRequest};
+use crate::fleet::FleetOptions;
+use crate::fleet::follow::{FleetCollector, Follower};
 use crate::metrics::Metrics;
 use sources::Sources;
 
@@ -42,6 +44,8 @@ pub(crate) struct AgentOptions {
     pub(crate) sync_max_delay: Duration,
     /// Stop every proxy on any exit, not only on `leave` (`--dev`).
     pub(crate) stop_proxies_on_exit: bool,
+    /// Follow this node's services in etcd (`--etcd`, `--node`).
+    pub(crate) fleet: Option<FleetOptions>,
 }
 
 /// How the agent is told to end.
@@ -88,6 +92,9 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
             return Err(UsageError(format!("invalid config:\n{}", lines.join("\n"))).into());
         }
     };
+    // Before the engine's first reconcile, so that it adopts the fleet's running proxies.
+    let follower = options.fleet.map(|fleet| Follower::new(fleet.layout, fleet.etcd, sources.clone(), &data));
+    let fleet_status = follower.as_ref().map(Follower::status);
     let running_as_root = nix::unistd::geteuid().is_root();
     let socket_path = std::path::absolute(data.socket_path()).context("resolving the socket path")?;
     let environment =
@@ -105,14 +112,19 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
     let mut manager = Manager::new(catalog, backend, store, config);
     let handle = manager.handle();
 
+    let mut metrics = Metrics::new(handle.clone());
+    if let Some(status) = &fleet_status {
+        metrics.register(Box::new(FleetCollector(status.clone())));
+    }
     let (leave_tx, mut leave_rx) = mpsc::channel::<LeaveRequest>(1);
     let api_stop = CancellationToken::new();
     let api_state = ApiState {
         sources: sources.clone(),
         manager: handle.clone(),
         leave: leave_tx,
-        metrics: Arc::new(Metrics::new(handle)),
+        metrics: Arc::new(metrics),
         shutdown: api_stop.clone(),
+        fleet: fleet_status,
     };
     let mut servers = JoinSet::new();
     let unix = bind_socket(&socket_path)?;
@@ -127,6 +139,8 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
     let mut sighup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
     let mut sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     let mut sigint = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    let fleet_stop = CancellationToken::new();
+    let fleet_task = follower.map(|follower| tokio::spawn(follower.run(fleet_stop.clone())));
     let engine_stop = CancellationToken::new();
     // The engine runs in its own task, so that a slow reload never stalls reconciling.
     let mut engine = tokio::spawn({
@@ -153,6 +167,13 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
             Some(request) = leave_rx.recv() => break Ending::Leave(request),
         }
     };
+    // The catalog stops changing before the engine stops reading it.
+    fleet_stop.cancel();
+    if let Some(task) = fleet_task {
+        if let Err(err) = task.await {
+            tracing::error!(error = %err, "the fleet follower failed");
+        }
+    }
     engine_stop.cancel();
     let manager = engine.await.context("the engine task failed")?;
     match ending {

@@ -164,7 +164,8 @@ impl Sources {
         Ok(())
     }
 
-    fn save_tokens(&self) {
+    /// Persists every proxy's token; the fleet follower calls it after each change too.
+    pub(crate) fn save_tokens(&self) {
         if let Err(err) = self.data.tokens().save(&self.state.tokens()) {
             tracing::error!(error = %crate::error_chain(&err), "cannot persist proxy tokens");
         }

@@ -37,6 +37,8 @@ pub(crate) struct ApiState {
     pub(crate) metrics: Arc<Metrics>,
     /// Cancelled when the API stops: blocking queries answer at once then.
     pub(crate) shutdown: tokio_util::sync::CancellationToken,
+    /// The fleet follower's status, when the agent follows etcd.
+    pub(crate) fleet: Option<crate::fleet::follow::SharedStatus>,
 }
 
 /// An API error: a status code and a message for `{"error": ...}`.
@@ -92,6 +94,7 @@ fn read_routes() -> Router<ApiState> {
         .route("/v1/agent/proxy/{id}", get(proxy))
         .route("/v1/agent/proxy/{id}/config", get(proxy_config::get_config))
         .route("/v1/agent/health", get(health))
+        .route("/v1/agent/fleet", get(fleet))
         .route("/metrics", get(metrics))
 }
 
@@ -114,6 +117,13 @@ pub(crate) fn status_dto(status: &ProxyStatus) -> ProxyStatusDto {
         }),
         error: status.error.clone(),
     }
+}
+
+/// `GET /v1/agent/fleet`: the etcd follower's status; 404 when the agent follows no etcd.
+async fn fleet(State(state): State<ApiState>) -> Result<Json<crate::fleet::follow::FleetStatus>, ApiError> {
+    let status =
+        state.fleet.as_ref().ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, "the agent follows no etcd"))?;
+    Ok(Json(status.get()))
 }
 
 async fn proxies(State(state): State<ApiState>) -> Json<Vec<ProxyStatusDto>> {

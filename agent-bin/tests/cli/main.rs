@@ -6,6 +6,7 @@
 mod api;
 mod builtin;
 mod faults;
+mod fleet;
 mod lifecycle;
 mod operations;
 mod support;

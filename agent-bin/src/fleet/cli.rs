@@ -1,0 +1,103 @@
+//! `tether fleet put|ls|rm`: the operators' side of the fleet catalog, straight to etcd
+//! (no agent needed).
+//!
+//! Input is checked locally first (exit 2: a bad file, node, id or TLS option); a failure
+//! to reach or ask etcd is exit 1. Values are written in SPEC's JSON schema, one service
+//! per key, so that every agent parses them exactly as the register API would.
+
+use std::io::Write;
+use std::process::ExitCode;
+
+use etcd_client::GetOptions;
+use tether_state::ServiceId;
+use tether_state::config::{self, Format, Origin};
+
+use super::{EtcdError, EtcdOptions, Layout, key_id, parse_entry, timed};
+use crate::UsageError;
+use crate::cli::{FleetCommand, FleetEtcdArgs};
+
+fn usage(message: String) -> anyhow::Error {
+    UsageError(message).into()
+}
+
+fn etcd_failure(err: EtcdError) -> anyhow::Error {
+    if err.is_usage() { usage(crate::error_chain(&err)) } else { err.into() }
+}
+
+fn setup(args: &FleetEtcdArgs, node: &str) -> anyhow::Result<(EtcdOptions, Layout)> {
+    let layout = Layout::new(&args.etcd.etcd_prefix, node).map_err(|err| usage(err.to_string()))?;
+    let options = EtcdOptions::from_args(args.endpoints.clone(), &args.etcd);
+    // Bad TLS files or auth flags are usage errors, found before any connection attempt.
+    options.connect_options().map_err(etcd_failure)?;
+    Ok((options, layout))
+}
+
+/// Runs one `tether fleet` command.
+pub(crate) async fn run(command: FleetCommand) -> anyhow::Result<ExitCode> {
+    match command {
+        FleetCommand::Put { etcd, node, file } => put(&etcd, &node, &file).await,
+        FleetCommand::Ls { etcd, node } => ls(&etcd, &node).await,
+        FleetCommand::Rm { etcd, node, id } => rm(&etcd, &node, &id).await,
+    }
+}
+
+async fn put(args: &FleetEtcdArgs, node: &str, file: &std::path::Path) -> anyhow::Result<ExitCode> {
+    let (options, layout) = setup(args, node)?;
+    let format = Format::of_path(file)
+        .ok_or_else(|| usage(format!("{}: a service file ends in .toml or .json", file.display())))?;
+    let text = std::fs::read_to_string(file).map_err(|err| usage(format!("{}: cannot read: {err}", file.display())))?;
+    let services = config::parse_file(&text, format, &Origin::File(file.to_owned()))
+        .map_err(|err| usage(crate::error_chain(&err)))?;
+    if services.is_empty() {
+        return Err(usage(format!("{}: no [[service]] to put", file.display())));
+    }
+    let mut client = options.connect().await.map_err(etcd_failure)?;
+    let mut stdout = std::io::stdout().lock();
+    for service in &services {
+        let key = layout.key(&service.id);
+        let value = config::to_service_text(service, Format::Json)?;
+        let response = timed(&options, "put", client.put(key.clone(), value, None)).await?;
+        let revision = response.header().map_or(0, |header| header.revision());
+        writeln!(stdout, "put {key} (revision {revision})")?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn ls(args: &FleetEtcdArgs, node: &str) -> anyhow::Result<ExitCode> {
+    let (options, layout) = setup(args, node)?;
+    let mut client = options.connect().await.map_err(etcd_failure)?;
+    let prefix = layout.services_prefix();
+    let response = timed(&options, "read", client.get(prefix, Some(GetOptions::new().with_prefix()))).await?;
+    let mut rows = vec![["ID".to_owned(), "REVISION".to_owned(), "STATUS".to_owned()]];
+    for kv in response.kvs() {
+        let id = match key_id(&layout, kv.key()) {
+            Ok(id) => id.to_string(),
+            Err(_) => String::from_utf8_lossy(kv.key()).escape_default().to_string(),
+        };
+        let status = match parse_entry(&layout, kv.key(), kv.value()) {
+            Ok(_) => "ok".to_owned(),
+            Err(err) => format!("invalid: {}", crate::error_chain(&err)),
+        };
+        rows.push([id, kv.mod_revision().to_string(), status]);
+    }
+    let width = |column: usize| rows.iter().map(|row| row[column].len()).max().unwrap_or(0);
+    let (id_width, revision_width) = (width(0), width(1));
+    let mut stdout = std::io::stdout().lock();
+    for [id, revision, status] in &rows {
+        writeln!(stdout, "{id:<id_width$}  {revision:<revision_width$}  {status}")?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn rm(args: &FleetEtcdArgs, node: &str, id: &str) -> anyhow::Result<ExitCode> {
+    let (options, layout) = setup(args, node)?;
+    let id = ServiceId::new(id).map_err(|err| usage(err.to_string()))?;
+    let mut client = options.connect().await.map_err(etcd_failure)?;
+    let key = layout.key(&id);
+    let response = timed(&options, "delete", client.delete(key.clone(), None)).await?;
+    if response.deleted() == 0 {
+        return Err(anyhow::anyhow!("{key}: no such service in etcd"));
+    }
+    writeln!(std::io::stdout().lock(), "removed {key}")?;
+    Ok(ExitCode::SUCCESS)
+}

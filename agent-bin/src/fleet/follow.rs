@@ -1,0 +1,372 @@
+//! The agent's fleet follower: keeps the catalog's etcd services equal to this node's keys.
+//!
+//! It starts from a consistent read at a revision R (or from `fleet.json`'s revision, which
+//! the persisted set reflects), then watches from R + 1, so that no event is lost or applied
+//! twice. Each watch response — one or more whole etcd revisions — becomes one atomic
+//! `replace_source` of the whole set, so that a transaction that moves services between
+//! keys lands at once, and an unchanged service is a no-op. A compacted start revision
+//! triggers a full re-read. When etcd is unreachable the last known set stays in force
+//! (in the catalog and in `fleet.json`), and the follower reconnects with capped,
+//! jittered backoff, resuming where it stopped. It never starts a process and never fails
+//! the agent: every problem is logged, counted and retried.
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use etcd_client::{Client, EventType, GetOptions, WatchOptions, WatchStream};
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use tether_state::persist::DataDir;
+use tether_state::{CatalogError, Service, Source};
+use tokio_util::sync::CancellationToken;
+
+use super::store::FleetStore;
+use super::{Desired, EtcdError, EtcdOptions, Layout, SOURCE_NAME, source_kind, timed};
+use crate::agent::sources::Sources;
+
+/// The first delay before reconnecting, doubled after each failure up to [`BACKOFF_MAX`].
+const BACKOFF_FIRST: Duration = Duration::from_millis(250);
+/// The longest delay between two connection attempts.
+pub(crate) const BACKOFF_MAX: Duration = Duration::from_secs(10);
+
+/// What the follower shows: the API's `GET /v1/agent/fleet` and the `tether_fleet_*` metrics.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub(crate) struct FleetStatus {
+    pub(crate) node: String,
+    pub(crate) prefix: String,
+    /// Whether a watch on etcd is established now.
+    pub(crate) connected: bool,
+    /// The etcd revision the applied set reflects (0: none read yet).
+    pub(crate) revision: i64,
+    /// Services applied to the catalog.
+    pub(crate) services: usize,
+    /// Keys skipped, with why: invalid values, or ids that another source owns.
+    pub(crate) invalid: BTreeMap<String, String>,
+    /// The last connection or watch error, while disconnected.
+    pub(crate) last_error: Option<String>,
+    #[serde(skip)]
+    counters: Counters,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Counters {
+    events: u64,
+    full_reads: u64,
+    compactions: u64,
+    connect_failures: u64,
+    persist_failures: u64,
+}
+
+/// The follower's status, shared with the API and the metrics collector.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct SharedStatus(Arc<Mutex<FleetStatus>>);
+
+impl SharedStatus {
+    fn lock(&self) -> MutexGuard<'_, FleetStatus> {
+        self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// A copy of the status now.
+    pub(crate) fn get(&self) -> FleetStatus {
+        self.lock().clone()
+    }
+}
+
+/// Why a session with etcd ended.
+#[derive(Debug, thiserror::Error)]
+enum SessionError {
+    #[error(transparent)]
+    Etcd(#[from] EtcdError),
+    #[error("the watch stream failed")]
+    Stream(#[source] etcd_client::Error),
+    #[error("etcd closed the watch stream")]
+    StreamEnded,
+    #[error("etcd canceled the watch: {reason}")]
+    Canceled { reason: String },
+}
+
+/// Follows one node's keys in etcd into the catalog.
+pub(crate) struct Follower {
+    layout: Layout,
+    etcd: EtcdOptions,
+    sources: Arc<Sources>,
+    store: FleetStore,
+    desired: Desired,
+    status: SharedStatus,
+}
+
+impl Follower {
+    /// Loads the last known set from `fleet.json` into the catalog, so that the engine's
+    /// first reconcile (and its adoption of running proxies) already sees it.
+    pub(crate) fn new(layout: Layout, etcd: EtcdOptions, sources: Arc<Sources>, data: &DataDir) -> Self {
+        let store = FleetStore::in_data_dir(data);
+        let status = SharedStatus::default();
+        {
+            let mut shown = status.lock();
+            shown.node = layout.node().to_owned();
+            shown.prefix = layout.prefix().to_owned();
+        }
+        let mut follower = Self { layout, etcd, sources, store, desired: Desired::default(), status };
+        if let Some(persisted) = follower.store.load(&follower.layout) {
+            tracing::info!(
+                services = persisted.services.len(),
+                revision = persisted.revision,
+                "fleet: last known set loaded from fleet.json"
+            );
+            follower.apply(persisted);
+        }
+        follower
+    }
+
+    pub(crate) fn status(&self) -> SharedStatus {
+        self.status.clone()
+    }
+
+    /// Follows etcd until `stop` is cancelled.
+    ///
+    /// # Cancel safety
+    ///
+    /// Meant to run in its own task until `stop`; every catalog change and file write it
+    /// makes is complete before its next await.
+    pub(crate) async fn run(mut self, stop: CancellationToken) {
+        let mut delay = BACKOFF_FIRST;
+        loop {
+            let ended = tokio::select! {
+                () = stop.cancelled() => return,
+                ended = self.session(&mut delay) => ended,
+            };
+            let Err(ended) = ended;
+            let error = crate::error_chain(&ended);
+            let wait = jittered(delay);
+            {
+                let mut shown = self.status.lock();
+                shown.connected = false;
+                shown.counters.connect_failures += 1;
+                shown.last_error = Some(error.clone());
+            }
+            tracing::warn!(
+                error,
+                retry_ms = u64::try_from(wait.as_millis()).unwrap_or(u64::MAX),
+                services = self.desired.services.len(),
+                "fleet: etcd unreachable; the last known set stays in force"
+            );
+            delay = (delay * 2).min(BACKOFF_MAX);
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = tokio::time::sleep(wait) => {}
+            }
+        }
+    }
+
+    /// Connects, catches up, and follows the watch until something fails.
+    async fn session(&mut self, delay: &mut Duration) -> Result<Infallible, SessionError> {
+        let mut client = self.etcd.connect().await?;
+        let prefix = self.layout.services_prefix();
+        // Where etcd is now: a store that went back (restored from a backup, replaced by a
+        // new cluster) cannot be resumed from our revision.
+        let head =
+            timed(&self.etcd, "read", client.get(prefix.clone(), Some(GetOptions::new().with_count_only()))).await?;
+        let now = head.header().map_or(0, |header| header.revision());
+        let mut start = if self.desired.revision > 0 && self.desired.revision <= now {
+            tracing::info!(revision = self.desired.revision, "fleet: resuming the watch after the last known revision");
+            self.desired.revision + 1
+        } else {
+            self.full_read(&mut client).await? + 1
+        };
+        loop {
+            let options = WatchOptions::new().with_prefix().with_start_revision(start);
+            let mut stream = timed(&self.etcd, "watch", client.watch(prefix.clone(), Some(options))).await?;
+            {
+                let mut shown = self.status.lock();
+                shown.connected = true;
+                shown.last_error = None;
+            }
+            *delay = BACKOFF_FIRST;
+            let compacted = self.follow(&mut stream).await?;
+            self.status.lock().counters.compactions += 1;
+            tracing::warn!(
+                start,
+                compacted,
+                "fleet: the watch's start revision was compacted; reading every key again"
+            );
+            start = self.full_read(&mut client).await? + 1;
+        }
+    }
+
+    /// Applies watch responses until the stream fails; returns the compaction revision when
+    /// etcd cancels the watch because its start revision was compacted.
+    async fn follow(&mut self, stream: &mut WatchStream) -> Result<i64, SessionError> {
+        loop {
+            let response = stream.message().await.map_err(SessionError::Stream)?.ok_or(SessionError::StreamEnded)?;
+            if response.compact_revision() > 0 {
+                return Ok(response.compact_revision());
+            }
+            if response.canceled() {
+                return Err(SessionError::Canceled { reason: response.cancel_reason().to_owned() });
+            }
+            if response.events().is_empty() {
+                continue;
+            }
+            let mut next = self.desired.clone();
+            for event in response.events() {
+                let Some(kv) = event.kv() else { continue };
+                match event.event_type() {
+                    EventType::Put => {
+                        next.put(&self.layout, kv.key(), kv.value());
+                    }
+                    EventType::Delete => next.delete(&self.layout, kv.key()),
+                }
+                next.revision = next.revision.max(kv.mod_revision());
+            }
+            self.status.lock().counters.events += response.events().len() as u64;
+            self.apply(next);
+        }
+    }
+
+    /// Reads every key of the node at one revision and applies it; returns the revision.
+    async fn full_read(&mut self, client: &mut Client) -> Result<i64, SessionError> {
+        let prefix = self.layout.services_prefix();
+        let response = timed(&self.etcd, "read", client.get(prefix, Some(GetOptions::new().with_prefix()))).await?;
+        let revision = response.header().map_or(0, |header| header.revision());
+        let mut next = Desired { revision, ..Desired::default() };
+        for kv in response.kvs() {
+            next.put(&self.layout, kv.key(), kv.value());
+        }
+        let next = self.desired.carry_over(&self.layout, next);
+        self.status.lock().counters.full_reads += 1;
+        tracing::info!(revision, keys = response.kvs().len(), "fleet: read every key");
+        self.apply(next);
+        Ok(revision)
+    }
+
+    /// Makes `next` the desired set: one atomic replace of the catalog's etcd services,
+    /// then `fleet.json`.
+    fn apply(&mut self, next: Desired) {
+        for (key, problem) in &next.invalid {
+            if self.desired.invalid.get(key) != Some(problem) {
+                tracing::warn!(key = %key, error = %problem, "fleet: value skipped");
+            }
+        }
+        let mut services: Vec<(Service, Source)> =
+            next.services.values().map(|service| (service.clone(), Source::External(SOURCE_NAME.to_owned()))).collect();
+        let mut conflicts = BTreeMap::new();
+        loop {
+            match self.sources.state().replace_source(&source_kind(), services.clone()) {
+                Ok(report) => {
+                    if report.added + report.changed + report.removed > 0 {
+                        tracing::info!(
+                            added = report.added,
+                            changed = report.changed,
+                            removed = report.removed,
+                            revision = next.revision,
+                            "fleet: set applied"
+                        );
+                    }
+                    break;
+                }
+                Err(CatalogError::Conflict { id, owner, .. }) => {
+                    let key = self.layout.key(&id);
+                    let problem = format!("service {id} is defined by {owner}; the fleet's value is skipped");
+                    if !self.status.lock().invalid.contains_key(&key) {
+                        tracing::warn!(key = %key, error = %problem, "fleet: value skipped");
+                    }
+                    conflicts.insert(key, problem);
+                    services.retain(|(service, _)| service.id != id);
+                }
+                Err(err) => {
+                    tracing::error!(error = %crate::error_chain(&err), "fleet: cannot apply the set; the previous one stays in force");
+                    services.clear();
+                    break;
+                }
+            }
+        }
+        self.sources.save_tokens();
+        let persist_failed = if next != self.desired {
+            match self.store.save(&self.layout, &next) {
+                Ok(()) => false,
+                Err(err) => {
+                    tracing::error!(error = %crate::error_chain(&err), "fleet: cannot persist the set");
+                    true
+                }
+            }
+        } else {
+            false
+        };
+        {
+            let mut shown = self.status.lock();
+            shown.revision = next.revision;
+            shown.services = services.len();
+            shown.invalid = next.invalid.clone();
+            shown.invalid.extend(conflicts);
+            shown.counters.persist_failures += u64::from(persist_failed);
+        }
+        self.desired = next;
+    }
+}
+
+/// `delay` ± 20%, so that a fleet of agents does not reconnect in lockstep.
+fn jittered(delay: Duration) -> Duration {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().subsec_nanos();
+    let per_mille = 800 + u64::from(nanos % 401);
+    delay * u32::try_from(per_mille).unwrap_or(1000) / 1000
+}
+
+/// The `tether_fleet_*` metrics, read from the follower's status at scrape time.
+#[derive(Debug)]
+pub(crate) struct FleetCollector(pub(crate) SharedStatus);
+
+impl Collector for FleetCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let status = self.0.get();
+        for (name, help, value) in [
+            (
+                "tether_fleet_connected",
+                "Whether the watch on etcd is established (1) or not (0)",
+                i64::from(status.connected),
+            ),
+            ("tether_fleet_revision", "The etcd revision the applied fleet set reflects", status.revision),
+            ("tether_fleet_services", "Fleet services applied to the catalog", to_i64(status.services)),
+            (
+                "tether_fleet_invalid_keys",
+                "Fleet keys skipped: invalid values or ids owned by another source",
+                to_i64(status.invalid.len()),
+            ),
+        ] {
+            let gauge = ConstGauge::new(value);
+            gauge.encode(encoder.encode_descriptor(name, help, None, gauge.metric_type())?)?;
+        }
+        let counters = status.counters;
+        for (name, help, value) in [
+            ("tether_fleet_events", "Watch events received from etcd", counters.events),
+            ("tether_fleet_full_reads", "Full reads of the node's keys", counters.full_reads),
+            ("tether_fleet_compactions", "Watches whose start revision was compacted", counters.compactions),
+            ("tether_fleet_connect_failures", "Sessions with etcd that failed or ended", counters.connect_failures),
+            ("tether_fleet_persist_failures", "Writes of fleet.json that failed", counters.persist_failures),
+        ] {
+            let counter = ConstCounter::new(value);
+            counter.encode(encoder.encode_descriptor(name, help, None, counter.metric_type())?)?;
+        }
+        Ok(())
+    }
+}
+
+fn to_i64(value: usize) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn jitter_stays_within_a_fifth_of_the_delay() {
+        for _ in 0..100 {
+            let wait = jittered(Duration::from_secs(10));
+            assert!(wait >= Duration::from_secs(8) && wait <= Duration::from_secs(12), "{wait:?}");
+        }
+    }
+}

@@ -1,0 +1,154 @@
+//! `fleet.json` in the data dir: the last set of fleet services read from etcd, so that an
+//! agent that starts while etcd is down still runs them.
+//!
+//! The file is written atomically with mode 0600 (`persist::write_atomic`) after every
+//! change of the set, and records the node, the prefix and the etcd revision it reflects.
+//! A damaged file is moved aside with a warning; a file of another node or prefix is
+//! ignored. Loading never fails the agent.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use tether_state::config::{self, DisplayPath, Format, Origin};
+use tether_state::persist::{self, DataDir, PersistError};
+
+use super::{Desired, Layout};
+
+/// The version of the file's format.
+const VERSION: u32 = 1;
+
+#[derive(serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FleetFile {
+    version: u32,
+    prefix: String,
+    node: String,
+    /// The etcd revision the set reflects.
+    revision: i64,
+    /// Every valid service, by id, as a service object of SPEC's JSON schema.
+    services: BTreeMap<String, serde_json::Value>,
+    /// Keys whose values were skipped, with the problem.
+    #[serde(default)]
+    invalid: BTreeMap<String, String>,
+}
+
+/// The fleet's file in the data dir.
+#[derive(Debug, Clone)]
+pub(crate) struct FleetStore {
+    path: PathBuf,
+}
+
+impl FleetStore {
+    pub(crate) fn in_data_dir(data: &DataDir) -> Self {
+        Self { path: data.root().join("fleet.json") }
+    }
+
+    /// Reads the last known set of `layout`'s node, if there is one.
+    pub(crate) fn load(&self, layout: &Layout) -> Option<Desired> {
+        let text = match std::fs::read_to_string(&self.path) {
+            Ok(text) => text,
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => return None,
+            Err(err) => {
+                self.damaged(&err.to_string());
+                return None;
+            }
+        };
+        let file = match serde_json::from_str::<FleetFile>(&text) {
+            Ok(file) if file.version == VERSION => file,
+            Ok(file) => {
+                self.damaged(&format!("unknown format version {}", file.version));
+                return None;
+            }
+            Err(err) => {
+                self.damaged(&err.to_string());
+                return None;
+            }
+        };
+        if file.node != layout.node() || file.prefix != layout.prefix() {
+            tracing::warn!(path = %DisplayPath(&self.path), node = %file.node, prefix = %file.prefix, "fleet file is of another node or prefix; ignored");
+            return None;
+        }
+        let origin = Origin::File(self.path.clone());
+        let mut desired = Desired { revision: file.revision, invalid: file.invalid, ..Desired::default() };
+        for (id, value) in file.services {
+            match config::parse_service(&value.to_string(), Format::Json, &origin) {
+                Ok(service) if service.id.as_str() == id => {
+                    desired.services.insert(service.id.clone(), service);
+                }
+                Ok(_) | Err(_) => {
+                    tracing::warn!(path = %DisplayPath(&self.path), service = %id, "fleet file holds an invalid service; skipped");
+                    // Without it the set is not the one at `revision`: read it all again.
+                    desired.revision = 0;
+                }
+            }
+        }
+        Some(desired)
+    }
+
+    fn damaged(&self, problem: &str) {
+        match persist::quarantine(&self.path) {
+            Ok(moved) => {
+                tracing::warn!(path = %DisplayPath(&self.path), moved = %DisplayPath(&moved), problem, "fleet file damaged and moved aside")
+            }
+            Err(err) => tracing::warn!(path = %DisplayPath(&self.path), problem, error = %err, "fleet file damaged"),
+        }
+    }
+
+    /// Replaces the file with `desired`.
+    ///
+    /// # Errors
+    ///
+    /// [`PersistError::Encode`] or [`PersistError::Write`]; the old file is then untouched.
+    pub(crate) fn save(&self, layout: &Layout, desired: &Desired) -> Result<(), PersistError> {
+        let encode = |message: String| PersistError::Encode { path: self.path.clone(), message };
+        let mut services = BTreeMap::new();
+        for (id, service) in &desired.services {
+            let text = config::to_service_text(service, Format::Json).map_err(|err| encode(err.to_string()))?;
+            let value = serde_json::from_str(&text).map_err(|err| encode(err.to_string()))?;
+            services.insert(id.to_string(), value);
+        }
+        let file = FleetFile {
+            version: VERSION,
+            prefix: layout.prefix().to_owned(),
+            node: layout.node().to_owned(),
+            revision: desired.revision,
+            services,
+            invalid: desired.invalid.clone(),
+        };
+        let text = serde_json::to_string_pretty(&file).map_err(|err| encode(err.to_string()))?;
+        persist::write_atomic(&self.path, text.as_bytes())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_saved_set_reads_back_for_the_same_node_only() {
+        let temp = tempfile::tempdir().unwrap();
+        let data = DataDir::open(temp.path().join("data")).unwrap();
+        let store = FleetStore::in_data_dir(&data);
+        let layout = Layout::new("/tether", "n1").unwrap();
+        let mut desired = Desired::default();
+        desired.put(&layout, b"/tether/nodes/n1/services/web", br#"{"name": "web", "proxy": {"kill_timeout": "1s"}}"#);
+        desired.put(&layout, b"/tether/nodes/n1/services/bad", b"{");
+        desired.revision = 7;
+        store.save(&layout, &desired).unwrap();
+        assert_eq!(store.load(&layout), Some(desired));
+        assert_eq!(store.load(&Layout::new("/tether", "n2").unwrap()), None);
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(temp.path().join("data/fleet.json")).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+    }
+
+    #[test]
+    fn a_damaged_file_is_moved_aside() {
+        let temp = tempfile::tempdir().unwrap();
+        let data = DataDir::open(temp.path().join("data")).unwrap();
+        std::fs::write(temp.path().join("data/fleet.json"), "{").unwrap();
+        let layout = Layout::new("/tether", "n1").unwrap();
+        assert_eq!(FleetStore::in_data_dir(&data).load(&layout), None);
+        assert!(temp.path().join("data/fleet.json.corrupt").exists());
+    }
+}

@@ -1,0 +1,581 @@
+//! The fleet catalog against a real etcd: each test starts its own `etcd` on free loopback
+//! ports with a temp data dir (a guard kills it on drop), drives `tether fleet` and
+//! `tether agent --etcd`, and checks the proxies that run. Without an etcd binary the tests
+//! skip with a reason, except in CI, where `.ci/run` installs one.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Output, Stdio};
+
+use nix::sys::signal::Signal;
+
+use crate::support::{self, Agent, Dirs, alive, is_root, mode, wait_for, wait_until};
+
+/// The etcd binary, if this machine has one.
+fn etcd_binary() -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path).map(|dir| dir.join("etcd")).find(|candidate| candidate.is_file())
+}
+
+/// A port that was free on loopback a moment ago.
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// A running etcd; dropping it kills it. `stop` and `start` keep its data and ports.
+pub struct Etcd {
+    binary: PathBuf,
+    child: Option<Child>,
+    dir: tempfile::TempDir,
+    client_port: u16,
+    peer_port: u16,
+    /// With TLS: the certificates of `make_certificates`, in `dir`.
+    tls: bool,
+}
+
+impl Etcd {
+    /// Starts an etcd, or returns `None` (and says why) when there is no etcd binary.
+    fn start(test: &str) -> Option<Self> {
+        Self::start_with(test, false)
+    }
+
+    /// Starts an etcd that serves TLS only and requires a client certificate, with a CA,
+    /// server and client certificates made by `openssl` in its dir.
+    fn start_tls(test: &str) -> Option<Self> {
+        Self::start_with(test, true)
+    }
+
+    fn start_with(test: &str, tls: bool) -> Option<Self> {
+        let Some(binary) = etcd_binary() else {
+            assert!(std::env::var_os("CI").is_none(), "CI must have an etcd binary (.ci/run installs etcd-server)");
+            eprintln!("skipping {test}: no etcd binary on PATH (apt-get install etcd-server)");
+            return None;
+        };
+        let mut etcd = Self {
+            binary,
+            child: None,
+            dir: tempfile::tempdir().unwrap(),
+            client_port: free_port(),
+            peer_port: free_port(),
+            tls,
+        };
+        if tls {
+            make_certificates(etcd.dir.path());
+        }
+        etcd.resume();
+        Some(etcd)
+    }
+
+    pub fn url(&self) -> String {
+        let scheme = if self.tls { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.client_port)
+    }
+
+    /// A file of the TLS setup.
+    fn file(&self, name: &str) -> String {
+        self.dir.path().join(name).to_str().unwrap().to_owned()
+    }
+
+    /// The client's TLS flags.
+    fn client_tls_flags(&self) -> Vec<String> {
+        ["--etcd-cacert", "ca.pem", "--etcd-cert", "client.pem", "--etcd-key", "client.key"]
+            .iter()
+            .enumerate()
+            .map(|(i, arg)| if i % 2 == 1 { self.file(arg) } else { (*arg).to_owned() })
+            .collect()
+    }
+
+    /// Starts etcd again on the same data dir and ports, and waits until it answers.
+    fn resume(&mut self) {
+        assert!(self.child.is_none());
+        let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        let log = std::fs::File::create(self.dir.path().join("etcd.log")).unwrap();
+        let mut command = support::command(&self.binary);
+        if self.tls {
+            command
+                .arg(format!("--cert-file={}", self.file("server.pem")))
+                .arg(format!("--key-file={}", self.file("server.key")))
+                .arg(format!("--trusted-ca-file={}", self.file("ca.pem")))
+                .arg("--client-cert-auth");
+        }
+        let child = command
+            .arg("--name=test")
+            .arg(format!("--data-dir={}", self.dir.path().join("data").display()))
+            .arg(format!("--listen-client-urls={}", self.url()))
+            .arg(format!("--advertise-client-urls={}", self.url()))
+            .arg(format!("--listen-peer-urls={peer}"))
+            .arg(format!("--initial-advertise-peer-urls={peer}"))
+            .arg(format!("--initial-cluster=test={peer}"))
+            .arg("--logger=zap")
+            .arg("--log-level=warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        self.child = Some(child);
+        if self.tls {
+            wait_until("etcd to answer over TLS", || {
+                let output = fleet_with(&self.url(), &["ls", "probe"], &self.client_tls_flags());
+                output
+                    .status
+                    .success()
+                    .then_some(())
+                    .ok_or_else(|| String::from_utf8_lossy(&output.stderr).into_owned())
+            });
+            return;
+        }
+        wait_until("etcd to answer", || {
+            let body = self.call("/v3/kv/range", r#"{"key": "AA=="}"#)?;
+            body.contains("revision").then_some(()).ok_or(body)
+        });
+    }
+
+    /// Kills etcd (its data stays).
+    fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// One POST to etcd's JSON gateway; the body of a 200 answer.
+    fn call(&self, path: &str, body: &str) -> Result<String, String> {
+        let mut stream = TcpStream::connect(("127.0.0.1", self.client_port)).map_err(|err| err.to_string())?;
+        stream.set_read_timeout(Some(support::DEADLINE)).unwrap();
+        let request = format!(
+            "POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        stream.write_all(request.as_bytes()).map_err(|err| err.to_string())?;
+        let mut raw = String::new();
+        stream.read_to_string(&mut raw).map_err(|err| err.to_string())?;
+        let (head, body) = raw.split_once("\r\n\r\n").ok_or_else(|| raw.clone())?;
+        if !head.starts_with("HTTP/1.1 200") {
+            return Err(raw.clone());
+        }
+        Ok(body.to_owned())
+    }
+
+    /// Writes a raw value; returns the new revision.
+    fn put_raw(&self, key: &str, value: &str) -> i64 {
+        let body = format!(r#"{{"key": "{}", "value": "{}"}}"#, base64(key.as_bytes()), base64(value.as_bytes()));
+        revision_of(&self.call("/v3/kv/put", &body).unwrap())
+    }
+
+    /// The store's current revision.
+    fn revision(&self) -> i64 {
+        revision_of(&self.call("/v3/kv/range", r#"{"key": "AA=="}"#).unwrap())
+    }
+
+    /// Compacts the history up to the current revision.
+    fn compact(&self) {
+        let revision = self.revision();
+        self.call("/v3/kv/compaction", &format!(r#"{{"revision": "{revision}", "physical": true}}"#)).unwrap();
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn revision_of(body: &str) -> i64 {
+    let value: serde_json::Value = serde_json::from_str(body).unwrap();
+    value["header"]["revision"].as_str().and_then(|r| r.parse().ok()).unwrap_or_else(|| panic!("no revision: {body}"))
+}
+
+fn base64(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::new();
+    for chunk in bytes.chunks(3) {
+        let n = chunk.iter().enumerate().fold(0u32, |n, (i, b)| n | (u32::from(*b) << (16 - 8 * i)));
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(char::from(ALPHABET[((n >> (18 - 6 * i)) & 63) as usize]));
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+/// `tether fleet ARGS... --etcd URL`.
+fn fleet(etcd_url: &str, args: &[&str]) -> Output {
+    fleet_with(etcd_url, args, &[])
+}
+
+/// `tether fleet ARGS... --etcd URL EXTRA...`.
+fn fleet_with(etcd_url: &str, args: &[&str], extra: &[String]) -> Output {
+    let mut command = support::tether();
+    command.arg("fleet").args(args).arg("--etcd").arg(etcd_url).args(extra).stdin(Stdio::null());
+    command.output().unwrap()
+}
+
+/// A CA, and a server (127.0.0.1) and a client certificate that it signs, in `dir`.
+fn make_certificates(dir: &std::path::Path) {
+    let openssl = |args: &[&str]| {
+        let output = std::process::Command::new("openssl").args(args).current_dir(dir).output().unwrap();
+        assert!(output.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&output.stderr));
+    };
+    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"];
+    openssl(
+        &[
+            &["req", "-x509"],
+            &ec[..],
+            &["-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=tether test CA"],
+        ]
+        .concat(),
+    );
+    for name in ["server", "client"] {
+        let ext = format!("{name}.ext");
+        std::fs::write(
+            dir.join(&ext),
+            "subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature\nextendedKeyUsage=serverAuth,clientAuth\n",
+        )
+        .unwrap();
+        let (key, csr, pem) = (format!("{name}.key"), format!("{name}.csr"), format!("{name}.pem"));
+        openssl(
+            &[&["req"], &ec[..], &["-keyout", &key, "-out", &csr, "-subj", &format!("/CN=tether test {name}")]]
+                .concat(),
+        );
+        openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            &csr,
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            &pem,
+            "-days",
+            "2",
+            "-extfile",
+            &ext,
+        ]);
+    }
+}
+
+fn have_openssl(test: &str) -> bool {
+    let found = std::process::Command::new("openssl").arg("version").output().is_ok_and(|o| o.status.success());
+    if !found {
+        eprintln!("skipping {test}: no openssl binary to make test certificates");
+    }
+    found
+}
+
+#[track_caller]
+fn fleet_ok(etcd: &Etcd, args: &[&str]) -> String {
+    let output = fleet(&etcd.url(), args);
+    assert!(output.status.success(), "tether fleet {args:?}: {}", String::from_utf8_lossy(&output.stderr));
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+/// A service file with one `/bin/sleep SECONDS` proxy, written to the temp dir.
+fn service_file(dirs: &Dirs, name: &str, seconds: u32, kill_timeout: &str) -> PathBuf {
+    let path = dirs.temp.path().join(format!("{name}-{seconds}-{kill_timeout}.toml"));
+    std::fs::write(
+        &path,
+        format!(
+            "[[service]]\nname = \"{name}\"\n[service.proxy]\ncommand = [\"/bin/sleep\", \"{seconds}\"]\nkill_timeout = \"{kill_timeout}\"\n"
+        ),
+    )
+    .unwrap();
+    path
+}
+
+fn put_sleeper(etcd: &Etcd, dirs: &Dirs, node: &str, name: &str, seconds: u32) {
+    let file = service_file(dirs, name, seconds, "2s");
+    fleet_ok(etcd, &["put", node, file.to_str().unwrap()]);
+}
+
+/// Starts an agent that follows `node` in `etcd`.
+fn fleet_agent(dirs: &Dirs, etcd: &Etcd, node: &str) -> Agent {
+    let url = etcd.url();
+    let mut flags = vec!["--etcd", url.as_str(), "--node", node];
+    if is_root() {
+        flags.push("--allow-root");
+    }
+    Agent::start(dirs, &flags)
+}
+
+fn fleet_status(agent: &Agent) -> serde_json::Value {
+    let response = support::get(&agent.socket, "/v1/agent/fleet").unwrap();
+    assert_eq!(response.status, 200, "{}", response.body);
+    response.json()
+}
+
+fn pid_of(agent: &Agent, id: &str) -> i64 {
+    agent.wait_state(id, "running")["pid"].as_i64().unwrap()
+}
+
+fn metric(agent: &Agent, name: &str) -> Option<f64> {
+    let body = support::get(&agent.socket, "/metrics").unwrap().body;
+    body.lines().find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// Stops the agent with SIGTERM (proxies keep running) and checks that it exited 0.
+fn close(agent: &mut Agent) {
+    agent.signal(Signal::SIGTERM);
+    assert!(agent.wait().success(), "{}", agent.logs());
+}
+
+#[test]
+fn a_put_starts_a_proxy_an_update_restarts_or_applies_in_place_and_a_delete_stops_it() {
+    let Some(etcd) = Etcd::start("fleet put/update/delete") else { return };
+    let dirs = Dirs::new();
+    let agent = fleet_agent(&dirs, &etcd, "n1");
+
+    put_sleeper(&etcd, &dirs, "n1", "web", 3600);
+    let first = pid_of(&agent, "web-proxy");
+    // Another node's keys are not ours.
+    put_sleeper(&etcd, &dirs, "n2", "other", 3600);
+
+    // A new command restarts the proxy (SPEC: stop, then start).
+    put_sleeper(&etcd, &dirs, "n1", "web", 3601);
+    let second = wait_for("web-proxy to restart with the new command", || {
+        agent.proxy("web-proxy").filter(|p| p["state"] == "running" && p["pid"].as_i64() != Some(first))
+    })["pid"]
+        .as_i64()
+        .unwrap();
+    assert!(!alive(first));
+
+    // A new kill_timeout applies in place: same process.
+    let in_place = service_file(&dirs, "web", 3601, "3s");
+    fleet_ok(&etcd, &["put", "n1", in_place.to_str().unwrap()]);
+    let revision = etcd.revision();
+    wait_until("the agent to apply the in-place change", || {
+        let status = fleet_status(&agent);
+        (status["revision"].as_i64() >= Some(revision)).then_some(()).ok_or(status.to_string())
+    });
+    assert_eq!(pid_of(&agent, "web-proxy"), second);
+    assert!(agent.proxy("other-proxy").is_none());
+
+    let listing = fleet_ok(&etcd, &["ls", "n1"]);
+    assert!(listing.lines().any(|line| line.starts_with("web ") && line.ends_with(" ok")), "{listing}");
+
+    fleet_ok(&etcd, &["rm", "n1", "web"]);
+    agent.wait_gone("web-proxy");
+    assert!(!alive(second));
+    let again = fleet(&etcd.url(), &["rm", "n1", "web"]);
+    assert_eq!(again.status.code(), Some(1), "{}", String::from_utf8_lossy(&again.stderr));
+}
+
+#[test]
+fn an_invalid_value_is_reported_for_its_key_and_the_others_apply() {
+    let Some(etcd) = Etcd::start("fleet invalid value") else { return };
+    let dirs = Dirs::new();
+    etcd.put_raw("/tether/nodes/n1/services/bad", r#"{"name": "bad", "proxy": {"kill_timeot": "1s"}}"#);
+    etcd.put_raw("/tether/nodes/n1/services/alias", r#"{"name": "web"}"#);
+    let agent = fleet_agent(&dirs, &etcd, "n1");
+    put_sleeper(&etcd, &dirs, "n1", "good", 3600);
+    pid_of(&agent, "good-proxy");
+
+    let status = wait_until("both bad keys to be reported", || {
+        let status = fleet_status(&agent);
+        (status["invalid"].as_object().map(|o| o.len()) == Some(2)).then(|| status.clone()).ok_or(status.to_string())
+    });
+    let problem = status["invalid"]["/tether/nodes/n1/services/bad"].as_str().unwrap();
+    assert!(problem.contains("kill_timeot"), "{problem}");
+    let mismatch = status["invalid"]["/tether/nodes/n1/services/alias"].as_str().unwrap();
+    assert!(mismatch.contains("differs from the key"), "{mismatch}");
+    assert_eq!(metric(&agent, "tether_fleet_invalid_keys"), Some(2.0));
+    assert_eq!(metric(&agent, "tether_fleet_connected"), Some(1.0));
+    assert!(agent.logs().contains("/tether/nodes/n1/services/bad"), "{}", agent.logs());
+    assert!(agent.proxy("bad-proxy").is_none() && agent.proxy("web-proxy").is_none());
+
+    // `fleet ls` shows the problem too; fixing the value clears it.
+    let listing = fleet_ok(&etcd, &["ls", "n1"]);
+    assert!(listing.contains("invalid:") && listing.contains("kill_timeot"), "{listing}");
+    etcd.put_raw("/tether/nodes/n1/services/bad", r#"{"name": "bad"}"#);
+    wait_until("the fixed key to leave the report", || {
+        let status = fleet_status(&agent);
+        (status["invalid"].as_object().map(|o| o.len()) == Some(1)).then_some(()).ok_or(status.to_string())
+    });
+}
+
+#[test]
+fn proxies_outlive_an_etcd_outage_and_an_agent_restart_and_changes_apply_on_return() {
+    let Some(mut etcd) = Etcd::start("fleet outage") else { return };
+    let dirs = Dirs::new();
+    let mut agent = fleet_agent(&dirs, &etcd, "n1");
+    put_sleeper(&etcd, &dirs, "n1", "a", 3600);
+    put_sleeper(&etcd, &dirs, "n1", "b", 3600);
+    let a = pid_of(&agent, "a-proxy");
+    let b = pid_of(&agent, "b-proxy");
+    assert_eq!(mode(&dirs.data.join("fleet.json")), 0o600);
+
+    // etcd goes away: nothing stops.
+    etcd.stop();
+    wait_until("the agent to notice", || {
+        let status = fleet_status(&agent);
+        (status["connected"] == false).then_some(()).ok_or(status.to_string())
+    });
+    assert_eq!((pid_of(&agent, "a-proxy"), pid_of(&agent, "b-proxy")), (a, b));
+
+    // Meanwhile the fleet changes, while this agent is stopped: a goes, c comes.
+    close(&mut agent);
+    etcd.resume();
+    fleet_ok(&etcd, &["rm", "n1", "a"]);
+    put_sleeper(&etcd, &dirs, "n1", "c", 3600);
+    etcd.stop();
+
+    // An agent that starts while etcd is down runs the last known set: a and b, adopted.
+    let agent = fleet_agent(&dirs, &etcd, "n1");
+    assert_eq!((pid_of(&agent, "a-proxy"), pid_of(&agent, "b-proxy")), (a, b));
+    assert!(agent.proxy("c-proxy").is_none());
+    assert_eq!(fleet_status(&agent)["connected"], false);
+
+    // etcd is back: the agent reconnects and applies what changed; b is untouched.
+    etcd.resume();
+    pid_of(&agent, "c-proxy");
+    agent.wait_gone("a-proxy");
+    assert!(!alive(a));
+    assert_eq!(pid_of(&agent, "b-proxy"), b);
+    assert_eq!(fleet_status(&agent)["connected"], true);
+}
+
+#[test]
+fn a_compacted_revision_triggers_a_full_read_and_nothing_is_lost() {
+    let Some(etcd) = Etcd::start("fleet compaction") else { return };
+    let dirs = Dirs::new();
+    let mut agent = fleet_agent(&dirs, &etcd, "n1");
+    put_sleeper(&etcd, &dirs, "n1", "a", 3600);
+    put_sleeper(&etcd, &dirs, "n1", "b", 3600);
+    let b = pid_of(&agent, "b-proxy");
+    pid_of(&agent, "a-proxy");
+    close(&mut agent);
+
+    // While the agent is away, history moves on and is compacted past its revision.
+    fleet_ok(&etcd, &["rm", "n1", "a"]);
+    put_sleeper(&etcd, &dirs, "n1", "c", 3600);
+    put_sleeper(&etcd, &dirs, "n1", "c", 3601);
+    etcd.put_raw("/tether/nodes/n1/services/d", r#"{"name": "d", "proxy": {"command": ["/bin/sleep", "3600"]}}"#);
+    etcd.compact();
+
+    let agent = fleet_agent(&dirs, &etcd, "n1");
+    let c = pid_of(&agent, "c-proxy");
+    pid_of(&agent, "d-proxy");
+    agent.wait_gone("a-proxy");
+    assert_eq!(pid_of(&agent, "b-proxy"), b);
+    assert!(support::cmdline(i32::try_from(c).unwrap()).contains(&"3601".to_owned()));
+    assert_eq!(metric(&agent, "tether_fleet_compactions_total"), Some(1.0));
+    assert!(metric(&agent, "tether_fleet_full_reads_total") >= Some(1.0));
+}
+
+#[test]
+fn fleet_commands_check_their_input_first_and_fail_when_etcd_is_unreachable() {
+    let dirs = Dirs::new();
+    let closed = format!("http://127.0.0.1:{}", free_port());
+    let file = service_file(&dirs, "web", 3600, "2s");
+    let file = file.to_str().unwrap();
+
+    let bad_node = fleet(&closed, &["put", "a/b", file]);
+    assert_eq!(bad_node.status.code(), Some(2), "{}", String::from_utf8_lossy(&bad_node.stderr));
+    let bad_file = dirs.temp.path().join("bad.toml");
+    std::fs::write(&bad_file, "[[service]]\nname = \"web\"\nprot = 1\n").unwrap();
+    let output = fleet(&closed, &["put", "n1", bad_file.to_str().unwrap()]);
+    assert_eq!(output.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&output.stderr).contains("prot"));
+    let missing_ca = fleet(&closed, &["ls", "n1", "--etcd-cacert", "/nonexistent/ca.pem"]);
+    assert_eq!(missing_ca.status.code(), Some(2), "{}", String::from_utf8_lossy(&missing_ca.stderr));
+    let half = fleet(&closed, &["ls", "n1", "--etcd-cert", file]);
+    assert_eq!(half.status.code(), Some(2));
+
+    let unreachable = fleet(&closed, &["put", "n1", file]);
+    assert_eq!(unreachable.status.code(), Some(1), "{}", String::from_utf8_lossy(&unreachable.stderr));
+    let stderr = String::from_utf8_lossy(&unreachable.stderr);
+    assert!(stderr.contains(&closed), "{stderr}");
+
+    // The agent refuses fleet options it cannot use, before it starts anything.
+    for flags in [
+        vec!["--etcd", closed.as_str()],
+        vec!["--etcd", closed.as_str(), "--node", "a/b"],
+        vec!["--etcd", closed.as_str(), "--node", "n1", "--etcd-cacert", "/nonexistent/ca.pem"],
+        vec!["--etcd", closed.as_str(), "--node", "n1", "--etcd-prefix", "tether"],
+    ] {
+        let mut agent = Agent::spawn(&dirs, &flags);
+        let status = agent.wait();
+        assert_eq!(status.code(), Some(2), "{flags:?}: {}", agent.logs());
+    }
+}
+
+#[test]
+fn an_agent_with_an_unreachable_etcd_starts_and_reports_it() {
+    let dirs = Dirs::new();
+    let closed = format!("http://127.0.0.1:{}", free_port());
+    let agent = Agent::start(&dirs, &["--etcd", closed.as_str(), "--node", "n1"]);
+    wait_until("the failed connection to show", || {
+        let status = fleet_status(&agent);
+        (status["last_error"].as_str().is_some_and(|e| e.contains(&closed))).then_some(()).ok_or(status.to_string())
+    });
+    assert_eq!(metric(&agent, "tether_fleet_connected"), Some(0.0));
+    assert!(metric(&agent, "tether_fleet_connect_failures_total") >= Some(1.0));
+    assert!(agent.proxies().is_empty());
+}
+
+#[test]
+fn user_and_password_reach_an_etcd_with_auth_enabled() {
+    let Some(etcd) = Etcd::start("fleet auth") else { return };
+    etcd.call("/v3/auth/role/add", r#"{"name": "root"}"#).unwrap();
+    etcd.call("/v3/auth/user/add", r#"{"name": "root", "password": "secret"}"#).unwrap();
+    etcd.call("/v3/auth/user/grant", r#"{"user": "root", "role": "root"}"#).unwrap();
+    etcd.call("/v3/auth/enable", "{}").unwrap();
+    let dirs = Dirs::new();
+    let file = service_file(&dirs, "web", 3600, "2s");
+    let file = file.to_str().unwrap();
+
+    let anonymous = fleet(&etcd.url(), &["put", "n1", file]);
+    assert_eq!(anonymous.status.code(), Some(1), "{}", String::from_utf8_lossy(&anonymous.stderr));
+    fleet_ok(&etcd, &["put", "n1", file, "--etcd-user", "root:secret"]);
+    let output = support::tether()
+        .args(["fleet", "ls", "n1", "--etcd", &etcd.url(), "--etcd-user", "root"])
+        .env("TETHER_ETCD_PASSWORD", "secret")
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&output.stdout).contains("web"), "{}", String::from_utf8_lossy(&output.stderr));
+
+    let url = etcd.url();
+    let mut flags = vec!["--etcd", url.as_str(), "--node", "n1", "--etcd-user", "root:secret"];
+    if is_root() {
+        flags.push("--allow-root");
+    }
+    let agent = Agent::start(&dirs, &flags);
+    pid_of(&agent, "web-proxy");
+    assert!(!agent.logs().contains("secret"), "the password must not be logged");
+}
+
+#[test]
+fn tls_with_a_private_ca_and_a_client_certificate_reaches_etcd() {
+    if !have_openssl("fleet TLS") {
+        return;
+    }
+    let Some(etcd) = Etcd::start_tls("fleet TLS") else { return };
+    let dirs = Dirs::new();
+    let file = service_file(&dirs, "web", 3600, "2s");
+    let tls = etcd.client_tls_flags();
+
+    // Without the client certificate, or without the CA, etcd is not reachable.
+    let no_client = fleet_with(&etcd.url(), &["ls", "n1"], &tls[..2]);
+    assert_eq!(no_client.status.code(), Some(1), "{}", String::from_utf8_lossy(&no_client.stderr));
+    let no_ca = fleet_with(&etcd.url(), &["ls", "n1"], &tls[2..]);
+    assert_eq!(no_ca.status.code(), Some(1), "{}", String::from_utf8_lossy(&no_ca.stderr));
+
+    let put = fleet_with(&etcd.url(), &["put", "n1", file.to_str().unwrap()], &tls);
+    assert!(put.status.success(), "{}", String::from_utf8_lossy(&put.stderr));
+    let url = etcd.url();
+    let mut flags: Vec<&str> = vec!["--etcd", url.as_str(), "--node", "n1"];
+    flags.extend(tls.iter().map(String::as_str));
+    if is_root() {
+        flags.push("--allow-root");
+    }
+    let agent = Agent::start(&dirs, &flags);
+    pid_of(&agent, "web-proxy");
+    assert_eq!(fleet_status(&agent)["connected"], true);
+}
