@@ -5,6 +5,7 @@
 
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
+mod bench;
 mod deps;
 mod tidy;
 
@@ -20,7 +21,7 @@ tasks:
   test    the test suite only (nextest, then doctests)
   tidy    module docs present, no #[should_panic], no bare #[ignore], no process spawning outside proxy-daemon
   deps    the crate graph against the allow-list
-  bench   every crate's benchmarks, in release mode
+  bench   every crate's benchmarks, then the end-to-end benchmarks of the tether binary
 ";
 
 fn main() -> ExitCode {
@@ -30,7 +31,7 @@ fn main() -> ExitCode {
         Some("test") => test(),
         Some("tidy") => report(tidy::check(&workspace_root())),
         Some("deps") => report(deps::check(&cargo(), &workspace_root())),
-        Some("bench") => bench(),
+        Some("bench") => bench::run(&workspace_root()),
         None | Some("help" | "-h" | "--help") => {
             print!("{TASKS}");
             return ExitCode::SUCCESS;
@@ -46,7 +47,7 @@ fn main() -> ExitCode {
     }
 }
 
-fn cargo() -> String {
+pub(crate) fn cargo() -> String {
     env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned())
 }
 
@@ -65,7 +66,7 @@ fn report(problems: Result<Vec<String>, String>) -> Result<(), String> {
     Err(format!("{} problem(s)", problems.len()))
 }
 
-fn run(step: &str, args: &[&str]) -> Result<(), String> {
+pub(crate) fn run(step: &str, args: &[&str]) -> Result<(), String> {
     eprintln!("xtask: {step}: cargo {}", args.join(" "));
     let status = Command::new(cargo())
         .args(args)
@@ -116,8 +117,4 @@ fn run_with_env(step: &str, args: &[&str], vars: &[(&str, &str)]) -> Result<(), 
         .status()
         .map_err(|err| format!("{step}: cannot run cargo: {err}"))?;
     if status.success() { Ok(()) } else { Err(format!("{step} failed ({status})")) }
-}
-
-fn bench() -> Result<(), String> {
-    run("bench", &["bench", "--workspace", "--benches"])
 }

@@ -1,0 +1,192 @@
+//! The end-to-end figures as rows of a Markdown table, the statistics behind them, and
+//! `BENCHMARKS.md`.
+
+use std::fmt::Write as _;
+use std::fs;
+use std::path::Path;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// Whether a row's target was met.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Met {
+    Yes,
+    No,
+    /// No target: the row informs.
+    Info,
+}
+
+/// One row: figure, baseline, tether's value, their ratio, the target, met or not.
+#[derive(Debug, Clone)]
+pub(crate) struct Row {
+    pub(crate) figure: String,
+    pub(crate) baseline: String,
+    pub(crate) value: String,
+    pub(crate) ratio: String,
+    pub(crate) target: String,
+    pub(crate) met: Met,
+}
+
+impl Row {
+    pub(crate) fn new(figure: &str, baseline: String, value: String, ratio: String, target: &str, met: Met) -> Self {
+        Self { figure: figure.to_owned(), baseline, value, ratio, target: target.to_owned(), met }
+    }
+
+    /// A figure that could not be measured.
+    pub(crate) fn failed(figure: &str, error: &str) -> Self {
+        Self::new(figure, "—".into(), format!("not measured: {error}"), "—".into(), "—", Met::No)
+    }
+}
+
+pub(crate) fn met(ok: bool) -> Met {
+    if ok { Met::Yes } else { Met::No }
+}
+
+/// `a / b` to two decimals, or `—` when `b` is zero.
+pub(crate) fn ratio(a: f64, b: f64) -> String {
+    if b > 0.0 { format!("{:.2}", a / b) } else { "—".to_owned() }
+}
+
+/// Milliseconds, three decimals.
+pub(crate) fn ms(duration: Duration) -> String {
+    format!("{:.3} ms", duration.as_secs_f64() * 1e3)
+}
+
+/// Seconds, three decimals.
+pub(crate) fn secs(duration: Duration) -> String {
+    format!("{:.3} s", duration.as_secs_f64())
+}
+
+/// The `p`-th percentile (nearest rank) of `samples`; zero for none.
+pub(crate) fn percentile(samples: &[Duration], p: f64) -> Duration {
+    let mut sorted = samples.to_vec();
+    sorted.sort();
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+pub(crate) fn median(samples: &[Duration]) -> Duration {
+    percentile(samples, 50.0)
+}
+
+/// The table, in Markdown.
+pub(crate) fn table(rows: &[Row]) -> String {
+    let mut out = String::from("| figure | baseline (same run) | tether | ratio | target | met? |\n");
+    out.push_str("| --- | --- | --- | --- | --- | --- |\n");
+    for row in rows {
+        let met = match row.met {
+            Met::Yes => "yes",
+            Met::No => "**no**",
+            Met::Info => "—",
+        };
+        let cell = |text: &str| text.replace('|', "\\|").replace('\n', " ");
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {} | {met} |",
+            cell(&row.figure),
+            cell(&row.baseline),
+            cell(&row.value),
+            cell(&row.ratio),
+            cell(&row.target)
+        );
+    }
+    out
+}
+
+/// The machine the figures were measured on.
+pub(crate) struct Machine {
+    pub(crate) date: String,
+    pub(crate) nproc: usize,
+    pub(crate) kernel: String,
+    pub(crate) load_before: String,
+    pub(crate) load_after: String,
+}
+
+impl Machine {
+    pub(crate) fn now() -> Self {
+        let seconds = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        Self {
+            date: utc_date(seconds),
+            nproc: std::thread::available_parallelism().map_or(1, usize::from),
+            kernel: fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim().to_owned(),
+            load_before: load_average(),
+            load_after: String::new(),
+        }
+    }
+}
+
+/// The 1, 5 and 15 minute load averages.
+pub(crate) fn load_average() -> String {
+    let text = fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    text.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
+}
+
+/// `seconds` since the epoch as `YYYY-MM-DD HH:MM UTC`.
+pub(crate) fn utc_date(seconds: u64) -> String {
+    let days = i64::try_from(seconds / 86_400).unwrap_or(0);
+    let rest = seconds % 86_400;
+    // Howard Hinnant's civil_from_days.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!("{year:04}-{month:02}-{day:02} {:02}:{:02} UTC", rest / 3_600, rest % 3_600 / 60)
+}
+
+/// Writes `BENCHMARKS.md` at `root`.
+pub(crate) fn write(root: &Path, machine: &Machine, rows: &[Row], notes: &[String]) -> Result<(), String> {
+    let mut text = String::from(
+        "# Benchmarks\n\n\
+         End-to-end figures of the release `tether` binary with real processes, written by\n\
+         `cargo xtask bench` (which first runs every crate's own benchmarks). Each figure sits\n\
+         next to a baseline measured in the same run on the same machine.\n\n",
+    );
+    let _ = writeln!(text, "- date: {}", machine.date);
+    let _ = writeln!(text, "- nproc: {}", machine.nproc);
+    let _ = writeln!(text, "- kernel: {}", machine.kernel);
+    let _ =
+        writeln!(text, "- load average (1, 5, 15 min): {} before, {} after", machine.load_before, machine.load_after);
+    for note in notes {
+        let _ = writeln!(text, "- {note}");
+    }
+    text.push('\n');
+    text.push_str(&table(rows));
+    let path = root.join("BENCHMARKS.md");
+    fs::write(&path, text).map_err(|err| format!("{}: {err}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_use_the_nearest_rank() {
+        let samples: Vec<Duration> = (1..=200).rev().map(Duration::from_millis).collect();
+        assert_eq!(median(&samples), Duration::from_millis(100));
+        assert_eq!(percentile(&samples, 99.0), Duration::from_millis(198));
+        assert_eq!(percentile(&samples, 100.0), Duration::from_millis(200));
+        assert_eq!(median(&[]), Duration::ZERO);
+    }
+
+    #[test]
+    fn dates_are_civil_utc() {
+        assert_eq!(utc_date(0), "1970-01-01 00:00 UTC");
+        assert_eq!(utc_date(951_782_400 + 3_661), "2000-02-29 01:01 UTC");
+        assert_eq!(utc_date(1_767_225_600), "2026-01-01 00:00 UTC");
+    }
+
+    #[test]
+    fn the_table_escapes_cells() {
+        let rows = [Row::new("a|b", "1".into(), "2".into(), ratio(2.0, 1.0), "≤ 3", Met::Yes)];
+        let table = table(&rows);
+        assert!(table.contains("| a\\|b | 1 | 2 | 2.00 | ≤ 3 | yes |"), "{table}");
+    }
+}

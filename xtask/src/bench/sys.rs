@@ -1,0 +1,202 @@
+//! The operating-system side of the end-to-end benchmarks: signals to arbitrary pids, the
+//! open-file limit, and what `/proc` says about a process (memory, context switches,
+//! environment, liveness).
+//!
+//! std can only signal its own children with SIGKILL, and the bench signals the agent's
+//! proxies and sends SIGTERM and SIGHUP to agents, so this module uses `nix`'s safe
+//! wrappers of `kill(2)`, `killpg(2)` and `setrlimit(2)`.
+
+use std::collections::BTreeMap;
+use std::fs;
+
+use nix::sys::resource::{Resource, getrlimit, setrlimit};
+pub(crate) use nix::sys::signal::Signal;
+use nix::sys::signal::{kill, killpg};
+use nix::unistd::Pid;
+
+pub(crate) use nix::sys::signal::Signal::{SIGHUP, SIGINT, SIGKILL, SIGTERM};
+
+fn pid_of(pid: u32) -> Result<Pid, String> {
+    i32::try_from(pid).map(Pid::from_raw).map_err(|_| format!("pid {pid} out of range"))
+}
+
+/// Sends `signal` to the process `pid`.
+pub(crate) fn signal(pid: u32, signal: Signal) -> Result<(), String> {
+    kill(pid_of(pid)?, signal).map_err(|err| format!("kill({pid}, {signal}): {err}"))
+}
+
+/// Sends `signal` to the process group `pgid`; a group that no longer exists is no error.
+pub(crate) fn signal_group(pgid: u32, signal: Signal) {
+    if let Ok(pgid) = pid_of(pgid) {
+        let _ = killpg(pgid, signal);
+    }
+}
+
+/// Raises the soft limit of open files to the hard limit, so that the bench's 1 000 sockets
+/// and the agent's descriptors fit; children inherit it. Returns the new soft limit.
+pub(crate) fn raise_open_files() -> Result<u64, String> {
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).map_err(|err| format!("getrlimit(NOFILE): {err}"))?;
+    if soft < hard {
+        setrlimit(Resource::RLIMIT_NOFILE, hard, hard).map_err(|err| format!("setrlimit(NOFILE, {hard}): {err}"))?;
+    }
+    Ok(hard.max(soft))
+}
+
+/// The fields of `/proc/<pid>[/task/<tid>]/status`.
+fn status_fields(path: &str) -> Option<BTreeMap<String, String>> {
+    let text = fs::read_to_string(path).ok()?;
+    Some(
+        text.lines()
+            .filter_map(|line| line.split_once(':'))
+            .map(|(key, value)| (key.to_owned(), value.trim().to_owned()))
+            .collect(),
+    )
+}
+
+/// The resident set of `pid`, in KiB (`VmRSS`).
+pub(crate) fn rss_kib(pid: u32) -> Result<u64, String> {
+    let fields = status_fields(&format!("/proc/{pid}/status")).ok_or_else(|| format!("process {pid} is gone"))?;
+    let value = fields.get("VmRSS").ok_or_else(|| format!("process {pid} has no VmRSS"))?;
+    value.trim_end_matches("kB").trim().parse().map_err(|err| format!("VmRSS {value:?} of {pid}: {err}"))
+}
+
+/// Voluntary plus involuntary context switches of each thread of `pid`, by thread id.
+pub(crate) fn context_switches(pid: u32) -> Result<BTreeMap<u32, u64>, String> {
+    let dir = format!("/proc/{pid}/task");
+    let entries = fs::read_dir(&dir).map_err(|err| format!("{dir}: {err}"))?;
+    let mut threads = BTreeMap::new();
+    for entry in entries.flatten() {
+        let Some(tid) = entry.file_name().to_str().and_then(|name| name.parse::<u32>().ok()) else { continue };
+        let Some(fields) = status_fields(&format!("{dir}/{tid}/status")) else { continue };
+        let count = |key: &str| fields.get(key).and_then(|value| value.parse::<u64>().ok()).unwrap_or(0);
+        threads.insert(tid, count("voluntary_ctxt_switches") + count("nonvoluntary_ctxt_switches"));
+    }
+    Ok(threads)
+}
+
+/// Context switches between two readings of [`context_switches`]: the growth of every thread
+/// seen twice plus the whole count of threads born in between. The second value is how many
+/// threads exited in between (whose last switches are then not counted).
+pub(crate) fn switches_between(before: &BTreeMap<u32, u64>, after: &BTreeMap<u32, u64>) -> (u64, usize) {
+    let grown = after.iter().map(|(tid, now)| now.saturating_sub(before.get(tid).copied().unwrap_or(0))).sum();
+    let exited = before.keys().filter(|tid| !after.contains_key(tid)).count();
+    (grown, exited)
+}
+
+/// The value of the environment variable `name` in the process `pid`, if readable.
+pub(crate) fn environ_var(pid: u32, name: &str) -> Option<String> {
+    let bytes = fs::read(format!("/proc/{pid}/environ")).ok()?;
+    bytes.split(|byte| *byte == 0).find_map(|entry| {
+        let entry = std::str::from_utf8(entry).ok()?;
+        let (key, value) = entry.split_once('=')?;
+        (key == name).then(|| value.to_owned())
+    })
+}
+
+/// The state letter, parent and process group of `pid` from `/proc/<pid>/stat`.
+fn stat(pid: u32) -> Option<(char, u32, u32)> {
+    let text = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name may hold spaces and parentheses: the fields start after the last ')'.
+    let rest = &text[text.rfind(')')? + 1..];
+    let mut fields = rest.split_whitespace();
+    let state = fields.next()?.chars().next()?;
+    let parent = fields.next()?.parse().ok()?;
+    let pgid = fields.next()?.parse().ok()?;
+    Some((state, parent, pgid))
+}
+
+/// Whether `pid` is a live process (it exists and is not a zombie).
+pub(crate) fn alive(pid: u32) -> bool {
+    stat(pid).is_some_and(|(state, _, _)| state != 'Z' && state != 'X')
+}
+
+/// The process group of `pid`, if it is alive.
+pub(crate) fn process_group(pid: u32) -> Option<u32> {
+    stat(pid).filter(|(state, _, _)| *state != 'Z').map(|(_, _, pgid)| pgid)
+}
+
+/// The parent of `pid`, if it exists.
+pub(crate) fn parent(pid: u32) -> Option<u32> {
+    stat(pid).map(|(_, parent, _)| parent)
+}
+
+/// The pid most recently created on the machine (the last field of `/proc/loadavg`).
+pub(crate) fn last_pid() -> Result<u32, String> {
+    let text = fs::read_to_string("/proc/loadavg").map_err(|err| format!("/proc/loadavg: {err}"))?;
+    text.split_whitespace().nth(4).and_then(|pid| pid.parse().ok()).ok_or_else(|| format!("/proc/loadavg: {text:?}"))
+}
+
+/// The largest pid (`/proc/sys/kernel/pid_max`).
+pub(crate) fn pid_max() -> u32 {
+    fs::read_to_string("/proc/sys/kernel/pid_max").ok().and_then(|max| max.trim().parse().ok()).unwrap_or(32_768)
+}
+
+/// Watches the pids created on the machine since it was made, for the first child of
+/// `parent` whose environment has `name=value`: a process that has exec'd its program.
+/// It reads `/proc` only for new pids, so that a poll costs microseconds.
+pub(crate) struct NewProcesses {
+    next: u32,
+    max: u32,
+    pending: Vec<u32>,
+}
+
+impl NewProcesses {
+    pub(crate) fn since_now() -> Result<Self, String> {
+        Ok(Self { next: last_pid()?, max: pid_max(), pending: Vec::new() })
+    }
+
+    /// One look; the pid found, if any.
+    pub(crate) fn poll(&mut self, parent_pid: u32, name: &str, value: &str) -> Result<Option<u32>, String> {
+        let last = last_pid()?;
+        while self.next != last {
+            // Pids wrap from pid_max to 300 (the kernel's reserved range).
+            self.next = if self.next >= self.max { 300 } else { self.next + 1 };
+            self.pending.push(self.next);
+        }
+        let mut found = None;
+        self.pending.retain(|pid| match parent(*pid) {
+            Some(parent) if parent == parent_pid => {
+                if found.is_none() && environ_var(*pid, name).is_some_and(|found| found == value) {
+                    found = Some(*pid);
+                }
+                true
+            }
+            // Another parent's process never becomes this parent's child; a gone one is gone.
+            _ => false,
+        });
+        Ok(found)
+    }
+}
+
+/// Every live process whose environment has `name=value`.
+pub(crate) fn processes_with_env(name: &str, value: &str) -> Vec<u32> {
+    let Ok(entries) = fs::read_dir("/proc") else { return Vec::new() };
+    entries
+        .flatten()
+        .filter_map(|entry| entry.file_name().to_str().and_then(|name| name.parse::<u32>().ok()))
+        .filter(|pid| *pid != std::process::id())
+        .filter(|pid| environ_var(*pid, name).is_some_and(|found| found == value))
+        .filter(|pid| alive(*pid))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn switches_count_growth_and_new_threads() {
+        let before = BTreeMap::from([(1, 10), (2, 5), (3, 7)]);
+        let after = BTreeMap::from([(1, 12), (2, 5), (4, 3)]);
+        assert_eq!(switches_between(&before, &after), (5, 1));
+    }
+
+    #[test]
+    fn this_process_is_readable() {
+        let me = std::process::id();
+        assert!(alive(me));
+        assert!(rss_kib(me).unwrap() > 0);
+        assert!(!context_switches(me).unwrap().is_empty());
+        assert!(process_group(me).is_some());
+    }
+}
