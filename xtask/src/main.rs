@@ -7,6 +7,7 @@
 
 mod bench;
 mod deps;
+mod fuzz;
 mod tidy;
 
 use std::env;
@@ -22,6 +23,7 @@ tasks:
   tidy    module docs present, no #[should_panic], no bare #[ignore], no process spawning outside proxy-daemon
   deps    the crate graph against the allow-list
   bench   every crate's benchmarks, then the end-to-end benchmarks of the tether binary
+  fuzz    every fuzz target for a bounded time
 ";
 
 fn main() -> ExitCode {
@@ -32,6 +34,7 @@ fn main() -> ExitCode {
         Some("tidy") => report(tidy::check(&workspace_root())),
         Some("deps") => report(deps::check(&cargo(), &workspace_root())),
         Some("bench") => bench::run(&workspace_root()),
+        Some("fuzz") => fuzz::run(&workspace_root(), env::args().skip(2).collect()),
         None | Some("help" | "-h" | "--help") => {
             print!("{TASKS}");
             return ExitCode::SUCCESS;

@@ -454,6 +454,21 @@ fn non_finite_floats_in_config_are_refused_not_turned_into_null() {
     assert!(toml_error("[[service]]\nname = \"web\"\n[service.proxy]\nconfig = 1\n").contains("expected a map"));
 }
 
+#[test]
+fn floats_in_config_read_back_exactly_as_written() {
+    // Found by the `config_json` fuzz target: without serde_json's exact float parsing, this
+    // integer (too large for u64) read as 1.1111111111111111e21, one unit in the last place
+    // low, while its written form read back as 1.1111111111111112e21: a persisted
+    // registration changed.
+    let text = r#"{"service": [{"name": "web", "proxy": {"config": {"x": 1111111111111111162378}}}]}"#;
+    let services = parse_file(text, Format::Json, &file()).unwrap();
+    assert_eq!(services[0].proxy.as_ref().unwrap().config["x"].as_f64(), Some(1.111_111_111_111_111_2e21));
+    let written = to_file_text(&services, Format::Json).unwrap();
+    assert_eq!(parse_file(&written, Format::Json, &file()).unwrap(), services, "{written}");
+    let body = to_service_text(&services[0], Format::Json).unwrap();
+    assert_eq!(parse_service(&body, Format::Json, &Origin::Body).unwrap(), services[0], "{body}");
+}
+
 // ---------------------------------------------------------------------------------------
 // Round trips: what is written reads back to the same services.
 
