@@ -25,17 +25,7 @@ use crate::cli::{Cli, Command, LogFormat};
 #[error("{0}")]
 pub(crate) struct UsageError(String);
 
-/// An error and its causes on one line: `a: b: c`.
-pub(crate) fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut line = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        line.push_str(": ");
-        line.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    line
-}
+pub(crate) use tether_state::error_chain;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();

@@ -111,14 +111,4 @@ pub use snapshot::{
 };
 pub use status::{ActionKind, ManagerHandle, PASS_BUCKETS, ProxyEvent, ProxyStatus, ReconcileStats};
 
-/// An error and its sources on one line, `outer: inner: innermost`, for statuses and logs.
-pub(crate) fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
-}
+pub(crate) use tether_state::error_chain;

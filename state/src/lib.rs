@@ -74,3 +74,23 @@ pub use service::{
     ProxyConfigMap, ProxySpec, RestartPolicy, Service, ServiceName,
 };
 pub use token::{ProxyToken, TokenError, TokenFingerprint};
+
+/// An error and its sources on one line, `outer: inner: innermost`: how every tether crate
+/// shows an error in a status, a log field or an API answer.
+///
+/// ```
+/// use tether_state::{error_chain, ServiceId};
+///
+/// let err = ServiceId::new("a/b").unwrap_err();
+/// assert!(error_chain(&err).starts_with("invalid service id \"a/b\""));
+/// ```
+pub fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
