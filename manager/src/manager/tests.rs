@@ -44,15 +44,21 @@ struct Running {
     task: JoinHandle<Manager>,
 }
 
-fn run_with(state: &LocalState, fake: &Arc<Fake>, store: &Arc<MemorySnapshotStore>, config: ManagerConfig) -> Running {
-    let mut manager = Manager::new(Arc::new(state.clone()), Arc::new(fake.clone()), store.clone(), config);
-    let handle = manager.handle();
+/// Runs `manager` in a task until the returned token is cancelled; the task gives it back.
+fn spawn_run(mut manager: Manager) -> (CancellationToken, JoinHandle<Manager>) {
     let shutdown = CancellationToken::new();
     let token = shutdown.clone();
     let task = tokio::spawn(async move {
         manager.run(token).await;
         manager
     });
+    (shutdown, task)
+}
+
+fn run_with(state: &LocalState, fake: &Arc<Fake>, store: &Arc<MemorySnapshotStore>, config: ManagerConfig) -> Running {
+    let manager = Manager::new(Arc::new(state.clone()), Arc::new(fake.clone()), store.clone(), config);
+    let handle = manager.handle();
+    let (shutdown, task) = spawn_run(manager);
     Running { state: state.clone(), fake: fake.clone(), store: store.clone(), handle, shutdown, task }
 }
 
@@ -278,14 +284,9 @@ async fn failed_start_leaves_the_proxy_failed_and_the_next_change_retries_it() {
     backend.expect_adoption_candidates().returning(Vec::new);
     let state = catalog(&[service("web")]);
     let store = Arc::new(MemorySnapshotStore::new());
-    let mut manager = Manager::new(Arc::new(state.clone()), Arc::new(backend), store, ManagerConfig::default());
+    let manager = Manager::new(Arc::new(state.clone()), Arc::new(backend), store, ManagerConfig::default());
     let handle = manager.handle();
-    let shutdown = CancellationToken::new();
-    let token = shutdown.clone();
-    let task = tokio::spawn(async move {
-        manager.run(token).await;
-        manager
-    });
+    let (shutdown, task) = spawn_run(manager);
     let mut events = handle.subscribe();
     let failed = tokio::time::timeout(LIMIT, async {
         loop {
@@ -437,14 +438,9 @@ async fn a_backend_restart_rewrites_the_snapshot_with_the_new_pid() {
     backend.expect_create().times(1).returning(move |_| Box::new(handle.take().unwrap()));
     let store = Arc::new(MemorySnapshotStore::new());
     let state = catalog(&[service("web")]);
-    let mut manager = Manager::new(Arc::new(state), Arc::new(backend), store.clone(), ManagerConfig::default());
+    let manager = Manager::new(Arc::new(state), Arc::new(backend), store.clone(), ManagerConfig::default());
     let view = manager.handle();
-    let shutdown = CancellationToken::new();
-    let token = shutdown.clone();
-    let task = tokio::spawn(async move {
-        manager.run(token).await;
-        manager
-    });
+    let (shutdown, task) = spawn_run(manager);
     let mut saves = store.saves();
     tokio::time::timeout(LIMIT, saves.wait_for(|n| *n == 1)).await.unwrap().unwrap();
     status.send_modify(|s| {
@@ -489,15 +485,10 @@ async fn restore_drops_a_record_the_backend_cannot_prove() {
     backend.expect_restore().times(1).returning(|_, _, _| None);
     backend.expect_adoption_candidates().returning(Vec::new);
     backend.expect_create().times(1).returning(|_| Box::new(mock_handle(Ok(()))));
-    let mut manager =
+    let manager =
         Manager::new(Arc::new(catalog(&[service("web")])), Arc::new(backend), store.clone(), ManagerConfig::default());
     let view = manager.handle();
-    let shutdown = CancellationToken::new();
-    let token = shutdown.clone();
-    let task = tokio::spawn(async move {
-        manager.run(token).await;
-        manager
-    });
+    let (shutdown, task) = spawn_run(manager);
     let mut saves = store.saves();
     // First the stale record is dropped, then the new process is recorded.
     tokio::time::timeout(LIMIT, saves.wait_for(|n| *n >= 1)).await.unwrap().unwrap();
@@ -729,15 +720,10 @@ async fn restore_is_given_the_wanted_proxy_and_nothing_for_an_unwanted_one() {
         .returning(|_, _, _| None);
     backend.expect_adoption_candidates().returning(Vec::new);
     backend.expect_create().times(1).returning(|_| Box::new(mock_handle(Ok(()))));
-    let mut manager =
+    let manager =
         Manager::new(Arc::new(catalog(&[service("web")])), Arc::new(backend), store.clone(), ManagerConfig::default());
     let handle = manager.handle();
-    let shutdown = CancellationToken::new();
-    let token = shutdown.clone();
-    let task = tokio::spawn(async move {
-        manager.run(token).await;
-        manager
-    });
+    let (shutdown, task) = spawn_run(manager);
     let mut events = handle.subscribe();
     tokio::time::timeout(LIMIT, async {
         while handle.proxy(&pid("web")).is_none_or(|s| s.state != ProxyState::Running) {
