@@ -90,6 +90,13 @@ async fn user_switch_sets_uid_gid_and_supplementary_groups() {
     let fx = Fixture::new();
     let mut spec = fx.spec("nobody-proxy", &["--print", "as nobody"]);
     spec.user = Some("nobody".into());
+    // `nobody` must be able to reach the program: the build dir may sit under a private
+    // (0700) directory, so run a copy from a directory anyone can traverse.
+    let public = tempfile::Builder::new().prefix("tether-nobody-").tempdir().unwrap();
+    std::fs::set_permissions(public.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let program = public.path().join("tether-test-proxy");
+    std::fs::copy(&spec.program, &program).unwrap();
+    spec.program = program;
     let stdout = spec.logs.stdout.clone();
     let handle = fx.supervisor.spawn(spec).unwrap();
     let pid = handle.status().pid.unwrap();
