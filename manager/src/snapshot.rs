@@ -303,33 +303,16 @@ pub(crate) async fn writer(
     let mut saved = saved.unwrap_or_default();
     let mut dirty = true;
     let mut retry = Retry::default();
-    let mut last_write: Option<tokio::time::Instant> = None;
+    retry.after(save_if_changed(&*store, &records, &mut saved, &mut dirty, &published).await);
     loop {
-        let now = tokio::time::Instant::now();
-        let earliest = [last_write.map(|at| at + MIN_INTERVAL), retry.at].into_iter().flatten().max();
-        // When a deferred write is due: after a failure (the retry), or after a write that
-        // was too recent (the pace). `None` while nothing waits.
-        let due = if !dirty {
-            None
-        } else if earliest.is_some_and(|at| at > now) {
-            earliest
-        } else {
-            let result = save_if_changed(&*store, &records, &mut saved, &mut dirty, &published).await;
-            if matches!(result, Ok(true)) {
-                last_write = Some(tokio::time::Instant::now());
-            }
-            retry.after(result.map(|_| ()));
-            retry.at
-        };
         let first = tokio::select! {
             message = messages.recv() => match message {
                 Some(message) => Some(message),
                 None => break,
             },
-            // A deferred write happens on its own: a failed one is retried without waiting
-            // for another change (the disk may be full for a while), and a burst of changes
-            // right after a write is written once the pace allows.
-            () = sleep_until(due), if due.is_some() => None,
+            // A failed write is retried on its own, so that a snapshot that names a dead
+            // pid does not wait for the next change (the disk may be full for a while).
+            () = retry.wait(), if retry.pending() => None,
         };
         let mut next = first;
         while let Some(message) = next.take().or_else(|| messages.try_recv().ok()) {
@@ -342,30 +325,12 @@ pub(crate) async fn writer(
                 }
                 WriterMessage::Remove(id) => dirty |= records.remove(&id).is_some(),
                 WriterMessage::Flush(reply) => {
-                    // A flush is a shutdown's last word: it does not wait for the pace.
                     let result = save_if_changed(&*store, &records, &mut saved, &mut dirty, &published).await;
-                    if matches!(result, Ok(true)) {
-                        last_write = Some(tokio::time::Instant::now());
-                    }
-                    let _ = reply.send(result.map(|_| ()));
+                    let _ = reply.send(result);
                 }
             }
         }
-    }
-    // The engine is gone: write what it left, if it still differs.
-    let _ = save_if_changed(&*store, &records, &mut saved, &mut dirty, &published).await;
-}
-
-/// The least time between two snapshot writes. A burst of changes (1 000 proxies starting)
-/// is written a few times instead of once per change; each write costs O(proxies) and an
-/// fsync. A proxy started within this window and not yet written is still adopted after a
-/// crash, through its pid file.
-const MIN_INTERVAL: Duration = Duration::from_millis(100);
-
-async fn sleep_until(at: Option<tokio::time::Instant>) {
-    match at {
-        Some(at) => tokio::time::sleep_until(at).await,
-        None => std::future::pending().await,
+        retry.after(save_if_changed(&*store, &records, &mut saved, &mut dirty, &published).await);
     }
 }
 
@@ -389,6 +354,17 @@ impl Retry {
         self.delay = if self.delay.is_zero() { Duration::from_secs(1) } else { (self.delay * 2).min(MAX_RETRY) };
         self.at = Some(tokio::time::Instant::now() + self.delay);
     }
+
+    fn pending(&self) -> bool {
+        self.at.is_some()
+    }
+
+    async fn wait(&self) {
+        match self.at {
+            Some(at) => tokio::time::sleep_until(at).await,
+            None => std::future::pending().await,
+        }
+    }
 }
 
 async fn save_if_changed(
@@ -397,14 +373,14 @@ async fn save_if_changed(
     saved: &mut Snapshot,
     dirty: &mut bool,
     published: &Published,
-) -> Result<bool, SnapshotError> {
+) -> Result<(), SnapshotError> {
     if !*dirty {
-        return Ok(false);
+        return Ok(());
     }
     let snapshot = Snapshot { proxies: records.values().cloned().collect() };
     if snapshot == *saved {
         *dirty = false;
-        return Ok(false);
+        return Ok(());
     }
     match store.save(snapshot.clone()).await {
         Ok(()) => {
@@ -412,7 +388,7 @@ async fn save_if_changed(
             published.lock().stats.snapshot_writes += 1;
             *saved = snapshot;
             *dirty = false;
-            Ok(true)
+            Ok(())
         }
         Err(err) => {
             // Stay dirty: the next change or flush tries again.
