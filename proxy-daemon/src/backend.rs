@@ -207,8 +207,21 @@ impl ProxyBackend for OsProcessBackend {
             // Only the desired proxy's id and token in the process's environment prove
             // that the pid file's process is it; without them it is left alone.
             let Some(proxy) = desired.as_deref() else {
-                tracing::warn!(proxy = %id, pid_file = %self.shared.data.pid_file(&id).display(), "a pid file names a proxy that is no longer wanted; without its token nothing proves its process, so it is left alone");
-                return None;
+                // No longer wanted, so its token is gone. Its id and this agent's own socket
+                // in its environment, with the pid file in this private data dir naming it,
+                // prove that this agent's data dir started it: adopted only to be stopped.
+                let mut spec = self.adoption_spec(&id, None, KillPolicy::default());
+                spec.identity_env = vec![
+                    (OsString::from("TETHER_PROXY_ID"), OsString::from(id.as_str())),
+                    (OsString::from("TETHER_SOCKET"), self.shared.environment.socket.clone().into_os_string()),
+                ];
+                let Some(process) = self.shared.supervisor.adopt_from_pid_file(spec) else {
+                    tracing::warn!(proxy = %id, pid_file = %self.shared.data.pid_file(&id).display(), "a pid file names a proxy that is no longer wanted, and nothing proves its process; it is left alone");
+                    return None;
+                };
+                let handle = OsProxyHandle::new(self.shared.clone(), id, None);
+                handle.attach(process);
+                return Some(Box::new(handle));
             };
             let spec = self.shared.process_spec(proxy);
             let process = self.shared.supervisor.adopt_from_pid_file(spec.clone())?;
