@@ -4,8 +4,12 @@
 //!
 //! Each figure sits next to a baseline measured in the same run. The end-to-end part
 //! builds the binary itself (`cargo build --release -p tether-agent`), works in a temp dir
-//! under /tmp, and leaves no process behind, even when it fails. `XTASK_BENCH_ONLY=e2e`
-//! skips the crate benchmarks, for work on this module.
+//! under /tmp, and leaves no process behind, even when it fails.
+//!
+//! For work on one figure, `XTASK_BENCH_ONLY` narrows the run: `e2e` skips the crate
+//! benchmarks; a comma-separated list of sections (`many`, `some`, `builtin-proxy`,
+//! `fleet`) runs only those end-to-end sections and prints their table without rewriting
+//! `BENCHMARKS.md`, which always holds a whole run.
 
 mod builtin_proxy;
 mod e2e;
@@ -20,17 +24,51 @@ use std::time::{Duration, Instant};
 
 use report::{Machine, Row};
 
+/// The end-to-end sections that `XTASK_BENCH_ONLY` can name.
+const SECTIONS: &[&str] = &["many", "some", "builtin-proxy", "fleet"];
+
+/// What `XTASK_BENCH_ONLY` asks for: `None` for a whole run.
+struct Only {
+    skip_crates: bool,
+    sections: Option<Vec<String>>,
+}
+
+impl Only {
+    fn from_env() -> Result<Self, String> {
+        let Ok(only) = std::env::var("XTASK_BENCH_ONLY") else {
+            return Ok(Self { skip_crates: false, sections: None });
+        };
+        if only == "e2e" {
+            return Ok(Self { skip_crates: true, sections: None });
+        }
+        let sections: Vec<String> = only.split(',').map(|section| section.trim().to_owned()).collect();
+        if let Some(unknown) = sections.iter().find(|section| !SECTIONS.contains(&section.as_str())) {
+            return Err(format!(
+                "XTASK_BENCH_ONLY: unknown section `{unknown}`; expected `e2e` or a comma-separated list of {}",
+                SECTIONS.join(", ")
+            ));
+        }
+        Ok(Self { skip_crates: true, sections: Some(sections) })
+    }
+
+    /// Whether the run includes `section`.
+    pub(crate) fn wants(&self, section: &str) -> bool {
+        self.sections.as_ref().is_none_or(|sections| sections.iter().any(|wanted| wanted == section))
+    }
+}
+
 /// Runs every crate's benchmarks, then the end-to-end benchmarks.
 pub(crate) fn run(root: &Path) -> Result<(), String> {
     let start = Instant::now();
-    let crates = if std::env::var("XTASK_BENCH_ONLY").is_ok_and(|only| only == "e2e") {
+    let only = Only::from_env()?;
+    let crates = if only.skip_crates {
         None
     } else {
         // A failing crate benchmark does not hide the end-to-end figures: both are reported.
         Some((crate::run("bench", &["bench", "--workspace", "--benches"]), start.elapsed()))
     };
     let crate_result = crates.as_ref().map_or(Ok(()), |(result, _)| result.clone());
-    let end_to_end = end_to_end(root, start, crates);
+    let end_to_end = end_to_end(root, start, crates, &only);
     crate_result.and(end_to_end)
 }
 
@@ -54,7 +92,12 @@ fn build_tether(root: &Path) -> Result<PathBuf, String> {
         .ok_or_else(|| "cargo built no `tether` executable".to_owned())
 }
 
-fn end_to_end(root: &Path, start: Instant, crates: Option<(Result<(), String>, Duration)>) -> Result<(), String> {
+fn end_to_end(
+    root: &Path,
+    start: Instant,
+    crates: Option<(Result<(), String>, Duration)>,
+    only: &Only,
+) -> Result<(), String> {
     let tether = build_tether(root)?;
     let open_files = sys::raise_open_files()?;
     if open_files < 4_096 {
@@ -67,23 +110,28 @@ fn end_to_end(root: &Path, start: Instant, crates: Option<(Result<(), String>, D
     {
         let lab = lab::Lab::new(tether)?;
         eprintln!("xtask: bench: end-to-end in {}", lab.dir.display());
-        if let Err(err) = e2e::run(&lab, &mut rows) {
+        if (only.wants("many") || only.wants("some"))
+            && let Err(err) = e2e::run(&lab, &mut rows, only.wants("many"), only.wants("some"))
+        {
             lab.keep();
             errors.push(err);
         }
-        if let Err(err) = builtin_proxy::run(&lab, &mut rows) {
+        if only.wants("builtin-proxy")
+            && let Err(err) = builtin_proxy::run(&lab, &mut rows)
+        {
             lab.keep();
             rows.push(Row::failed("built-in proxy figures", &err));
             errors.push(err);
         }
         // The simulated fleet (20 agents, one etcd, 2 000 puts): informational figures.
-        match fleet::run(root, &lab.tether) {
-            Ok(figures) => rows.extend(
+        match only.wants("fleet").then(|| fleet::run(root, &lab.tether)) {
+            None => {}
+            Some(Ok(figures)) => rows.extend(
                 figures
                     .into_iter()
                     .map(|(figure, value)| Row::new(&figure, "—".into(), value, "—".into(), "—", report::Met::Info)),
             ),
-            Err(err) => {
+            Some(Err(err)) => {
                 rows.push(Row::failed("simulated fleet", &err));
                 errors.push(err);
             }
@@ -105,7 +153,11 @@ fn end_to_end(root: &Path, start: Instant, crates: Option<(Result<(), String>, D
     if !errors.is_empty() {
         notes.push(format!("errors: {}", errors.join("; ")));
     }
-    report::write(root, &machine, &rows, &notes)?;
+    if only.sections.is_none() {
+        report::write(root, &machine, &rows, &notes)?;
+    } else {
+        notes.push("a partial run (XTASK_BENCH_ONLY): BENCHMARKS.md is left as it was".to_owned());
+    }
     println!("{}", report::table(&rows));
     for note in &notes {
         println!("{note}");

@@ -37,19 +37,20 @@ const SLEEP: &[&str] = &["/bin/sleep", "3600"];
 /// A proxy that ignores SIGINT without forking: the ignored disposition survives `exec`.
 const DEAF: &[&str] = &["/bin/sh", "-c", "trap '' INT; exec /bin/sleep 3600"];
 
-/// Runs every figure, appending rows; returns the errors of the parts that failed.
-pub(crate) fn run(lab: &Lab, rows: &mut Vec<Row>) -> Result<(), String> {
+/// Runs the figures of the 1 000-proxy section (`many`) and of the 100-proxy section
+/// (`some`), appending rows; returns the errors of the parts that failed.
+pub(crate) fn run(lab: &Lab, rows: &mut Vec<Row>, with_many: bool, with_some: bool) -> Result<(), String> {
     let empty = lab.subdir("b-config")?;
     let mut idle_agent = lab.agent("b", &empty, &lab.dir.join("b-data"), &[])?;
     idle_agent.wait_healthy(Duration::from_secs(30))?;
     thread::sleep(Duration::from_secs(1));
     let empty_rss = sys::rss_kib(idle_agent.pid())?;
     let mut errors = Vec::new();
-    if let Err(err) = many(lab, &idle_agent, empty_rss, rows) {
+    if with_many && let Err(err) = many(lab, &idle_agent, empty_rss, rows) {
         rows.push(Row::failed("1 000-proxy figures", &err));
         errors.push(err);
     }
-    if let Err(err) = some(lab, &idle_agent, rows) {
+    if with_some && let Err(err) = some(lab, &idle_agent, rows) {
         rows.push(Row::failed("100-proxy figures", &err));
         errors.push(err);
     }

@@ -8,6 +8,7 @@
 
 use std::collections::BTreeMap;
 use std::fs;
+use std::time::Duration;
 
 use nix::sys::resource::{Resource, getrlimit, setrlimit};
 pub(crate) use nix::sys::signal::Signal;
@@ -58,6 +59,30 @@ pub(crate) fn rss_kib(pid: u32) -> Result<u64, String> {
     let fields = status_fields(&format!("/proc/{pid}/status")).ok_or_else(|| format!("process {pid} is gone"))?;
     let value = fields.get("VmRSS").ok_or_else(|| format!("process {pid} has no VmRSS"))?;
     value.trim_end_matches("kB").trim().parse().map_err(|err| format!("VmRSS {value:?} of {pid}: {err}"))
+}
+
+/// The CPU time that the live threads of `pid` have run, from their `schedstat`
+/// (nanoseconds, unlike the ticks of `stat`).
+pub(crate) fn cpu_time(pid: u32) -> Result<Duration, String> {
+    let tasks = fs::read_dir(format!("/proc/{pid}/task")).map_err(|err| format!("process {pid}: {err}"))?;
+    let mut total = Duration::ZERO;
+    for task in tasks.flatten() {
+        let Ok(text) = fs::read_to_string(task.path().join("schedstat")) else { continue };
+        let nanos = text.split_whitespace().next().and_then(|field| field.parse::<u64>().ok());
+        total += Duration::from_nanos(nanos.ok_or_else(|| format!("{}: unreadable schedstat", task.path().display()))?);
+    }
+    Ok(total)
+}
+
+/// The CPU time, user and system, of the calling thread.
+pub(crate) fn thread_cpu_time() -> Duration {
+    use nix::sys::resource::{UsageWho, getrusage};
+    getrusage(UsageWho::RUSAGE_THREAD).map_or(Duration::ZERO, |usage| {
+        let to_duration = |time: nix::sys::time::TimeVal| {
+            Duration::new(u64::try_from(time.tv_sec()).unwrap_or(0), u32::try_from(time.tv_usec()).unwrap_or(0) * 1_000)
+        };
+        to_duration(usage.user_time()) + to_duration(usage.system_time())
+    })
 }
 
 /// Voluntary plus involuntary context switches of each thread of `pid`, by thread id.
