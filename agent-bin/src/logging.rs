@@ -2,19 +2,24 @@
 //!
 //! Libraries only emit events; this is the one place that decides where they go.
 
+use std::io::IsTerminal;
+
 use tracing_subscriber::EnvFilter;
 
 use crate::UsageError;
 use crate::cli::LogFormat;
 
-/// Logs to stderr at `level` (or `RUST_LOG` when set) in `format`.
+/// Logs to stderr at `level` (or `RUST_LOG` when set) in `format`; text has colours only
+/// on a terminal, and never with `NO_COLOR` set, so that journald and log files get
+/// plain lines.
 pub(crate) fn install(level: &str, format: LogFormat) -> Result<(), UsageError> {
     let filter = match std::env::var("RUST_LOG") {
         Ok(directives) if !directives.is_empty() => EnvFilter::try_new(directives),
         _ => EnvFilter::try_new(level),
     }
     .map_err(|err| UsageError(format!("invalid --log-level {level:?}: {err}")))?;
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let colours = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|value| value.is_empty());
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(colours);
     let installed = match format {
         LogFormat::Text => builder.try_init(),
         LogFormat::Json => builder.json().flatten_event(true).with_current_span(false).try_init(),

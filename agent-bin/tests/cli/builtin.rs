@@ -148,6 +148,26 @@ fn a_bulk_transfer_and_a_half_close_pass_through_intact_both_ways() {
 }
 
 #[test]
+fn logs_written_to_files_are_plain_text_without_terminal_colours() {
+    let dirs = Dirs::new();
+    let upstream = Upstream::start("up");
+    let bind = free_port();
+    dirs.write_config("a.toml", &builtin("web", upstream.port, bind));
+    let agent = Agent::start(&dirs, &root_flags());
+    agent.wait_state("web-proxy", "running");
+    // The proxy logs its route once it has its config; by then it listens.
+    assert_eq!(exchange(&mut connect(bind), "hi"), "up: hi");
+    let proxy_log = dirs.data.join("logs/web-proxy-stderr.log");
+    let proxy_lines = wait_for("the built-in proxy to log its route", || {
+        std::fs::read_to_string(&proxy_log).ok().filter(|text| text.contains("listening"))
+    });
+    for (whose, text) in [("the agent's stderr", agent.logs()), ("the proxy's log file", proxy_lines)] {
+        assert!(!text.is_empty(), "{whose} is empty");
+        assert!(!text.contains('\x1b'), "{whose} has terminal escape codes: {text:?}");
+    }
+}
+
+#[test]
 fn the_config_endpoint_needs_the_token_and_hints_nothing() {
     let dirs = Dirs::new();
     let upstream = Upstream::start("up");
