@@ -106,8 +106,8 @@ pub use manager::{Manager, ManagerConfig, ShutdownError};
 #[cfg(any(test, feature = "mock"))]
 pub use snapshot::MockSnapshotStore;
 pub use snapshot::{
-    BoxedCause, FileSnapshotStore, MemorySnapshotStore, ProxyRecord, SNAPSHOT_VERSION, Snapshot, SnapshotError,
-    SnapshotStore, UnknownVersion,
+    BoxedCause, EncodedSnapshot, FileSnapshotStore, MemorySnapshotStore, ProxyRecord, SNAPSHOT_VERSION, Snapshot,
+    SnapshotError, SnapshotStore, UnknownVersion,
 };
 pub use status::{ActionKind, ManagerHandle, PASS_BUCKETS, ProxyEvent, ProxyStatus, ReconcileStats};
 

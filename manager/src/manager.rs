@@ -20,7 +20,9 @@ use tracing::Instrument;
 
 use crate::backend::{BackendError, ProcessStatus, ProxyBackend, ProxyHandle, ProxyState};
 use crate::plan::{Action, Observed, Origin, Policy, decide};
-use crate::snapshot::{ProxyRecord, Snapshot, SnapshotError, SnapshotStore, WriterMessage, WriterSender, writer};
+use crate::snapshot::{
+    EncodedRecord, EncodedService, ProxyRecord, SnapshotError, SnapshotStore, WriterMessage, WriterSender, writer,
+};
 use crate::status::{ActionKind, ManagerHandle, ProxyStatus, Published};
 
 /// How the engine behaves. `Default` gives SPEC's defaults.
@@ -82,8 +84,8 @@ struct Installed {
     status: watch::Receiver<ProcessStatus>,
     generation: u64,
     watcher: AbortHandle,
-    /// What the snapshot records the process was started from.
-    service: Option<serde_json::Value>,
+    /// What the snapshot records the process was started from, encoded once.
+    service: Option<EncodedService>,
     token: Option<TokenFingerprint>,
 }
 
@@ -120,7 +122,8 @@ enum RestoreStage {
     Adopt {
         queue: VecDeque<(ProxyRecord, Option<Origin>)>,
         wanted: HashMap<ProxyId, Arc<ManagedProxy>>,
-        saved: Option<Snapshot>,
+        /// The records of the snapshot as loaded, encoded: what the file says now.
+        saved: Option<BTreeMap<ProxyId, EncodedRecord>>,
     },
     Done,
 }
@@ -365,7 +368,15 @@ impl Manager {
                 loaded = self.store.load() => loaded,
             };
             let (mut records, saved) = match loaded {
-                Ok(Some(snapshot)) => (snapshot.proxies.clone(), Some(snapshot)),
+                Ok(Some(snapshot)) => {
+                    // Kept encoded, as the writer compares it: the records are moved, not copied.
+                    let saved: BTreeMap<ProxyId, EncodedRecord> = snapshot
+                        .proxies
+                        .iter()
+                        .filter_map(|record| Some((record.id.clone(), encode(record)?)))
+                        .collect();
+                    (snapshot.proxies, Some(saved))
+                }
                 Ok(None) => (Vec::new(), None),
                 Err(err) => {
                     tracing::warn!(error = %crate::error_chain(&err), "snapshot unusable; adopting the backend's candidates instead");
@@ -445,10 +456,11 @@ impl Manager {
                         origin = origin_of(&record);
                     }
                 }
+                let service = record.service.as_ref().and_then(|service| EncodedService::new(service).ok());
                 let mut slot = Slot::new();
                 slot.observed = Observed::Adopted { origin };
                 self.slots.insert(id.clone(), slot);
-                self.install(&id, handle.into(), record.service, record.token);
+                self.install(&id, handle.into(), service, record.token);
                 self.publish(&id);
             }
             None => {
@@ -467,8 +479,8 @@ impl Manager {
         found.into_iter().map(|(id, backend)| ProxyRecord { id, service: None, token: None, backend }).collect()
     }
 
-    fn start_writer(&mut self, saved: Option<Snapshot>) {
-        let records: BTreeMap<ProxyId, ProxyRecord> =
+    fn start_writer(&mut self, saved: Option<BTreeMap<ProxyId, EncodedRecord>>) {
+        let records: BTreeMap<ProxyId, EncodedRecord> =
             self.slots.keys().filter_map(|id| Some((id.clone(), self.record_of(id)?))).collect();
         let (sender, messages) = mpsc::unbounded_channel();
         let store = self.store.clone();
@@ -478,20 +490,22 @@ impl Manager {
         self.writer = Some(sender);
     }
 
-    fn record_of(&self, id: &ProxyId) -> Option<ProxyRecord> {
+    fn record_of(&self, id: &ProxyId) -> Option<EncodedRecord> {
         let installed = self.slots.get(id)?.installed.as_ref()?;
-        Some(ProxyRecord {
-            id: id.clone(),
-            service: installed.service.clone(),
-            token: installed.token.clone(),
-            backend: installed.handle.record(),
-        })
+        let backend = installed.handle.record();
+        match EncodedRecord::new(id, installed.service.as_ref(), installed.token.as_ref(), &backend) {
+            Ok(record) => Some(record),
+            Err(err) => {
+                tracing::warn!(proxy = %id, error = %err, "cannot encode the snapshot record; it is left out");
+                None
+            }
+        }
     }
 
     fn send_record(&self, id: &ProxyId) {
         let Some(writer) = &self.writer else { return };
         let message = match self.record_of(id) {
-            Some(record) => WriterMessage::Put(record),
+            Some(record) => WriterMessage::Put(id.clone(), record),
             None => WriterMessage::Remove(id.clone()),
         };
         // A gone writer is reported by the next flush.
@@ -648,7 +662,7 @@ impl Manager {
                 slot.observed = Observed::Running { applied: proxy.clone() };
                 slot.error = None;
                 self.uninstall(&id);
-                self.install(&id, handle.into(), service_value(&proxy), Some(proxy.token().fingerprint()));
+                self.install(&id, handle.into(), encoded_service(&proxy), Some(proxy.token().fingerprint()));
             }
             Ok(Outcome::StartFailed { error }) => {
                 let had_process = slot.installed.is_some() && action == Some(Action::Restart);
@@ -674,7 +688,7 @@ impl Manager {
                 slot.observed = Observed::Running { applied: proxy.clone() };
                 slot.error = None;
                 if let Some(installed) = &mut slot.installed {
-                    installed.service = service_value(&proxy);
+                    installed.service = encoded_service(&proxy);
                     installed.token = Some(proxy.token().fingerprint());
                 }
                 self.send_record(&id);
@@ -715,7 +729,7 @@ impl Manager {
         &mut self,
         id: &ProxyId,
         handle: Arc<dyn ProxyHandle>,
-        service: Option<serde_json::Value>,
+        service: Option<EncodedService>,
         token: Option<TokenFingerprint>,
     ) {
         self.generation += 1;
@@ -811,6 +825,18 @@ fn action_kind(action: Action) -> Option<ActionKind> {
 fn service_value(proxy: &ManagedProxy) -> Option<serde_json::Value> {
     let text = config::to_service_text(proxy.service(), Format::Json).ok()?;
     serde_json::from_str(&text).ok()
+}
+
+/// The service of `proxy`, encoded as the snapshot records it.
+fn encoded_service(proxy: &ManagedProxy) -> Option<EncodedService> {
+    EncodedService::new(&service_value(proxy)?).ok()
+}
+
+/// `record` encoded as the snapshot holds it; `None`, with a warning, if it cannot be.
+fn encode(record: &ProxyRecord) -> Option<EncodedRecord> {
+    EncodedRecord::from_record(record)
+        .inspect_err(|err| tracing::warn!(proxy = %record.id, error = %err, "cannot encode a snapshot record"))
+        .ok()
 }
 
 /// What a snapshot record says its process was started from, if it says so readably.

@@ -3,11 +3,13 @@
 //!
 //! This module owns persistence of running proxies and must never hold a secret: tokens
 //! appear only as [`TokenFingerprint`]s. It never writes on a timer, and never writes
-//! content that equals what was last written.
+//! content that equals what was last written. Each record is encoded once, when it
+//! changes, and kept only in that form: a write joins the encoded records, shared between
+//! the current and the last written content, and copies none of them.
 
 use std::collections::BTreeMap;
 use std::fs;
-use std::io;
+use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -107,13 +109,166 @@ pub trait SnapshotStore: Send + Sync {
     /// # Errors
     ///
     /// [`SnapshotError::Encode`] or [`SnapshotError::Write`]; the old snapshot is then intact.
-    async fn save(&self, snapshot: Snapshot) -> Result<(), SnapshotError>;
+    async fn save(&self, snapshot: EncodedSnapshot) -> Result<(), SnapshotError>;
 }
 
-#[derive(Serialize)]
-struct FileOut<'a> {
-    version: u32,
-    proxies: &'a [ProxyRecord],
+/// A [`Snapshot`] in the form it is stored: the text of `snapshot.json`, pretty-printed
+/// JSON with a format version, assembled from records that are each encoded once.
+///
+/// Cloning shares the encoded records; writing one copies none of them.
+///
+/// ```
+/// use tether_manager::{EncodedSnapshot, Snapshot};
+///
+/// let empty = EncodedSnapshot::encode(&Snapshot::default()).unwrap();
+/// assert_eq!(empty.to_bytes(), b"{\n  \"version\": 1,\n  \"proxies\": []\n}");
+/// assert_eq!(empty.decode().unwrap(), Snapshot::default());
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EncodedSnapshot {
+    records: Vec<EncodedRecord>,
+}
+
+impl EncodedSnapshot {
+    /// Encodes `snapshot`, its records in the order given.
+    ///
+    /// # Errors
+    ///
+    /// [`SnapshotError::Encode`] when a record cannot be encoded.
+    pub fn encode(snapshot: &Snapshot) -> Result<Self, SnapshotError> {
+        let records = snapshot.proxies.iter().map(EncodedRecord::from_record).collect::<Result<_, _>>();
+        Ok(Self { records: records.map_err(|source| SnapshotError::Encode { source })? })
+    }
+
+    /// The number of proxies it holds.
+    pub fn len(&self) -> usize {
+        self.records.len()
+    }
+
+    /// Whether it holds no proxy.
+    pub fn is_empty(&self) -> bool {
+        self.records.is_empty()
+    }
+
+    /// Writes the text of the file to `out`.
+    ///
+    /// # Errors
+    ///
+    /// The errors of `out`.
+    pub fn write_to(&self, out: &mut dyn Write) -> io::Result<()> {
+        write!(out, "{{\n  \"version\": {SNAPSHOT_VERSION},\n  \"proxies\": ")?;
+        if self.records.is_empty() {
+            out.write_all(b"[]")?;
+        } else {
+            out.write_all(b"[\n")?;
+            for (index, record) in self.records.iter().enumerate() {
+                if index > 0 {
+                    out.write_all(b",\n")?;
+                }
+                out.write_all(record.0.as_bytes())?;
+            }
+            out.write_all(b"\n  ]")?;
+        }
+        out.write_all(b"\n}")
+    }
+
+    /// The text of the file.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut bytes = Vec::with_capacity(self.records.iter().map(|record| record.0.len() + 2).sum::<usize>() + 64);
+        self.write_to(&mut bytes).unwrap_or_else(|_| unreachable!("writing to a Vec cannot fail"));
+        bytes
+    }
+
+    /// Decodes the text back into a [`Snapshot`].
+    ///
+    /// # Errors
+    ///
+    /// When the text is not a snapshot of this format version (it always is, unless the
+    /// records it was assembled from were not encoded by this crate).
+    pub fn decode(&self) -> Result<Snapshot, BoxedCause> {
+        decode(&self.to_bytes())
+    }
+}
+
+/// One [`ProxyRecord`] as it appears in `snapshot.json`: pretty-printed and indented for its
+/// place in the list of proxies. Shared, never copied, between the writer's current and
+/// last written content.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct EncodedRecord(Arc<str>);
+
+/// The indentation of a record in the file: it is an element of the list in `proxies`.
+const RECORD_INDENT: &str = "    ";
+
+impl EncodedRecord {
+    /// The encoding of `record`.
+    pub(crate) fn from_record(record: &ProxyRecord) -> Result<Self, serde_json::Error> {
+        Ok(Self(indent(&serde_json::to_string_pretty(record)?, RECORD_INDENT, true).into()))
+    }
+
+    /// The encoding of `ProxyRecord { id, service, token, backend }`, from a service that
+    /// is already encoded: byte for byte what the derived encoding of the record gives.
+    pub(crate) fn new(
+        id: &ProxyId,
+        service: Option<&EncodedService>,
+        token: Option<&TokenFingerprint>,
+        backend: &serde_json::Value,
+    ) -> Result<Self, serde_json::Error> {
+        let field = format!("{RECORD_INDENT}  ");
+        let service = service.map_or("null", |service| &service.0);
+        let token = serde_json::to_string(&token)?;
+        let backend = serde_json::to_string_pretty(backend)?;
+        let mut text = String::with_capacity(service.len() + backend.len() + 256);
+        text.push_str(RECORD_INDENT);
+        text.push_str("{\n");
+        text.push_str(&format!("{field}\"id\": {},\n", serde_json::to_string(id)?));
+        text.push_str(&format!("{field}\"service\": {},\n", indent(service, &field, false)));
+        text.push_str(&format!("{field}\"token\": {token},\n"));
+        text.push_str(&format!("{field}\"backend\": {}\n", indent(&backend, &field, false)));
+        text.push_str(RECORD_INDENT);
+        text.push('}');
+        Ok(Self(text.into()))
+    }
+}
+
+/// The service of a record, encoded once (pretty-printed at the top level), so that the
+/// record can be encoded again, when its process changes, without the service's value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct EncodedService(Box<str>);
+
+impl EncodedService {
+    pub(crate) fn new(service: &serde_json::Value) -> Result<Self, serde_json::Error> {
+        Ok(Self(serde_json::to_string_pretty(service)?.into()))
+    }
+}
+
+/// `text` with `prefix` before every line but the first, and before the first too when
+/// `first` is set. Pretty-printed JSON holds no line break inside a string, so this nests
+/// it one level deeper.
+fn indent(text: &str, prefix: &str, first: bool) -> String {
+    let mut nested = String::with_capacity(text.len() + prefix.len() * (text.matches('\n').count() + 1));
+    for (index, line) in text.split('\n').enumerate() {
+        if index > 0 {
+            nested.push('\n');
+        }
+        if index > 0 || first {
+            nested.push_str(prefix);
+        }
+        nested.push_str(line);
+    }
+    nested
+}
+
+/// Reads the text of a snapshot file.
+fn decode(bytes: &[u8]) -> Result<Snapshot, BoxedCause> {
+    match serde_json::from_slice::<VersionOnly>(bytes) {
+        Ok(VersionOnly { version }) if version != SNAPSHOT_VERSION => Err(Box::new(UnknownVersion { found: version })),
+        Ok(_) => match serde_json::from_slice::<FileIn>(bytes) {
+            Ok(file) if file.version == SNAPSHOT_VERSION => Ok(Snapshot { proxies: file.proxies }),
+            Ok(file) => Err(Box::new(UnknownVersion { found: file.version })),
+            Err(err) => Err(Box::new(err)),
+        },
+        Err(err) => Err(Box::new(err)),
+    }
 }
 
 #[derive(Deserialize)]
@@ -152,31 +307,21 @@ impl FileSnapshotStore {
     }
 
     fn load_blocking(path: &Path) -> Result<Option<Snapshot>, SnapshotError> {
-        let problem: BoxedCause = match fs::read(path) {
+        let problem = match fs::read(path) {
             Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(None),
             Err(err) => Box::new(err),
-            Ok(bytes) => match serde_json::from_slice::<VersionOnly>(&bytes) {
-                Ok(VersionOnly { version }) if version != SNAPSHOT_VERSION => {
-                    Box::new(UnknownVersion { found: version })
-                }
-                Ok(_) => match serde_json::from_slice::<FileIn>(&bytes) {
-                    Ok(file) if file.version == SNAPSHOT_VERSION => {
-                        return Ok(Some(Snapshot { proxies: file.proxies }));
-                    }
-                    Ok(file) => Box::new(UnknownVersion { found: file.version }),
-                    Err(err) => Box::new(err),
-                },
-                Err(err) => Box::new(err),
+            Ok(bytes) => match decode(&bytes) {
+                Ok(snapshot) => return Ok(Some(snapshot)),
+                Err(problem) => problem,
             },
         };
         let moved_to = persist::quarantine(path).ok();
         Err(SnapshotError::Corrupt { path: path.to_owned(), moved_to, source: problem })
     }
 
-    fn save_blocking(path: &Path, snapshot: &Snapshot) -> Result<(), SnapshotError> {
-        let file = FileOut { version: SNAPSHOT_VERSION, proxies: &snapshot.proxies };
-        let bytes = serde_json::to_vec_pretty(&file).map_err(|source| SnapshotError::Encode { source })?;
-        persist::write_atomic(path, &bytes).map_err(|source| SnapshotError::Write { source })
+    fn save_blocking(path: &Path, snapshot: &EncodedSnapshot) -> Result<(), SnapshotError> {
+        // Streamed into the file: the whole text never exists in memory at once.
+        persist::write_atomic_with(path, |out| snapshot.write_to(out)).map_err(|source| SnapshotError::Write { source })
     }
 }
 
@@ -191,7 +336,7 @@ impl SnapshotStore for FileSnapshotStore {
         }
     }
 
-    async fn save(&self, snapshot: Snapshot) -> Result<(), SnapshotError> {
+    async fn save(&self, snapshot: EncodedSnapshot) -> Result<(), SnapshotError> {
         let path = self.path.clone();
         match tokio::task::spawn_blocking(move || Self::save_blocking(&path, &snapshot)).await {
             Ok(result) => result,
@@ -209,7 +354,7 @@ pub struct MemorySnapshotStore {
 
 #[derive(Debug, Default)]
 struct MemoryContent {
-    snapshot: Option<Snapshot>,
+    snapshot: Option<EncodedSnapshot>,
     corrupt: bool,
 }
 
@@ -226,9 +371,13 @@ impl MemorySnapshotStore {
     }
 
     /// A store that holds `snapshot`.
+    ///
+    /// # Panics
+    ///
+    /// When `snapshot` cannot be encoded.
     pub fn with_snapshot(snapshot: Snapshot) -> Self {
         let store = Self::new();
-        store.lock().snapshot = Some(snapshot);
+        store.lock().snapshot = Some(EncodedSnapshot::encode(&snapshot).expect("a snapshot can be encoded"));
         store
     }
 
@@ -243,9 +392,14 @@ impl MemorySnapshotStore {
         self.content.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// The snapshot last saved (or given).
+    /// The snapshot last saved (or given), decoded.
+    ///
+    /// # Panics
+    ///
+    /// When what was saved does not decode: it was not encoded by this crate.
     pub fn snapshot(&self) -> Option<Snapshot> {
-        self.lock().snapshot.clone()
+        let saved = self.lock().snapshot.clone();
+        saved.map(|saved| saved.decode().expect("a saved snapshot decodes"))
     }
 
     /// The number of saves so far, updated on every save.
@@ -263,10 +417,16 @@ impl SnapshotStore for MemorySnapshotStore {
             let source = Box::new(UnknownVersion { found: 0 });
             return Err(SnapshotError::Corrupt { path: PathBuf::from("memory"), moved_to: None, source });
         }
-        Ok(content.snapshot.clone())
+        let saved = content.snapshot.clone();
+        drop(content);
+        saved.map(|saved| saved.decode()).transpose().map_err(|source| SnapshotError::Corrupt {
+            path: PathBuf::from("memory"),
+            moved_to: None,
+            source,
+        })
     }
 
-    async fn save(&self, snapshot: Snapshot) -> Result<(), SnapshotError> {
+    async fn save(&self, snapshot: EncodedSnapshot) -> Result<(), SnapshotError> {
         self.lock().snapshot = Some(snapshot);
         self.saves.send_modify(|saves| *saves += 1);
         Ok(())
@@ -277,7 +437,7 @@ impl SnapshotStore for MemorySnapshotStore {
 #[derive(Debug)]
 pub(crate) enum WriterMessage {
     /// A proxy runs, as this record says.
-    Put(ProxyRecord),
+    Put(ProxyId, EncodedRecord),
     /// Nothing runs for this proxy any more.
     Remove(ProxyId),
     /// Write now if anything changed, and report how that went.
@@ -287,23 +447,43 @@ pub(crate) enum WriterMessage {
 /// The sending half of the snapshot writer.
 pub(crate) type WriterSender = mpsc::UnboundedSender<WriterMessage>;
 
+/// What the writer knows of one proxy: what the snapshot should say of it, and what the
+/// last write said. Both share one encoding while they are equal.
+#[derive(Debug, Default)]
+struct Written {
+    current: Option<EncodedRecord>,
+    saved: Option<EncodedRecord>,
+}
+
+impl Written {
+    fn changed(&self) -> bool {
+        self.current != self.saved
+    }
+}
+
 /// Keeps the snapshot equal to `records` as changes arrive, writing once per burst of
-/// changes and only when the content differs from what was last written. Ends when every
-/// sender is gone.
+/// changes and only when the content differs from what was last written (`saved`, the
+/// snapshot found at start-up). Ends when every sender is gone.
 ///
 /// The engine sends changes and never waits for a write, so a write of a large snapshot
 /// costs the engine nothing per change.
 pub(crate) async fn writer(
     store: Arc<dyn SnapshotStore>,
     mut messages: mpsc::UnboundedReceiver<WriterMessage>,
-    mut records: BTreeMap<ProxyId, ProxyRecord>,
-    saved: Option<Snapshot>,
+    records: BTreeMap<ProxyId, EncodedRecord>,
+    saved: Option<BTreeMap<ProxyId, EncodedRecord>>,
     published: Published,
 ) {
-    let mut saved = saved.unwrap_or_default();
+    let mut known: BTreeMap<ProxyId, Written> = BTreeMap::new();
+    for (id, record) in saved.unwrap_or_default() {
+        known.entry(id).or_default().saved = Some(record);
+    }
+    for (id, record) in records {
+        known.entry(id).or_default().current = Some(record);
+    }
     let mut dirty = true;
     let mut retry = Retry::default();
-    retry.after(save_if_changed(&*store, &records, &mut saved, &mut dirty, &published).await);
+    retry.after(save_if_changed(&*store, &mut known, &mut dirty, &published).await);
     loop {
         let first = tokio::select! {
             message = messages.recv() => match message {
@@ -317,20 +497,29 @@ pub(crate) async fn writer(
         let mut next = first;
         while let Some(message) = next.take().or_else(|| messages.try_recv().ok()) {
             match message {
-                WriterMessage::Put(record) => {
-                    if records.get(&record.id) != Some(&record) {
-                        records.insert(record.id.clone(), record);
+                WriterMessage::Put(id, record) => {
+                    let written = known.entry(id).or_default();
+                    // An equal record keeps the encoding it shares with the last write.
+                    if written.current.as_ref() != Some(&record) {
+                        written.current = Some(record);
                         dirty = true;
                     }
                 }
-                WriterMessage::Remove(id) => dirty |= records.remove(&id).is_some(),
+                WriterMessage::Remove(id) => {
+                    if let Some(written) = known.get_mut(&id) {
+                        dirty |= written.current.take().is_some();
+                        if written.saved.is_none() {
+                            known.remove(&id);
+                        }
+                    }
+                }
                 WriterMessage::Flush(reply) => {
-                    let result = save_if_changed(&*store, &records, &mut saved, &mut dirty, &published).await;
+                    let result = save_if_changed(&*store, &mut known, &mut dirty, &published).await;
                     let _ = reply.send(result);
                 }
             }
         }
-        retry.after(save_if_changed(&*store, &records, &mut saved, &mut dirty, &published).await);
+        retry.after(save_if_changed(&*store, &mut known, &mut dirty, &published).await);
     }
 }
 
@@ -369,24 +558,27 @@ impl Retry {
 
 async fn save_if_changed(
     store: &dyn SnapshotStore,
-    records: &BTreeMap<ProxyId, ProxyRecord>,
-    saved: &mut Snapshot,
+    known: &mut BTreeMap<ProxyId, Written>,
     dirty: &mut bool,
     published: &Published,
 ) -> Result<(), SnapshotError> {
     if !*dirty {
         return Ok(());
     }
-    let snapshot = Snapshot { proxies: records.values().cloned().collect() };
-    if snapshot == *saved {
+    if !known.values().any(Written::changed) {
         *dirty = false;
         return Ok(());
     }
-    match store.save(snapshot.clone()).await {
+    let records: Vec<EncodedRecord> = known.values().filter_map(|written| written.current.clone()).collect();
+    let proxies = records.len();
+    match store.save(EncodedSnapshot { records }).await {
         Ok(()) => {
-            tracing::debug!(proxies = snapshot.proxies.len(), "snapshot written");
+            tracing::debug!(proxies, "snapshot written");
             published.lock().stats.snapshot_writes += 1;
-            *saved = snapshot;
+            known.retain(|_, written| {
+                written.saved.clone_from(&written.current);
+                written.current.is_some()
+            });
             *dirty = false;
             Ok(())
         }

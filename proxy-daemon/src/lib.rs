@@ -35,6 +35,7 @@
 
 mod backend;
 mod backoff;
+mod control;
 mod error;
 mod pidfile;
 mod proc;

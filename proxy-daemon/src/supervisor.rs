@@ -14,11 +14,12 @@ use std::time::{Duration, SystemTime};
 
 use nix::sys::signal::Signal;
 use tether_state::error_chain;
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{oneshot, watch};
 use tokio::time::Instant;
 use tracing::Instrument;
 
 use crate::backoff;
+use crate::control::{self, Commands};
 use crate::error::{DetachError, SpawnError};
 use crate::pidfile::PidFiles;
 use crate::proc::{self, Identity, Pidfd};
@@ -201,7 +202,7 @@ impl Supervisor {
         self.shared.pid_files.write(&spec.pid_file, instance.pid);
         self.shared.rotator.watch(key, &spec.logs.stdout, &spec.logs.stderr, spec.logs.limits);
         let (status_sender, status) = watch::channel(status);
-        let (commands, receiver) = mpsc::unbounded_channel();
+        let (commands, receiver) = control::link();
         let name = spec.name.clone();
         let span = tracing::info_span!("proxy", proxy = %name);
         let task =
@@ -249,16 +250,9 @@ fn read_boot_time() -> Option<(u64, u64)> {
 #[derive(Debug)]
 pub struct ProcessHandle {
     name: ProcessName,
-    commands: mpsc::UnboundedSender<Command>,
+    commands: control::Sender,
     status: watch::Receiver<ProcessStatus>,
     task: tokio::task::JoinHandle<()>,
-}
-
-enum Command {
-    Stop,
-    Detach(oneshot::Sender<Result<Identity, DetachError>>),
-    // Boxed so that the channel's slots stay small: updates are rare.
-    Update(Box<ProcessUpdate>),
 }
 
 impl ProcessHandle {
@@ -304,7 +298,7 @@ impl ProcessHandle {
     ///
     /// Cancel-safe: the stop proceeds once requested, even if the future is dropped.
     pub async fn stop(&self) -> ProcessStatus {
-        let _already_ended = self.commands.send(Command::Stop);
+        let _already_ended = self.commands.stop();
         let mut status = self.status.clone();
         let result = status.wait_for(|status| status.state.is_final()).await.map(|status| status.clone());
         result.unwrap_or_else(|_task_gone| status.borrow().clone())
@@ -327,7 +321,7 @@ impl ProcessHandle {
         let (reply, identity) = oneshot::channel();
         let not_running =
             |status: &watch::Receiver<ProcessStatus>| DetachError::NotRunning { state: status.borrow().state };
-        if self.commands.send(Command::Detach(reply)).is_err() {
+        if self.commands.detach(reply).is_err() {
             return Err(not_running(&self.status));
         }
         let result = identity.await.unwrap_or_else(|_task_gone| Err(not_running(&self.status)));
@@ -338,7 +332,7 @@ impl ProcessHandle {
     /// Applies in-place changes (kill policy, restart policy, log limits) without a
     /// restart. Does nothing once supervision has ended.
     pub fn update(&self, update: ProcessUpdate) {
-        let _already_ended = self.commands.send(Command::Update(Box::new(update)));
+        let _already_ended = self.commands.update(update);
     }
 }
 
@@ -383,13 +377,13 @@ struct Task {
     spec: ProcessSpec,
     shared: Arc<Shared>,
     status: watch::Sender<ProcessStatus>,
-    commands: mpsc::UnboundedReceiver<Command>,
+    commands: control::Receiver,
     /// The attempt number of the restart that began the current run (0: first start).
     attempt: u32,
 }
 
 enum Event {
-    Command(Option<Command>),
+    Commands(Commands),
     Exited(io::Result<()>),
 }
 
@@ -397,22 +391,28 @@ impl Task {
     async fn run(mut self, mut instance: Instance) {
         loop {
             let event = tokio::select! {
-                // Both branches are cancel-safe: `recv` loses no message and a pidfd stays
+                // Both branches are cancel-safe: `recv` loses no command and a pidfd stays
                 // readable once its process exited.
-                command = self.commands.recv() => Event::Command(command),
+                commands = self.commands.recv() => Event::Commands(commands),
                 exited = instance.pidfd.exited() => Event::Exited(exited),
             };
             match event {
-                Event::Command(Some(Command::Update(update))) => self.apply(*update),
-                Event::Command(Some(Command::Stop)) => return Box::pin(self.stop(instance)).await,
-                Event::Command(Some(Command::Detach(reply))) => {
-                    let _caller_gone = reply.send(self.detach(&mut instance));
-                    return;
-                }
-                Event::Command(None) => {
-                    self.shared.rotator.forget(self.key);
-                    tracing::info!(pid = instance.pid, "handle dropped; process left running unsupervised");
-                    return;
+                Event::Commands(commands) => {
+                    if let Some(update) = commands.update {
+                        self.apply(update);
+                    }
+                    if commands.stop {
+                        return Box::pin(self.stop(instance)).await;
+                    }
+                    if let Some(reply) = commands.detach {
+                        let _caller_gone = reply.send(self.detach(&mut instance));
+                        return;
+                    }
+                    if commands.handle_gone {
+                        self.shared.rotator.forget(self.key);
+                        tracing::info!(pid = instance.pid, "handle dropped; process left running unsupervised");
+                        return;
+                    }
                 }
                 Event::Exited(result) => {
                     if let Err(error) = result {
@@ -608,24 +608,26 @@ impl Task {
             tokio::select! {
                 // The sleep is pinned outside the loop, so updates do not restart it.
                 () = &mut deadline => return true,
-                command = self.commands.recv() => match command {
-                    Some(Command::Update(update)) => self.apply(*update),
-                    Some(Command::Stop) => {
+                commands = self.commands.recv() => {
+                    if let Some(update) = commands.update {
+                        self.apply(update);
+                    }
+                    if commands.stop {
                         self.commands.close();
                         tracing::info!("process stopped during backoff");
                         self.finish(ProcessState::Stopped, None, None).await;
                         return false;
                     }
-                    Some(Command::Detach(reply)) => {
+                    if let Some(reply) = commands.detach {
                         let _caller_gone = reply.send(Err(DetachError::NotRunning { state: ProcessState::Backoff }));
                         self.finish(ProcessState::Stopped, None, None).await;
                         return false;
                     }
-                    None => {
+                    if commands.handle_gone {
                         self.finish(ProcessState::Stopped, None, None).await;
                         return false;
                     }
-                },
+                }
             }
         }
     }

@@ -159,6 +159,20 @@ fn create_private_dir(path: &Path) -> Result<(), PersistError> {
 ///
 /// [`PersistError::Write`]; the old content of `path`, if any, is then untouched.
 pub fn write_atomic(path: &Path, contents: &[u8]) -> Result<(), PersistError> {
+    write_atomic_with(path, |out| out.write_all(contents))
+}
+
+/// Like [`write_atomic`], but the contents come from `write`, which writes them to the
+/// temporary file (through a buffer): a large file need not be assembled in memory first.
+///
+/// # Errors
+///
+/// [`PersistError::Write`], also when `write` fails; the old content of `path`, if any, is
+/// then untouched.
+pub fn write_atomic_with(
+    path: &Path,
+    write: impl FnOnce(&mut dyn Write) -> io::Result<()>,
+) -> Result<(), PersistError> {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let write_error = |source| PersistError::Write { path: path.to_owned(), source };
     let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
@@ -170,8 +184,10 @@ pub fn write_atomic(path: &Path, contents: &[u8]) -> Result<(), PersistError> {
         COUNTER.fetch_add(1, Ordering::Relaxed)
     ));
     let result = (|| {
-        let mut file = OpenOptions::new().write(true).create_new(true).mode(FILE_MODE).open(&temp)?;
-        file.write_all(contents)?;
+        let file = OpenOptions::new().write(true).create_new(true).mode(FILE_MODE).open(&temp)?;
+        let mut out = io::BufWriter::new(file);
+        write(&mut out)?;
+        let file = out.into_inner().map_err(io::IntoInnerError::into_error)?;
         file.sync_all()?;
         fs::rename(&temp, path)?;
         File::open(dir)?.sync_all()

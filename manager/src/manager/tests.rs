@@ -7,7 +7,7 @@ use tokio::task::JoinHandle;
 
 use super::fake::{Call, Fake};
 use super::*;
-use crate::snapshot::MemorySnapshotStore;
+use crate::snapshot::{MemorySnapshotStore, Snapshot};
 use crate::{MockProxyBackend, MockProxyHandle, ProxyEvent};
 
 const LIMIT: Duration = Duration::from_secs(600);

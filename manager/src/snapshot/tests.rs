@@ -14,13 +14,72 @@ fn record(id: &str) -> ProxyRecord {
     }
 }
 
+fn encoded(records: &[ProxyRecord]) -> BTreeMap<ProxyId, EncodedRecord> {
+    records.iter().map(|record| (record.id.clone(), EncodedRecord::from_record(record).unwrap())).collect()
+}
+
+fn put(record: ProxyRecord) -> WriterMessage {
+    WriterMessage::Put(record.id.clone(), EncodedRecord::from_record(&record).unwrap())
+}
+
+/// The file as the derived encoding of the whole snapshot pretty-prints it.
+fn pretty(snapshot: &Snapshot) -> String {
+    #[derive(Serialize)]
+    struct File<'a> {
+        version: u32,
+        proxies: &'a [ProxyRecord],
+    }
+    serde_json::to_string_pretty(&File { version: SNAPSHOT_VERSION, proxies: &snapshot.proxies }).unwrap()
+}
+
+fn varied_records() -> Vec<ProxyRecord> {
+    let full = ProxyRecord {
+        id: ProxyId::parse("db-proxy").unwrap(),
+        service: Some(serde_json::json!({
+            "name": "db",
+            "tags": [],
+            "meta": { "team": "edge", "quote": "a \"b\"\nc" },
+            "proxy": { "command": ["/bin/sleep", "3600"], "config": {}, "restart": { "max_delay": "1m" } },
+        })),
+        token: Some(serde_json::from_value(serde_json::json!("ab".repeat(32))).unwrap()),
+        backend: serde_json::json!({ "pid": 12, "boot_id": "b", "nested": { "list": [1, 2] } }),
+    };
+    let bare = ProxyRecord {
+        id: ProxyId::parse("gone-proxy").unwrap(),
+        service: None,
+        token: None,
+        backend: serde_json::Value::Null,
+    };
+    vec![full, bare, record("web-proxy")]
+}
+
+#[test]
+fn an_assembled_snapshot_is_the_pretty_encoding_of_the_whole() {
+    for proxies in [Vec::new(), vec![record("web-proxy")], varied_records()] {
+        let snapshot = Snapshot { proxies };
+        let encoded = EncodedSnapshot::encode(&snapshot).unwrap();
+        assert_eq!(String::from_utf8(encoded.to_bytes()).unwrap(), pretty(&snapshot));
+        assert_eq!(encoded.decode().unwrap(), snapshot);
+        assert_eq!(encoded.len(), snapshot.proxies.len());
+    }
+}
+
+#[test]
+fn a_record_encoded_from_its_parts_equals_the_encoding_of_the_record() {
+    for record in varied_records() {
+        let service = record.service.as_ref().map(|service| EncodedService::new(service).unwrap());
+        let parts = EncodedRecord::new(&record.id, service.as_ref(), record.token.as_ref(), &record.backend).unwrap();
+        assert_eq!(parts, EncodedRecord::from_record(&record).unwrap(), "{record:?}");
+    }
+}
+
 #[tokio::test]
 async fn file_store_round_trips_with_a_version_and_mode_0600() {
     let dir = tempfile::tempdir().unwrap();
     let store = FileSnapshotStore::new(dir.path().join("snapshot.json"));
     assert!(store.load().await.unwrap().is_none());
     let snapshot = Snapshot { proxies: vec![record("web-proxy")] };
-    store.save(snapshot.clone()).await.unwrap();
+    store.save(EncodedSnapshot::encode(&snapshot).unwrap()).await.unwrap();
     assert_eq!(store.load().await.unwrap(), Some(snapshot));
     let text = std::fs::read_to_string(store.path()).unwrap();
     assert!(text.contains("\"version\": 1"), "{text}");
@@ -46,18 +105,19 @@ async fn corrupt_file_is_moved_aside_and_reported() {
 async fn writer_skips_content_that_did_not_change() {
     let store = Arc::new(MemorySnapshotStore::with_snapshot(Snapshot { proxies: vec![record("web-proxy")] }));
     let (sender, messages) = mpsc::unbounded_channel();
-    let records = BTreeMap::from([(ProxyId::parse("web-proxy").unwrap(), record("web-proxy"))]);
+    let records = encoded(&[record("web-proxy")]);
+    let saved = encoded(&store.snapshot().unwrap().proxies);
     let published = Published::new();
-    let task = tokio::spawn(writer(store.clone(), messages, records, store.snapshot(), published.clone()));
+    let task = tokio::spawn(writer(store.clone(), messages, records, Some(saved), published.clone()));
     let flush = |sender: &WriterSender| {
         let (reply, answer) = oneshot::channel();
         sender.send(WriterMessage::Flush(reply)).unwrap();
         answer
     };
-    sender.send(WriterMessage::Put(record("web-proxy"))).unwrap();
+    sender.send(put(record("web-proxy"))).unwrap();
     flush(&sender).await.unwrap().unwrap();
     assert_eq!(*store.saves().borrow(), 0, "equal content is not written again");
-    sender.send(WriterMessage::Put(record("db-proxy"))).unwrap();
+    sender.send(put(record("db-proxy"))).unwrap();
     sender.send(WriterMessage::Remove(ProxyId::parse("db-proxy").unwrap())).unwrap();
     flush(&sender).await.unwrap().unwrap();
     assert_eq!(*store.saves().borrow(), 0, "a burst that ends where it started writes nothing");
@@ -79,7 +139,7 @@ async fn failed_writes_are_counted_and_retried_on_the_next_change() {
     let (sender, messages) = mpsc::unbounded_channel();
     let published = Published::new();
     let task = tokio::spawn(writer(Arc::new(store), messages, BTreeMap::new(), None, published.clone()));
-    sender.send(WriterMessage::Put(record("web-proxy"))).unwrap();
+    sender.send(put(record("web-proxy"))).unwrap();
     let (reply, answer) = oneshot::channel();
     sender.send(WriterMessage::Flush(reply)).unwrap();
     assert!(answer.await.unwrap().is_err());
@@ -107,7 +167,7 @@ async fn a_failed_write_is_retried_on_its_own_with_backoff() {
     }
     let (sender, messages) = mpsc::unbounded_channel::<WriterMessage>();
     let published = Published::new();
-    let records = BTreeMap::from([(ProxyId::parse("web-proxy").unwrap(), record("web-proxy"))]);
+    let records = encoded(&[record("web-proxy")]);
     let task = tokio::spawn(writer(Arc::new(store), messages, records, None, published.clone()));
     let mut seen = Vec::new();
     for _ in 0..3 {

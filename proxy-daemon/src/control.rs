@@ -1,0 +1,209 @@
+//! The commands a [`ProcessHandle`](crate::ProcessHandle) sends to the task that supervises
+//! its process: stop, detach, and changes applied in place.
+//!
+//! This module owns that one-to-one link and nothing else. It is a slot of pending commands
+//! and a wake-up, not a queue: a handle sends few commands in its life, and every
+//! supervised process pays for the link while it runs, so it must stay a few words. It
+//! never loses a command that was accepted, and it refuses commands once the task no
+//! longer takes them.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use tokio::sync::{Notify, oneshot};
+
+use crate::error::DetachError;
+use crate::proc::Identity;
+use crate::spec::ProcessUpdate;
+
+/// Where a detach sends the identity of the process it left running.
+pub(crate) type DetachReply = oneshot::Sender<Result<Identity, DetachError>>;
+
+/// What the task has to do, taken all at once. When several are pending, in-place changes
+/// apply first, then a stop wins over a detach, and a detach over a dropped handle: the
+/// order in which a handle can have sent them.
+#[derive(Debug, Default)]
+pub(crate) struct Commands {
+    /// Changes to apply in place, merged in the order they were sent.
+    pub(crate) update: Option<ProcessUpdate>,
+    /// Stop the process.
+    pub(crate) stop: bool,
+    /// Leave the process running and report its identity.
+    pub(crate) detach: Option<DetachReply>,
+    /// The handle is gone: leave the process running, unsupervised.
+    pub(crate) handle_gone: bool,
+}
+
+impl Commands {
+    fn is_empty(&self) -> bool {
+        self.update.is_none() && !self.stop && self.detach.is_none() && !self.handle_gone
+    }
+}
+
+#[derive(Debug, Default)]
+struct Pending {
+    commands: Commands,
+    /// The task takes no more commands.
+    closed: bool,
+}
+
+#[derive(Debug, Default)]
+struct Link {
+    pending: Mutex<Pending>,
+    wake: Notify,
+}
+
+impl Link {
+    fn lock(&self) -> MutexGuard<'_, Pending> {
+        // Every critical section only moves plain values in or out.
+        self.pending.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+/// A new link: the handle's end and the task's end.
+pub(crate) fn link() -> (Sender, Receiver) {
+    let link = Arc::new(Link::default());
+    (Sender(Arc::clone(&link)), Receiver(link))
+}
+
+/// The handle's end. Dropping it tells the task that the handle is gone.
+#[derive(Debug)]
+pub(crate) struct Sender(Arc<Link>);
+
+impl Sender {
+    /// Hands `add`'s command to the task; `false` (and nothing sent) once the task no
+    /// longer takes commands.
+    fn send(&self, add: impl FnOnce(&mut Commands)) -> bool {
+        let mut pending = self.0.lock();
+        if pending.closed {
+            return false;
+        }
+        add(&mut pending.commands);
+        drop(pending);
+        // A wake-up with no waiter is kept for the task's next wait.
+        self.0.wake.notify_one();
+        true
+    }
+
+    /// Asks the task to stop the process.
+    pub(crate) fn stop(&self) -> bool {
+        self.send(|commands| commands.stop = true)
+    }
+
+    /// Asks the task to detach the process and answer on `reply`. `Err` gives `reply`
+    /// back when the task no longer takes commands.
+    pub(crate) fn detach(&self, reply: DetachReply) -> Result<(), DetachReply> {
+        let mut reply = Some(reply);
+        if self.send(|commands| commands.detach = reply.take()) {
+            return Ok(());
+        }
+        Err(reply.unwrap_or_else(|| unreachable!("a refused command is not taken")))
+    }
+
+    /// Asks the task to apply `update` in place.
+    pub(crate) fn update(&self, update: ProcessUpdate) -> bool {
+        self.send(|commands| {
+            let earlier = commands.update.unwrap_or_default();
+            commands.update = Some(ProcessUpdate {
+                kill: update.kill.or(earlier.kill),
+                restart: update.restart.or(earlier.restart),
+                log_limits: update.log_limits.or(earlier.log_limits),
+            });
+        })
+    }
+}
+
+impl Drop for Sender {
+    fn drop(&mut self) {
+        self.send(|commands| commands.handle_gone = true);
+    }
+}
+
+/// The task's end. Dropping it (the task ended, or was aborted) closes the link, and a
+/// detach that was not taken is answered by the drop of its reply.
+#[derive(Debug)]
+pub(crate) struct Receiver(Arc<Link>);
+
+impl Receiver {
+    /// Waits for commands and takes every pending one.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: commands are taken only in the poll that returns them.
+    pub(crate) async fn recv(&self) -> Commands {
+        loop {
+            let taken = std::mem::take(&mut self.0.lock().commands);
+            if !taken.is_empty() {
+                return taken;
+            }
+            // A command sent after the check left a wake-up that ends this wait at once.
+            self.0.wake.notified().await;
+        }
+    }
+
+    /// Takes no more commands; later sends fail, and pending ones are dropped.
+    pub(crate) fn close(&self) {
+        let dropped = {
+            let mut pending = self.0.lock();
+            pending.closed = true;
+            std::mem::take(&mut pending.commands)
+        };
+        // Dropped outside the lock: an unanswered detach learns here that it failed.
+        drop(dropped);
+    }
+}
+
+impl Drop for Receiver {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::spec::KillPolicy;
+
+    #[tokio::test]
+    async fn commands_sent_before_the_wait_are_taken_together_with_updates_merged() {
+        let (sender, receiver) = link();
+        let kill = KillPolicy { timeout: Duration::from_secs(1), ..KillPolicy::default() };
+        assert!(sender.update(ProcessUpdate { kill: Some(kill), ..ProcessUpdate::default() }));
+        let limits = crate::spec::LogLimits { max_size: 10, keep: 1 };
+        assert!(sender.update(ProcessUpdate { log_limits: Some(limits), ..ProcessUpdate::default() }));
+        assert!(sender.stop());
+        let taken = tokio::time::timeout(Duration::from_secs(10), receiver.recv()).await.unwrap();
+        assert_eq!(taken.update, Some(ProcessUpdate { kill: Some(kill), restart: None, log_limits: Some(limits) }));
+        assert!(taken.stop && taken.detach.is_none() && !taken.handle_gone);
+    }
+
+    #[tokio::test]
+    async fn a_waiting_task_wakes_for_a_command_and_for_a_dropped_handle() {
+        let (sender, receiver) = link();
+        let (first_taken, first) = oneshot::channel();
+        let waiting = tokio::spawn(async move {
+            let _ = first_taken.send(receiver.recv().await.stop);
+            receiver.recv().await.handle_gone
+        });
+        tokio::task::yield_now().await;
+        assert!(sender.stop());
+        assert!(tokio::time::timeout(Duration::from_secs(10), first).await.unwrap().unwrap());
+        // The task waits again, with nothing pending, when the handle goes.
+        tokio::task::yield_now().await;
+        drop(sender);
+        assert!(tokio::time::timeout(Duration::from_secs(10), waiting).await.unwrap().unwrap());
+    }
+
+    #[tokio::test]
+    async fn a_closed_link_refuses_commands_and_answers_a_pending_detach_by_dropping_it() {
+        let (sender, receiver) = link();
+        let (reply, answer) = oneshot::channel();
+        assert!(sender.detach(reply).is_ok());
+        drop(receiver);
+        assert!(answer.await.is_err(), "the detach that was not taken is dropped");
+        assert!(!sender.stop());
+        let (reply, _answer) = oneshot::channel();
+        assert!(sender.detach(reply).is_err(), "the reply is handed back");
+    }
+}
