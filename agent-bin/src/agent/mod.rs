@@ -157,7 +157,14 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
                 tracing::info!("SIGHUP: reloading the config");
                 let reloading = sources.clone();
                 match tokio::task::spawn_blocking(move || reloading.reload()).await {
-                    Ok(Ok(report)) => tracing::info!(added = report.added, changed = report.changed, removed = report.removed, "config reloaded"),
+                    Ok(Ok(report)) => tracing::info!(
+                        added = report.catalog.added,
+                        changed = report.catalog.changed,
+                        removed = report.catalog.removed,
+                        files_read = report.files.read,
+                        files_unchanged = report.files.reused,
+                        "config reloaded"
+                    ),
                     Ok(Err(_)) => tracing::error!("config reload refused; the previous config stays in force"),
                     Err(err) => tracing::error!(error = %err, "config reload failed"),
                 }

@@ -3,12 +3,22 @@
 //!
 //! This module decides policy at the catalog's door (API commands, config-vs-API
 //! ownership) and keeps the catalog and the data dir in step. It never starts a process.
+//!
+//! A new API registration enters the catalog before it is written to disk, so that the
+//! engine's quiescent period runs while the disk syncs; the client is answered only once
+//! the registration is durable, and a failed write takes the service out of the catalog
+//! again. A change to an existing registration is written first, as before: rolling it
+//! back could restart a proxy that was running fine.
 
-use std::path::PathBuf;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard};
 
-use tether_state::config::{self, ConfigErrors, DisplayPath};
+use tether_state::config::{ConfigErrors, ConfigFile, ConfigLoader, DisplayPath, LoadStats};
 use tether_state::persist::{DataDir, PersistError};
-use tether_state::{CatalogError, LocalState, ProxyCommand, ReplaceReport, Service, ServiceId, Source, SourceKind};
+use tether_state::{
+    CatalogError, LocalState, ProxyCommand, ProxyId, ProxyToken, ReplaceReport, Service, ServiceId, Source, SourceKind,
+};
 
 /// Why a registration or deregistration was refused. Nothing was changed.
 #[derive(Debug, thiserror::Error)]
@@ -21,9 +31,16 @@ pub(crate) enum RegisterError {
     /// The catalog refused it: conflict with a config file (409) or unknown id (404).
     #[error(transparent)]
     Catalog(#[from] CatalogError),
-    /// The data dir could not be written (500): the catalog was left as it was.
-    #[error("cannot persist the registration")]
-    Persist(#[source] PersistError),
+    /// The data dir could not be written (500): the catalog is as it was before the
+    /// request.
+    #[error("service {id} was not changed: cannot persist the registration")]
+    Persist {
+        /// The service.
+        id: ServiceId,
+        /// Why.
+        #[source]
+        source: PersistError,
+    },
 }
 
 /// Why a reload was refused. The previous config stays in force.
@@ -37,12 +54,109 @@ pub(crate) enum ReloadError {
     Catalog(#[from] CatalogError),
 }
 
+/// What a successful reload did.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ReloadReport {
+    /// What changed in the catalog.
+    pub(crate) catalog: ReplaceReport,
+    /// Which config files were read again and which were unchanged.
+    pub(crate) files: LoadStats,
+}
+
 /// The catalog and the files behind it.
 pub(crate) struct Sources {
     state: LocalState,
     data: DataDir,
-    config_dirs: Vec<PathBuf>,
+    /// The config dirs and the files behind the catalog's config services; one reload at a
+    /// time.
+    config: Mutex<ConfigState>,
     allow_api_commands: bool,
+    /// Held while an API registration or deregistration changes the catalog and the data
+    /// dir, so that a rollback never undoes another request's change.
+    api_changes: Mutex<()>,
+    /// The tokens last written to `tokens.json`. Held while a snapshot of the catalog's
+    /// tokens is taken and written, so that an older snapshot never overwrites a newer one.
+    saved_tokens: Mutex<Option<BTreeMap<ProxyId, ProxyToken>>>,
+}
+
+/// The config side of the catalog.
+struct ConfigState {
+    loader: ConfigLoader,
+    /// The files whose services the catalog holds, by path: those of the last config
+    /// applied. Only reloads change the catalog's config services (the API and other
+    /// sources cannot take their ids), so these are exactly the catalog's.
+    applied: HashMap<PathBuf, ConfigFile>,
+}
+
+/// How the catalog's config services differ from a new set of config files.
+enum Delta<'a> {
+    /// Not at all.
+    None,
+    /// In one service, which one catalog call changes atomically.
+    One(Change<'a>),
+    /// In more than one: the catalog's config services are replaced as a whole.
+    Many,
+}
+
+/// One service's change.
+enum Change<'a> {
+    /// Added, changed, or moved to another file.
+    Upsert { service: &'a Service, file: &'a Path, existed: bool, content_changed: bool },
+    /// Gone from every file.
+    Remove(&'a ServiceId),
+}
+
+/// Compares `files` with the files behind the catalog's config services. Files that were
+/// not read again are skipped without looking at their services.
+fn config_delta<'a>(applied: &'a HashMap<PathBuf, ConfigFile>, files: &'a [ConfigFile]) -> Delta<'a> {
+    let mut before: HashMap<&ServiceId, (&Service, &Path)> = HashMap::new();
+    let mut after: HashMap<&ServiceId, (&Service, &Path)> = HashMap::new();
+    let mut present = HashSet::new();
+    for file in files {
+        present.insert(file.path());
+        match applied.get(file.path()) {
+            Some(old) if old.same_read(file) => continue,
+            Some(old) => before.extend(old.services().iter().map(|service| (&service.id, (service, old.path())))),
+            None => {}
+        }
+        after.extend(file.services().iter().map(|service| (&service.id, (service, file.path()))));
+    }
+    for (path, old) in applied {
+        if !present.contains(path.as_path()) {
+            before.extend(old.services().iter().map(|service| (&service.id, (service, old.path()))));
+        }
+    }
+    // Ids are unique across all files (the loader refuses duplicates), so a service in a
+    // file that was not read again appears in neither map.
+    let mut changes = Vec::new();
+    for (id, &(service, file)) in &after {
+        let existed = match before.get(id) {
+            Some(&(old, old_file)) if old == service && old_file == file => continue,
+            Some(&(old, _)) => Some(old),
+            None => None,
+        };
+        changes.push(Change::Upsert {
+            service,
+            file,
+            existed: existed.is_some(),
+            content_changed: existed.is_none_or(|old| old != service),
+        });
+        if changes.len() > 1 {
+            return Delta::Many;
+        }
+    }
+    changes.extend(before.keys().filter(|id| !after.contains_key(*id)).map(|id| Change::Remove(id)));
+    match changes.len() {
+        0 => Delta::None,
+        1 => changes.pop().map_or(Delta::None, Delta::One),
+        _ => Delta::Many,
+    }
+}
+
+/// Locks `mutex`, also when a panicking thread held it: every value behind these locks is
+/// replaced whole, never left half-updated.
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 impl Sources {
@@ -60,12 +174,21 @@ impl Sources {
         if let Some(damaged) = &tokens.damaged {
             tracing::warn!(path = %DisplayPath(&damaged.path), problem = %damaged.problem, "token file damaged; proxies get new tokens");
         }
-        let sources = Self { state: LocalState::with_tokens(tokens.tokens), data, config_dirs, allow_api_commands };
-        let entries = config::load_dirs(&sources.config_dirs)?;
-        let services = entries.into_iter().map(|e| (e.service, Source::Config { file: e.file })).collect();
-        if let Err(err) = sources.state.replace_source(&SourceKind::Config, services) {
-            // load_dirs already refused duplicates; a token failure is all that is left.
-            tracing::error!(error = %crate::error_chain(&err), "cannot load the config into the catalog");
+        let sources = Self {
+            state: LocalState::with_tokens(tokens.tokens),
+            data,
+            config: Mutex::new(ConfigState { loader: ConfigLoader::new(config_dirs), applied: HashMap::new() }),
+            allow_api_commands,
+            api_changes: Mutex::new(()),
+            saved_tokens: Mutex::new(None),
+        };
+        {
+            let mut config = lock(&sources.config);
+            let files = config.loader.load_files()?;
+            if let Err(err) = sources.apply_config(&mut config.applied, files) {
+                // The loader already refused duplicates; a token failure is all that is left.
+                tracing::error!(error = %crate::error_chain(&err), "cannot load the config into the catalog");
+            }
         }
         sources.load_registrations();
         sources.save_tokens();
@@ -100,20 +223,64 @@ impl Sources {
         &self.state
     }
 
-    /// Re-reads the config dirs. All or nothing: on any error every error is logged and the
-    /// previous config stays in force.
-    pub(crate) fn reload(&self) -> Result<ReplaceReport, ReloadError> {
-        let entries = config::load_dirs(&self.config_dirs).inspect_err(|errors| {
+    /// Re-reads the config dirs; only the files that changed are parsed again. All or
+    /// nothing: on any error every error is logged and the previous config stays in force.
+    pub(crate) fn reload(&self) -> Result<ReloadReport, ReloadError> {
+        let mut config = lock(&self.config);
+        let loaded = config.loader.load_files();
+        let files = config.loader.last_stats();
+        let loaded = loaded.inspect_err(|errors| {
             for error in &errors.0 {
                 tracing::error!(error = %crate::error_chain(error), "config reload refused");
             }
         })?;
-        let services = entries.into_iter().map(|e| (e.service, Source::Config { file: e.file })).collect();
-        let report = self.state.replace_source(&SourceKind::Config, services).inspect_err(|err| {
+        let catalog = self.apply_config(&mut config.applied, loaded).inspect_err(|err| {
             // A config service that an API registration owns: the registration stays.
             tracing::error!(error = %crate::error_chain(err), "config reload refused");
         })?;
+        drop(config);
         self.save_tokens();
+        Ok(ReloadReport { catalog, files })
+    }
+
+    /// Makes the catalog's config services those of `files`, atomically, and remembers
+    /// `files` as applied. A change of one service is one upsert or removal; anything more
+    /// replaces every config service at once.
+    ///
+    /// # Errors
+    ///
+    /// [`CatalogError`]; the catalog and `applied` are then unchanged.
+    fn apply_config(
+        &self,
+        applied: &mut HashMap<PathBuf, ConfigFile>,
+        files: Vec<ConfigFile>,
+    ) -> Result<ReplaceReport, CatalogError> {
+        let report = match config_delta(applied, &files) {
+            Delta::None => ReplaceReport::default(),
+            Delta::One(Change::Upsert { service, file, existed, content_changed }) => {
+                self.state.upsert(service.clone(), Source::Config { file: file.to_owned() })?;
+                ReplaceReport {
+                    added: usize::from(!existed),
+                    changed: usize::from(existed && content_changed),
+                    removed: 0,
+                }
+            }
+            Delta::One(Change::Remove(id)) => {
+                self.state.remove(id, &SourceKind::Config)?;
+                ReplaceReport { removed: 1, ..ReplaceReport::default() }
+            }
+            Delta::Many => {
+                let services = files
+                    .iter()
+                    .flat_map(|file| {
+                        let source = Source::Config { file: file.path().to_owned() };
+                        file.services().iter().map(move |service| (service.clone(), source.clone()))
+                    })
+                    .collect();
+                self.state.replace_source(&SourceKind::Config, services)?
+            }
+        };
+        *applied = files.into_iter().map(|file| (file.path().to_owned(), file)).collect();
         Ok(report)
     }
 
@@ -125,31 +292,78 @@ impl Sources {
         Ok(())
     }
 
-    /// Registers (or replaces) a service through the API and persists it.
+    /// Registers (or replaces) a service through the API and persists it. Returns once the
+    /// registration is durable.
+    ///
+    /// # Errors
+    ///
+    /// [`RegisterError`]; the catalog and the registrations on disk are then as they were.
     pub(crate) fn register(&self, service: Service) -> Result<(), RegisterError> {
         self.check_command_policy(&service)?;
-        if let Some(entry) = self.state.get(&service.id) {
-            if entry.source.kind() != SourceKind::Api {
-                return Err(
-                    CatalogError::Conflict { id: service.id, owner: entry.source, requested: SourceKind::Api }.into()
-                );
-            }
-        }
-        let registrations = self.data.registrations();
-        registrations.save(&service).map_err(RegisterError::Persist)?;
+        let _api = lock(&self.api_changes);
         let id = service.id.clone();
-        if let Err(err) = self.state.upsert(service, Source::Api) {
-            // Lost a race with a config reload that took the id: undo the file.
-            let _ = registrations.remove(&id);
-            return Err(err.into());
+        match self.state.get(&id) {
+            Some(entry) if entry.source.kind() != SourceKind::Api => {
+                return Err(CatalogError::Conflict { id, owner: entry.source, requested: SourceKind::Api }.into());
+            }
+            Some(entry) => self.replace_registration(service, &entry.service)?,
+            None => self.add_registration(service)?,
         }
-        self.save_tokens();
         tracing::info!(service = %id, "service registered");
         Ok(())
     }
 
+    /// A new service: into the catalog first, so that the engine's quiescent period starts
+    /// now, then to disk, the registration and the tokens at the same time.
+    fn add_registration(&self, service: Service) -> Result<(), RegisterError> {
+        let registrations = self.data.registrations();
+        let id = service.id.clone();
+        let written = service.clone();
+        // Config reloads and the fleet refuse ids that the API owns, and other API changes
+        // wait for `api_changes`: until the rollback below, the entry stays this one.
+        self.state.upsert(service, Source::Api)?;
+        let saved = std::thread::scope(|scope| {
+            let registration = scope.spawn(|| registrations.save(&written));
+            self.save_tokens();
+            registration.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+        });
+        if let Err(source) = saved {
+            // The proxy, if the engine already started it, is stopped again: it did not run
+            // before this request, and the client is told that the service is not registered.
+            if let Err(err) = self.state.remove(&id, &SourceKind::Api) {
+                tracing::error!(service = %id, error = %crate::error_chain(&err), "cannot roll back a registration");
+            }
+            self.save_tokens();
+            return Err(RegisterError::Persist { id, source });
+        }
+        Ok(())
+    }
+
+    /// A changed service: to disk first, so that a failed write leaves its running proxy
+    /// alone, then into the catalog.
+    fn replace_registration(&self, service: Service, old: &Service) -> Result<(), RegisterError> {
+        let registrations = self.data.registrations();
+        let id = service.id.clone();
+        registrations.save(&service).map_err(|source| RegisterError::Persist { id: id.clone(), source })?;
+        if let Err(err) = self.state.upsert(service, Source::Api) {
+            // The id is the API's, so only a token for a new proxy can have failed: the old
+            // definition stays in force, and on disk too.
+            if let Err(undo) = registrations.save(old) {
+                tracing::error!(service = %id, error = %crate::error_chain(&undo), "cannot restore the previous registration");
+            }
+            return Err(err.into());
+        }
+        self.save_tokens();
+        Ok(())
+    }
+
     /// Deregisters a service registered through the API.
+    ///
+    /// # Errors
+    ///
+    /// [`RegisterError`]; the catalog is then as it was.
     pub(crate) fn deregister(&self, id: &ServiceId) -> Result<(), RegisterError> {
+        let _api = lock(&self.api_changes);
         if let Some(entry) = self.state.get(id) {
             if entry.source.kind() != SourceKind::Api {
                 return Err(
@@ -157,17 +371,224 @@ impl Sources {
                 );
             }
         }
-        self.data.registrations().remove(id).map_err(RegisterError::Persist)?;
+        self.data.registrations().remove(id).map_err(|source| RegisterError::Persist { id: id.clone(), source })?;
         self.state.remove(id, &SourceKind::Api)?;
         self.save_tokens();
         tracing::info!(service = %id, "service deregistered");
         Ok(())
     }
 
-    /// Persists every proxy's token; the fleet follower calls it after each change too.
+    /// Persists every proxy's token, unless they are those written last; the fleet
+    /// follower calls it after each change too.
     pub(crate) fn save_tokens(&self) {
-        if let Err(err) = self.data.tokens().save(&self.state.tokens()) {
-            tracing::error!(error = %crate::error_chain(&err), "cannot persist proxy tokens");
+        let mut saved = lock(&self.saved_tokens);
+        let tokens = self.state.tokens();
+        if saved.as_ref() == Some(&tokens) {
+            return;
         }
+        match self.data.tokens().save(&tokens) {
+            Ok(()) => *saved = Some(tokens),
+            Err(err) => {
+                // Written or not, the file's content is unknown now: write it next time.
+                *saved = None;
+                tracing::error!(error = %crate::error_chain(&err), "cannot persist proxy tokens");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::MetadataExt;
+    use std::path::Path;
+
+    use tether_state::{ProxySpec, ServiceName};
+
+    use super::*;
+
+    fn service(id: &str, port: u16) -> Service {
+        let mut service =
+            Service::new(ServiceId::new(id).unwrap(), ServiceName::new(id).unwrap()).with_proxy(ProxySpec::default());
+        service.port = Some(port);
+        service
+    }
+
+    fn open(root: &Path) -> (Sources, DataDir) {
+        let config = root.join("config");
+        std::fs::create_dir_all(&config).unwrap();
+        let data = DataDir::open(root.join("data")).unwrap();
+        (Sources::open(data.clone(), vec![config], false).unwrap(), data)
+    }
+
+    /// A directory where the registration of `id` would go: renaming over it fails.
+    fn block_registration(data: &DataDir, id: &str) {
+        let path = data.registrations_dir().join(format!("{id}.json"));
+        std::fs::create_dir(&path).unwrap();
+        std::fs::write(path.join("inside"), "").unwrap();
+    }
+
+    fn saved_tokens(data: &DataDir) -> Vec<ProxyId> {
+        data.tokens().load().tokens.into_keys().collect()
+    }
+
+    #[test]
+    fn a_new_registration_that_cannot_be_persisted_is_taken_out_of_the_catalog_again() {
+        let root = tempfile::tempdir().unwrap();
+        let (sources, data) = open(root.path());
+        sources.register(service("db", 5432)).unwrap();
+        block_registration(&data, "web");
+        let revision = sources.state().revision();
+
+        let err = sources.register(service("web", 8080)).unwrap_err();
+        assert!(matches!(&err, RegisterError::Persist { id, .. } if id.as_str() == "web"), "{err:?}");
+        assert!(
+            crate::error_chain(&err).starts_with("service web was not changed: cannot persist the registration"),
+            "{}",
+            crate::error_chain(&err)
+        );
+        let id = ServiceId::new("web").unwrap();
+        assert!(sources.state().get(&id).is_none());
+        // In and out again: the engine sees the proxy as unwanted, whatever it did meanwhile.
+        let changes = tether_state::Catalog::changes_since(sources.state(), Some(revision));
+        assert!(changes.upserted.is_empty());
+        assert_eq!(changes.removed, [id.proxy_id()]);
+        assert_eq!(saved_tokens(&data), [ServiceId::new("db").unwrap().proxy_id()]);
+
+        std::fs::remove_dir_all(data.registrations_dir().join("web.json")).unwrap();
+        sources.register(service("web", 8080)).unwrap();
+        assert!(sources.state().get(&id).is_some());
+        assert!(data.registrations_dir().join("web.json").is_file());
+        assert_eq!(saved_tokens(&data).len(), 2);
+    }
+
+    #[test]
+    fn a_changed_registration_that_cannot_be_persisted_leaves_the_running_one_alone() {
+        let root = tempfile::tempdir().unwrap();
+        let (sources, data) = open(root.path());
+        sources.register(service("web", 8080)).unwrap();
+        let id = ServiceId::new("web").unwrap();
+        let before = sources.state().get(&id).unwrap();
+        std::fs::remove_file(data.registrations_dir().join("web.json")).unwrap();
+        block_registration(&data, "web");
+
+        let err = sources.register(service("web", 9090)).unwrap_err();
+        assert!(matches!(err, RegisterError::Persist { .. }), "{err:?}");
+        let after = sources.state().get(&id).unwrap();
+        assert_eq!(after.revision, before.revision);
+        assert_eq!(after.service.port, Some(8080));
+        assert_eq!(after.proxy.unwrap().token(), before.proxy.unwrap().token());
+    }
+
+    #[test]
+    fn tokens_are_rewritten_only_when_they_change() {
+        let root = tempfile::tempdir().unwrap();
+        let (sources, data) = open(root.path());
+        sources.register(service("web", 8080)).unwrap();
+        let inode = || std::fs::metadata(data.tokens_path()).unwrap().ino();
+        let written = inode();
+        // Every atomic write makes a new inode: the same one means no write.
+        sources.register(service("web", 9090)).unwrap();
+        sources.reload().unwrap();
+        sources.save_tokens();
+        assert_eq!(inode(), written);
+        sources.register(service("db", 5432)).unwrap();
+        assert_ne!(inode(), written);
+        assert_eq!(saved_tokens(&data).len(), 2);
+    }
+
+    /// The catalog's config services, as (service, file).
+    fn config_services(sources: &Sources) -> Vec<(Service, PathBuf)> {
+        let entries = sources.state().entries().into_iter();
+        entries
+            .filter_map(|entry| match entry.source {
+                Source::Config { file } => Some(((*entry.service).clone(), file)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// What a full load of the config dir gives, as (service, file).
+    fn from_scratch(config: &Path) -> Vec<(Service, PathBuf)> {
+        let mut entries: Vec<_> = tether_state::config::load_dirs(&[config])
+            .unwrap()
+            .into_iter()
+            .map(|entry| (entry.service, entry.file))
+            .collect();
+        entries.sort_by(|a, b| a.0.id.cmp(&b.0.id));
+        entries
+    }
+
+    #[test]
+    fn reloads_of_one_service_or_of_many_end_where_a_full_load_does() {
+        let root = tempfile::tempdir().unwrap();
+        let config = root.path().join("config");
+        std::fs::create_dir_all(&config).unwrap();
+        let write = |name: &str, text: &str| {
+            // Through a new inode, so that every write is seen whatever the clock's grain.
+            let temp = config.join(format!("{name}.partial"));
+            std::fs::write(&temp, text).unwrap();
+            std::fs::rename(&temp, config.join(name)).unwrap();
+        };
+        write("a.toml", "[[service]]\nname = \"a\"\n[[service]]\nname = \"b\"\nport = 1\n");
+        let (sources, _data) = open(root.path());
+        let check = |report: ReloadReport, expected: (usize, usize, usize)| {
+            let got = (report.catalog.added, report.catalog.changed, report.catalog.removed);
+            assert_eq!(got, expected);
+            assert_eq!(config_services(&sources), from_scratch(&config));
+        };
+        assert_eq!(config_services(&sources), from_scratch(&config));
+        check(sources.reload().unwrap(), (0, 0, 0));
+        write("c.toml", "[[service]]\nname = \"c\"\n");
+        check(sources.reload().unwrap(), (1, 0, 0));
+        write("a.toml", "[[service]]\nname = \"a\"\n[[service]]\nname = \"b\"\nport = 2\n");
+        check(sources.reload().unwrap(), (0, 1, 0));
+        // Moved to another file, unchanged: only its source changes.
+        write("a.toml", "[[service]]\nname = \"a\"\n");
+        write("d.toml", "[[service]]\nname = \"b\"\nport = 2\n");
+        check(sources.reload().unwrap(), (0, 0, 0));
+        write("c.toml", "[[service]]\nname = \"c\"\n[[service]]\nname = \"e\"\n[[service]]\nname = \"f\"\n");
+        check(sources.reload().unwrap(), (2, 0, 0));
+        std::fs::remove_file(config.join("d.toml")).unwrap();
+        check(sources.reload().unwrap(), (0, 0, 1));
+        std::fs::remove_file(config.join("c.toml")).unwrap();
+        check(sources.reload().unwrap(), (0, 0, 3));
+    }
+
+    #[test]
+    fn a_config_service_that_an_api_registration_owns_is_refused_on_every_reload() {
+        let root = tempfile::tempdir().unwrap();
+        let (sources, _data) = open(root.path());
+        let config = root.path().join("config");
+        sources.register(service("web", 8080)).unwrap();
+        std::fs::write(config.join("web.toml"), "[[service]]\nname = \"web\"\n").unwrap();
+        for _ in 0..2 {
+            let err = sources.reload().unwrap_err();
+            assert!(matches!(err, ReloadError::Catalog(CatalogError::Conflict { .. })), "{err:?}");
+            let entry = sources.state().get(&ServiceId::new("web").unwrap()).unwrap();
+            assert_eq!(entry.source, Source::Api);
+        }
+        std::fs::remove_file(config.join("web.toml")).unwrap();
+        let report = sources.reload().unwrap();
+        assert_eq!(report.catalog, ReplaceReport::default());
+        assert_eq!(sources.state().get(&ServiceId::new("web").unwrap()).unwrap().source, Source::Api);
+    }
+
+    #[test]
+    fn a_reload_reads_only_the_config_files_that_changed() {
+        let root = tempfile::tempdir().unwrap();
+        let (sources, _data) = open(root.path());
+        let config = root.path().join("config");
+        std::fs::write(config.join("web.toml"), "[[service]]\nname = \"web\"\n").unwrap();
+        let report = sources.reload().unwrap();
+        assert_eq!(report.catalog.added, 1);
+        assert_eq!(report.files, LoadStats { read: 1, reused: 0 });
+        std::fs::write(config.join("bad.toml"), "[[service]]\nnmae = \"x\"\n").unwrap();
+        assert!(matches!(sources.reload(), Err(ReloadError::Config(_))));
+        assert_eq!(sources.state().len(), 1);
+        std::fs::remove_file(config.join("bad.toml")).unwrap();
+        std::fs::remove_file(config.join("web.toml")).unwrap();
+        let report = sources.reload().unwrap();
+        assert_eq!(report.catalog.removed, 1);
+        assert_eq!(report.files, LoadStats::default());
     }
 }

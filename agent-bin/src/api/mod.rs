@@ -67,7 +67,7 @@ impl From<RegisterError> for ApiError {
                 StatusCode::CONFLICT
             }
             RegisterError::Catalog(CatalogError::NotFound { .. }) => StatusCode::NOT_FOUND,
-            RegisterError::Catalog(_) | RegisterError::Persist(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            RegisterError::Catalog(_) | RegisterError::Persist { .. } => StatusCode::INTERNAL_SERVER_ERROR,
         };
         Self::new(status, crate::error_chain(&err))
     }

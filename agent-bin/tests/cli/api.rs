@@ -58,6 +58,42 @@ fn an_api_command_is_refused_unless_allowed() {
 }
 
 #[test]
+fn a_registration_that_cannot_be_persisted_is_refused_and_its_proxy_never_stays() {
+    let dirs = Dirs::new();
+    let mut flags = root_flags();
+    flags.push("--allow-api-commands");
+    let agent = Agent::start(&dirs, &flags);
+    let socket = dirs.socket();
+    // A directory where the registration file goes: the atomic rename over it fails.
+    let blocked = dirs.data.join("registrations/web.json");
+    std::fs::create_dir(&blocked).unwrap();
+    std::fs::write(blocked.join("inside"), "").unwrap();
+    let body = |name: &str| format!(r#"{{"name": "{name}", "proxy": {{"command": ["/bin/sleep", "3600"]}}}}"#);
+
+    let refused = put(&socket, "/v1/agent/service/register", Some(&body("web"))).unwrap();
+    assert_eq!(refused.status, 500, "{}", refused.body);
+    let message = refused.json()["error"].as_str().unwrap().to_owned();
+    assert!(message.starts_with("service web was not changed: cannot persist the registration"), "{message}");
+    assert!(message.contains("registrations/web.json"), "{message}");
+
+    // A later registration is planned after the rollback: once it runs, web's fate is settled.
+    let other = put(&socket, "/v1/agent/service/register", Some(&body("other"))).unwrap();
+    assert_eq!(other.status, 200, "{}", other.body);
+    agent.wait_state("other-proxy", "running");
+    agent.wait_gone("web-proxy");
+    wait_until("no process of web-proxy", || match processes_by_proxy_id(&socket).get("web-proxy") {
+        Some(pids) if !pids.is_empty() => Err(format!("web-proxy runs as {pids:?}")),
+        _ => Ok(()),
+    });
+
+    std::fs::remove_dir_all(&blocked).unwrap();
+    let accepted = put(&socket, "/v1/agent/service/register", Some(&body("web"))).unwrap();
+    assert_eq!(accepted.status, 200, "{}", accepted.body);
+    agent.wait_state("web-proxy", "running");
+    assert!(blocked.is_file());
+}
+
+#[test]
 fn bad_requests_get_json_errors_with_fitting_codes() {
     let dirs = Dirs::new();
     dirs.write_config("a.toml", &sleeper("cfg"));
