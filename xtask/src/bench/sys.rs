@@ -8,7 +8,7 @@
 
 use std::collections::BTreeMap;
 use std::fs;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use nix::sys::resource::{Resource, getrlimit, setrlimit};
 pub(crate) use nix::sys::signal::Signal;
@@ -162,8 +162,13 @@ pub(crate) fn pid_max() -> u32 {
 pub(crate) struct NewProcesses {
     next: u32,
     max: u32,
-    pending: Vec<u32>,
+    /// Pids allocated since, with when they were first seen allocated.
+    pending: Vec<(u32, Instant)>,
 }
+
+/// How long a pid that the kernel has handed out may take to appear in `/proc`: it is
+/// allocated (and `ns_last_pid` moves) before the new task is visible there.
+const APPEAR_WITHIN: Duration = Duration::from_secs(2);
 
 impl NewProcesses {
     pub(crate) fn since_now() -> Result<Self, String> {
@@ -173,21 +178,25 @@ impl NewProcesses {
     /// One look; the pid found, if any.
     pub(crate) fn poll(&mut self, parent_pid: u32, name: &str, value: &str) -> Result<Option<u32>, String> {
         let last = last_pid()?;
+        let now = Instant::now();
         while self.next != last {
             // Pids wrap from pid_max to 300 (the kernel's reserved range).
             self.next = if self.next >= self.max { 300 } else { self.next + 1 };
-            self.pending.push(self.next);
+            self.pending.push((self.next, now));
         }
         let mut found = None;
-        self.pending.retain(|pid| match parent(*pid) {
+        self.pending.retain(|(pid, allocated)| match parent(*pid) {
             Some(parent) if parent == parent_pid => {
+                // Until it has exec'd, a child still has its parent's environment.
                 if found.is_none() && environ_var(*pid, name).is_some_and(|found| found == value) {
                     found = Some(*pid);
                 }
                 true
             }
-            // Another parent's process never becomes this parent's child; a gone one is gone.
-            _ => false,
+            // Another parent's process never becomes this parent's child.
+            Some(_) => false,
+            // Not visible yet, or already gone: wait a while for the first.
+            None => now.duration_since(*allocated) < APPEAR_WITHIN,
         });
         Ok(found)
     }
