@@ -34,6 +34,9 @@ const COPY_BUFFER: usize = 256 * 1024;
 /// less (a user over `fs.pipe-user-pages-soft`); splicing works with any size.
 const SPLICE_PIPE: usize = 1024 * 1024;
 
+/// The pause after a failed accept.
+const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
+
 /// How long one blocking query may wait at the agent.
 const QUERY_WAIT: Duration = Duration::from_secs(300);
 
@@ -212,7 +215,12 @@ async fn serve(mut route: watch::Receiver<Option<Route>>, stop: CancellationToke
                     let upstream = current.as_ref().map(|r| r.upstream.clone()).unwrap_or_default();
                     connections.spawn(forward(client, peer, upstream));
                 }
-                Err(err) => tracing::warn!(error = %err, "accept failed"),
+                Err(err) => {
+                    // Out of descriptors or memory: the listener stays readable, so accepting
+                    // again at once would spin. Let established connections end first.
+                    tracing::warn!(error = %err, pause_ms = ACCEPT_PAUSE.as_millis(), "accept failed");
+                    tokio::time::sleep(ACCEPT_PAUSE).await;
+                }
             },
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
         }
