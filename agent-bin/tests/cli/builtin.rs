@@ -13,34 +13,67 @@ fn root_flags() -> Vec<&'static str> {
     if is_root() { vec!["--allow-root"] } else { vec![] }
 }
 
-/// An upstream that answers each line with `<name>: <line>`, on its own thread.
+/// An upstream on loopback that serves each connection on a thread of its own.
 struct Upstream {
     port: u16,
 }
 
 impl Upstream {
+    /// Answers each line with `<name>: <line>`.
     fn start(name: &'static str) -> Self {
+        Self::serving(move |mut stream| {
+            let mut buffer = [0u8; 1024];
+            while let Ok(n) = stream.read(&mut buffer) {
+                if n == 0 {
+                    return;
+                }
+                let line = String::from_utf8_lossy(&buffer[..n]);
+                if stream.write_all(format!("{name}: {line}").as_bytes()).is_err() {
+                    return;
+                }
+            }
+        })
+    }
+
+    /// Reads until EOF, then answers every byte it read, reversed in order, and closes:
+    /// both directions and the half-close must pass through the proxy intact.
+    fn reverser() -> Self {
+        Self::serving(|mut stream| {
+            let mut received = Vec::new();
+            if stream.read_to_end(&mut received).is_ok() {
+                received.reverse();
+                let _ = stream.write_all(&received);
+            }
+        })
+    }
+
+    fn serving(serve: impl Fn(TcpStream) + Copy + Send + 'static) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
         std::thread::spawn(move || {
             for stream in listener.incoming() {
-                let Ok(mut stream) = stream else { return };
-                std::thread::spawn(move || {
-                    let mut buffer = [0u8; 1024];
-                    while let Ok(n) = stream.read(&mut buffer) {
-                        if n == 0 {
-                            return;
-                        }
-                        let line = String::from_utf8_lossy(&buffer[..n]);
-                        if stream.write_all(format!("{name}: {line}").as_bytes()).is_err() {
-                            return;
-                        }
-                    }
-                });
+                let Ok(stream) = stream else { return };
+                std::thread::spawn(move || serve(stream));
             }
         });
         Self { port }
     }
+}
+
+/// An agent whose one service `<name>` has a built-in proxy on `bind` in front of
+/// `upstream`, once that proxy runs. The agent drops (and stops) before the dirs.
+struct Running {
+    agent: Agent,
+    dirs: Dirs,
+    pid: i64,
+}
+
+fn run_builtin(name: &str, upstream: &Upstream, bind: u16) -> Running {
+    let dirs = Dirs::new();
+    dirs.write_config("a.toml", &builtin(name, upstream.port, bind));
+    let agent = Agent::start(&dirs, &root_flags());
+    let pid = agent.wait_state(&format!("{name}-proxy"), "running")["pid"].as_i64().unwrap();
+    Running { agent, dirs, pid }
 }
 
 fn free_port() -> u16 {
@@ -81,12 +114,9 @@ fn token_of(pid: i64) -> String {
 
 #[test]
 fn traffic_flows_and_a_new_bind_port_moves_the_listener_without_a_restart_or_a_broken_connection() {
-    let dirs = Dirs::new();
     let upstream = Upstream::start("up");
     let (old_port, new_port) = (free_port(), free_port());
-    dirs.write_config("a.toml", &builtin("web", upstream.port, old_port));
-    let agent = Agent::start(&dirs, &root_flags());
-    let pid = agent.wait_state("web-proxy", "running")["pid"].as_i64().unwrap();
+    let Running { agent, dirs, pid } = &run_builtin("web", &upstream, old_port);
 
     let mut open = connect(old_port);
     assert_eq!(exchange(&mut open, "one"), "up: one");
@@ -97,36 +127,13 @@ fn traffic_flows_and_a_new_bind_port_moves_the_listener_without_a_restart_or_a_b
     assert_eq!(exchange(&mut moved, "two"), "up: two");
     wait_for("the old listener to close", || TcpStream::connect(("127.0.0.1", old_port)).is_err().then_some(()));
     assert_eq!(exchange(&mut open, "three"), "up: three", "the established connection keeps flowing");
-    assert_eq!(agent.proxy("web-proxy").unwrap()["pid"].as_i64(), Some(pid), "the proxy was not restarted");
-}
-
-/// An upstream that reads until EOF, then answers every byte it read, reversed in order,
-/// and closes: both directions and the half-close must pass through the proxy intact.
-fn start_reverser() -> u16 {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = listener.local_addr().unwrap().port();
-    std::thread::spawn(move || {
-        for stream in listener.incoming() {
-            let Ok(mut stream) = stream else { return };
-            std::thread::spawn(move || {
-                let mut received = Vec::new();
-                if stream.read_to_end(&mut received).is_ok() {
-                    received.reverse();
-                    let _ = stream.write_all(&received);
-                }
-            });
-        }
-    });
-    port
+    assert_eq!(agent.proxy("web-proxy").unwrap()["pid"].as_i64(), Some(*pid), "the proxy was not restarted");
 }
 
 #[test]
 fn a_bulk_transfer_and_a_half_close_pass_through_intact_both_ways() {
-    let dirs = Dirs::new();
-    let (upstream, bind) = (start_reverser(), free_port());
-    dirs.write_config("a.toml", &builtin("bulk", upstream, bind));
-    let agent = Agent::start(&dirs, &root_flags());
-    agent.wait_state("bulk-proxy", "running");
+    let bind = free_port();
+    let _running = run_builtin("bulk", &Upstream::reverser(), bind);
 
     // 24 MiB of a pattern with no period that divides a pipe or socket buffer.
     let sent: Vec<u8> = (0..24 * 1024 * 1024_u32).map(|index| (index % 251) as u8).collect();
@@ -149,12 +156,8 @@ fn a_bulk_transfer_and_a_half_close_pass_through_intact_both_ways() {
 
 #[test]
 fn logs_written_to_files_are_plain_text_without_terminal_colours() {
-    let dirs = Dirs::new();
-    let upstream = Upstream::start("up");
     let bind = free_port();
-    dirs.write_config("a.toml", &builtin("web", upstream.port, bind));
-    let agent = Agent::start(&dirs, &root_flags());
-    agent.wait_state("web-proxy", "running");
+    let Running { agent, dirs, .. } = &run_builtin("web", &Upstream::start("up"), bind);
     // The proxy logs its route once it has its config; by then it listens.
     assert_eq!(exchange(&mut connect(bind), "hi"), "up: hi");
     let proxy_log = dirs.data.join("logs/web-proxy-stderr.log");
@@ -169,12 +172,9 @@ fn logs_written_to_files_are_plain_text_without_terminal_colours() {
 
 #[test]
 fn the_config_endpoint_needs_the_token_and_hints_nothing() {
-    let dirs = Dirs::new();
     let upstream = Upstream::start("up");
-    dirs.write_config("a.toml", &builtin("web", upstream.port, free_port()));
-    let agent = Agent::start(&dirs, &root_flags());
-    let pid = agent.wait_state("web-proxy", "running")["pid"].as_i64().unwrap();
-    let token = token_of(pid);
+    let Running { dirs, pid, .. } = &run_builtin("web", &upstream, free_port());
+    let token = token_of(*pid);
     let socket = dirs.socket();
     let config = |id: &str, token: Option<&str>| {
         let headers: Vec<(&str, &str)> = token.map(|t| ("X-Tether-Proxy-Token", t)).into_iter().collect();
@@ -198,13 +198,10 @@ fn the_config_endpoint_needs_the_token_and_hints_nothing() {
 
 #[test]
 fn a_blocking_query_returns_on_change_and_on_timeout() {
-    let dirs = Dirs::new();
     let upstream = Upstream::start("up");
     let bind = free_port();
-    dirs.write_config("a.toml", &builtin("web", upstream.port, bind));
-    let agent = Agent::start(&dirs, &root_flags());
-    let pid = agent.wait_state("web-proxy", "running")["pid"].as_i64().unwrap();
-    let token = token_of(pid);
+    let Running { agent, dirs, pid } = &run_builtin("web", &upstream, bind);
+    let token = token_of(*pid);
     let socket = dirs.socket();
     let headers = [("X-Tether-Proxy-Token", token.as_str())];
     let index = request(&socket, "GET", "/v1/agent/proxy/web-proxy/config", &headers, None).unwrap().json()["index"]
@@ -237,12 +234,8 @@ fn a_blocking_query_returns_on_change_and_on_timeout() {
 
 #[test]
 fn the_built_in_proxy_survives_an_agent_restart_and_keeps_forwarding() {
-    let dirs = Dirs::new();
-    let upstream = Upstream::start("up");
     let bind = free_port();
-    dirs.write_config("a.toml", &builtin("web", upstream.port, bind));
-    let mut first = Agent::start(&dirs, &root_flags());
-    let pid = first.wait_state("web-proxy", "running")["pid"].as_i64().unwrap();
+    let Running { agent: first, dirs, pid } = &mut run_builtin("web", &Upstream::start("up"), bind);
     let mut open = connect(bind);
     assert_eq!(exchange(&mut open, "before"), "up: before");
 
@@ -252,8 +245,8 @@ fn the_built_in_proxy_survives_an_agent_restart_and_keeps_forwarding() {
     let mut fresh = connect(bind);
     assert_eq!(exchange(&mut fresh, "new"), "up: new");
 
-    let second = Agent::start(&dirs, &root_flags());
-    assert_eq!(second.wait_state("web-proxy", "running")["pid"].as_i64(), Some(pid));
+    let second = Agent::start(dirs, &root_flags());
+    assert_eq!(second.wait_state("web-proxy", "running")["pid"].as_i64(), Some(*pid));
     assert_eq!(exchange(&mut open, "after"), "up: after");
 }
 

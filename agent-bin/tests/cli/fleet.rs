@@ -8,6 +8,8 @@ use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Output, Stdio};
 
+use base64::Engine;
+use base64::engine::general_purpose::STANDARD as BASE64;
 use nix::sys::signal::Signal;
 
 use crate::support::{self, Agent, Dirs, alive, is_root, mode, wait_for, wait_until};
@@ -160,7 +162,7 @@ impl Etcd {
 
     /// Writes a raw value; returns the new revision.
     fn put_raw(&self, key: &str, value: &str) -> i64 {
-        let body = format!(r#"{{"key": "{}", "value": "{}"}}"#, base64(key.as_bytes()), base64(value.as_bytes()));
+        let body = format!(r#"{{"key": "{}", "value": "{}"}}"#, BASE64.encode(key), BASE64.encode(value));
         revision_of(&self.call("/v3/kv/put", &body).unwrap())
     }
 
@@ -185,22 +187,6 @@ impl Drop for Etcd {
 fn revision_of(body: &str) -> i64 {
     let value: serde_json::Value = serde_json::from_str(body).unwrap();
     value["header"]["revision"].as_str().and_then(|r| r.parse().ok()).unwrap_or_else(|| panic!("no revision: {body}"))
-}
-
-fn base64(bytes: &[u8]) -> String {
-    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::new();
-    for chunk in bytes.chunks(3) {
-        let n = chunk.iter().enumerate().fold(0u32, |n, (i, b)| n | (u32::from(*b) << (16 - 8 * i)));
-        for i in 0..4 {
-            if i <= chunk.len() {
-                out.push(char::from(ALPHABET[((n >> (18 - 6 * i)) & 63) as usize]));
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
 }
 
 /// `tether fleet ARGS... --etcd URL`.

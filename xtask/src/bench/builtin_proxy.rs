@@ -28,14 +28,23 @@ const BULK_ROUNDS: usize = 5;
 const ROUND_TRIPS: usize = 2_000;
 const MESSAGE: usize = 64;
 
-/// An upstream served by threads of this process until dropped.
+/// A loopback listener served by threads of this process until dropped.
 struct Upstream {
     addr: SocketAddr,
     stop: Arc<AtomicBool>,
 }
 
 impl Upstream {
+    /// Serves each connection with `serve` on a thread of its own.
     fn start(serve: fn(TcpStream)) -> Result<Self, String> {
+        Self::accepting(move |stream| {
+            let _ = stream.set_nodelay(true);
+            thread::spawn(move || serve(stream));
+        })
+    }
+
+    /// Hands each accepted connection to `accept`, on the accepting thread.
+    fn accepting(mut accept: impl FnMut(TcpStream) + Send + 'static) -> Result<Self, String> {
         let listener = TcpListener::bind("127.0.0.1:0").map_err(|err| format!("bind: {err}"))?;
         let addr = listener.local_addr().map_err(|err| err.to_string())?;
         let stop = Arc::new(AtomicBool::new(false));
@@ -46,8 +55,7 @@ impl Upstream {
                     break;
                 }
                 if let Ok(stream) = stream {
-                    let _ = stream.set_nodelay(true);
-                    thread::spawn(move || serve(stream));
+                    accept(stream);
                 }
             }
         });
@@ -89,28 +97,18 @@ fn echo(mut stream: TcpStream) {
 /// with a blocking thread each, one connection at a time. `cpu` counts the connections
 /// it has finished and the CPU time their threads took.
 fn minimal_forwarder(upstream: SocketAddr, cpu: Arc<Mutex<(usize, Duration)>>) -> Result<Upstream, String> {
-    let listener = TcpListener::bind("127.0.0.1:0").map_err(|err| format!("bind: {err}"))?;
-    let addr = listener.local_addr().map_err(|err| err.to_string())?;
-    let stop = Arc::new(AtomicBool::new(false));
-    let stopping = Arc::clone(&stop);
-    thread::spawn(move || {
-        for client in listener.incoming() {
-            if stopping.load(Ordering::SeqCst) {
-                break;
-            }
-            let (Ok(client), Ok(server)) = (client, TcpStream::connect(upstream)) else { continue };
-            let _ = client.set_nodelay(true);
-            let _ = server.set_nodelay(true);
-            let (Ok(client_reader), Ok(server_writer)) = (client.try_clone(), server.try_clone()) else { continue };
-            let up = thread::spawn(move || pump(client_reader, server_writer));
-            let down = thread::spawn(move || pump(server, client));
-            let took = up.join().unwrap_or_default() + down.join().unwrap_or_default();
-            let mut cpu = cpu.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            cpu.0 += 1;
-            cpu.1 += took;
-        }
-    });
-    Ok(Upstream { addr, stop })
+    Upstream::accepting(move |client| {
+        let Ok(server) = TcpStream::connect(upstream) else { return };
+        let _ = client.set_nodelay(true);
+        let _ = server.set_nodelay(true);
+        let (Ok(client_reader), Ok(server_writer)) = (client.try_clone(), server.try_clone()) else { return };
+        let up = thread::spawn(move || pump(client_reader, server_writer));
+        let down = thread::spawn(move || pump(server, client));
+        let took = up.join().unwrap_or_default() + down.join().unwrap_or_default();
+        let mut cpu = cpu.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        cpu.0 += 1;
+        cpu.1 += took;
+    })
 }
 
 /// Copies `from` to `to` until EOF, then passes the EOF on; the thread's CPU time.

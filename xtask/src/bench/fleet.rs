@@ -18,6 +18,11 @@ use std::process::{Child, Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant, SystemTime};
 
+use base64::Engine;
+use base64::engine::general_purpose::STANDARD as BASE64;
+
+use super::report::{ms, percentile, secs};
+
 /// Agents in the fleet.
 const AGENTS: usize = 20;
 /// Puts in all, spread round-robin over the agents' nodes.
@@ -91,7 +96,7 @@ impl Fleet {
             let value = format!(
                 r#"{{"name": "{service}", "proxy": {{"command": ["/bin/sleep", "3600"], "kill_timeout": "1s"}}}}"#
             );
-            let body = format!(r#"{{"key": "{}", "value": "{}"}}"#, base64(key.as_bytes()), base64(value.as_bytes()));
+            let body = format!(r#"{{"key": "{}", "value": "{}"}}"#, BASE64.encode(key), BASE64.encode(value));
             http_tcp(self.etcd_port, "/v3/kv/put", &body)?;
             committed.push((index, format!("{service}-proxy"), SystemTime::now()));
         }
@@ -286,60 +291,5 @@ fn kill_proxies_of(socket: &Path) {
             let _ = nix::sys::signal::killpg(pid, nix::sys::signal::Signal::SIGKILL);
             let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
         }
-    }
-}
-
-fn base64(bytes: &[u8]) -> String {
-    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
-    for chunk in bytes.chunks(3) {
-        let n = chunk.iter().enumerate().fold(0u32, |n, (i, byte)| n | (u32::from(*byte) << (16 - 8 * i)));
-        for i in 0..4 {
-            if i <= chunk.len() {
-                out.push(char::from(ALPHABET[((n >> (18 - 6 * i)) & 63) as usize]));
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
-}
-
-/// The `p`-th percentile (nearest rank) of sorted `samples`; zero for none.
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
-    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1]
-}
-
-fn ms(duration: Duration) -> String {
-    format!("{:.1} ms", duration.as_secs_f64() * 1000.0)
-}
-
-fn secs(duration: Duration) -> String {
-    format!("{:.3} s", duration.as_secs_f64())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn base64_pads_like_the_standard() {
-        assert_eq!(base64(b""), "");
-        assert_eq!(base64(b"f"), "Zg==");
-        assert_eq!(base64(b"fo"), "Zm8=");
-        assert_eq!(base64(b"foo"), "Zm9v");
-        assert_eq!(base64(b"/tether/nodes"), "L3RldGhlci9ub2Rlcw==");
-    }
-
-    #[test]
-    fn percentiles_take_the_nearest_rank() {
-        let samples: Vec<Duration> = (1..=100).map(Duration::from_millis).collect();
-        assert_eq!(percentile(&samples, 50.0), Duration::from_millis(50));
-        assert_eq!(percentile(&samples, 99.0), Duration::from_millis(99));
     }
 }
