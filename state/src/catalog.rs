@@ -393,9 +393,51 @@ impl LocalState {
         services: Vec<(Service, Source)>,
     ) -> Result<ReplaceReport, CatalogError> {
         let mut inner = self.lock();
-        let mut wanted = BTreeSet::new();
+        let wanted: BTreeSet<&ServiceId> = services.iter().map(|(service, _)| &service.id).collect();
+        let gone: Vec<ServiceId> = inner
+            .entries
+            .iter()
+            .filter(|(id, entry)| &entry.source.kind() == kind && !wanted.contains(id))
+            .map(|(id, _)| id.clone())
+            .collect();
+        self.change_locked(&mut inner, kind, services, gone)
+    }
+
+    /// Changes some services of `kind`, atomically: puts every one of `upserts` in place
+    /// and removes every id of `removals`, at one revision, or (on error) changes nothing.
+    /// A removal of an id that `kind` does not hold is skipped. Used when only part of a
+    /// source changed, so that the rest is not compared again.
+    ///
+    /// # Errors
+    ///
+    /// As [`LocalState::replace_source`].
+    pub fn change_source(
+        &self,
+        kind: &SourceKind,
+        upserts: Vec<(Service, Source)>,
+        removals: &[ServiceId],
+    ) -> Result<ReplaceReport, CatalogError> {
+        let mut inner = self.lock();
+        let gone = removals
+            .iter()
+            .filter(|id| inner.entries.get(*id).is_some_and(|entry| &entry.source.kind() == kind))
+            .filter(|id| !upserts.iter().any(|(service, _)| &service.id == *id))
+            .cloned()
+            .collect();
+        self.change_locked(&mut inner, kind, upserts, gone)
+    }
+
+    /// Puts `services` in place and deletes `gone` (ids that `kind` holds), at one revision.
+    fn change_locked(
+        &self,
+        inner: &mut Inner,
+        kind: &SourceKind,
+        services: Vec<(Service, Source)>,
+        gone: Vec<ServiceId>,
+    ) -> Result<ReplaceReport, CatalogError> {
+        let mut seen = BTreeSet::new();
         for (service, _) in &services {
-            if !wanted.insert(service.id.clone()) {
+            if !seen.insert(&service.id) {
                 return Err(CatalogError::Duplicate { id: service.id.clone() });
             }
             if let Some(existing) = inner.entries.get(&service.id) {
@@ -424,12 +466,6 @@ impl LocalState {
                 None => {}
             }
         }
-        let gone: Vec<ServiceId> = inner
-            .entries
-            .iter()
-            .filter(|(id, entry)| &entry.source.kind() == kind && !wanted.contains(*id))
-            .map(|(id, _)| id.clone())
-            .collect();
         report.removed = gone.len();
         if prepared.is_empty() && gone.is_empty() {
             return Ok(report);

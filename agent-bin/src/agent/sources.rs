@@ -88,27 +88,17 @@ struct ConfigState {
     applied: HashMap<PathBuf, ConfigFile>,
 }
 
-/// How the catalog's config services differ from a new set of config files.
-enum Delta<'a> {
-    /// Not at all.
-    None,
-    /// In one service, which one catalog call changes atomically.
-    One(Change<'a>),
-    /// In more than one: the catalog's config services are replaced as a whole.
-    Many,
-}
-
-/// One service's change.
-enum Change<'a> {
-    /// Added, changed, or moved to another file.
-    Upsert { service: &'a Service, file: &'a Path, existed: bool, content_changed: bool },
-    /// Gone from every file.
-    Remove(&'a ServiceId),
+/// How the catalog's config services differ from a new set of config files: the services
+/// to put in place (new, changed, or moved to another file) and the ids gone from every
+/// file.
+struct ConfigDelta<'a> {
+    upserts: Vec<(&'a Service, &'a Path)>,
+    removals: Vec<ServiceId>,
 }
 
 /// Compares `files` with the files behind the catalog's config services. Files that were
 /// not read again are skipped without looking at their services.
-fn config_delta<'a>(applied: &'a HashMap<PathBuf, ConfigFile>, files: &'a [ConfigFile]) -> Delta<'a> {
+fn config_delta<'a>(applied: &'a HashMap<PathBuf, ConfigFile>, files: &'a [ConfigFile]) -> ConfigDelta<'a> {
     let mut before: HashMap<&ServiceId, (&Service, &Path)> = HashMap::new();
     let mut after: HashMap<&ServiceId, (&Service, &Path)> = HashMap::new();
     let mut present = HashSet::new();
@@ -128,29 +118,9 @@ fn config_delta<'a>(applied: &'a HashMap<PathBuf, ConfigFile>, files: &'a [Confi
     }
     // Ids are unique across all files (the loader refuses duplicates), so a service in a
     // file that was not read again appears in neither map.
-    let mut changes = Vec::new();
-    for (id, &(service, file)) in &after {
-        let existed = match before.get(id) {
-            Some(&(old, old_file)) if old == service && old_file == file => continue,
-            Some(&(old, _)) => Some(old),
-            None => None,
-        };
-        changes.push(Change::Upsert {
-            service,
-            file,
-            existed: existed.is_some(),
-            content_changed: existed.is_none_or(|old| old != service),
-        });
-        if changes.len() > 1 {
-            return Delta::Many;
-        }
-    }
-    changes.extend(before.keys().filter(|id| !after.contains_key(*id)).map(|id| Change::Remove(id)));
-    match changes.len() {
-        0 => Delta::None,
-        1 => changes.pop().map_or(Delta::None, Delta::One),
-        _ => Delta::Many,
-    }
+    let upserts = after.iter().filter(|(id, now)| before.get(*id) != Some(*now)).map(|(_, now)| *now).collect();
+    let removals = before.keys().filter(|id| !after.contains_key(*id)).map(|id| (*id).clone()).collect();
+    ConfigDelta { upserts, removals }
 }
 
 /// Locks `mutex`, also when a panicking thread held it: every value behind these locks is
@@ -244,8 +214,7 @@ impl Sources {
     }
 
     /// Makes the catalog's config services those of `files`, atomically, and remembers
-    /// `files` as applied. A change of one service is one upsert or removal; anything more
-    /// replaces every config service at once.
+    /// `files` as applied. Only the services of the files that changed reach the catalog.
     ///
     /// # Errors
     ///
@@ -255,31 +224,13 @@ impl Sources {
         applied: &mut HashMap<PathBuf, ConfigFile>,
         files: Vec<ConfigFile>,
     ) -> Result<ReplaceReport, CatalogError> {
-        let report = match config_delta(applied, &files) {
-            Delta::None => ReplaceReport::default(),
-            Delta::One(Change::Upsert { service, file, existed, content_changed }) => {
-                self.state.upsert(service.clone(), Source::Config { file: file.to_owned() })?;
-                ReplaceReport {
-                    added: usize::from(!existed),
-                    changed: usize::from(existed && content_changed),
-                    removed: 0,
-                }
-            }
-            Delta::One(Change::Remove(id)) => {
-                self.state.remove(id, &SourceKind::Config)?;
-                ReplaceReport { removed: 1, ..ReplaceReport::default() }
-            }
-            Delta::Many => {
-                let services = files
-                    .iter()
-                    .flat_map(|file| {
-                        let source = Source::Config { file: file.path().to_owned() };
-                        file.services().iter().map(move |service| (service.clone(), source.clone()))
-                    })
-                    .collect();
-                self.state.replace_source(&SourceKind::Config, services)?
-            }
-        };
+        let delta = config_delta(applied, &files);
+        let upserts = delta
+            .upserts
+            .into_iter()
+            .map(|(service, file)| (service.clone(), Source::Config { file: file.to_owned() }))
+            .collect();
+        let report = self.state.change_source(&SourceKind::Config, upserts, &delta.removals)?;
         *applied = files.into_iter().map(|file| (file.path().to_owned(), file)).collect();
         Ok(report)
     }

@@ -157,6 +157,36 @@ fn replace_source_adds_changes_and_removes_only_its_kind() {
 }
 
 #[test]
+fn change_source_changes_only_what_it_names_at_one_revision_or_nothing() {
+    let state = LocalState::new();
+    state.upsert(service("api"), Source::Api).unwrap();
+    state
+        .replace_source(&SourceKind::Config, vec![(service("a"), config("x.toml")), (service("b"), config("x.toml"))])
+        .unwrap();
+    let seen = state.revision();
+    let report = state
+        .change_source(&SourceKind::Config, vec![(service("c"), config("y.toml"))], &[sid("a"), sid("api")])
+        .unwrap();
+    assert_eq!(report, ReplaceReport { added: 1, changed: 0, removed: 1 }, "another kind's id is not removed");
+    let delta = state.changes_since(Some(seen));
+    assert_eq!(ids(&delta), (vec!["c-proxy".into()], vec!["a-proxy".into()]));
+    assert_eq!(delta.revision.get(), seen.get() + 1, "one change is one revision");
+    assert!(state.get(&sid("b")).is_some() && state.get(&sid("api")).is_some(), "unnamed services stay");
+
+    let before = state.revision();
+    let err = state
+        .change_source(
+            &SourceKind::Config,
+            vec![(service("d"), config("y.toml")), (service("api"), config("y.toml"))],
+            &[sid("b")],
+        )
+        .unwrap_err();
+    assert!(matches!(err, CatalogError::Conflict { .. }), "{err:?}");
+    assert_eq!(state.revision(), before);
+    assert!(state.get(&sid("b")).is_some() && state.get(&sid("d")).is_none(), "a refused change changes nothing");
+}
+
+#[test]
 fn a_service_moving_between_files_is_not_a_change() {
     let state = LocalState::new();
     state.replace_source(&SourceKind::Config, vec![(service("a"), config("x.toml"))]).unwrap();
