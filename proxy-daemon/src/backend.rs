@@ -5,6 +5,7 @@
 //! file, policies), forwards the supervisor's observations as the manager's status, and
 //! records in snapshots only what proves identity: never a token or an environment value.
 
+use std::collections::{BTreeSet, HashMap};
 use std::ffi::OsString;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -49,6 +50,9 @@ struct Shared {
     supervisor: Supervisor,
     data: DataDir,
     environment: AgentEnvironment,
+    /// The processes found by their environment at the last look for adoption
+    /// candidates, by proxy id; each id's are taken by its `restore`.
+    found: Mutex<HashMap<ProxyId, Vec<u32>>>,
 }
 
 impl OsProcessBackend {
@@ -62,7 +66,8 @@ impl OsProcessBackend {
     ///
     /// When called outside a tokio runtime.
     pub fn new(data: DataDir, environment: AgentEnvironment) -> std::io::Result<Self> {
-        Ok(Self { shared: Arc::new(Shared { supervisor: Supervisor::new()?, data, environment }) })
+        let found = Mutex::default();
+        Ok(Self { shared: Arc::new(Shared { supervisor: Supervisor::new()?, data, environment, found }) })
     }
 
     /// The process spec that runs `proxy`, as SPEC describes it: own environment (agent's
@@ -91,12 +96,12 @@ impl Shared {
             ["PATH", "HOME"].into_iter().filter_map(|key| Some((OsString::from(key), std::env::var_os(key)?))).collect()
         };
         let identity_env = vec![
-            (OsString::from("TETHER_PROXY_ID"), OsString::from(id.as_str())),
+            (OsString::from(PROXY_ID_VAR), OsString::from(id.as_str())),
             (OsString::from("TETHER_PROXY_TOKEN"), OsString::from(proxy.token().expose())),
         ];
         env.extend(identity_env.iter().cloned());
         env.push(("TETHER_SERVICE_ID".into(), proxy.service().id.as_str().into()));
-        env.push(("TETHER_SOCKET".into(), self.environment.socket.clone().into_os_string()));
+        env.push((SOCKET_VAR.into(), self.environment.socket.clone().into_os_string()));
         if let Some(addr) = &self.environment.http_addr {
             env.push(("TETHER_HTTP_ADDR".into(), addr.into()));
         }
@@ -203,47 +208,56 @@ impl ProxyBackend for OsProcessBackend {
         record: serde_json::Value,
         desired: Option<Arc<ManagedProxy>>,
     ) -> Option<Box<dyn ProxyHandle>> {
+        let desired_proxy = desired.as_deref();
         let process = if record == pid_file_candidate() {
-            // Only the desired proxy's id and token in the process's environment prove
-            // that the pid file's process is it; without them it is left alone.
-            let Some(proxy) = desired.as_deref() else {
-                // No longer wanted, so its token is gone. Its id and this agent's own socket
-                // in its environment, with the pid file in this private data dir naming it,
-                // prove that this agent's data dir started it: adopted only to be stopped.
-                let mut spec = self.adoption_spec(&id, None, KillPolicy::default());
-                spec.identity_env = vec![
-                    (OsString::from("TETHER_PROXY_ID"), OsString::from(id.as_str())),
-                    (OsString::from("TETHER_SOCKET"), self.shared.environment.socket.clone().into_os_string()),
-                ];
-                let Some(process) = self.shared.supervisor.adopt_from_pid_file(spec) else {
-                    tracing::warn!(proxy = %id, pid_file = %self.shared.data.pid_file(&id).display(), "a pid file names a proxy that is no longer wanted, and nothing proves its process; it is left alone");
+            // Every instance found of this proxy: the one its pid file names first, then
+            // those found by their environment (a pid file may be missing or stale after a
+            // crash, or a write that failed).
+            let mut pids: Vec<u32> = read_pid(&self.shared.data.pid_file(&id)).into_iter().collect();
+            for pid in self.take_found(&id) {
+                if !pids.contains(&pid) {
+                    pids.push(pid);
+                }
+            }
+            let mut kept = None;
+            for pid in pids {
+                if kept.is_none() {
+                    kept = self.adopt_candidate(&id, desired_proxy, pid);
+                    if kept.is_some() {
+                        continue;
+                    }
+                }
+                self.stop_duplicate(&id, desired_proxy, pid).await;
+            }
+            let process = kept?;
+            if let Some(proxy) = desired_proxy {
+                if !process.runs(&self.shared.process_spec(proxy)) {
+                    // Its id and token prove it is this proxy's, so it may be signalled; it
+                    // runs an older command or environment, so it is replaced.
+                    tracing::info!(proxy = %id, "adopted, but it runs another spec; stopping it");
+                    process.stop().await;
                     return None;
-                };
-                let handle = OsProxyHandle::new(self.shared.clone(), id, None);
-                handle.attach(process);
-                return Some(Box::new(handle));
-            };
-            let spec = self.shared.process_spec(proxy);
-            let process = self.shared.supervisor.adopt_from_pid_file(spec.clone())?;
-            if !process.runs(&spec) {
-                // Its id and token prove it is this proxy's, so it may be signalled; it runs
-                // an older command or environment, so it is replaced.
-                tracing::info!(proxy = %id, "adopted from its pid file, but it runs another spec; stopping it");
-                process.stop().await;
-                return None;
+                }
             }
             process
         } else {
-            match serde_json::from_value::<Record>(record) {
-                Ok(record) => {
-                    let spec = self.adoption_spec(&id, desired.as_deref(), record.kill());
-                    self.shared.supervisor.adopt(spec, &record.identity())?
-                }
+            let record = match serde_json::from_value::<Record>(record) {
+                Ok(record) => record,
                 Err(err) => {
                     tracing::info!(proxy = %id, error = %err, "snapshot record unreadable; not adopting");
                     return None;
                 }
+            };
+            let spec = self.adoption_spec(&id, desired_proxy, record.kill());
+            let process = self.shared.supervisor.adopt(spec, &record.identity())?;
+            // Any other instance of the proxy was started by an agent that crashed before
+            // it could record it: it must not run beside the adopted one.
+            for pid in self.take_found(&id) {
+                if pid != record.pid {
+                    self.stop_duplicate(&id, desired_proxy, pid).await;
+                }
             }
+            process
         };
         let handle = OsProxyHandle::new(self.shared.clone(), id, desired);
         handle.attach(process);
@@ -251,20 +265,44 @@ impl ProxyBackend for OsProcessBackend {
     }
 
     async fn adoption_candidates(&self) -> Vec<(ProxyId, serde_json::Value)> {
-        // Candidates come from pid files: proof needs the proxy's id and token in its
-        // environment, which only `restore` with the desired proxy can check.
-        let Ok(entries) = std::fs::read_dir(self.shared.data.pids_dir()) else { return Vec::new() };
-        let mut candidates = Vec::new();
-        for entry in entries.flatten() {
-            let name = entry.file_name();
-            let Some(id) = name.to_str().and_then(|n| n.strip_suffix(".pid")) else { continue };
-            if let Ok(id) = ProxyId::parse(id) {
-                candidates.push((id, pid_file_candidate()));
+        // Candidates come from pid files and from the environment of every process that
+        // names this agent's socket: an agent killed between a spawn and its pid-file write,
+        // or whose write failed, leaves instances that only their environment tells of.
+        // Proof needs the proxy's id and token, which only `restore` with the desired proxy
+        // can check.
+        let mut ids: BTreeSet<ProxyId> = BTreeSet::new();
+        if let Ok(entries) = std::fs::read_dir(self.shared.data.pids_dir()) {
+            for entry in entries.flatten() {
+                let name = entry.file_name();
+                let Some(id) = name.to_str().and_then(|n| n.strip_suffix(".pid")) else { continue };
+                if let Ok(id) = ProxyId::parse(id) {
+                    ids.insert(id);
+                }
             }
         }
-        candidates.sort_by(|a, b| a.0.cmp(&b.0));
-        candidates
+        let socket = [(OsString::from(SOCKET_VAR), self.shared.environment.socket.clone().into_os_string())];
+        let mut found: HashMap<ProxyId, Vec<u32>> = HashMap::new();
+        for (pid, id) in self.shared.supervisor.find_by_environment(&socket, PROXY_ID_VAR) {
+            let Some(id) = id.to_str().and_then(|id| ProxyId::parse(id).ok()) else { continue };
+            found.entry(id).or_default().push(pid);
+        }
+        ids.extend(found.keys().cloned());
+        *lock(&self.shared.found) = found;
+        ids.into_iter().map(|id| (id, pid_file_candidate())).collect()
     }
+}
+
+const PROXY_ID_VAR: &str = "TETHER_PROXY_ID";
+const SOCKET_VAR: &str = "TETHER_SOCKET";
+
+/// The pid a pid file names, if it is readable.
+fn read_pid(path: &std::path::Path) -> Option<u32> {
+    crate::proc::parse_pid_file(&std::fs::read(path).ok()?)
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every critical section only moves values in or out.
+    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl OsProcessBackend {
@@ -281,6 +319,48 @@ impl OsProcessBackend {
                 spec
             }
         }
+    }
+
+    /// A spec that proves a process to be `id`'s instance started from this data dir: the
+    /// id and this agent's own socket in its environment. Without the token it proves
+    /// only enough to stop the process, never to keep it as the wanted proxy.
+    fn stop_spec(&self, id: &ProxyId, desired: Option<&ManagedProxy>) -> ProcessSpec {
+        let kill = desired.map(kill_policy).unwrap_or_default();
+        let mut spec = self.adoption_spec(id, None, kill);
+        spec.identity_env = vec![
+            (OsString::from(PROXY_ID_VAR), OsString::from(id.as_str())),
+            (OsString::from(SOCKET_VAR), self.shared.environment.socket.clone().into_os_string()),
+        ];
+        spec
+    }
+
+    /// Adopts `pid` as `id`'s instance: proven by the desired proxy's id and token, or, for a
+    /// proxy no longer wanted (its token is gone), by its id and this agent's socket, so
+    /// that it can be stopped.
+    fn adopt_candidate(&self, id: &ProxyId, desired: Option<&ManagedProxy>, pid: u32) -> Option<ProcessHandle> {
+        let spec = match desired {
+            Some(proxy) => self.shared.process_spec(proxy),
+            None => self.stop_spec(id, None),
+        };
+        self.shared.supervisor.adopt_by_environment(spec, pid)
+    }
+
+    /// Stops `pid` if it proves to be an instance of `id` started from this data dir: a
+    /// second instance, or one that runs with an outdated token.
+    async fn stop_duplicate(&self, id: &ProxyId, desired: Option<&ManagedProxy>, pid: u32) {
+        match self.shared.supervisor.stop_by_environment(self.stop_spec(id, desired), pid).await {
+            Some(status) => {
+                tracing::warn!(proxy = %id, pid, last_exit = ?status.last_exit, "another instance of the proxy was running; stopped it");
+            }
+            None => {
+                tracing::info!(proxy = %id, pid, "a process found for the proxy is not proven to be its instance; left alone")
+            }
+        }
+    }
+
+    /// The pids found for `id` by [`ProxyBackend::adoption_candidates`], taken once.
+    fn take_found(&self, id: &ProxyId) -> Vec<u32> {
+        lock(&self.shared.found).remove(id).unwrap_or_default()
     }
 }
 
@@ -321,8 +401,7 @@ impl OsProxyHandle {
     }
 
     fn lock(&self) -> MutexGuard<'_, HandleState> {
-        // Every critical section only moves values in or out.
-        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        lock(&self.state)
     }
 
     /// Takes over `process`: its status is forwarded from now on.

@@ -5,6 +5,7 @@
 //! through a bare pid, and it never reads `/proc` about a pid without holding a pidfd
 //! that was opened first, so that a reused pid cannot be mistaken for the original.
 
+use std::fmt::Write as _;
 use std::fs;
 use std::io;
 use std::os::fd::{AsFd, FromRawFd, OwnedFd};
@@ -36,6 +37,8 @@ pub struct Identity {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Stat {
     pub(crate) pgid: u32,
+    /// The session id.
+    pub(crate) sid: u32,
     pub(crate) start_time: u64,
 }
 
@@ -44,7 +47,11 @@ pub(crate) fn parse_stat(text: &str) -> Option<Stat> {
     let after_comm = &text[text.rfind(')')? + 1..];
     // Field 3 (state) is the first after the command name; field N is at index N - 3.
     let fields: Vec<&str> = after_comm.split_ascii_whitespace().collect();
-    Some(Stat { pgid: fields.get(5 - 3)?.parse().ok()?, start_time: fields.get(22 - 3)?.parse().ok()? })
+    Some(Stat {
+        pgid: fields.get(5 - 3)?.parse().ok()?,
+        sid: fields.get(6 - 3)?.parse().ok()?,
+        start_time: fields.get(22 - 3)?.parse().ok()?,
+    })
 }
 
 /// Reads `/proc/<pid>/stat`. Only meaningful while a pidfd of `pid` is held.
@@ -76,7 +83,35 @@ pub(crate) fn read_environ(pid: u32) -> io::Result<Vec<u8>> {
     fs::read(format!("/proc/{pid}/environ"))
 }
 
-/// Reads the pid in a pid file: one decimal number, optionally followed by a newline.
+/// Calls `visit` with the pid and environment of every process that could be an instance
+/// the supervisor spawned: it leads its own process group but not a session (every spawned
+/// process gets a group of its own and stays in the agent's session, while a daemonised
+/// helper that called `setsid()` leads a session). Processes whose `/proc` entries cannot
+/// be read (gone, or another user's without the privilege) are skipped.
+///
+/// A hint, not a proof: what it finds must be proven again through a pidfd.
+pub(crate) fn visit_group_leaders(mut visit: impl FnMut(u32, &[u8])) {
+    let Ok(entries) = fs::read_dir("/proc") else { return };
+    let mut path = String::new();
+    for entry in entries.flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|name| name.parse::<u32>().ok()) else { continue };
+        path.clear();
+        let _infallible = write!(path, "/proc/{pid}/stat");
+        let Ok(stat) = fs::read_to_string(&path) else { continue };
+        if !parse_stat(&stat).is_some_and(|stat| stat.pgid == pid && stat.sid != pid) {
+            continue;
+        }
+        if let Ok(environ) = read_environ(pid) {
+            visit(pid, &environ);
+        }
+    }
+}
+
+/// The value of `key` in the NUL-separated `environ` blob.
+pub(crate) fn environ_value<'a>(environ: &'a [u8], key: &[u8]) -> Option<&'a [u8]> {
+    environ.split(|&b| b == 0).find_map(|entry| entry.strip_prefix(key)?.strip_prefix(b"="))
+}
+
 /// The command line of `pid`: its NUL-separated words.
 pub(crate) fn read_cmdline(pid: u32) -> io::Result<Vec<std::ffi::OsString>> {
     use std::os::unix::ffi::OsStrExt;
@@ -90,6 +125,7 @@ pub(crate) fn read_cwd(pid: u32) -> io::Result<std::path::PathBuf> {
     std::fs::read_link(format!("/proc/{pid}/cwd"))
 }
 
+/// Reads the pid in a pid file: one decimal number, optionally followed by a newline.
 pub(crate) fn parse_pid_file(text: &[u8]) -> Option<u32> {
     let text = std::str::from_utf8(text).ok()?;
     let pid: u32 = text.trim_end_matches('\n').parse().ok()?;
@@ -168,7 +204,7 @@ mod tests {
     #[test]
     fn stat_parsing_survives_parentheses_and_spaces_in_the_name() {
         let line = "4242 (we) ird (x)) S 1 4242 4242 0 -1 4194560 107 0 0 0 0 0 0 0 20 0 1 0 987654 1000 100 18446744073709551615";
-        assert_eq!(parse_stat(line), Some(Stat { pgid: 4242, start_time: 987654 }));
+        assert_eq!(parse_stat(line), Some(Stat { pgid: 4242, sid: 4242, start_time: 987654 }));
         assert_eq!(parse_stat("4242 (x) S 1"), None);
         assert_eq!(parse_stat("garbage"), None);
     }

@@ -17,13 +17,14 @@ pub enum ProcessState {
     Starting,
     /// The process exists.
     Running,
-    /// The process exited and waits for its restart delay.
+    /// The process exited, or its restart failed (`error` says why), and it waits for its
+    /// restart delay.
     Backoff,
     /// A stop is in progress.
     Stopping,
     /// The process was stopped; it will not be restarted.
     Stopped,
-    /// The process could not be restarted; `error` says why. Supervision has ended.
+    /// The process can no longer be watched; `error` says why. Supervision has ended.
     Failed,
 }
 

@@ -7,7 +7,9 @@
 //! never signals a process group whose leader it has not proven to be the same process,
 //! and never restarts a process after a stop.
 
+use std::ffi::{OsStr, OsString};
 use std::io;
+use std::os::unix::ffi::OsStrExt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
@@ -27,6 +29,10 @@ use crate::rotate::Rotator;
 use crate::spawn::{self, Spawned};
 use crate::spec::{ProcessName, ProcessSpec, ProcessUpdate};
 use crate::status::{ExitReason, ProcessState, ProcessStatus};
+
+/// The shortest wait before a failed start is tried again, free attempts included: a
+/// program that cannot start at all must not spin the agent.
+const MIN_RETRY_DELAY: Duration = Duration::from_millis(100);
 
 /// Spawns, supervises, restarts, stops and adopts OS processes.
 ///
@@ -94,7 +100,7 @@ impl Supervisor {
         let identity = self.shared.identity(pid, pid, start_time);
         let instance =
             Instance { kind: InstanceKind::Child(child), pidfd, pid, pgid: pid, start_time, started: Instant::now() };
-        Ok(self.supervise(spec, instance, ProcessStatus::running(pid, SystemTime::now(), identity)))
+        Ok(self.supervise(spec, instance, ProcessStatus::running(pid, SystemTime::now(), identity), true))
     }
 
     /// Takes back a detached process, if `identity` proves that it is still the same one.
@@ -128,55 +134,88 @@ impl Supervisor {
             tracing::info!("not adopting: the pid belongs to another process now");
             return None;
         }
-        self.adopt_proven(spec, pidfd, identity.pid, stat)
+        self.adopt_proven(spec, pidfd, identity.pid, stat, true)
     }
 
     /// Takes back the process named in `spec.pid_file`, if its environment proves that it
-    /// is this spec's process.
-    ///
-    /// Proof: a pidfd for the pid can be opened, and then every pair of
-    /// `spec.identity_env` appears in its `/proc/<pid>/environ`, it leads its own process
-    /// group, and it was still alive after those were read. With an empty
-    /// `identity_env`, a missing or malformed pid file, or failed proof, the process is
-    /// left alone, never signalled, and `None` is returned.
+    /// is this spec's process ([`Supervisor::adopt_by_environment`]). A missing or
+    /// malformed pid file proves nothing: `None`.
     ///
     /// # Panics
     ///
     /// When called outside a tokio runtime.
     pub fn adopt_from_pid_file(&self, spec: ProcessSpec) -> Option<ProcessHandle> {
-        let span = tracing::info_span!("proxy.adopt", proxy = %spec.name, pid = tracing::field::Empty);
+        let pid = read_pid_file(&spec)?;
+        self.adopt_by_environment(spec, pid)
+    }
+
+    /// Takes back process `pid`, if its environment proves that it is this spec's process.
+    ///
+    /// Proof: a pidfd for the pid can be opened, and then every pair of
+    /// `spec.identity_env` appears in its `/proc/<pid>/environ`, it leads its own process
+    /// group, and it was still alive after those were read. With an empty `identity_env`
+    /// or failed proof, the process is left alone, never signalled, and `None` is
+    /// returned. The pid file is written for the adopted process.
+    ///
+    /// # Panics
+    ///
+    /// When called outside a tokio runtime.
+    pub fn adopt_by_environment(&self, spec: ProcessSpec, pid: u32) -> Option<ProcessHandle> {
+        let span = tracing::info_span!("proxy.adopt", proxy = %spec.name, pid);
         let _entered = span.enter();
-        if spec.identity_env.is_empty() {
-            tracing::info!("not adopting: the spec has no identity to prove");
-            return None;
-        }
-        let pid = match std::fs::read(&spec.pid_file) {
-            Ok(text) => proc::parse_pid_file(&text)?,
-            Err(error) => {
-                tracing::debug!(%error, "not adopting: no readable pid file");
-                return None;
-            }
+        let (pidfd, stat) = prove_by_environment(&spec, pid)?;
+        self.adopt_proven(spec, pidfd, pid, stat, true)
+    }
+
+    /// Stops process `pid`, if its environment proves that it is this spec's process (the
+    /// proof of [`Supervisor::adopt_by_environment`]), with the spec's kill policy. Its pid
+    /// file is left as it is: this is for a second instance, whose file names the first.
+    /// `None` when nothing was proven, and nothing was signalled.
+    ///
+    /// # Panics
+    ///
+    /// When called outside a tokio runtime.
+    pub async fn stop_by_environment(&self, spec: ProcessSpec, pid: u32) -> Option<ProcessStatus> {
+        let handle = {
+            let span = tracing::info_span!("proxy.adopt", proxy = %spec.name, pid);
+            let _entered = span.enter();
+            let (pidfd, stat) = prove_by_environment(&spec, pid)?;
+            self.adopt_proven(spec, pidfd, pid, stat, false)?
         };
-        span.record("pid", pid);
-        let pidfd = open_pidfd(pid)?;
-        let proven = proc::read_environ(pid).map(|environ| proc::environ_contains(&environ, &spec.identity_env));
-        if !matches!(proven, Ok(true)) {
-            tracing::info!("not adopting: the pid's environment does not hold the identity");
-            return None;
-        }
-        let stat = match proc::read_stat(pid) {
-            Ok(stat) if stat.pgid == pid => stat,
-            _ => {
-                tracing::info!("not adopting: the process does not lead its own group");
-                return None;
+        Some(handle.stop().await)
+    }
+
+    /// Every process that may be an instance started by a supervisor: it leads its own
+    /// process group, not a session, and its environment holds every pair of `required`.
+    /// Returns each one's pid and the value of `key` in its environment (empty if unset),
+    /// sorted by pid.
+    ///
+    /// A hint, not a proof: adopt or stop what it finds only through
+    /// [`Supervisor::adopt_by_environment`] or [`Supervisor::stop_by_environment`]. Costs
+    /// one read of `/proc/<pid>/stat` for every process of the machine.
+    pub fn find_by_environment(&self, required: &[(OsString, OsString)], key: &str) -> Vec<(u32, OsString)> {
+        let mut found = Vec::new();
+        proc::visit_group_leaders(|pid, environ| {
+            if proc::environ_contains(environ, required) {
+                let value = proc::environ_value(environ, key.as_bytes()).unwrap_or_default();
+                found.push((pid, OsStr::from_bytes(value).to_owned()));
             }
-        };
-        self.adopt_proven(spec, pidfd, pid, stat)
+        });
+        found.sort();
+        found
     }
 
     /// Finishes an adoption once `/proc` has vouched for `pid`: the pidfd, opened before
     /// `/proc` was read, must still refer to a live process.
-    fn adopt_proven(&self, spec: ProcessSpec, pidfd: Pidfd, pid: u32, stat: proc::Stat) -> Option<ProcessHandle> {
+    /// `write_pid_file`: whether the pid file is to name it (not for a second instance).
+    fn adopt_proven(
+        &self,
+        spec: ProcessSpec,
+        pidfd: Pidfd,
+        pid: u32,
+        stat: proc::Stat,
+        write_pid_file: bool,
+    ) -> Option<ProcessHandle> {
         if !matches!(pidfd.has_exited(), Ok(false)) {
             tracing::info!("not adopting: the process exited during the checks");
             return None;
@@ -194,21 +233,69 @@ impl Supervisor {
         };
         tracing::info!("process adopted");
         let identity = self.shared.identity(pid, stat.pgid, Some(stat.start_time));
-        Some(self.supervise(spec, instance, ProcessStatus::running(pid, started_at, identity)))
+        Some(self.supervise(spec, instance, ProcessStatus::running(pid, started_at, identity), write_pid_file))
     }
 
-    fn supervise(&self, spec: ProcessSpec, instance: Instance, status: ProcessStatus) -> ProcessHandle {
+    fn supervise(
+        &self,
+        spec: ProcessSpec,
+        instance: Instance,
+        status: ProcessStatus,
+        write_pid_file: bool,
+    ) -> ProcessHandle {
         let key = self.shared.next_key.fetch_add(1, Ordering::Relaxed);
-        self.shared.pid_files.write(&spec.pid_file, instance.pid);
+        if write_pid_file {
+            self.shared.pid_files.write(&spec.pid_file, instance.pid);
+        }
         self.shared.rotator.watch(key, &spec.logs.stdout, &spec.logs.stderr, spec.logs.limits);
         let (status_sender, status) = watch::channel(status);
         let (commands, receiver) = control::link();
         let name = spec.name.clone();
         let span = tracing::info_span!("proxy", proxy = %name);
-        let task =
-            Task { key, spec, shared: Arc::clone(&self.shared), status: status_sender, commands: receiver, attempt: 0 };
+        let task = Task {
+            key,
+            spec,
+            shared: Arc::clone(&self.shared),
+            status: status_sender,
+            commands: receiver,
+            attempt: 0,
+            last_pid: write_pid_file.then_some(instance.pid),
+        };
         let task = tokio::spawn(task.run(instance).instrument(span));
         ProcessHandle { name, commands, status, task }
+    }
+}
+
+/// The pid that `spec.pid_file` names, if it is a readable pid file.
+fn read_pid_file(spec: &ProcessSpec) -> Option<u32> {
+    match std::fs::read(&spec.pid_file) {
+        Ok(text) => proc::parse_pid_file(&text),
+        Err(error) => {
+            tracing::debug!(proxy = %spec.name, %error, "no readable pid file");
+            None
+        }
+    }
+}
+
+/// Proves that `pid` is `spec`'s process by the identity in its environment; see
+/// [`Supervisor::adopt_by_environment`].
+fn prove_by_environment(spec: &ProcessSpec, pid: u32) -> Option<(Pidfd, proc::Stat)> {
+    if spec.identity_env.is_empty() {
+        tracing::info!("not adopting: the spec has no identity to prove");
+        return None;
+    }
+    let pidfd = open_pidfd(pid)?;
+    let proven = proc::read_environ(pid).map(|environ| proc::environ_contains(&environ, &spec.identity_env));
+    if !matches!(proven, Ok(true)) {
+        tracing::info!("not adopting: the pid's environment does not hold the identity");
+        return None;
+    }
+    match proc::read_stat(pid) {
+        Ok(stat) if stat.pgid == pid => Some((pidfd, stat)),
+        _ => {
+            tracing::info!("not adopting: the process does not lead its own group");
+            None
+        }
     }
 }
 
@@ -380,6 +467,8 @@ struct Task {
     commands: control::Receiver,
     /// The attempt number of the restart that began the current run (0: first start).
     attempt: u32,
+    /// The pid of the latest instance: the one its pid file names, if any.
+    last_pid: Option<u32>,
 }
 
 enum Event {
@@ -505,7 +594,10 @@ impl Task {
     /// Publishes a final state after removing the pid file and forgetting the logs.
     async fn finish(&mut self, state: ProcessState, last_exit: Option<ExitReason>, error: Option<String>) {
         self.shared.rotator.forget(self.key);
-        let removed = self.shared.pid_files.remove(&self.spec.pid_file).await;
+        let removed = match self.last_pid {
+            Some(pid) => self.shared.pid_files.remove(&self.spec.pid_file, pid).await,
+            None => Ok(()),
+        };
         let error = error.or_else(|| removed.err().map(|cause| format!("failed to remove pid file: {cause}")));
         self.status.send_modify(|status| {
             status.state = state;
@@ -520,8 +612,9 @@ impl Task {
         });
     }
 
-    /// Handles an exit: sweeps the group, reaps, waits out the backoff, starts anew.
-    /// `None` when supervision ended instead (a stop, a detach, or a failed start).
+    /// Handles an exit: sweeps the group, reaps, waits out the backoff, starts anew, and
+    /// keeps trying on the backoff while starts fail. `None` when supervision ended instead
+    /// (a stop or a detach).
     async fn restart_after_exit(&mut self, instance: Instance) -> Option<Instance> {
         let (pid, run) = (instance.pid, instance.started.elapsed());
         // Sweep before reaping: until the leader is reaped its pgid cannot be reused, and a
@@ -536,7 +629,7 @@ impl Task {
         }
 
         self.attempt = backoff::next_attempt(&self.spec.restart, self.attempt, run);
-        let delay = self.spec.restart.delay_before(self.attempt);
+        let mut delay = self.spec.restart.delay_before(self.attempt);
         let (code, signal) = match last_exit {
             Some(ExitReason::Code(code)) => (Some(code), None),
             Some(ExitReason::Signal(signal)) => (None, Some(signal)),
@@ -558,46 +651,61 @@ impl Task {
             status.last_exit = last_exit;
         });
 
-        if !delay.is_zero() && !self.wait_backoff(delay).await {
-            return None;
-        }
-        self.status.send_modify(|status| status.state = ProcessState::Starting);
-        match spawn::spawn(&self.spec) {
-            Ok(Spawned { child, pid, pidfd }) => {
-                self.shared.pid_files.write(&self.spec.pid_file, pid);
-                self.shared.rotator.watch(
-                    self.key,
-                    &self.spec.logs.stdout,
-                    &self.spec.logs.stderr,
-                    self.spec.logs.limits,
-                );
-                tracing::info!(pid, attempt = self.attempt, "process restarted");
-                let start_time = proc::read_stat(pid).ok().map(|stat| stat.start_time);
-                let identity = self.shared.identity(pid, pid, start_time);
-                self.status.send_modify(|status| {
-                    status.state = ProcessState::Running;
-                    status.pid = Some(pid);
-                    status.identity = identity;
-                    status.restarts += 1;
-                    status.started_at = Some(SystemTime::now());
-                    status.error = None;
-                });
-                Some(Instance {
-                    kind: InstanceKind::Child(child),
-                    pidfd,
-                    pid,
-                    pgid: pid,
-                    start_time,
-                    started: Instant::now(),
-                })
+        loop {
+            if !delay.is_zero() {
+                // No pid file names a process that does not exist while the next one waits.
+                // (An immediate restart replaces the file instead.)
+                if let Some(pid) = self.last_pid.take() {
+                    self.shared.pid_files.forget(&self.spec.pid_file, pid);
+                }
+                if !self.wait_backoff(delay).await {
+                    return None;
+                }
             }
-            Err(error) => {
-                let message = error_chain(&error);
-                tracing::warn!(error = %message, "process cannot be restarted");
-                self.finish(ProcessState::Failed, None, Some(message)).await;
-                None
+            self.status.send_modify(|status| {
+                status.state = ProcessState::Starting;
+                // Every attempt counts, whether or not its spawn succeeds.
+                status.restarts += 1;
+            });
+            match spawn::spawn(&self.spec) {
+                Ok(spawned) => return Some(self.restarted(spawned)),
+                Err(error) => {
+                    // A failed start is not final: a descriptor, memory or the program
+                    // itself may be back by the next attempt, so it waits on the backoff.
+                    let message = error_chain(&error);
+                    self.attempt = self.attempt.saturating_add(1);
+                    delay = self.spec.restart.delay_before(self.attempt).max(MIN_RETRY_DELAY);
+                    tracing::warn!(
+                        error = %message,
+                        attempt = self.attempt,
+                        backoff_ms = delay.as_millis() as u64,
+                        "process cannot be restarted; retrying"
+                    );
+                    self.status.send_modify(|status| {
+                        status.state = ProcessState::Backoff;
+                        status.error = Some(format!("cannot restart: {message}"));
+                    });
+                }
             }
         }
+    }
+
+    /// Takes over a freshly restarted instance: pid file, log watch, status.
+    fn restarted(&mut self, Spawned { child, pid, pidfd }: Spawned) -> Instance {
+        self.shared.pid_files.write(&self.spec.pid_file, pid);
+        self.last_pid = Some(pid);
+        self.shared.rotator.watch(self.key, &self.spec.logs.stdout, &self.spec.logs.stderr, self.spec.logs.limits);
+        tracing::info!(pid, attempt = self.attempt, "process restarted");
+        let start_time = proc::read_stat(pid).ok().map(|stat| stat.start_time);
+        let identity = self.shared.identity(pid, pid, start_time);
+        self.status.send_modify(|status| {
+            status.state = ProcessState::Running;
+            status.pid = Some(pid);
+            status.identity = identity;
+            status.started_at = Some(SystemTime::now());
+            status.error = None;
+        });
+        Instance { kind: InstanceKind::Child(child), pidfd, pid, pgid: pid, start_time, started: Instant::now() }
     }
 
     /// Waits `delay` while answering commands. `false` when supervision ended meanwhile.

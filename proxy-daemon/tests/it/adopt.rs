@@ -124,3 +124,52 @@ async fn detach_during_backoff_reports_that_nothing_runs() {
     assert!(matches!(error, DetachError::NotRunning { state: ProcessState::Backoff }), "{error:?}");
     assert!(fx.marked_processes().is_empty());
 }
+
+#[tokio::test]
+async fn instances_are_found_by_their_environment_and_a_second_one_is_stopped_without_its_pid_file() {
+    let fx = Fixture::new();
+    let spec = fx.spec("twice-proxy", &["--sleep"]);
+    // Two instances of one spec, as two agents that crashed during start-up leave them.
+    let first = fx.supervisor.spawn(spec.clone()).unwrap();
+    let second = fx.supervisor.spawn(spec.clone()).unwrap();
+    let (first_pid, second_pid) = (first.status().pid.unwrap(), second.status().pid.unwrap());
+    eventually("the pid file to name the second", || read_pid_file(&spec.pid_file) == Some(second_pid)).await;
+    drop((first, second)); // supervision ends, the processes run on
+
+    let next = Supervisor::new().unwrap();
+    let mark = [(MARK.into(), fx.mark.clone().into())];
+    let found = next.find_by_environment(&mark, "TETHER_PROXY_ID");
+    let mut expected = vec![(first_pid, "twice-proxy".into()), (second_pid, "twice-proxy".into())];
+    expected.sort();
+    assert_eq!(found, expected);
+
+    let kept = next.adopt_by_environment(spec.clone(), first_pid).expect("the first is proven");
+    let mut wrong_token = spec.clone();
+    wrong_token.identity_env[1].1 = "not-the-token".into();
+    assert!(within("refused stop", next.stop_by_environment(wrong_token, second_pid)).await.is_none());
+    assert!(!is_dead(second_pid), "nothing unproven is signalled");
+    let stopped = within("stop", next.stop_by_environment(spec.clone(), second_pid)).await.expect("proven");
+    assert_eq!(stopped.state, ProcessState::Stopped);
+    eventually("the second instance to die", || is_dead(second_pid)).await;
+    eventually("the pid file to name the kept instance", || read_pid_file(&spec.pid_file) == Some(first_pid)).await;
+    assert!(!is_dead(first_pid));
+    within("stop", kept.stop()).await;
+    eventually("the kept instance to die", || is_dead(first_pid)).await;
+}
+
+#[tokio::test]
+async fn a_daemonised_helper_is_not_taken_for_an_instance() {
+    let fx = Fixture::new();
+    let mut spec = fx.spec("daemonising-proxy", &[]);
+    spec.program = "/bin/sh".into();
+    // The helper calls setsid(): it leads a session, which no spawned instance does.
+    spec.args = vec!["-c".into(), "setsid sleep 30 & exec sleep 30".into()];
+    let handle = fx.supervisor.spawn(spec.clone()).unwrap();
+    let pid = handle.status().pid.unwrap();
+    eventually("the helper to start", || fx.marked_processes().len() == 2).await;
+    let mark = [(MARK.into(), fx.mark.clone().into())];
+    let found: Vec<u32> =
+        fx.supervisor.find_by_environment(&mark, "TETHER_PROXY_ID").into_iter().map(|(pid, _)| pid).collect();
+    assert_eq!(found, vec![pid]);
+    within("stop", handle.stop()).await;
+}

@@ -108,12 +108,13 @@ async fn dropping_the_handle_leaves_the_process_running() {
 }
 
 #[tokio::test]
-async fn restart_that_cannot_exec_ends_in_failed_with_the_reason() {
+async fn a_restart_that_cannot_exec_waits_on_the_backoff_with_the_reason_and_runs_once_it_can() {
     let fx = Fixture::new();
     let program = fx.data_dir().join("vanishing-proxy");
     std::fs::copy(helper(), &program).unwrap();
     let mut spec = fx.spec("vanish-proxy", &["--sleep"]);
     spec.program = program.clone();
+    spec.restart = RestartPolicy { free_attempts: 1, max_delay: Duration::from_secs(1), ..RestartPolicy::default() };
     let pid_file = spec.pid_file.clone();
     let handle = fx.supervisor.spawn(spec).unwrap();
     let pid = handle.status().pid.unwrap();
@@ -121,13 +122,28 @@ async fn restart_that_cannot_exec_ends_in_failed_with_the_reason() {
 
     std::fs::remove_file(&program).unwrap();
     send(pid, Signal::SIGKILL);
-    let status = status_where(&handle, "the failed restart", |status| status.state == ProcessState::Failed).await;
-    let error = status.error.expect("the reason");
-    assert!(error.starts_with(&format!("failed to execute `{}`", program.display())), "{error}");
+    let status = status_where(&handle, "the failed restart", |status| {
+        status.state == ProcessState::Backoff && status.error.is_some()
+    })
+    .await;
+    let error = status.error.clone().expect("the reason");
+    assert!(error.starts_with(&format!("cannot restart: failed to execute `{}`", program.display())), "{error}");
     assert_eq!(status.pid, None);
     assert_eq!(status.last_exit, Some(ExitReason::Signal(libc::SIGKILL)));
-    assert!(!pid_file.exists(), "no pid file names a process that does not exist");
-    assert_eq!(within("stop", handle.stop()).await.state, ProcessState::Failed, "stop after failure is a no-op");
+    assert!(status.restarts >= 1, "the failed attempt counts: {status:?}");
+    eventually("no pid file names a process that does not exist", || !pid_file.exists()).await;
+
+    // The program comes back: the next attempt on the backoff runs it, with no change made.
+    std::fs::copy(helper(), &program).unwrap();
+    let status =
+        status_where(&handle, "the restart once the program is back", |status| status.state == ProcessState::Running)
+            .await;
+    assert_eq!(status.error, None);
+    let new_pid = status.pid.unwrap();
+    assert_ne!(new_pid, pid);
+    eventually("the pid file to name the new instance", || read_pid_file(&pid_file) == Some(new_pid)).await;
+    assert_eq!(within("stop", handle.stop()).await.state, ProcessState::Stopped);
+    eventually("the pid file removed on stop", || !pid_file.exists()).await;
 }
 
 #[tokio::test]
