@@ -6,7 +6,8 @@
 //! outlives it. It must never touch a process itself (only through [`ProxyHandle`]), never
 //! hold a lock across an await, and never run two actions on one proxy at once.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -64,7 +65,7 @@ pub enum ShutdownError {
         source: SnapshotError,
     },
     /// Some proxies did not stop.
-    #[error("{} proxies did not stop", .failed.len())]
+    #[error("{} proxies did not stop: {}", .failed.len(), join_ids(.failed))]
     Stop {
         /// Every proxy that did not stop.
         failed: Vec<ProxyId>,
@@ -72,6 +73,10 @@ pub enum ShutdownError {
         #[source]
         source: BackendError,
     },
+}
+
+fn join_ids(ids: &[ProxyId]) -> String {
+    ids.iter().map(ProxyId::as_str).collect::<Vec<_>>().join(", ")
 }
 
 /// The reason shown for a proxy that policy refuses.
@@ -98,13 +103,29 @@ struct Slot {
     /// What was wanted when the running action was launched.
     launched_for: Option<Arc<ManagedProxy>>,
     error: Option<String>,
+    /// Starts that failed in a row; the next retry waits per the restart policy.
+    start_failures: u32,
+    /// When the failed start is tried again, if it is to be.
+    retry_at: Option<Instant>,
 }
 
 impl Slot {
     fn new() -> Self {
-        Self { observed: Observed::Idle, installed: None, busy: None, launched_for: None, error: None }
+        Self {
+            observed: Observed::Idle,
+            installed: None,
+            busy: None,
+            launched_for: None,
+            error: None,
+            start_failures: 0,
+            retry_at: None,
+        }
     }
 }
+
+/// The shortest wait before a failed start is tried again, free attempts included: a
+/// proxy that cannot start at all must not spin the engine.
+const MIN_RETRY_DELAY: Duration = Duration::from_millis(100);
 
 /// What an action task reports back.
 enum Outcome {
@@ -155,6 +176,9 @@ pub struct Manager {
     dirty: HashSet<ProxyId>,
     backlog: VecDeque<ProxyId>,
     in_backlog: HashSet<ProxyId>,
+    /// Failed starts to try again, earliest first; an entry whose slot no longer has that
+    /// `retry_at` is stale and skipped.
+    retries: BinaryHeap<Reverse<(Instant, ProxyId)>>,
     actions: JoinSet<Outcome>,
     action_ids: HashMap<tokio::task::Id, ProxyId>,
     background: JoinSet<()>,
@@ -207,6 +231,7 @@ impl Manager {
             dirty: HashSet::new(),
             backlog: VecDeque::new(),
             in_backlog: HashSet::new(),
+            retries: BinaryHeap::new(),
             actions: JoinSet::new(),
             action_ids: HashMap::new(),
             background: JoinSet::new(),
@@ -243,6 +268,7 @@ impl Manager {
         while !shutdown.is_cancelled() {
             let deadline =
                 self.unsynced.map(|u| (u.last + self.config.sync_quiescent).min(u.first + self.config.sync_max_delay));
+            let retry = self.retries.peek().map(|Reverse((at, _))| *at);
             if deadline.is_some_and(|deadline| deadline <= Instant::now()) {
                 // Due already (a zero window): sync now rather than wait for the timer wheel's
                 // next millisecond.
@@ -260,6 +286,7 @@ impl Manager {
                     None => self.catalog_open = false,
                 },
                 () = sleep_until(deadline), if deadline.is_some() => self.sync(),
+                () = sleep_until(retry), if retry.is_some() => self.retry_due(),
                 else => break,
             }
         }
@@ -293,7 +320,7 @@ impl Manager {
     ///
     /// # Errors
     ///
-    /// [`ShutdownError::Stop`] if some proxies did not stop (they stay in the snapshot),
+    /// [`ShutdownError::Stop`] if some proxies did not stop (named in it; they stay in the snapshot),
     /// [`ShutdownError::Snapshot`] if the snapshot cannot be written.
     ///
     /// # Cancel safety
@@ -661,12 +688,31 @@ impl Manager {
                 tracing::info!(proxy = %id, "proxy started");
                 slot.observed = Observed::Running { applied: proxy.clone() };
                 slot.error = None;
+                slot.start_failures = 0;
+                slot.retry_at = None;
                 self.uninstall(&id);
                 self.install(&id, handle.into(), encoded_service(&proxy), Some(proxy.token().fingerprint()));
             }
             Ok(Outcome::StartFailed { error }) => {
                 let had_process = slot.installed.is_some() && action == Some(Action::Restart);
                 // A restart whose start failed has already stopped the old process.
+                // The start is tried again on the restart backoff: a descriptor, memory or
+                // the program itself may be back by then.
+                slot.start_failures = slot.start_failures.saturating_add(1);
+                let delay = wanted
+                    .as_ref()
+                    .map_or(Duration::ZERO, |proxy| proxy.spec().restart.delay_before(slot.start_failures))
+                    .max(MIN_RETRY_DELAY);
+                let at = Instant::now() + delay;
+                slot.retry_at = Some(at);
+                self.retries.push(Reverse((at, id.clone())));
+                tracing::warn!(
+                    proxy = %id,
+                    error = %crate::error_chain(&error),
+                    attempt = slot.start_failures,
+                    backoff_ms = delay.as_millis() as u64,
+                    "start failed; retrying"
+                );
                 slot.observed = Observed::Failed { wanted, has_process: false };
                 failed = Some(error);
                 if had_process || slot.installed.is_some() {
@@ -706,7 +752,9 @@ impl Manager {
         }
         if let Some(error) = failed {
             let message = crate::error_chain(&error);
-            tracing::warn!(proxy = %id, error = %message, "action failed; retried on the next change");
+            if !matches!(error, BackendError::Start { .. }) {
+                tracing::warn!(proxy = %id, error = %message, "action failed; retried on the next change");
+            }
             if let Some(slot) = self.slots.get_mut(&id) {
                 slot.error = Some(message);
             }
@@ -723,6 +771,27 @@ impl Manager {
         let mut board = self.published.lock();
         board.stats.in_flight = self.actions.len();
         board.stats.queued = self.backlog.len();
+    }
+
+    /// Tries again every failed start whose backoff is over.
+    fn retry_due(&mut self) {
+        let now = Instant::now();
+        while let Some(Reverse((at, _))) = self.retries.peek() {
+            if *at > now {
+                break;
+            }
+            let Some(Reverse((at, id))) = self.retries.pop() else { break };
+            let Some(slot) = self.slots.get_mut(&id) else { continue };
+            if slot.retry_at != Some(at) || slot.busy.is_some() {
+                continue; // stale: started, changed or forgotten since
+            }
+            slot.retry_at = None;
+            if let Observed::Failed { has_process: false, .. } = slot.observed {
+                tracing::info!(proxy = %id, attempt = slot.start_failures + 1, "retrying the failed start");
+                slot.observed = Observed::Idle;
+                self.consider(&id);
+            }
+        }
     }
 
     fn install(

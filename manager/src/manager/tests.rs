@@ -275,53 +275,77 @@ fn mock_handle(start: Result<(), ()>) -> MockProxyHandle {
     handle
 }
 
-#[tokio::test(start_paused = true)]
-async fn failed_start_leaves_the_proxy_failed_and_the_next_change_retries_it() {
+/// A manager whose backend fails the first start of web-proxy and runs the second, on a
+/// catalog where web-proxy's restart policy starts backing off at once (1 s, 2 s, ...).
+fn failing_once() -> (Manager, LocalState) {
     let mut backend = MockProxyBackend::new();
     let mut sequence = mockall::Sequence::new();
     backend.expect_create().times(1).in_sequence(&mut sequence).returning(|_| Box::new(mock_handle(Err(()))));
     backend.expect_create().times(1).in_sequence(&mut sequence).returning(|_| Box::new(mock_handle(Ok(()))));
     backend.expect_adoption_candidates().returning(Vec::new);
-    let state = catalog(&[service("web")]);
+    let mut web = service("web");
+    web.proxy.as_mut().unwrap().restart.free_attempts = 0;
+    let state = catalog(&[web]);
     let store = Arc::new(MemorySnapshotStore::new());
     let manager = Manager::new(Arc::new(state.clone()), Arc::new(backend), store, ManagerConfig::default());
+    (manager, state)
+}
+
+async fn next_in_state(events: &mut tokio::sync::broadcast::Receiver<ProxyEvent>, state: ProxyState) -> ProxyStatus {
+    tokio::time::timeout(LIMIT, async {
+        loop {
+            if let Ok(ProxyEvent::Changed(status)) = events.recv().await {
+                if status.state == state {
+                    return status;
+                }
+            }
+        }
+    })
+    .await
+    .unwrap()
+}
+
+#[tokio::test(start_paused = true)]
+async fn failed_start_leaves_the_proxy_failed_and_it_is_retried_on_the_backoff() {
+    let (manager, _state) = failing_once();
     let handle = manager.handle();
     let (shutdown, task) = spawn_run(manager);
     let mut events = handle.subscribe();
-    let failed = tokio::time::timeout(LIMIT, async {
-        loop {
-            if let Ok(ProxyEvent::Changed(status)) = events.recv().await {
-                if status.state == ProxyState::Failed {
-                    return status;
-                }
-            }
-        }
-    })
-    .await
-    .unwrap();
+    let failed = next_in_state(&mut events, ProxyState::Failed).await;
+    let failed_at = Instant::now();
     assert_eq!(failed.error.as_deref(), Some("cannot start proxy web-proxy: exec failed: no such file"));
     assert_eq!(handle.stats().failures, 1);
-    // Nothing retries it on its own: a complete pass of the same catalog leaves it failed.
-    tokio::time::sleep(Duration::from_secs(60)).await;
-    assert_eq!(handle.proxy(&pid("web")).unwrap().state, ProxyState::Failed);
-    let mut web = service("web");
-    web.port = Some(1);
-    state.upsert(web, Source::Api).unwrap();
-    let running = tokio::time::timeout(LIMIT, async {
-        loop {
-            if let Ok(ProxyEvent::Changed(status)) = events.recv().await {
-                if status.state == ProxyState::Running {
-                    return status;
-                }
-            }
-        }
-    })
-    .await
-    .unwrap();
+    // No change is made: the start is tried again after the first backoff step, 1 s.
+    let running = next_in_state(&mut events, ProxyState::Running).await;
     assert_eq!((running.pid, running.error), (Some(7), None));
+    let waited = failed_at.elapsed();
+    assert!(waited >= Duration::from_secs(1) && waited < Duration::from_millis(1100), "{waited:?}");
     let stats = handle.stats();
     assert_eq!(stats.actions_by_kind.get(&(crate::ActionKind::Start, false)), Some(&1));
     assert_eq!(stats.actions_by_kind.get(&(crate::ActionKind::Start, true)), Some(&1));
+    shutdown.cancel();
+    let manager = tokio::time::timeout(LIMIT, task).await.unwrap().unwrap();
+    tokio::time::timeout(LIMIT, manager.close()).await.unwrap().unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_change_retries_a_failed_start_at_once() {
+    let (manager, state) = failing_once();
+    let handle = manager.handle();
+    let (shutdown, task) = spawn_run(manager);
+    let mut events = handle.subscribe();
+    next_in_state(&mut events, ProxyState::Failed).await;
+    let changed_at = Instant::now();
+    let mut web = service("web");
+    web.proxy.as_mut().unwrap().restart.free_attempts = 0;
+    web.port = Some(1);
+    state.upsert(web, Source::Api).unwrap();
+    let running = next_in_state(&mut events, ProxyState::Running).await;
+    assert_eq!((running.pid, running.error), (Some(7), None));
+    // After the quiescent period (500 ms), not after the backoff (1 s).
+    let waited = changed_at.elapsed();
+    assert!(waited < Duration::from_secs(1), "{waited:?}");
+    let stats = handle.stats();
     assert!(stats.pass_buckets.iter().sum::<u64>() == stats.passes && stats.passes >= 2, "{stats:?}");
     shutdown.cancel();
     let manager = tokio::time::timeout(LIMIT, task).await.unwrap().unwrap();
