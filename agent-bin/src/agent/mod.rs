@@ -187,9 +187,10 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
         Ending::Leave(request) => {
             tracing::info!("leave: stopping every proxy");
             let result = manager.kill().await;
-            if result.is_ok() {
-                remove_snapshot(&data);
-            }
+            // Removed whatever the outcome: every proxy that could be stopped is, and one that
+            // could not keeps its pid file and its identity in its environment, through which
+            // the next agent finds it. The answer names the ones that did not stop.
+            remove_snapshot(&data);
             let reply = result.as_ref().map(|_| ()).map_err(|err| crate::error_chain(err));
             let _ = request.send(reply);
             // Let the answer reach the client before the socket closes.

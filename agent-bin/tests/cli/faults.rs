@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use assert_cmd::prelude::*;
 use nix::sys::signal::{Signal, kill};
@@ -791,4 +791,182 @@ fn a_proxy_started_after_the_last_snapshot_write_is_adopted_after_a_crash_not_ru
     assert_eq!(processes, vec![i32::try_from(web).unwrap()], "exactly one process runs web-proxy");
     assert_eq!(second.proxy("web-proxy").unwrap()["restarts"], 0);
     drop(second);
+}
+
+// ---------------------------------------------------------------------------------------
+// SIGKILL during start-up: the first agent has spawned some proxies, maybe without their
+// pid files or a snapshot, when it dies. The next one must find every instance.
+
+const STARTUP_SERVICES: usize = 50;
+const STARTUP_KILLS: usize = 30;
+
+/// The pids of `id`'s processes that lead their own group: instances, not their children.
+fn instances(socket: &Path) -> BTreeMap<String, Vec<i32>> {
+    let mut by_id = processes_by_proxy_id(socket);
+    for (_, pids) in by_id.iter_mut() {
+        pids.retain(|&pid| pgid_and_sid(pid).is_some_and(|(pgid, _)| pgid == pid));
+    }
+    by_id.retain(|_, pids| !pids.is_empty());
+    by_id
+}
+
+#[test]
+fn an_agent_killed_at_random_moments_of_start_up_never_runs_a_proxy_twice_and_leaves_no_orphan() {
+    let seed = seed();
+    eprintln!("TETHER_FAULT_SEED={seed}");
+    let mut random = SplitMix(seed);
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    let services: String = (0..STARTUP_SERVICES).map(|n| sleeper(&format!("s{n:02}"))).collect();
+    dirs.write_config("many.toml", &services);
+    let mut spawned_before_kill = Vec::new();
+    for round in 0..STARTUP_KILLS {
+        let kill_after = Duration::from_millis(3 + random.below(48) as u64);
+        let mut first = Agent::spawn(&dirs, &root_flags());
+        std::thread::sleep(kill_after); // the fault's moment, not a synchronisation
+        first.signal(Signal::SIGKILL);
+        first.wait();
+        spawned_before_kill.push(proxies_of(&dirs.socket()).len());
+
+        let second = Agent::start(&dirs, &root_flags());
+        let listed: BTreeMap<String, i32> = wait_for(&format!("round {round}: every proxy running"), || {
+            let proxies = second.proxies();
+            let running: BTreeMap<String, i32> = proxies
+                .iter()
+                .filter(|p| p["state"] == "running")
+                .map(|p| (p["id"].as_str().unwrap().to_owned(), i32::try_from(pid_of(p)).unwrap()))
+                .collect();
+            (running.len() == STARTUP_SERVICES).then_some(running)
+        });
+        // Duplicates are stopped while the second agent restores, before it lists anything as
+        // running; what runs now is what it lists, once each.
+        let running = instances(&dirs.socket());
+        let expected: BTreeMap<String, Vec<i32>> = listed.iter().map(|(id, pid)| (id.clone(), vec![*pid])).collect();
+        assert_eq!(
+            running,
+            expected,
+            "round {round} (killed after {kill_after:?}, seed {seed}): every proxy runs once, as listed\n{}",
+            second.logs()
+        );
+
+        let left = assert_cmd::Command::from_std(tether())
+            .arg("leave")
+            .arg("--data-dir")
+            .arg(&dirs.data)
+            .timeout(DEADLINE)
+            .output()
+            .unwrap();
+        assert!(left.status.success(), "round {round}: {}", String::from_utf8_lossy(&left.stderr));
+        let mut second = second;
+        assert!(second.wait().success());
+        assert_eq!(proxies_of(&dirs.socket()), Vec::<i32>::new(), "round {round}: leave leaves nothing");
+        assert!(!dirs.data.join("snapshot.json").exists());
+    }
+    // The rounds covered both sides of the window: kills before any spawn and after some.
+    eprintln!("processes alive at each kill: {spawned_before_kill:?}");
+    assert!(spawned_before_kill.iter().any(|&n| n > 0), "some kills landed after spawns: {spawned_before_kill:?}");
+}
+
+// ---------------------------------------------------------------------------------------
+// A restart whose pid-file write fails on a full disk, then a crash of the agent: the pid
+// file must not name the dead instance alone, and the next agent must find the live one.
+
+#[test]
+fn a_pid_file_write_lost_to_a_full_disk_then_a_crash_runs_no_proxy_twice() {
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    std::fs::create_dir(&dirs.data).unwrap();
+    if let Some(reason) = private_tmpfs_unavailable(&dirs.data) {
+        eprintln!("skipped: {reason}");
+        return;
+    }
+    dirs.write_config("a.toml", &sleeper("web"));
+    let agent_args = |command: &mut std::process::Command| {
+        command
+            .arg(env!("CARGO_BIN_EXE_tether"))
+            .arg("agent")
+            .arg("--config-dir")
+            .arg(&dirs.config)
+            .arg("--data-dir")
+            .arg(&dirs.data)
+            .args(["--sync-quiescent", "20ms", "--sync-max-delay", "200ms", "--log-format", "json"])
+            .args(["--log-level", "debug"])
+            .args(root_flags())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null());
+    };
+    // The first agent runs in a mount namespace of its own, on a 256 KiB tmpfs over its data
+    // dir. `unshare` and `sh` exec, so the child's pid is the agent's.
+    let log = dirs.temp.path().join("first.log");
+    let mut first = command(Path::new("unshare"));
+    first
+        .args(["--mount", "--propagation", "private", "sh", "-c"])
+        .arg(r#"mount -t tmpfs -o size=256k,mode=0700 tether-faults "$1" && shift && exec "$@""#)
+        .arg("sh")
+        .arg(&dirs.data);
+    agent_args(&mut first);
+    first.stderr(std::fs::File::create(&log).unwrap());
+    let mut first = Agent { child: Some(first.spawn().unwrap()), socket: dirs.socket(), log };
+    let inside = Path::new(&format!("/proc/{}/root", first.pid())).join(dirs.data.strip_prefix("/").unwrap());
+    let socket = inside.join("agent.sock");
+    wait_until("the agent's socket, in its mount namespace", || {
+        if let Some(status) = first.child.as_mut().unwrap().try_wait().unwrap() {
+            panic!("the agent exited with {status}: {}", first.logs());
+        }
+        get(&socket, "/v1/agent/health").map_err(|err| err.to_string()).map(drop)
+    });
+    let before = wait_running(&socket, "web-proxy", None);
+    let pid_file = inside.join("pids/web-proxy.pid");
+    wait_for("the pid file", || {
+        (std::fs::read_to_string(&pid_file).ok()?.trim() == before.to_string()).then_some(())
+    });
+
+    // Fill the file system, then kill the proxy: the restart's pid-file write fails.
+    let mut file = std::fs::File::create(inside.join("filler")).unwrap();
+    let page = vec![0_u8; 4096];
+    let full = (0..=64 + 16).find_map(|_| std::io::Write::write_all(&mut file, &page).err()).expect("full");
+    assert_eq!(full.raw_os_error(), Some(nix::errno::Errno::ENOSPC as i32), "{full}");
+    drop(file);
+    sigkill(before);
+    let live = wait_running(&socket, "web-proxy", Some(before));
+    wait_until("the failed pid-file write in the log", || {
+        let logs = first.logs();
+        match logs.lines().any(|l| l.contains("failed to write pid file") && l.contains("No space left")) {
+            true => Ok(()),
+            false => Err(logs.lines().filter(|l| l.contains("pid")).collect::<Vec<_>>().join("\n")),
+        }
+    });
+    let named = std::fs::read_to_string(&pid_file).ok();
+    assert_ne!(named.as_deref().map(str::trim), Some(before.to_string().as_str()), "no stale pid is left alone");
+    let temporaries: Vec<_> = std::fs::read_dir(inside.join("pids")).unwrap().flatten().map(|e| e.file_name()).collect();
+    assert!(temporaries.iter().all(|name| !name.to_string_lossy().ends_with(".tmp")), "{temporaries:?}");
+
+    // The agent crashes with the disk still full. The next one runs in the same mount
+    // namespace, which the live proxy keeps; `nsenter` execs, so its pid is the agent's.
+    first.signal(Signal::SIGKILL);
+    first.wait();
+    let log = dirs.temp.path().join("second.log");
+    let mut second = command(Path::new("nsenter"));
+    second.args(["--target", &live.to_string(), "--mount", "--"]);
+    agent_args(&mut second);
+    second.stderr(std::fs::File::create(&log).unwrap());
+    let mut second = Agent { child: Some(second.spawn().unwrap()), socket: dirs.socket(), log };
+    let inside = Path::new(&format!("/proc/{}/root", second.pid())).join(dirs.data.strip_prefix("/").unwrap());
+    let socket = inside.join("agent.sock");
+    wait_until("the second agent's socket", || {
+        if let Some(status) = second.child.as_mut().unwrap().try_wait().unwrap() {
+            panic!("the agent exited with {status}: {}", second.logs());
+        }
+        get(&socket, "/v1/agent/health").map_err(|err| err.to_string()).map(drop)
+    });
+    let listed = wait_running(&socket, "web-proxy", None);
+    assert_eq!(listed, live, "the live instance is adopted:\n{}", second.logs());
+    eprintln!("pid file after the failed write: {named:?}; the live instance: {live}");
+    let running = instances(&dirs.socket());
+    assert_eq!(running.get("web-proxy"), Some(&vec![i32::try_from(live).unwrap()]), "exactly one instance runs");
+    assert_eq!(running.len(), 1, "{running:?}");
+    let answer = put(&socket, "/v1/agent/leave", None).unwrap();
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    second.wait();
+    wait_for("no proxy left", || proxies_of(&dirs.socket()).is_empty().then_some(()));
 }
