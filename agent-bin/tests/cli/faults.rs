@@ -705,25 +705,30 @@ fn a_full_data_dir_file_system_fails_snapshot_writes_loudly_and_supervision_carr
         .find_map(|_| std::io::Write::write_all(&mut file, &page).err())
         .expect("a 256 KiB file system is full after 80 pages");
     assert_eq!(full.raw_os_error(), Some(nix::errno::Errno::ENOSPC as i32), "{full}");
-    drop(file);
 
     // Supervision goes on: a killed proxy is restarted, though neither its pid file nor the
-    // snapshot can be written.
-    sigkill(first);
-    let second = wait_running(&socket, "web-proxy", Some(first));
+    // snapshot can be written. A failed pid-file write removes the stale file, which frees a
+    // page that the snapshot write may take: the filler takes freed pages back, and the
+    // proxy is killed again until a snapshot write has failed.
+    let mut second = first;
     wait_for("the failed snapshot write in the log", || {
-        agent
-            .logs()
-            .lines()
-            .any(|l| l.contains("cannot write the snapshot") && l.contains("No space left"))
-            .then_some(())
+        let _full_again = (0..16).find_map(|_| std::io::Write::write_all(&mut file, &page).err());
+        let failed =
+            agent.logs().lines().any(|l| l.contains("cannot write the snapshot") && l.contains("No space left"));
+        if !failed {
+            sigkill(second);
+            second = wait_running(&socket, "web-proxy", Some(second));
+        }
+        failed.then_some(())
     });
+    drop(file);
     wait_for("the failure counted", || {
         (metric_at(&socket, "tether_snapshot_write_failures_total") > failures).then_some(())
     });
     let intact = std::fs::read_to_string(&snapshot).unwrap();
     serde_json::from_str::<serde_json::Value>(&intact).expect("the previous snapshot is intact");
-    assert!(intact.contains(&format!("\"pid\": {first},")), "{intact}");
+    assert!(intact.contains("\"pid\": "), "{intact}");
+    assert!(!intact.contains(&format!("\"pid\": {second},")), "the failed write named {second}: {intact}");
     // A registration, which must be persisted first, is refused and changes nothing.
     let refused = put(&socket, "/v1/agent/service/register", Some(r#"{"name": "late", "proxy": {}}"#)).unwrap();
     assert_eq!(refused.status, 500, "{}", refused.body);
@@ -917,9 +922,7 @@ fn a_pid_file_write_lost_to_a_full_disk_then_a_crash_runs_no_proxy_twice() {
     });
     let before = wait_running(&socket, "web-proxy", None);
     let pid_file = inside.join("pids/web-proxy.pid");
-    wait_for("the pid file", || {
-        (std::fs::read_to_string(&pid_file).ok()?.trim() == before.to_string()).then_some(())
-    });
+    wait_for("the pid file", || (std::fs::read_to_string(&pid_file).ok()?.trim() == before.to_string()).then_some(()));
 
     // Fill the file system, then kill the proxy: the restart's pid-file write fails.
     let mut file = std::fs::File::create(inside.join("filler")).unwrap();
@@ -938,7 +941,8 @@ fn a_pid_file_write_lost_to_a_full_disk_then_a_crash_runs_no_proxy_twice() {
     });
     let named = std::fs::read_to_string(&pid_file).ok();
     assert_ne!(named.as_deref().map(str::trim), Some(before.to_string().as_str()), "no stale pid is left alone");
-    let temporaries: Vec<_> = std::fs::read_dir(inside.join("pids")).unwrap().flatten().map(|e| e.file_name()).collect();
+    let temporaries: Vec<_> =
+        std::fs::read_dir(inside.join("pids")).unwrap().flatten().map(|e| e.file_name()).collect();
     assert!(temporaries.iter().all(|name| !name.to_string_lossy().ends_with(".tmp")), "{temporaries:?}");
 
     // The agent crashes with the disk still full. The next one runs in the same mount
