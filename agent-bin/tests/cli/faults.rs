@@ -974,3 +974,51 @@ fn a_pid_file_write_lost_to_a_full_disk_then_a_crash_runs_no_proxy_twice() {
     second.wait();
     wait_for("no proxy left", || proxies_of(&dirs.socket()).is_empty().then_some(()));
 }
+
+// ---------------------------------------------------------------------------------------
+// leave with proxies that cannot run: one whose program is missing, one whose program
+// vanished after it started. Neither holds leave up.
+
+#[test]
+fn leave_with_failed_proxies_stops_the_rest_and_removes_the_snapshot() {
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    let vanishing = dirs.temp.path().join("vanishing-sleep");
+    std::fs::copy("/bin/sleep", &vanishing).unwrap();
+    dirs.write_config(
+        "a.toml",
+        &format!(
+            "{}[[service]]\nname = \"missing\"\n[service.proxy]\ncommand = [\"/nonexistent/proxy\"]\n\
+             [[service]]\nname = \"vanishing\"\n[service.proxy]\ncommand = [\"{}\", \"3600\"]\n\
+             [service.proxy.restart]\nfree_attempts = 0\n",
+            sleeper("web"),
+            vanishing.display()
+        ),
+    );
+    let mut agent = Agent::start(&dirs, &root_flags());
+    let web = pid_of(&agent.wait_state("web-proxy", "running"));
+    let missing = agent.wait_state("missing-proxy", "failed");
+    assert!(missing["error"].as_str().unwrap().contains("/nonexistent/proxy"), "{missing}");
+    let vanishing_pid = pid_of(&agent.wait_state("vanishing-proxy", "running"));
+    wait_for("the snapshot", || dirs.data.join("snapshot.json").exists().then_some(()));
+    std::fs::remove_file(&vanishing).unwrap();
+    sigkill(vanishing_pid);
+    let backoff = wait_for("the failed restart", || {
+        agent.proxy("vanishing-proxy").filter(|p| p["state"] == "backoff" && p["error"].is_string())
+    });
+    assert!(backoff["error"].as_str().unwrap().starts_with("cannot restart: "), "{backoff}");
+    assert!(backoff["restarts"].as_u64().unwrap() >= 1, "a failed restart counts: {backoff}");
+
+    let left = assert_cmd::Command::from_std(tether())
+        .arg("leave")
+        .arg("--data-dir")
+        .arg(&dirs.data)
+        .timeout(DEADLINE)
+        .output()
+        .unwrap();
+    assert!(left.status.success(), "{}", String::from_utf8_lossy(&left.stderr));
+    assert!(agent.wait().success());
+    assert!(!alive(web));
+    assert_eq!(proxies_of(&dirs.socket()), Vec::<i32>::new(), "leave leaves nothing");
+    assert!(!dirs.data.join("snapshot.json").exists());
+}
