@@ -126,7 +126,7 @@ impl Shared {
 
 /// A process name for a proxy id; both follow the same rule.
 fn process_name(id: &ProxyId) -> ProcessName {
-    ProcessName::new(id.as_str()).unwrap_or_else(|_| unreachable!("a proxy id is a valid process name"))
+    ProcessName::of_proxy(id)
 }
 
 /// The running executable. When an upgrade replaced the file, the kernel reports the old

@@ -11,7 +11,7 @@ use crate::status::ProcessState;
 
 /// A process name that breaks SPEC.md's id rule.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("invalid process name {name:?}: it must match ^[A-Za-z0-9][A-Za-z0-9._-]{{0,127}}$")]
+#[error("invalid process name {name:?}: it must match ^[A-Za-z0-9][A-Za-z0-9._-]{{0,133}}$")]
 pub struct InvalidName {
     /// The rejected name.
     pub name: String,

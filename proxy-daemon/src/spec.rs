@@ -16,7 +16,9 @@ use crate::error::InvalidName;
 /// The name of a supervised process: the proxy id, such as `web-proxy`.
 ///
 /// It becomes part of file names (pid file, log files) and appears in tracing fields as
-/// `proxy`, so it follows SPEC.md's id rule: `^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$`.
+/// `proxy`, so it follows SPEC.md's id rule, with room for a proxy id: an ASCII letter or
+/// digit, then letters, digits, `.`, `_` and `-`, at most 134 bytes
+/// ([`tether_state::check_process_name`]).
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ProcessName(String);
 
@@ -25,19 +27,19 @@ impl ProcessName {
     ///
     /// # Errors
     ///
-    /// [`InvalidName`] when `name` is empty, longer than 128 bytes, starts with anything but
+    /// [`InvalidName`] when `name` is empty, longer than 134 bytes, starts with anything but
     /// an ASCII letter or digit, or holds anything but ASCII letters, digits, `.`, `_`, `-`.
     pub fn new(name: impl Into<String>) -> Result<Self, InvalidName> {
         let name = name.into();
-        let bytes = name.as_bytes();
-        let valid = !bytes.is_empty()
-            && bytes.len() <= 128
-            && bytes[0].is_ascii_alphanumeric()
-            && bytes.iter().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
-        if !valid {
-            return Err(InvalidName { name });
+        match tether_state::check_process_name(&name) {
+            Ok(()) => Ok(Self(name)),
+            Err(_reason) => Err(InvalidName { name }),
         }
-        Ok(Self(name))
+    }
+
+    /// The process name of a proxy: its id, which always follows the rule.
+    pub fn of_proxy(id: &tether_state::ProxyId) -> Self {
+        Self(id.as_str().to_owned())
     }
 
     /// The name as a string slice.
@@ -209,12 +211,20 @@ mod tests {
 
     #[test]
     fn names_follow_the_id_rule() {
-        for good in ["web-proxy", "a", "A.b_c-1", &"x".repeat(128)] {
+        // Up to 134 bytes: the id of the proxy of a 128-byte service id.
+        for good in ["web-proxy", "a", "A.b_c-1", &"x".repeat(128), &"x".repeat(134)] {
             assert!(ProcessName::new(good).is_ok(), "{good:?} should be valid");
         }
-        for bad in ["", "..", "-web", ".hidden", "a/b", "a b", "a\0b", &"x".repeat(129)] {
+        for bad in ["", "..", "-web", ".hidden", "a/b", "a b", "a\0b", &"x".repeat(135)] {
             assert!(ProcessName::new(bad).is_err(), "{bad:?} should be invalid");
         }
+    }
+
+    #[test]
+    fn every_proxy_id_is_a_process_name() {
+        let longest = tether_state::ServiceId::new("s".repeat(tether_state::MAX_SERVICE_ID_LEN)).unwrap().proxy_id();
+        assert_eq!(longest.as_str().len(), tether_state::MAX_PROXY_ID_LEN);
+        assert_eq!(ProcessName::new(longest.as_str()).unwrap(), ProcessName::of_proxy(&longest));
     }
 
     #[test]

@@ -14,6 +14,9 @@ pub const MAX_SERVICE_ID_LEN: usize = 128;
 /// The suffix that turns a service id into the id of its managed proxy.
 pub const PROXY_SUFFIX: &str = "-proxy";
 
+/// The longest proxy id, in bytes: the longest service id and [`PROXY_SUFFIX`].
+pub const MAX_PROXY_ID_LEN: usize = MAX_SERVICE_ID_LEN + PROXY_SUFFIX.len();
+
 /// The rule every service id must follow, as shown in error messages.
 pub const SERVICE_ID_RULE: &str = "^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$";
 
@@ -39,14 +42,42 @@ pub enum IdError {
     },
 }
 
-fn check_service_id(id: &str) -> Result<(), &'static str> {
+/// Checks `id` against [`SERVICE_ID_RULE`]; says which part of the rule it breaks.
+///
+/// The one id rule of the project: service ids, and the names built on them elsewhere (a
+/// fleet's node names), are checked here.
+///
+/// # Errors
+///
+/// The part of the rule `id` breaks, as a phrase for an error message.
+pub fn check_service_id(id: &str) -> Result<(), &'static str> {
+    if id.len() > MAX_SERVICE_ID_LEN {
+        return Err("it is longer than 128 bytes");
+    }
+    check_alphabet(id)
+}
+
+/// Checks a name that may be a service id or a proxy id (`<service id>-proxy`, up to
+/// [`MAX_PROXY_ID_LEN`] bytes): the id rule's alphabet, at most [`MAX_PROXY_ID_LEN`] bytes. A
+/// supervised process is named so, and every proxy id passes.
+///
+/// # Errors
+///
+/// The part of the rule `name` breaks, as a phrase for an error message.
+pub fn check_process_name(name: &str) -> Result<(), &'static str> {
+    if name.len() > MAX_PROXY_ID_LEN {
+        return Err("it is longer than 134 bytes");
+    }
+    check_alphabet(name)
+}
+
+/// The id rule without its length: not empty, a letter or digit first, then letters,
+/// digits, `.`, `_` and `-`.
+fn check_alphabet(id: &str) -> Result<(), &'static str> {
     let bytes = id.as_bytes();
     let Some(first) = bytes.first() else {
         return Err("it is empty");
     };
-    if bytes.len() > MAX_SERVICE_ID_LEN {
-        return Err("it is longer than 128 bytes");
-    }
     if !first.is_ascii_alphanumeric() {
         return Err("it must start with a letter or a digit");
     }

@@ -68,7 +68,10 @@ pub use catalog::{
     Catalog, CatalogError, ChangeNotifier, Changes, DesiredProxy, Entry, LocalState, ReplaceReport, Revision, Source,
     SourceKind, Subscription,
 };
-pub use id::{IdError, MAX_SERVICE_ID_LEN, PROXY_SUFFIX, ProxyId, SERVICE_ID_RULE, ServiceId};
+pub use id::{
+    IdError, MAX_PROXY_ID_LEN, MAX_SERVICE_ID_LEN, PROXY_SUFFIX, ProxyId, SERVICE_ID_RULE, ServiceId,
+    check_process_name, check_service_id,
+};
 pub use service::{
     CommandLine, ExecMode, KillPolicy, KillSignal, LogPolicy, ManagedProxy, NameError, ProxyChange, ProxyCommand,
     ProxyConfigMap, ProxySpec, RestartPolicy, Service, ServiceName,

@@ -40,7 +40,7 @@ pub(crate) struct Layout {
 /// A node name or prefix that cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum LayoutError {
-    #[error("node name `{node}` is invalid: it must be 1 to 128 of A-Z a-z 0-9 . _ - and not start with . or -")]
+    #[error("node name `{node}` is invalid: it must match {}", tether_state::SERVICE_ID_RULE)]
     Node { node: String },
     #[error("etcd prefix `{prefix}` is invalid: it must start with `/`")]
     Prefix { prefix: String },
@@ -52,10 +52,8 @@ impl Layout {
         if !prefix.starts_with('/') {
             return Err(LayoutError::Prefix { prefix: prefix.to_owned() });
         }
-        let valid_node = !node.is_empty()
-            && node.len() <= 128
-            && node.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
-            && !node.starts_with(['.', '-']);
+        // A node name is a key segment and a label: the id rule, as for a service id.
+        let valid_node = tether_state::check_service_id(node).is_ok();
         if !valid_node {
             return Err(LayoutError::Node { node: node.to_owned() });
         }

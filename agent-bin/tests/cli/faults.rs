@@ -1022,3 +1022,26 @@ fn leave_with_failed_proxies_stops_the_rest_and_removes_the_snapshot() {
     assert_eq!(proxies_of(&dirs.socket()), Vec::<i32>::new(), "leave leaves nothing");
     assert!(!dirs.data.join("snapshot.json").exists());
 }
+
+// ---------------------------------------------------------------------------------------
+// The id rule at its boundary: a 128-byte service id has a 134-byte proxy id, which names
+// its process, its pid file and its log files.
+
+#[test]
+fn a_service_with_the_longest_valid_id_runs() {
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    let id = format!("l{}", "o".repeat(127));
+    assert_eq!(id.len(), 128);
+    dirs.write_config("long.toml", &sleeper(&id));
+    let agent = Agent::start(&dirs, &root_flags());
+    let proxy_id = format!("{id}-proxy");
+    let status = agent.wait_state(&proxy_id, "running");
+    assert_eq!(status["error"], serde_json::Value::Null);
+    let pid = pid_of(&status);
+    wait_for("its pid file", || {
+        let text = std::fs::read_to_string(dirs.data.join(format!("pids/{proxy_id}.pid"))).ok()?;
+        (text.trim() == pid.to_string()).then_some(())
+    });
+    assert!(dirs.data.join(format!("logs/{proxy_id}-stdout.log")).exists());
+}
