@@ -1,0 +1,82 @@
+//! Limits on what the agent reads: `config` values nested past the limit are refused in
+//! config files, by `tether validate` and by the register API, naming the field.
+
+use assert_cmd::prelude::*;
+use nix::sys::signal::Signal;
+use predicates::prelude::*;
+
+use crate::support::*;
+
+/// `--allow-root` when the tests run as root, so that proxies without `user` may run.
+fn root_flags() -> Vec<&'static str> {
+    if is_root() { vec!["--allow-root"] } else { vec![] }
+}
+
+fn pid_of(status: &serde_json::Value) -> i32 {
+    status["pid"].as_i64().and_then(|pid| i32::try_from(pid).ok()).unwrap_or_else(|| panic!("no pid in {status}"))
+}
+
+const REGISTER: &str = "/v1/agent/service/register";
+
+/// A `[[service]]` running `sleep` whose `config` nests `depth` tables, counting `config`.
+fn nested_sleeper(name: &str, depth: usize) -> String {
+    format!("{}config = {}1{}\n", sleeper(name), "{ a = ".repeat(depth), " }".repeat(depth))
+}
+
+/// The field that a `config` nested past the limit is refused at, in a file.
+fn too_deep_field() -> String {
+    format!("field `service[0].proxy.config{}`: `config` nests tables and arrays more than 32 deep", ".a".repeat(32))
+}
+
+#[test]
+fn validate_and_the_agent_take_config_nested_32_deep_and_refuse_33_naming_the_field() {
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    dirs.write_config("deep.toml", &nested_sleeper("deep", 32));
+    tether().arg("validate").arg(&dirs.config).assert().code(0);
+
+    // Such a proxy survives an agent restart: the snapshot that holds it stays readable.
+    let mut first = Agent::start(&dirs, &root_flags());
+    let pid = pid_of(&first.wait_state("deep-proxy", "running"));
+    first.signal(Signal::SIGTERM);
+    assert!(first.wait().success());
+    let second = Agent::start(&dirs, &root_flags());
+    assert_eq!(pid_of(&second.wait_state("deep-proxy", "running")), pid);
+    assert!(!second.logs().contains("snapshot unusable"), "{}", second.logs());
+    drop(second);
+
+    let other = Dirs::new();
+    other.write_config("deep.toml", &nested_sleeper("deep", 33));
+    let file = other.config.join("deep.toml");
+    tether()
+        .arg("validate")
+        .arg(&other.config)
+        .assert()
+        .code(2)
+        .stderr(predicate::str::contains(format!("{}:", file.display())))
+        .stderr(predicate::str::contains(too_deep_field()));
+    let mut refused = Agent::spawn(&other, &root_flags());
+    assert_eq!(refused.wait().code(), Some(2));
+    assert!(refused.logs().contains(&too_deep_field()), "{}", refused.logs());
+}
+
+#[test]
+fn the_register_api_takes_config_nested_32_deep_and_refuses_33_naming_the_field() {
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    let agent = Agent::start(&dirs, &root_flags());
+    let body = |name: &str, depth: usize| {
+        format!(r#"{{"name": "{name}", "proxy": {{"config": {}1{}}}}}"#, r#"{"a": "#.repeat(depth), "}".repeat(depth))
+    };
+    let accepted = put(&dirs.socket(), REGISTER, Some(&body("ok", 32))).unwrap();
+    assert_eq!(accepted.status, 200, "{}", accepted.body);
+    wait_for("ok-proxy in the list", || agent.proxy("ok-proxy"));
+
+    let refused = put(&dirs.socket(), REGISTER, Some(&body("deep", 33))).unwrap();
+    assert_eq!(refused.status, 400, "{}", refused.body);
+    let error = refused.json()["error"].as_str().unwrap().to_owned();
+    let field = format!("field `proxy.config{}`", ".a".repeat(32));
+    assert!(error.starts_with("request body:1:") && error.contains(&field), "{error}");
+    assert!(error.contains("more than 32 deep"), "{error}");
+    assert!(agent.proxy("deep-proxy").is_none());
+}
