@@ -1,5 +1,5 @@
-//! Limits on what the agent reads: `config` values nested past the limit are refused in
-//! config files, by `tether validate` and by the register API, naming the field.
+//! What the agent refuses: proxies that would run as root without `--allow-root`, and
+//! `config` values nested past the limit, in config files, `tether validate` and the API.
 
 use assert_cmd::prelude::*;
 use nix::sys::signal::Signal;
@@ -16,7 +16,42 @@ fn pid_of(status: &serde_json::Value) -> i32 {
     status["pid"].as_i64().and_then(|pid| i32::try_from(pid).ok()).unwrap_or_else(|| panic!("no pid in {status}"))
 }
 
+/// The real uid of process `pid`.
+fn uid_of(pid: i32) -> u32 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|line| line.starts_with("Uid:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
 const REGISTER: &str = "/v1/agent/service/register";
+
+#[test]
+fn as_root_a_proxy_whose_user_is_root_is_blocked_unless_root_is_allowed() {
+    if !is_root() {
+        eprintln!("skipped: needs root (the root policy applies only to an agent running as uid 0)");
+        return;
+    }
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    dirs.write_config("a.toml", &sleeper("web").replace("kill_timeout", "user = \"root\"\nkill_timeout"));
+    let mut agent = Agent::start(&dirs, &[]);
+    let status = agent.wait_state("web-proxy", "blocked");
+    let error = status["error"].as_str().unwrap();
+    assert!(error.contains("`user` \"root\" is uid 0") && error.contains("--allow-root"), "{status}");
+    assert!(proxies_of(&dirs.socket()).is_empty(), "a blocked proxy never runs");
+
+    // Another user lifts the block, once the agent has looked that user up.
+    dirs.write_config("a.toml", &sleeper("web").replace("kill_timeout", "user = \"nobody\"\nkill_timeout"));
+    agent.signal(Signal::SIGHUP);
+    let nobody = nix::unistd::User::from_name("nobody").unwrap().unwrap().uid.as_raw();
+    assert_eq!(uid_of(pid_of(&agent.wait_state("web-proxy", "running"))), nobody);
+    tether().arg("leave").arg("--data-dir").arg(&dirs.data).assert().code(0);
+    assert!(agent.wait().success());
+
+    dirs.write_config("a.toml", &sleeper("web").replace("kill_timeout", "user = \"root\"\nkill_timeout"));
+    let agent = Agent::start(&dirs, &["--allow-root"]);
+    assert_eq!(uid_of(pid_of(&agent.wait_state("web-proxy", "running"))), 0);
+}
 
 /// A `[[service]]` running `sleep` whose `config` nests `depth` tables, counting `config`.
 fn nested_sleeper(name: &str, depth: usize) -> String {
