@@ -1,5 +1,6 @@
-//! What the agent refuses: proxies that would run as root without `--allow-root`, and
-//! `config` values nested past the limit, in config files, `tether validate` and the API.
+//! What the agent refuses: settings of the register API that need `--allow-api-commands`,
+//! proxies that would run as root without `--allow-root`, and `config` values nested past
+//! the limit, in config files, `tether validate` and the API.
 
 use assert_cmd::prelude::*;
 use nix::sys::signal::Signal;
@@ -24,6 +25,92 @@ fn uid_of(pid: i32) -> u32 {
 }
 
 const REGISTER: &str = "/v1/agent/service/register";
+
+/// One register body per refused setting, with the key its refusal names.
+fn refused_bodies() -> Vec<(String, &'static str)> {
+    let proxy = |name: &str, setting: &str| format!(r#"{{"name": "{name}", "proxy": {{{setting}}}}}"#);
+    vec![
+        (proxy("user", r#""user": "nobody""#), "`proxy.user`"),
+        (proxy("workdir", r#""working_dir": "/""#), "`proxy.working_dir`"),
+        (proxy("inherit", r#""inherit_env": true"#), "`proxy.inherit_env`"),
+        (proxy("preload", r#""env": {"LOG_LEVEL": "info", "LD_PRELOAD": "/tmp/evil.so"}"#), "`proxy.env.LD_PRELOAD`"),
+        (proxy("gconv", r#""env": {"GCONV_PATH": "/tmp"}"#), "`proxy.env.GCONV_PATH`"),
+        // Refused before its value is checked: an empty command is not the client's to set either.
+        (proxy("empty", r#""command": []"#), "`proxy.command`"),
+        // The probe that found the hole: root and a preloaded library, both refused.
+        (
+            r#"{"name": "pwn", "proxy": {"user": "root", "env": {"LD_PRELOAD": "/tmp/evil.so"}}}"#.to_owned(),
+            "`proxy.user`",
+        ),
+    ]
+}
+
+#[test]
+fn without_the_flag_the_register_api_refuses_what_runs_and_how_naming_the_key() {
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    let agent = Agent::start(&dirs, &root_flags());
+    for (body, key) in refused_bodies() {
+        let response = put(&dirs.socket(), REGISTER, Some(&body)).unwrap();
+        assert_eq!(response.status, 403, "{body}: {}", response.body);
+        let error = response.json()["error"].as_str().unwrap().to_owned();
+        assert!(error.contains(key) && error.contains("--allow-api-commands"), "{body}: {error}");
+    }
+    // Harmless settings, and the defaults `tether register` writes out, still register.
+    let plain = r#"{"name": "plain", "proxy": {"inherit_env": false, "env": {"LOG_LEVEL": "info"}}}"#;
+    let response = put(&dirs.socket(), REGISTER, Some(plain)).unwrap();
+    assert_eq!(response.status, 200, "{}", response.body);
+    // Registered after every refusal: once it is listed, a refused one would be too.
+    wait_for("plain-proxy in the list", || agent.proxy("plain-proxy"));
+    let ids: Vec<String> = agent.proxies().iter().map(|p| p["id"].as_str().unwrap().to_owned()).collect();
+    assert_eq!(ids, ["plain-proxy"]);
+    let registrations: Vec<_> = std::fs::read_dir(dirs.data.join("registrations")).unwrap().flatten().collect();
+    assert_eq!(registrations.len(), 1, "{registrations:?}");
+}
+
+#[test]
+fn with_the_flag_the_register_api_may_set_them() {
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    let mut flags = root_flags();
+    flags.push("--allow-api-commands");
+    let agent = Agent::start(&dirs, &flags);
+    let sleeper = |name: &str, setting: &str| {
+        format!(
+            r#"{{"name": "{name}", "proxy": {{"command": ["/bin/sleep", "3600"], "kill_timeout": "2s", {setting}}}}}"#
+        )
+    };
+    let user = if is_root() {
+        "nobody".to_owned()
+    } else {
+        nix::unistd::User::from_uid(nix::unistd::getuid()).unwrap().unwrap().name
+    };
+    let bodies = [
+        sleeper("user", &format!(r#""user": "{user}""#)),
+        sleeper("workdir", r#""working_dir": "/""#),
+        sleeper("inherit", r#""inherit_env": true"#),
+        sleeper("preload", r#""env": {"LD_PRELOAD": "/nonexistent/lib.so"}"#),
+        sleeper("gconv", r#""env": {"GCONV_PATH": "/nonexistent"}"#),
+    ];
+    for body in &bodies {
+        let response = put(&dirs.socket(), REGISTER, Some(body)).unwrap();
+        assert_eq!(response.status, 200, "{body}: {}", response.body);
+    }
+    let preload = pid_of(&agent.wait_state("preload-proxy", "running"));
+    assert_eq!(environ_var(preload, "LD_PRELOAD").as_deref(), Some("/nonexistent/lib.so"));
+    let gconv = pid_of(&agent.wait_state("gconv-proxy", "running"));
+    assert_eq!(environ_var(gconv, "GCONV_PATH").as_deref(), Some("/nonexistent"));
+    agent.wait_state("workdir-proxy", "running");
+    agent.wait_state("inherit-proxy", "running");
+    if is_root() {
+        let nobody = nix::unistd::User::from_name("nobody").unwrap().unwrap().uid.as_raw();
+        assert_eq!(uid_of(pid_of(&agent.wait_state("user-proxy", "running"))), nobody);
+    }
+    // With the flag the value is checked like any other: an empty command is a bad request.
+    let empty = put(&dirs.socket(), REGISTER, Some(r#"{"name": "empty", "proxy": {"command": []}}"#)).unwrap();
+    assert_eq!(empty.status, 400, "{}", empty.body);
+    assert!(empty.json()["error"].as_str().unwrap().contains("field `proxy.command`"), "{}", empty.body);
+}
 
 #[test]
 fn as_root_a_proxy_whose_user_is_root_is_blocked_unless_root_is_allowed() {
