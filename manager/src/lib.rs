@@ -6,7 +6,8 @@
 //! the snapshot of what runs, and the two shutdowns. It must never depend on `nix`,
 //! `tokio::process` or `tether-proxy-daemon`.
 //!
-//! - [`Manager`]: the engine; [`ManagerConfig`]: its windows, bounds and root policy.
+//! - [`Manager`]: the engine; [`ManagerConfig`]: its windows, bounds and root policy, with
+//!   the [`UserLookup`] through which the agent tells which users are root.
 //! - [`ProxyBackend`] and [`ProxyHandle`]: the seam to whatever runs proxies.
 //! - [`SnapshotStore`]: where the snapshot lives ([`FileSnapshotStore`], [`MemorySnapshotStore`]).
 //! - [`ManagerHandle`]: statuses, [`ProxyEvent`]s and [`ReconcileStats`] for the API and metrics.
@@ -98,6 +99,7 @@ mod manager;
 mod plan;
 mod snapshot;
 mod status;
+mod users;
 
 pub use backend::{BackendError, BoxError, LastExit, ProcessStatus, ProxyBackend, ProxyHandle, ProxyState};
 #[cfg(any(test, feature = "mock"))]
@@ -110,5 +112,6 @@ pub use snapshot::{
     SnapshotError, SnapshotStore, UnknownVersion,
 };
 pub use status::{ActionKind, ManagerHandle, PASS_BUCKETS, ProxyEvent, ProxyStatus, ReconcileStats};
+pub use users::UserLookup;
 
 pub(crate) use tether_state::error_chain;

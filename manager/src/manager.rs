@@ -25,9 +25,10 @@ use crate::snapshot::{
     EncodedRecord, EncodedService, ProxyRecord, SnapshotError, SnapshotStore, WriterMessage, WriterSender, writer,
 };
 use crate::status::{ActionKind, ManagerHandle, ProxyStatus, Published};
+use crate::users::UserLookup;
 
 /// How the engine behaves. `Default` gives SPEC's defaults.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct ManagerConfig {
     /// Sync after this long without a further catalog change (SPEC: 500ms).
     pub sync_quiescent: Duration,
@@ -37,8 +38,11 @@ pub struct ManagerConfig {
     pub max_concurrent_actions: usize,
     /// Whether the agent runs as uid 0. The agent fills it in; tests set it.
     pub running_as_root: bool,
-    /// Whether proxies without a `user` may run when the agent is root (`--allow-root`).
+    /// Whether proxies may run as uid 0 when the agent is root (`--allow-root`).
     pub allow_root: bool,
+    /// The uid of a proxy's `user`, for the root policy: when the agent is root and root is
+    /// not allowed, a proxy with no `user`, or with a `user` that is uid 0, is blocked.
+    pub users: UserLookup,
 }
 
 impl Default for ManagerConfig {
@@ -49,6 +53,7 @@ impl Default for ManagerConfig {
             max_concurrent_actions: 64,
             running_as_root: false,
             allow_root: false,
+            users: UserLookup::default(),
         }
     }
 }
@@ -78,10 +83,6 @@ pub enum ShutdownError {
 fn join_ids(ids: &[ProxyId]) -> String {
     ids.iter().map(ProxyId::as_str).collect::<Vec<_>>().join(", ")
 }
-
-/// The reason shown for a proxy that policy refuses.
-const ROOT_REFUSED: &str =
-    "refusing to run the proxy as root: the agent runs as uid 0 and the proxy has no `user` (allow with --allow-root)";
 
 /// A handle the engine holds, with what it needs to report and snapshot it.
 struct Installed {
@@ -215,7 +216,7 @@ impl Manager {
         // Subscribe now, so that no change made after construction is missed.
         let subscription = catalog.subscribe();
         let (status_tx, status_rx) = mpsc::unbounded_channel();
-        let policy = Policy { refuse_root: config.running_as_root && !config.allow_root };
+        let policy = Policy { refuse_root: config.running_as_root && !config.allow_root, ..Policy::default() };
         Self {
             catalog,
             backend,
@@ -569,6 +570,7 @@ impl Manager {
             if self.desired.get(&id).is_some_and(|old| old.revision == desired.revision) {
                 continue;
             }
+            self.resolve_user(&desired.proxy);
             self.desired.insert(id.clone(), desired);
             self.dirty.insert(id);
         }
@@ -591,6 +593,18 @@ impl Manager {
         board.stats.queued = self.backlog.len();
     }
 
+    /// Asks the user lookup again for the uid of `proxy`'s `user`, when root is refused: a
+    /// change to the proxy is when its user may have become, or stopped being, uid 0.
+    fn resolve_user(&mut self, proxy: &ManagedProxy) {
+        if !self.policy.refuse_root {
+            return;
+        }
+        if let Some(user) = proxy.spec().user.as_deref() {
+            let uid = self.config.users.uid(user);
+            self.policy.note_uid(user, uid);
+        }
+    }
+
     /// Plans one proxy and carries out the decision, or queues it when every action slot is
     /// taken. A proxy with an action running is left alone: its completion plans it again.
     fn consider(&mut self, id: &ProxyId) {
@@ -599,7 +613,7 @@ impl Manager {
             return;
         }
         let desired = self.desired.get(id).map(|d| &d.proxy);
-        let Some(action) = decide(desired, slot.map(|slot| &slot.observed), self.policy) else { return };
+        let Some(action) = decide(desired, slot.map(|slot| &slot.observed), &self.policy) else { return };
         tracing::debug!(proxy = %id, ?action, "decided");
         match action {
             Action::Forget => {
@@ -610,10 +624,11 @@ impl Manager {
             }
             Action::Block => {
                 let Some(wanted) = desired.cloned() else { return };
-                tracing::warn!(proxy = %id, "proxy blocked: it would run as root");
+                let error = self.policy.refusal(&wanted).map(|refusal| refusal.to_string());
+                tracing::warn!(proxy = %id, reason = error.as_deref(), "proxy blocked: it would run as root");
                 let slot = self.slots.entry(id.clone()).or_insert_with(Slot::new);
                 slot.observed = Observed::Blocked { wanted };
-                slot.error = Some(ROOT_REFUSED.to_owned());
+                slot.error = error;
                 self.publish(id);
             }
             Action::Start | Action::Stop | Action::Restart | Action::Update => {

@@ -4,21 +4,68 @@
 //! no I/O, holds no handles, spawns nothing and never looks at time. Whether a change needs
 //! a restart is `tether_state::ManagedProxy::change_to`'s decision, never re-derived here.
 
+use std::collections::BTreeSet;
+use std::fmt;
 use std::sync::Arc;
 
 use tether_state::{ManagedProxy, ProxyChange, Service, TokenFingerprint};
 
 /// Policy inputs of a decision.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct Policy {
-    /// The agent runs as uid 0 and root is not allowed: proxies without a `user` are refused.
+    /// The agent runs as uid 0 and root is not allowed: proxies that would run as uid 0 are
+    /// refused.
     pub(crate) refuse_root: bool,
+    /// The `user` names that have uid 0, as the agent's lookup last answered for them. The
+    /// engine keeps it current ([`Policy::note_uid`]) before it decides for a proxy that
+    /// names a user, so that the decision itself stays a function of its inputs.
+    pub(crate) root_users: BTreeSet<String>,
+}
+
+/// Why policy refuses a proxy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Refusal<'a> {
+    /// The proxy has no `user`: it would run as the agent, which is uid 0.
+    NoUser,
+    /// The proxy's `user` has uid 0.
+    RootUser(&'a str),
+}
+
+impl fmt::Display for Refusal<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("refusing to run the proxy as root: ")?;
+        match self {
+            Self::NoUser => f.write_str("it has no `user`, so it would run as the agent, uid 0")?,
+            Self::RootUser(user) => write!(f, "its `user` {user:?} is uid 0")?,
+        }
+        f.write_str(" (set a `user` that is not root, or allow root with --allow-root)")
+    }
 }
 
 impl Policy {
-    /// Whether `proxy` may not run under this policy.
-    pub(crate) fn blocks(self, proxy: &ManagedProxy) -> bool {
-        self.refuse_root && proxy.spec().user.is_none()
+    /// Why `proxy` may not run under this policy, if it may not.
+    pub(crate) fn refusal<'a>(&self, proxy: &'a ManagedProxy) -> Option<Refusal<'a>> {
+        if !self.refuse_root {
+            return None;
+        }
+        match proxy.spec().user.as_deref() {
+            None => Some(Refusal::NoUser),
+            Some(user) if self.root_users.contains(user) => Some(Refusal::RootUser(user)),
+            Some(_) => None,
+        }
+    }
+
+    /// Records what the agent's lookup answered for `user`: its uid, or `None` when the name
+    /// does not resolve (such a proxy is not refused: its start fails and says why).
+    pub(crate) fn note_uid(&mut self, user: &str, uid: Option<u32>) {
+        if uid == Some(0) {
+            // Looked up first: most answers change nothing, and need no allocation.
+            if !self.root_users.contains(user) {
+                self.root_users.insert(user.to_owned());
+            }
+        } else {
+            self.root_users.remove(user);
+        }
     }
 }
 
@@ -92,7 +139,7 @@ fn same(a: &ManagedProxy, b: &ManagedProxy) -> bool {
 pub(crate) fn decide(
     desired: Option<&Arc<ManagedProxy>>,
     observed: Option<&Observed>,
-    policy: Policy,
+    policy: &Policy,
 ) -> Option<Action> {
     let Some(wanted) = desired else {
         return match observed? {
@@ -103,7 +150,7 @@ pub(crate) fn decide(
         };
     };
     let observed = observed.unwrap_or(&Observed::Idle);
-    if policy.blocks(wanted) {
+    if policy.refusal(wanted).is_some() {
         return match observed {
             Observed::Blocked { wanted: was } if same(was, wanted) => None,
             Observed::Failed { wanted: Some(was), .. } if same(was, wanted) => None,
@@ -135,7 +182,7 @@ pub(crate) fn decide(
 pub(crate) fn plan(
     desired: &std::collections::HashMap<tether_state::ProxyId, Arc<ManagedProxy>>,
     observed: &std::collections::HashMap<tether_state::ProxyId, Observed>,
-    policy: Policy,
+    policy: &Policy,
 ) -> Vec<(tether_state::ProxyId, Action)> {
     let ids: std::collections::BTreeSet<&tether_state::ProxyId> = desired.keys().chain(observed.keys()).collect();
     ids.into_iter().filter_map(|id| Some((id.clone(), decide(desired.get(id), observed.get(id), policy)?))).collect()

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use serde::de::{self, Deserializer, IgnoredAny, Visitor};
+use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, Visitor};
 use serde::{Deserialize, Serialize, Serializer};
 
 use crate::id::ServiceId;
@@ -26,6 +26,14 @@ use crate::service::{
 
 /// The largest config file read, in bytes. Larger files are refused, not truncated.
 pub const MAX_FILE_SIZE: u64 = 16 * 1024 * 1024;
+
+/// How deep a proxy's `config` may nest tables and arrays, counting the `config` table
+/// itself: `config = { a = { b = [1] } }` is 3 deep. Deeper values are refused where they
+/// are read, with the field that goes too deep: a service is written back into
+/// registrations, snapshots and API answers inside a few more levels, and read again by
+/// parsers that stop at a recursion limit of their own (`serde_json`'s is 128), so a value
+/// that nested without bound would make those files unreadable.
+pub const MAX_CONFIG_DEPTH: usize = 32;
 
 /// Where a piece of configuration came from, for error messages.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -974,7 +982,7 @@ impl<'de> Deserialize<'de> for ConfigDef {
             }
 
             fn visit_map<A: de::MapAccess<'de>>(self, map: A) -> Result<ProxyConfigMap, A::Error> {
-                read_config_map(map)
+                read_config_map(map, 1)
             }
         }
 
@@ -982,27 +990,47 @@ impl<'de> Deserialize<'de> for ConfigDef {
     }
 }
 
-fn read_config_map<'de, A: de::MapAccess<'de>>(mut map: A) -> Result<ProxyConfigMap, A::Error> {
+/// Reads the entries of a table inside `config` that is `depth` deep.
+fn read_config_map<'de, A: de::MapAccess<'de>>(mut map: A, depth: usize) -> Result<ProxyConfigMap, A::Error> {
     let mut values = ProxyConfigMap::new();
     while let Some(key) = map.next_key::<String>()? {
-        let ConfigValue(value) = map.next_value()?;
+        let value = map.next_value_seed(ConfigValue { container_depth: depth })?;
         values.insert(key, value);
     }
     Ok(values)
 }
 
-/// One value inside `config`, read like `serde_json::Value` but without non-finite floats.
-struct ConfigValue(serde_json::Value);
+/// One value inside `config`, read like `serde_json::Value` but without non-finite floats,
+/// and no deeper than [`MAX_CONFIG_DEPTH`].
+#[derive(Clone, Copy)]
+struct ConfigValue {
+    /// How deep the table or array that holds the value is.
+    container_depth: usize,
+}
 
-impl<'de> Deserialize<'de> for ConfigValue {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        deserializer.deserialize_any(ConfigValueVisitor).map(Self)
+impl ConfigValue {
+    /// The depth of a table or array read as this value, or an error past the limit. Checked
+    /// before its entries are read, so that no input recurses further.
+    fn nested<E: de::Error>(self) -> Result<usize, E> {
+        let depth = self.container_depth + 1;
+        if depth > MAX_CONFIG_DEPTH {
+            return Err(E::custom(format!(
+                "`config` nests tables and arrays more than {MAX_CONFIG_DEPTH} deep (counting `config` itself)"
+            )));
+        }
+        Ok(depth)
     }
 }
 
-struct ConfigValueVisitor;
+impl<'de> DeserializeSeed<'de> for ConfigValue {
+    type Value = serde_json::Value;
 
-impl<'de> Visitor<'de> for ConfigValueVisitor {
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<serde_json::Value, D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for ConfigValue {
     type Value = serde_json::Value;
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -1044,19 +1072,21 @@ impl<'de> Visitor<'de> for ConfigValueVisitor {
     }
 
     fn visit_some<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
-        ConfigValue::deserialize(deserializer).map(|v| v.0)
+        DeserializeSeed::deserialize(self, deserializer)
     }
 
     fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let depth = self.nested()?;
         let mut values = Vec::new();
-        while let Some(ConfigValue(value)) = seq.next_element()? {
+        while let Some(value) = seq.next_element_seed(ConfigValue { container_depth: depth })? {
             values.push(value);
         }
         Ok(serde_json::Value::Array(values))
     }
 
     fn visit_map<A: de::MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
-        read_config_map(map).map(serde_json::Value::Object)
+        let depth = self.nested()?;
+        read_config_map(map, depth).map(serde_json::Value::Object)
     }
 }
 

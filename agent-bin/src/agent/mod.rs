@@ -6,6 +6,7 @@
 //! leave`) stops every proxy in parallel and removes the snapshot.
 
 pub(crate) mod dev;
+pub(crate) mod policy;
 pub(crate) mod sources;
 
 use std::net::SocketAddr;
@@ -106,6 +107,7 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
         sync_max_delay: options.sync_max_delay,
         running_as_root,
         allow_root: options.allow_root,
+        users: policy::system_users(),
         ..ManagerConfig::default()
     };
     let catalog = Arc::new(sources.state().clone());

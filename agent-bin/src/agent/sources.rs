@@ -1,8 +1,9 @@
 //! The agent's sources of services — config dirs and API registrations — merged into one
 //! `LocalState`, with registrations and tokens persisted under the data dir.
 //!
-//! This module decides policy at the catalog's door (API commands, config-vs-API
-//! ownership) and keeps the catalog and the data dir in step. It never starts a process.
+//! This module applies policy at the catalog's door (the settings the API may not make,
+//! which `policy` defines; config-vs-API ownership) and keeps the catalog and the data dir
+//! in step. It never starts a process.
 //!
 //! A new API registration enters the catalog before it is written to disk, so that the
 //! engine's quiescent period runs while the disk syncs; the client is answered only once
@@ -17,17 +18,27 @@ use std::sync::{Mutex, MutexGuard};
 use tether_state::config::{ConfigErrors, ConfigFile, ConfigLoader, DisplayPath, LoadStats};
 use tether_state::persist::{DataDir, PersistError};
 use tether_state::{
-    CatalogError, LocalState, ProxyCommand, ProxyId, ProxyToken, ReplaceReport, Service, ServiceId, Source, SourceKind,
+    CatalogError, LocalState, ProxyId, ProxyToken, ReplaceReport, Service, ServiceId, Source, SourceKind,
 };
+
+use super::policy::{self, ApiSetting};
 
 /// Why a registration or deregistration was refused. Nothing was changed.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum RegisterError {
-    /// The body sets `command` and the agent does not allow it (HTTP 403).
+    /// The body sets what runs or how (`command`, `user`, `working_dir`, `inherit_env`, a
+    /// loader variable in `env`) and the agent does not allow API commands (HTTP 403).
     #[error(
-        "service {id}: the register API may not set a proxy `command` unless the agent runs with --allow-api-commands"
+        "{}the register API may not set `{setting}`{} unless the agent runs with --allow-api-commands",
+        id.as_ref().map(|id| format!("service {id}: ")).unwrap_or_default(),
+        setting.note()
     )]
-    CommandRefused { id: ServiceId },
+    CommandRefused {
+        /// The service, when the body names a valid id.
+        id: Option<ServiceId>,
+        /// The first refused setting.
+        setting: ApiSetting,
+    },
     /// The catalog refused it: conflict with a config file (409) or unknown id (404).
     #[error(transparent)]
     Catalog(#[from] CatalogError),
@@ -236,11 +247,30 @@ impl Sources {
     }
 
     fn check_command_policy(&self, service: &Service) -> Result<(), RegisterError> {
-        let sets_command = service.proxy.as_ref().is_some_and(|p| matches!(p.command, ProxyCommand::Exec(_)));
-        if sets_command && !self.allow_api_commands {
-            return Err(RegisterError::CommandRefused { id: service.id.clone() });
+        if self.allow_api_commands {
+            return Ok(());
         }
-        Ok(())
+        match policy::refused_setting(service) {
+            Some(setting) => Err(RegisterError::CommandRefused { id: Some(service.id.clone()), setting }),
+            None => Ok(()),
+        }
+    }
+
+    /// Refuses a register body that makes a setting the API may not make, before the body
+    /// is validated: whoever may not set `command` learns that, not what is wrong with the
+    /// value. [`Sources::register`] checks the parsed service again.
+    ///
+    /// # Errors
+    ///
+    /// [`RegisterError::CommandRefused`].
+    pub(crate) fn check_register_body(&self, text: &str) -> Result<(), RegisterError> {
+        if self.allow_api_commands {
+            return Ok(());
+        }
+        match policy::refused_in_body(text) {
+            Some((id, setting)) => Err(RegisterError::CommandRefused { id, setting }),
+            None => Ok(()),
+        }
     }
 
     /// Registers (or replaces) a service through the API and persists it. Returns once the
@@ -428,6 +458,42 @@ mod tests {
         assert_eq!(after.revision, before.revision);
         assert_eq!(after.service.port, Some(8080));
         assert_eq!(after.proxy.unwrap().token(), before.proxy.unwrap().token());
+    }
+
+    #[test]
+    fn api_settings_that_need_the_flag_are_refused_and_not_loaded_back_without_it() {
+        let root = tempfile::tempdir().unwrap();
+        let config = root.path().join("config");
+        std::fs::create_dir_all(&config).unwrap();
+        let data = DataDir::open(root.path().join("data")).unwrap();
+        let mut preloaded = service("web", 8080);
+        let proxy = preloaded.proxy.as_mut().unwrap();
+        proxy.env.insert("LD_PRELOAD".into(), "/tmp/evil.so".into());
+        proxy.user = Some("nobody".into());
+
+        let strict = Sources::open(data.clone(), vec![config.clone()], false).unwrap();
+        let err = strict.register(preloaded.clone()).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "service web: the register API may not set `proxy.user` unless the agent runs with --allow-api-commands"
+        );
+        preloaded.proxy.as_mut().unwrap().user = None;
+        let err = strict.register(preloaded.clone()).unwrap_err();
+        assert!(
+            matches!(&err, RegisterError::CommandRefused { setting: ApiSetting::Env(name), .. } if name == "LD_PRELOAD")
+        );
+        assert!(err.to_string().contains("`proxy.env.LD_PRELOAD` (the dynamic loader or libc reads it)"), "{err}");
+        assert!(strict.state().is_empty());
+        drop(strict);
+
+        let allowing = Sources::open(data.clone(), vec![config.clone()], true).unwrap();
+        allowing.register(preloaded).unwrap();
+        drop(allowing);
+        // Registered while the flag was on: an agent without it leaves the file alone and
+        // the service out.
+        let strict = Sources::open(data.clone(), vec![config], false).unwrap();
+        assert!(strict.state().is_empty());
+        assert!(data.registrations_dir().join("web.json").is_file());
     }
 
     #[test]

@@ -139,6 +139,7 @@ async fn proxy(State(state): State<ApiState>, Path(id): Path<String>) -> Result<
 
 async fn register(State(state): State<ApiState>, body: Bytes) -> Result<Json<serde_json::Value>, ApiError> {
     let text = std::str::from_utf8(&body).map_err(|_| ApiError::new(StatusCode::BAD_REQUEST, "body is not UTF-8"))?;
+    state.sources.check_register_body(text)?;
     let service = config::parse_service(text, Format::Json, &Origin::Body)
         .map_err(|err| ApiError::new(StatusCode::BAD_REQUEST, crate::error_chain(&err)))?;
     let id = service.id.clone();

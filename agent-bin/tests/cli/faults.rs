@@ -487,7 +487,8 @@ fn hostile_config_dir(dirs: &Dirs) -> Vec<(String, &'static str)> {
     let named = |file: &str| config.join(file).display().to_string();
     vec![
         (named("huge.toml"), "file is larger than 16777216 bytes"),
-        (named("deep.json"), "recursion limit exceeded"),
+        // The JSON parser reaches the limit on `config`; TOML's own parser stops first.
+        (named("deep.json"), "`config` nests tables and arrays more than 32 deep"),
         (named("deep.toml"), "cannot recurse further"),
         (named("binary.toml"), ":2:12: not valid UTF-8"),
         // Followed like any symlink (config dirs are often links into a volume), read, refused.

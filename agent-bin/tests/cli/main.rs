@@ -9,5 +9,6 @@ mod faults;
 mod fleet;
 mod lifecycle;
 mod operations;
+mod policy;
 mod support;
 mod validate;

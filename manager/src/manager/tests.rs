@@ -373,6 +373,48 @@ async fn proxy_without_user_is_blocked_when_running_as_root() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn proxy_whose_user_is_uid_0_is_blocked_and_its_user_is_looked_up_again_when_it_changes() {
+    let uids = Arc::new(std::sync::Mutex::new(HashMap::from([("toor", 0), ("svc", 1000)])));
+    let users = {
+        let uids = uids.clone();
+        UserLookup::new(move |user| uids.lock().unwrap().get(user).copied())
+    };
+    let run_as = |name: &str, user: &str| {
+        let mut service = service(name);
+        service.proxy.as_mut().unwrap().user = Some(user.into());
+        service
+    };
+    let config = ManagerConfig { running_as_root: true, users, ..ManagerConfig::default() };
+    let state = catalog(&[run_as("web", "toor"), run_as("db", "svc")]);
+    let running = run_with(&state, &Fake::new(), &Arc::new(MemorySnapshotStore::new()), config.clone());
+    let web = running.until_state(&pid("web"), ProxyState::Blocked).await;
+    let error = web.error.unwrap_or_default();
+    assert!(error.contains("`user` \"toor\" is uid 0") && error.contains("--allow-root"), "{error}");
+    running.until_state(&pid("db"), ProxyState::Running).await;
+    assert_eq!(running.fake.live_ids(), ["db-proxy"]);
+
+    // svc becomes uid 0: nothing is asked until db changes; then it is stopped and blocked.
+    uids.lock().unwrap().insert("svc", 0);
+    let mut moved = run_as("db", "svc");
+    moved.port = Some(1);
+    state.upsert(moved, Source::Api).unwrap();
+    let db = running.until_state(&pid("db"), ProxyState::Blocked).await;
+    assert!(db.error.as_deref().is_some_and(|e| e.contains("\"svc\" is uid 0")), "{db:?}");
+    // toor is given up, and web runs as a user that does not resolve: its start, not the
+    // policy, has the last word.
+    state.upsert(run_as("web", "ghost"), Source::Api).unwrap();
+    running.until_state(&pid("web"), ProxyState::Running).await;
+    assert_eq!(running.fake.live_ids(), ["web-proxy"]);
+    running.stop().await;
+
+    let allowed = ManagerConfig { allow_root: true, ..config };
+    let running =
+        run_with(&catalog(&[run_as("web", "toor")]), &Fake::new(), &Arc::new(MemorySnapshotStore::new()), allowed);
+    running.until_state(&pid("web"), ProxyState::Running).await;
+    running.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
 async fn close_detaches_every_proxy_and_keeps_it_in_the_snapshot() {
     let running = run(&[service("web"), service("db")]);
     running.until_state(&pid("web"), ProxyState::Running).await;

@@ -1,13 +1,22 @@
 //! Tests of the pure planning function, through one `check` helper.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 
 use tether_state::{ProxyId, ProxySpec, ProxyToken, Service, ServiceId, ServiceName};
 
 use super::*;
 
-const ROOT: Policy = Policy { refuse_root: true };
-const OPEN: Policy = Policy { refuse_root: false };
+const ROOT: Policy = Policy { refuse_root: true, root_users: BTreeSet::new() };
+const OPEN: Policy = Policy { refuse_root: false, root_users: BTreeSet::new() };
+
+/// `policy`, knowing that `users` are uid 0.
+fn knowing_root(policy: Policy, users: &[&str]) -> Policy {
+    let mut policy = policy;
+    for user in users {
+        policy.note_uid(user, Some(0));
+    }
+    policy
+}
 
 fn token() -> ProxyToken {
     ProxyToken::from_hex("00112233445566778899aabbccddeeff").unwrap()
@@ -32,7 +41,11 @@ fn edited(name: &str, edit: impl FnOnce(&mut Service)) -> Arc<ManagedProxy> {
 }
 
 fn with_user(name: &str) -> Arc<ManagedProxy> {
-    edited(name, |s| s.proxy.as_mut().unwrap().user = Some("nobody".into()))
+    run_as(name, "nobody")
+}
+
+fn run_as(name: &str, user: &str) -> Arc<ManagedProxy> {
+    edited(name, |s| s.proxy.as_mut().unwrap().user = Some(user.into()))
 }
 
 fn running(proxy: &Arc<ManagedProxy>) -> Observed {
@@ -49,7 +62,7 @@ fn check(desired: &[Arc<ManagedProxy>], observed: &[(&str, Observed)], policy: P
         desired.iter().map(|p| (p.id().clone(), p.clone())).collect();
     let observed_map: HashMap<ProxyId, Observed> =
         observed.iter().map(|(id, o)| (ProxyId::parse(*id).unwrap(), o.clone())).collect();
-    let got = plan(&desired_map, &observed_map, policy);
+    let got = plan(&desired_map, &observed_map, &policy);
     let expected: Vec<(ProxyId, Action)> = expected.iter().map(|(id, a)| (ProxyId::parse(*id).unwrap(), *a)).collect();
     let ids: Vec<&ProxyId> = desired_map.keys().collect();
     assert_eq!(got, expected, "desired={ids:?} observed={observed:?} policy={policy:?}");
@@ -103,6 +116,59 @@ fn proxy_without_user_is_blocked_when_root_is_refused() {
     check(&[proxy("web")], &[], ROOT, &[("web-proxy", Action::Block)]);
     check(&[with_user("web")], &[], ROOT, &[("web-proxy", Action::Start)]);
     check(&[proxy("web")], &[], OPEN, &[("web-proxy", Action::Start)]);
+}
+
+#[test]
+fn proxy_whose_user_is_uid_0_is_blocked_when_root_is_refused() {
+    let policy = knowing_root(ROOT, &["root", "toor"]);
+    check(&[run_as("web", "root")], &[], policy.clone(), &[("web-proxy", Action::Block)]);
+    check(&[run_as("web", "toor")], &[], policy.clone(), &[("web-proxy", Action::Block)]);
+    check(&[with_user("web")], &[], policy.clone(), &[("web-proxy", Action::Start)]);
+    // A user that does not resolve is not known to be root: its start fails and says why.
+    check(&[run_as("web", "ghost")], &[], policy.clone(), &[("web-proxy", Action::Start)]);
+    check(
+        &[run_as("web", "root")],
+        &[("web-proxy", running(&with_user("web")))],
+        policy,
+        &[("web-proxy", Action::Stop)],
+    );
+    check(&[run_as("web", "root")], &[], knowing_root(OPEN, &["root"]), &[("web-proxy", Action::Start)]);
+}
+
+#[test]
+fn a_user_that_stops_being_uid_0_is_no_longer_refused() {
+    let mut policy = knowing_root(ROOT, &["svc"]);
+    let web = run_as("web", "svc");
+    check(std::slice::from_ref(&web), &[], policy.clone(), &[("web-proxy", Action::Block)]);
+    policy.note_uid("svc", Some(1000));
+    let blocked = Observed::Blocked { wanted: web.clone() };
+    check(std::slice::from_ref(&web), &[("web-proxy", blocked.clone())], knowing_root(ROOT, &["svc"]), &[]);
+    // The engine looks the user up again when the proxy changes, and decides with the answer.
+    check(&[web], &[("web-proxy", blocked)], policy.clone(), &[("web-proxy", Action::Start)]);
+    policy.note_uid("svc", None);
+    check(&[run_as("web", "svc")], &[], policy, &[("web-proxy", Action::Start)]);
+}
+
+#[test]
+fn a_refusal_names_the_user_and_its_uid() {
+    let policy = knowing_root(ROOT, &["toor"]);
+    let message = |proxy: &Arc<ManagedProxy>| policy.refusal(proxy).map(|refusal| refusal.to_string());
+    assert_eq!(
+        message(&run_as("web", "toor")).as_deref(),
+        Some(
+            "refusing to run the proxy as root: its `user` \"toor\" is uid 0 \
+             (set a `user` that is not root, or allow root with --allow-root)"
+        )
+    );
+    assert_eq!(
+        message(&proxy("web")).as_deref(),
+        Some(
+            "refusing to run the proxy as root: it has no `user`, so it would run as the agent, uid 0 \
+             (set a `user` that is not root, or allow root with --allow-root)"
+        )
+    );
+    assert_eq!(message(&with_user("web")), None);
+    assert_eq!(knowing_root(OPEN, &["toor"]).refusal(&run_as("web", "toor")), None);
 }
 
 #[test]

@@ -569,6 +569,53 @@ fn deep_nesting_is_an_error_not_a_crash() {
     assert!(parse_file(&toml, Format::Toml, &file()).is_err());
 }
 
+/// A proxy's `config` that nests `depth` tables, counting `config` itself, in TOML.
+fn toml_config_nested(depth: usize) -> String {
+    format!(
+        "[[service]]\nname = \"web\"\n[service.proxy]\nconfig = {}1{}\n",
+        "{ a = ".repeat(depth),
+        " }".repeat(depth)
+    )
+}
+
+/// The same as a register body, with the innermost tables turned into arrays.
+fn json_config_nested(depth: usize) -> String {
+    let tables = depth / 2;
+    let arrays = depth - tables;
+    format!(
+        "{{\"name\": \"web\", \"proxy\": {{\"config\": {}{}1{}{}}}}}",
+        "{\"a\": ".repeat(tables),
+        "[".repeat(arrays),
+        "]".repeat(arrays),
+        "}".repeat(tables)
+    )
+}
+
+#[test]
+fn config_nests_at_most_32_deep_and_the_error_names_the_field() {
+    assert_eq!(MAX_CONFIG_DEPTH, 32);
+    let config = one(&toml_config_nested(MAX_CONFIG_DEPTH)).proxy.unwrap().config;
+    assert_eq!(serde_json::to_string(&config).unwrap().matches('{').count(), MAX_CONFIG_DEPTH);
+    let err = toml_error(&toml_config_nested(MAX_CONFIG_DEPTH + 1));
+    let field = format!("service[0].proxy.config{}", ".a".repeat(MAX_CONFIG_DEPTH));
+    assert!(err.starts_with("conf.d/web.toml:4:"), "{err}");
+    assert!(
+        err.ends_with(&format!(
+            "field `{field}`: `config` nests tables and arrays more than 32 deep (counting `config` itself)"
+        )),
+        "{err}"
+    );
+
+    let body = parse_service(&json_config_nested(MAX_CONFIG_DEPTH), Format::Json, &Origin::Body).unwrap();
+    let written = to_service_text(&body, Format::Json).unwrap();
+    assert_eq!(parse_service(&written, Format::Json, &Origin::Body).unwrap(), body);
+    let err =
+        parse_service(&json_config_nested(MAX_CONFIG_DEPTH + 1), Format::Json, &Origin::Body).unwrap_err().to_string();
+    let field = format!("proxy.config{}{}", ".a".repeat(16), "[0]".repeat(16));
+    assert!(err.starts_with("request body:1:"), "{err}");
+    assert!(err.contains(&format!("field `{field}`: `config` nests tables and arrays more than 32 deep")), "{err}");
+}
+
 #[test]
 fn non_finite_floats_in_config_are_refused_not_turned_into_null() {
     // Found by the `config_toml` fuzz target: `nan` was read as `null`, so the service
