@@ -145,6 +145,11 @@ pub trait ProxyHandle: Send + Sync {
     /// Starts the proxy. Returns once the process exists, not once it is ready; from then
     /// on the backend restarts it when it exits, with its backoff.
     ///
+    /// The engine shows what [`ProxyHandle::status`] says: the backend itself sets the
+    /// status to [`ProxyState::Running`] (or `Starting`, until it counts the proxy as
+    /// running) when this returns `Ok`. A backend that never does leaves the proxy listed
+    /// as `pending`.
+    ///
     /// # Errors
     ///
     /// [`BackendError::Start`] when nothing runs (bad command, unknown user, …).
@@ -201,12 +206,17 @@ pub trait ProxyBackend: Send + Sync {
     /// # Cancel safety
     ///
     /// Must be cancel safe: a dropped call takes over nothing, and the engine asks again.
+    ///
+    /// The default adopts nothing: every proxy is started afresh after an agent restart.
     async fn restore(
         &self,
         id: ProxyId,
         record: serde_json::Value,
         desired: Option<Arc<ManagedProxy>>,
-    ) -> Option<Box<dyn ProxyHandle>>;
+    ) -> Option<Box<dyn ProxyHandle>> {
+        let _unused = (id, record, desired);
+        None
+    }
 
     /// Proxies that may still run from an earlier agent, found without the snapshot (for
     /// example from pid files), as records for [`ProxyBackend::restore`]. Asked at every
@@ -218,5 +228,9 @@ pub trait ProxyBackend: Send + Sync {
     /// proxy (its token, command and environment), not merely that it is alive: the engine
     /// then keeps it as started from `desired`. A candidate restored without `desired` is
     /// stopped.
-    async fn adoption_candidates(&self) -> Vec<(ProxyId, serde_json::Value)>;
+    ///
+    /// The default finds none.
+    async fn adoption_candidates(&self) -> Vec<(ProxyId, serde_json::Value)> {
+        Vec::new()
+    }
 }

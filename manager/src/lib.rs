@@ -20,13 +20,11 @@
 //! ```
 //! use std::sync::Arc;
 //!
-//! use async_trait::async_trait;
+//! use tether_manager::tether_state::{LocalState, ManagedProxy, ProxySpec, Service, ServiceId, ServiceName, Source};
 //! use tether_manager::{
-//!     BackendError, Manager, ManagerConfig, MemorySnapshotStore, ProcessStatus, ProxyBackend, ProxyHandle, ProxyState,
+//!     BackendError, CancellationToken, Manager, ManagerConfig, MemorySnapshotStore, ProcessStatus, ProxyBackend,
+//!     ProxyHandle, ProxyState, async_trait, watch,
 //! };
-//! use tether_state::{LocalState, ManagedProxy, ProxyId, ProxySpec, Service, ServiceId, ServiceName, Source};
-//! use tokio::sync::watch;
-//! use tokio_util::sync::CancellationToken;
 //!
 //! /// A "process" that is only a status.
 //! struct Pretend(watch::Sender<ProcessStatus>);
@@ -41,7 +39,7 @@
 //!     async fn detach(&self) {}
 //!     async fn update(&self, _proxy: Arc<ManagedProxy>) -> Result<(), BackendError> { Ok(()) }
 //!     fn status(&self) -> watch::Receiver<ProcessStatus> { self.0.subscribe() }
-//!     fn record(&self) -> serde_json::Value { serde_json::json!({ "pretend": true }) }
+//!     fn record(&self) -> tether_manager::serde_json::Value { tether_manager::serde_json::json!({ "pretend": true }) }
 //! }
 //!
 //! struct PretendBackend;
@@ -51,15 +49,8 @@
 //!     fn create(&self, _proxy: Arc<ManagedProxy>) -> Box<dyn ProxyHandle> {
 //!         Box::new(Pretend(watch::Sender::new(ProcessStatus::default())))
 //!     }
-//!     async fn restore(
-//!         &self,
-//!         _id: ProxyId,
-//!         _record: serde_json::Value,
-//!         _desired: Option<Arc<ManagedProxy>>,
-//!     ) -> Option<Box<dyn ProxyHandle>> {
-//!         None // nothing survives an agent restart here, so nothing is adopted
-//!     }
-//!     async fn adoption_candidates(&self) -> Vec<(ProxyId, serde_json::Value)> { Vec::new() }
+//!     // `restore` and `adoption_candidates` keep their defaults: nothing survives an agent
+//!     // restart here, so nothing is adopted.
 //! }
 //!
 //! # #[tokio::main(flavor = "current_thread")]
@@ -115,3 +106,10 @@ pub use status::{ActionKind, ManagerHandle, PASS_BUCKETS, ProxyEvent, ProxyStatu
 pub use users::UserLookup;
 
 pub(crate) use tether_state::error_chain;
+
+// What the public signatures need, so that a downstream backend depends on this crate alone.
+pub use async_trait::async_trait;
+pub use serde_json;
+pub use tether_state;
+pub use tokio::sync::watch;
+pub use tokio_util::sync::CancellationToken;

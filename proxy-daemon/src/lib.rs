@@ -12,6 +12,9 @@
 //! or detaches the process. [`Supervisor::adopt`] takes a detached process back on proof of
 //! its [`Identity`].
 //!
+//! With the default feature `manager`, [`OsProcessBackend`] adapts it to `tether-manager`'s
+//! backend traits; without it, the crate does not depend on the engine.
+//!
 //! ```no_run
 //! use tether_proxy_daemon::{ProcessName, ProcessSpec, Supervisor};
 //!
@@ -33,6 +36,7 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
 
+#[cfg(feature = "manager")]
 mod backend;
 mod backoff;
 mod control;
@@ -45,6 +49,7 @@ mod spec;
 mod status;
 mod supervisor;
 
+#[cfg(feature = "manager")]
 pub use backend::{AgentEnvironment, BUILT_IN_PROXY_ARG, OsProcessBackend};
 pub use error::{DetachError, InvalidName, SpawnError};
 pub use proc::Identity;

@@ -16,6 +16,10 @@ const ALLOWED_DEPS: &[(&str, &[&str])] = &[
     ("xtask", &[]),
 ];
 
+/// Allowed edges that must stay optional, so that the first crate builds without the
+/// second: the supervisor is reusable without the engine.
+const OPTIONAL_DEPS: &[(&str, &str)] = &[("tether-proxy-daemon", "tether-manager")];
+
 /// Every edge that is not allowed, and every member missing from the list.
 pub(crate) fn check(cargo: &str, root: &Path) -> Result<Vec<String>, String> {
     let output = Command::new(cargo)
@@ -39,9 +43,13 @@ pub(crate) fn check(cargo: &str, root: &Path) -> Result<Vec<String>, String> {
         };
         for dependency in package["dependencies"].as_array().into_iter().flatten() {
             let Some(target) = dependency["name"].as_str() else { continue };
+            let kind = dependency["kind"].as_str().unwrap_or("normal");
             if members.contains(&target) && !allowed.contains(&target) {
-                let kind = dependency["kind"].as_str().unwrap_or("normal");
                 problems.push(format!("{name} -> {target} ({kind}): not an allowed edge; see ARCHITECTURE.md"));
+            }
+            let must_be_optional = OPTIONAL_DEPS.contains(&(name, target)) && kind == "normal";
+            if must_be_optional && dependency["optional"].as_bool() != Some(true) {
+                problems.push(format!("{name} -> {target}: must be an optional dependency; see ARCHITECTURE.md"));
             }
         }
     }
