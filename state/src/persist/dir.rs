@@ -17,8 +17,8 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, PoisonError, RwLock};
 
 use nix::errno::Errno;
 use nix::fcntl::{AtFlags, FcntlArg, OFlag, fcntl, openat, readlinkat, renameat};
@@ -68,18 +68,33 @@ pub enum UnsafeEntry {
 ///
 /// Every operation takes a plain file name (no `/`, not `.` or `..`) and works relative to
 /// the descriptor: renaming or replacing the directory's path later does not redirect it.
-/// Files it creates are mode 0600.
+/// Files it creates are mode 0600. A subdirectory that is removed while open (an
+/// operator's `rm -r`) is made again through its parent's handle when a file is next
+/// created in it, so that the removal does not stop every later write.
 #[derive(Clone)]
 pub struct PrivateDir {
     inner: Arc<Inner>,
 }
 
 struct Inner {
-    fd: OwnedFd,
+    /// The directory as opened; replaced only when it was removed and made again.
+    opened: RwLock<Arc<Opened>>,
     /// Where the directory was when it was opened: for messages only.
     path: PathBuf,
+    /// The handle of its parent and its name there, to make it again; `None` for a root.
+    parent: Option<(PrivateDir, OsString)>,
+}
+
+struct Opened {
+    fd: OwnedFd,
     /// Device and inode: which directory this is.
     id: (nix::libc::dev_t, nix::libc::ino_t),
+}
+
+impl AsFd for Opened {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
 }
 
 impl fmt::Debug for PrivateDir {
@@ -91,7 +106,7 @@ impl fmt::Debug for PrivateDir {
 /// Two handles are equal when they hold the same directory.
 impl PartialEq for PrivateDir {
     fn eq(&self, other: &Self) -> bool {
-        self.inner.id == other.inner.id
+        Arc::ptr_eq(&self.inner, &other.inner) || self.fd().id == other.fd().id
     }
 }
 
@@ -124,7 +139,7 @@ impl PrivateDir {
         }
         let fd = nix::fcntl::open(&path, OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty())
             .map_err(|errno| write_error(errno.into()))?;
-        Self::private(fd, path)
+        Self::private(fd, path, None)
     }
 
     /// The directory at `path`, opened as it is (following links, creating and changing
@@ -134,20 +149,20 @@ impl PrivateDir {
         let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
         let fd = nix::fcntl::open(dir, OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty())?;
         let stat = fstat(&fd)?;
-        Ok((Self::from_parts(fd, dir.to_owned(), &stat), name))
+        Ok((Self::from_parts(fd, dir.to_owned(), &stat, None), name))
     }
 
-    fn from_parts(fd: OwnedFd, path: PathBuf, stat: &FileStat) -> Self {
-        let id = (stat.st_dev, stat.st_ino);
-        Self { inner: Arc::new(Inner { fd, path, id }) }
+    fn from_parts(fd: OwnedFd, path: PathBuf, stat: &FileStat, parent: Option<(PrivateDir, OsString)>) -> Self {
+        let opened = RwLock::new(Arc::new(Opened { fd, id: (stat.st_dev, stat.st_ino) }));
+        Self { inner: Arc::new(Inner { opened, path, parent }) }
     }
 
     /// Wraps a freshly opened directory, setting its mode to 0700.
-    fn private(fd: OwnedFd, path: PathBuf) -> Result<Self, PersistError> {
+    fn private(fd: OwnedFd, path: PathBuf, parent: Option<(PrivateDir, OsString)>) -> Result<Self, PersistError> {
         let stat = fstat(&fd).map_err(|errno| PersistError::Write { path: path.clone(), source: errno.into() })?;
         set_mode(fd.as_fd(), &stat, DIR_MODE, &path)
             .map_err(|source| PersistError::Write { path: path.clone(), source })?;
-        Ok(Self::from_parts(fd, path, &stat))
+        Ok(Self::from_parts(fd, path, &stat, parent))
     }
 
     /// Where the directory was when it was opened, for messages.
@@ -155,8 +170,31 @@ impl PrivateDir {
         &self.inner.path
     }
 
-    fn fd(&self) -> BorrowedFd<'_> {
-        self.inner.fd.as_fd()
+    /// The directory's descriptor, as currently opened.
+    fn fd(&self) -> Arc<Opened> {
+        Arc::clone(&self.inner.opened.read().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// Makes the directory again through its parent's handle if it was removed while open.
+    /// Returns whether it did.
+    fn recreate_if_removed(&self) -> bool {
+        let Some((parent, name)) = &self.inner.parent else {
+            return false;
+        };
+        if !fstat(self.fd()).is_ok_and(|stat| stat.st_nlink == 0) {
+            return false;
+        }
+        match parent.subdir(name) {
+            Ok(fresh) => {
+                *self.inner.opened.write().unwrap_or_else(PoisonError::into_inner) = fresh.fd();
+                tracing::warn!(path = %DisplayPath(self.path()), "made a removed directory of the data dir again");
+                true
+            }
+            Err(err) => {
+                tracing::warn!(path = %DisplayPath(self.path()), error = %err, "cannot make a removed directory of the data dir again");
+                false
+            }
+        }
     }
 
     /// The subdirectory `name`, created (mode 0700) if missing, its mode set to 0700.
@@ -176,7 +214,7 @@ impl PrivateDir {
         let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
         for _ in 0..ATTEMPTS {
             match openat(self.fd(), name, flags, Mode::empty()) {
-                Ok(fd) => return Self::private(fd, path),
+                Ok(fd) => return Self::private(fd, path, Some((self.clone(), name.to_owned()))),
                 Err(Errno::ENOENT) => match mkdirat(self.fd(), name, Mode::from_bits_truncate(DIR_MODE)) {
                     Ok(()) | Err(Errno::EEXIST) => {}
                     Err(errno) => return Err(write_error(errno.into())),
@@ -477,7 +515,12 @@ impl PrivateDir {
     /// a dangling link included, so nothing is ever followed.
     fn create(&self, name: &OsStr, access: OFlag) -> Result<OwnedFd, Errno> {
         let flags = access | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
-        let fd = openat(self.fd(), name, flags, Mode::from_bits_truncate(FILE_MODE))?;
+        let mode = Mode::from_bits_truncate(FILE_MODE);
+        let fd = match openat(self.fd(), name, flags, mode) {
+            // With a single component, ENOENT means that the directory itself is gone.
+            Err(Errno::ENOENT) if self.recreate_if_removed() => openat(self.fd(), name, flags, mode)?,
+            opened => opened?,
+        };
         // The umask may have taken bits away; SPEC's mode is exact.
         let stat = fstat(&fd)?;
         if stat.st_mode & 0o7777 != FILE_MODE {

@@ -421,3 +421,27 @@ fn linked_tokens_and_registrations_are_not_read_through_but_moved_aside() {
     assert!(is_link(&dir.registrations_dir().join("web.json.corrupt")));
     target.assert_untouched();
 }
+
+#[test]
+fn a_removed_subdirectory_is_made_again_when_a_file_is_next_created_in_it() {
+    let parent = tempfile::tempdir().unwrap();
+    let dir = DataDir::open(parent.path().join("data")).unwrap();
+    let logs = dir.logs().clone();
+    fs::remove_dir_all(dir.logs_dir()).unwrap();
+    logs.open_append("web-proxy-stdout.log").unwrap().write_all(b"x").unwrap();
+    assert_eq!(fs::read_to_string(dir.logs_dir().join("web-proxy-stdout.log")).unwrap(), "x");
+    assert_eq!(mode(&dir.logs_dir()), 0o700);
+    assert_eq!(&logs, dir.logs(), "every clone sees the new directory");
+
+    // Removed again, with a link in its place: made again without following it.
+    let target = Target::new(parent.path(), "target");
+    let elsewhere = parent.path().join("elsewhere");
+    fs::create_dir(&elsewhere).unwrap();
+    fs::remove_dir_all(dir.logs_dir()).unwrap();
+    std::os::unix::fs::symlink(&elsewhere, dir.logs_dir()).unwrap();
+    dir.logs().write_atomic("copy", Durability::Crash, b"y").unwrap();
+    assert!(!is_link(&dir.logs_dir()));
+    assert_eq!(fs::read_to_string(dir.logs_dir().join("copy")).unwrap(), "y");
+    assert_eq!(fs::read_dir(&elsewhere).unwrap().count(), 0);
+    target.assert_untouched();
+}
