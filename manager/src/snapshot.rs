@@ -8,7 +8,6 @@
 //! the current and the last written content, and copies none of them.
 
 use std::collections::BTreeMap;
-use std::fs;
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -307,7 +306,8 @@ impl FileSnapshotStore {
     }
 
     fn load_blocking(path: &Path) -> Result<Option<Snapshot>, SnapshotError> {
-        let problem = match fs::read(path) {
+        // Not through a link planted at the snapshot's name: that is reported and moved aside.
+        let problem = match persist::read_no_follow(path) {
             Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(None),
             Err(err) => Box::new(err),
             Ok(bytes) => match decode(&bytes) {

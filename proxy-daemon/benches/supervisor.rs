@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 use tether_proxy_daemon::{ProcessHandle, ProcessName, ProcessSpec, ProcessState, RestartPolicy, Supervisor};
+use tether_state::persist::DataDir;
 
 const PROCESSES: usize = 1_000;
 const KILLS: usize = 300;
@@ -34,9 +35,9 @@ fn env_for(name: &str) -> Vec<(String, String)> {
     ]
 }
 
-fn spec(data_dir: &Path, index: usize) -> ProcessSpec {
+fn spec(data: &DataDir, index: usize) -> ProcessSpec {
     let name = format!("bench{index}-proxy");
-    let mut spec = ProcessSpec::new(ProcessName::new(name.as_str()).unwrap(), PROGRAM, data_dir);
+    let mut spec = ProcessSpec::new(ProcessName::new(name.as_str()).unwrap(), PROGRAM, data);
     spec.args = vec!["--sleep".into()];
     spec.env = env_for(&name).into_iter().map(|(k, v)| (k.into(), v.into())).collect();
     spec.restart = RestartPolicy { free_attempts: u32::MAX, ..RestartPolicy::default() };
@@ -122,17 +123,17 @@ async fn stop_all(handles: Vec<ProcessHandle>) {
 
 /// Spawns `PROCESSES` processes through the supervisor until all are confirmed running.
 /// Returns the time taken, the RSS growth, and the handles.
-async fn supervised_spawn(supervisor: &Supervisor, data_dir: &Path) -> (Duration, u64, Vec<ProcessHandle>) {
+async fn supervised_spawn(supervisor: &Supervisor, data: &DataDir) -> (Duration, u64, Vec<ProcessHandle>) {
     let rss_before = rss_kib();
     let start = Instant::now();
     let mut handles = Vec::with_capacity(PROCESSES);
     for index in 0..PROCESSES {
-        handles.push(supervisor.spawn(spec(data_dir, index)).unwrap());
+        handles.push(supervisor.spawn(spec(data, index)).unwrap());
     }
     assert!(handles.iter().all(|handle| handle.status().state == ProcessState::Running));
     let elapsed = start.elapsed();
     // Let the pid-file writer and the log watcher catch up before reading the RSS.
-    let last = spec(data_dir, PROCESSES - 1).pid_file;
+    let last = spec(data, PROCESSES - 1).pid_file;
     let deadline = Instant::now() + Duration::from_secs(30);
     while !last.exists() && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -141,8 +142,8 @@ async fn supervised_spawn(supervisor: &Supervisor, data_dir: &Path) -> (Duration
     (elapsed, rss_after.saturating_sub(rss_before), handles)
 }
 
-async fn exit_to_replacement(supervisor: &Supervisor, data_dir: &Path) -> Vec<Duration> {
-    let handle = supervisor.spawn(spec(data_dir, PROCESSES + 1)).unwrap();
+async fn exit_to_replacement(supervisor: &Supervisor, data: &DataDir) -> Vec<Duration> {
+    let handle = supervisor.spawn(spec(data, PROCESSES + 1)).unwrap();
     let mut status = handle.subscribe();
     let mut latencies = Vec::with_capacity(KILLS);
     for _ in 0..KILLS {
@@ -173,12 +174,13 @@ fn main() {
         Some(parent) => tempfile::tempdir_in(parent).unwrap(),
         None => tempfile::tempdir().unwrap(),
     };
+    let data = DataDir::open(data_dir.path()).unwrap();
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     runtime.block_on(async {
         let supervisor = Supervisor::new().unwrap();
         // Warm-up: page in the program, the allocator and the runtime.
         let warm: Vec<_> =
-            (0..20).map(|index| supervisor.spawn(spec(data_dir.path(), PROCESSES + 10 + index)).unwrap()).collect();
+            (0..20).map(|index| supervisor.spawn(spec(&data, PROCESSES + 10 + index)).unwrap()).collect();
         stop_all(warm).await;
 
         let mut raw = Vec::new();
@@ -188,12 +190,13 @@ fn main() {
             // Fresh directories every round for both sides: every log file is created anew.
             let round_dir = data_dir.path().join(format!("round{round}"));
             raw.push(raw_posix_spawn(&round_dir));
-            let (elapsed, rss_kib, handles) = supervised_spawn(&supervisor, &round_dir).await;
+            let round_data = DataDir::open(&round_dir).unwrap();
+            let (elapsed, rss_kib, handles) = supervised_spawn(&supervisor, &round_data).await;
             supervised.push(elapsed);
             memory.push(rss_kib);
             stop_all(handles).await;
         }
-        let latencies = exit_to_replacement(&supervisor, data_dir.path()).await;
+        let latencies = exit_to_replacement(&supervisor, &data).await;
 
         let best_raw = *raw.iter().min().unwrap();
         let best_supervised = *supervised.iter().min().unwrap();

@@ -21,7 +21,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::proc::Identity;
-use crate::spec::{KillPolicy, LogLimits, LogSpec, ProcessName, ProcessSpec, ProcessUpdate};
+use crate::spec::{KillPolicy, LogFile, LogLimits, LogSpec, ProcessName, ProcessSpec, ProcessUpdate};
 use crate::status::{ExitReason, ProcessState, ProcessStatus};
 use crate::supervisor::{ProcessHandle, Supervisor};
 
@@ -106,7 +106,9 @@ impl Shared {
             env.push(("TETHER_HTTP_ADDR".into(), addr.into()));
         }
         env.extend(spec.env.iter().map(|(key, value)| (OsString::from(key), OsString::from(value))));
-        let (stdout, stderr) = self.data.log_files(id);
+        let (stdout, stderr) = DataDir::log_file_names(id);
+        let (stdout, stderr) =
+            (LogFile::new(self.data.logs().clone(), stdout), LogFile::new(self.data.logs().clone(), stderr));
         ProcessSpec {
             name,
             program,
@@ -312,7 +314,7 @@ impl OsProcessBackend {
         match desired {
             Some(proxy) => self.shared.process_spec(proxy),
             None => {
-                let mut spec = ProcessSpec::new(process_name(id), "/nonexistent", self.shared.data.root());
+                let mut spec = ProcessSpec::new(process_name(id), "/nonexistent", &self.shared.data);
                 spec.pid_file = self.shared.data.pid_file(id);
                 spec.kill = kill;
                 spec.restart_on_exit = false;

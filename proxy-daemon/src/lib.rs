@@ -17,10 +17,12 @@
 //!
 //! ```no_run
 //! use tether_proxy_daemon::{ProcessName, ProcessSpec, Supervisor};
+//! use tether_state::persist::DataDir;
 //!
 //! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
+//! let data = DataDir::open("/var/lib/tether")?;
 //! let name = ProcessName::new("web-proxy")?;
-//! let mut spec = ProcessSpec::new(name, "/usr/bin/envoy", "/var/lib/tether".as_ref());
+//! let mut spec = ProcessSpec::new(name, "/usr/bin/envoy", &data);
 //! spec.args = vec!["-c".into(), "/etc/envoy/web.yaml".into()];
 //! spec.env = vec![("PATH".into(), "/usr/bin:/bin".into())];
 //!
@@ -53,6 +55,6 @@ mod supervisor;
 pub use backend::{AgentEnvironment, BUILT_IN_PROXY_ARG, OsProcessBackend};
 pub use error::{DetachError, InvalidName, SpawnError};
 pub use proc::Identity;
-pub use spec::{KillPolicy, LogLimits, LogSpec, ProcessName, ProcessSpec, ProcessUpdate, RestartPolicy};
+pub use spec::{KillPolicy, LogFile, LogLimits, LogSpec, ProcessName, ProcessSpec, ProcessUpdate, RestartPolicy};
 pub use status::{ExitReason, ProcessState, ProcessStatus};
 pub use supervisor::{ProcessHandle, Supervisor};

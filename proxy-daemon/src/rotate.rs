@@ -7,20 +7,24 @@
 //! wake-up, the size is checked with `fstat`, and the watch is re-armed a second later.
 //! An idle agent therefore never wakes up here. It never opens a log for the process
 //! and never deletes a live log file.
+//!
+//! Every file is reached through the log directory's handle, never by path: a link
+//! planted at a log's name or at a rotated copy's name is never followed, its target never
+//! read, written or truncated. Copies are new 0600 files.
 
 use std::collections::{HashMap, VecDeque};
-use std::fs::{self, File};
+use std::fs::File;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, RawFd};
-use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify, WatchDescriptor};
+use tether_state::persist::{Durability, PersistError};
 use tokio::io::unix::AsyncFd;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use crate::spec::LogLimits;
+use crate::spec::{LogFile, LogLimits};
 
 /// How long a file that was just written stays unwatched: the rate limit of the checks.
 const REARM_AFTER: Duration = Duration::from_secs(1);
@@ -29,7 +33,7 @@ const REARM_AFTER: Duration = Duration::from_secs(1);
 type FileKey = (u64, u8);
 
 enum Command {
-    Watch { process: u64, paths: [PathBuf; 2], limits: LogLimits },
+    Watch { process: u64, files: [LogFile; 2], limits: LogLimits },
     Limits { process: u64, limits: LogLimits },
     Forget { process: u64 },
 }
@@ -55,9 +59,9 @@ impl Rotator {
     }
 
     /// Watches the two log files of `process`, replacing any earlier registration.
-    pub(crate) fn watch(&self, process: u64, stdout: &Path, stderr: &Path, limits: LogLimits) {
-        let paths = [stdout.to_owned(), stderr.to_owned()];
-        let _task_gone = self.commands.send(Command::Watch { process, paths, limits });
+    pub(crate) fn watch(&self, process: u64, stdout: &LogFile, stderr: &LogFile, limits: LogLimits) {
+        let files = [stdout.clone(), stderr.clone()];
+        let _task_gone = self.commands.send(Command::Watch { process, files, limits });
     }
 
     /// Changes the limits of `process`'s files.
@@ -87,7 +91,7 @@ impl AsRawFd for InotifyFd {
 }
 
 struct Watched {
-    path: PathBuf,
+    file: LogFile,
     limits: LogLimits,
     watch: Option<WatchDescriptor>,
 }
@@ -155,11 +159,11 @@ async fn sleep_until(deadline: Option<Instant>) {
 impl State {
     async fn apply(&mut self, command: Command) {
         match command {
-            Command::Watch { process, paths, limits } => {
-                for (stream, path) in (0u8..).zip(paths) {
+            Command::Watch { process, files, limits } => {
+                for (stream, file) in (0u8..).zip(files) {
                     let key = (process, stream);
                     let watch = self.files.remove(&key).and_then(|old| old.watch);
-                    self.files.insert(key, Watched { path, limits, watch });
+                    self.files.insert(key, Watched { file, limits, watch });
                     self.arm(key).await;
                 }
             }
@@ -206,16 +210,22 @@ impl State {
     /// Watches `key`'s file (again), then checks it: writes since the last event may
     /// already have taken it past its cap.
     async fn arm(&mut self, key: FileKey) {
-        let Some(file) = self.files.get_mut(&key) else {
+        let Some(watched) = self.files.get_mut(&key) else {
             return; // forgotten while it waited to be re-armed
         };
-        match self.inotify.get_ref().0.add_watch(&file.path, AddWatchFlags::IN_MODIFY | AddWatchFlags::IN_ONESHOT) {
+        // inotify has no `*at` form, so the watch is placed by path. It only decides when to
+        // check: a watch misplaced by a planted link costs a needless check, and the check
+        // itself goes through the directory's handle. IN_DONT_FOLLOW watches a link at the
+        // name itself, which never reports a write.
+        let path = watched.file.path();
+        let flags = AddWatchFlags::IN_MODIFY | AddWatchFlags::IN_ONESHOT | AddWatchFlags::IN_DONT_FOLLOW;
+        match self.inotify.get_ref().0.add_watch(&path, flags) {
             Ok(watch) => {
-                file.watch = Some(watch);
+                watched.watch = Some(watch);
                 self.by_watch.insert(watch, key);
             }
             Err(error) => {
-                tracing::warn!(path = %file.path.display(), %error, "failed to watch log file");
+                tracing::warn!(path = %path.display(), %error, "failed to watch log file");
                 return;
             }
         }
@@ -223,14 +233,18 @@ impl State {
     }
 
     async fn check(&mut self, key: FileKey) {
-        let Some(file) = self.files.get(&key) else {
+        let Some(watched) = self.files.get(&key) else {
             return;
         };
-        let (path, limits) = (file.path.clone(), file.limits);
-        let size = match File::open(&path).and_then(|opened| opened.metadata()) {
-            Ok(metadata) => metadata.len(),
+        let (log, limits) = (watched.file.clone(), watched.limits);
+        let (live, size) = match open_live(&log) {
+            Ok(Some(live)) => live,
+            Ok(None) => {
+                tracing::debug!(path = %log.path().display(), "no log file to check");
+                return;
+            }
             Err(error) => {
-                tracing::debug!(path = %path.display(), %error, "cannot check log file size");
+                tracing::warn!(path = %log.path().display(), error = %cause(&error), "log file not checked for rotation");
                 return;
             }
         };
@@ -238,62 +252,176 @@ impl State {
             return;
         }
         // Copying up to `max_size` bytes blocks: keep it off the runtime's threads.
-        let rotated = tokio::task::spawn_blocking(move || rotate(&path, limits.keep).map(|()| path)).await;
+        let rotated = tokio::task::spawn_blocking(move || rotate(&log, &live, limits.keep).map(|()| log)).await;
         match rotated {
-            Ok(Ok(path)) => tracing::info!(path = %path.display(), size, "log file rotated"),
-            Ok(Err(error)) => tracing::warn!(%error, "failed to rotate log file"),
+            Ok(Ok(log)) => tracing::info!(path = %log.path().display(), size, "log file rotated"),
+            Ok(Err(error)) => {
+                tracing::warn!(path = %error_path(&error), error = %cause(&error), "failed to rotate log file")
+            }
             Err(error) => tracing::warn!(%error, "log rotation task failed"),
         }
     }
 }
 
-/// The name of the `index`-th rotated copy of `path`.
-pub(crate) fn rotated_name(path: &Path, index: u32) -> PathBuf {
-    let mut name = path.as_os_str().to_owned();
-    name.push(format!(".{index}"));
-    PathBuf::from(name)
+/// Opens the live log file without following a link, and measures it; `None` if there is
+/// none. A link, a special file or a file with other hard links at its name is an error:
+/// rotating it would copy or truncate something that is not the proxy's log.
+fn open_live(log: &LogFile) -> Result<Option<(File, u64)>, PersistError> {
+    let Some(live) = log.dir().open_regular(log.name())? else {
+        return Ok(None);
+    };
+    let size = live.metadata().map_err(|source| PersistError::Read { path: log.path(), source })?.len();
+    Ok(Some((live, size)))
 }
 
-/// Shifts the rotated copies, copies `path` to `<path>.1` and truncates `path`.
-pub(crate) fn rotate(path: &Path, keep: u32) -> io::Result<()> {
+/// The name of the `index`-th rotated copy of the log file `name`.
+pub(crate) fn rotated_name(name: &str, index: u32) -> String {
+    format!("{name}.{index}")
+}
+
+/// Shifts the rotated copies, copies `live` (the log file `log`, opened by [`open_live`])
+/// to `<log>.1` and truncates `live`.
+///
+/// Renames move a link at a rotated name along, never following it; the copy is a new
+/// 0600 file renamed over `<log>.1`, replacing whatever was there; only `live` is
+/// truncated. Rotated copies are in the crash durability class: nothing is fsynced, as
+/// the log itself is not.
+pub(crate) fn rotate(log: &LogFile, mut live: &File, keep: u32) -> Result<(), PersistError> {
+    let (dir, name) = (log.dir(), log.name());
     if keep > 0 {
         for index in (1..keep).rev() {
-            match fs::rename(rotated_name(path, index), rotated_name(path, index + 1)) {
-                Err(error) if error.kind() != io::ErrorKind::NotFound => return Err(error),
-                _ => {}
-            }
+            dir.rename(rotated_name(name, index), rotated_name(name, index + 1))?;
         }
-        // `fs::copy` keeps the source's 0600 mode.
-        fs::copy(path, rotated_name(path, 1))?;
+        dir.write_atomic_file(rotated_name(name, 1), Durability::Crash, |copy| io::copy(&mut live, copy).map(drop))?;
     }
-    fs::OpenOptions::new().write(true).open(path)?.set_len(0)
+    live.set_len(0).map_err(|source| PersistError::Write { path: log.path(), source })
+}
+
+/// The file a persistence error is about.
+fn error_path(error: &PersistError) -> String {
+    match error {
+        PersistError::Write { path, .. } | PersistError::Read { path, .. } | PersistError::Encode { path, .. } => {
+            path.display().to_string()
+        }
+        _ => String::new(),
+    }
+}
+
+/// What went wrong, without the path (logged in its own field).
+fn cause(error: &PersistError) -> String {
+    match error {
+        PersistError::Write { source, .. } | PersistError::Read { source, .. } => source.to_string(),
+        other => other.to_string(),
+    }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::fs;
+    use std::os::unix::fs::PermissionsExt;
+    use std::path::Path;
+
+    use tether_state::persist::{DataDir, UnsafeEntry};
+
     use super::*;
+
+    /// `web-proxy-stdout.log` in a new data dir's `logs/`.
+    fn log_file() -> (tempfile::TempDir, LogFile) {
+        let temp = tempfile::tempdir().unwrap();
+        let data = DataDir::open(temp.path().join("data")).unwrap();
+        let log = LogFile::new(data.logs().clone(), "web-proxy-stdout.log");
+        (temp, log)
+    }
+
+    fn write_and_rotate(log: &LogFile, content: &str, keep: u32) {
+        fs::write(log.path(), content).unwrap();
+        let (live, _size) = open_live(log).unwrap().unwrap();
+        rotate(log, &live, keep).unwrap();
+    }
+
+    fn copy(log: &LogFile, index: u32) -> std::path::PathBuf {
+        log.dir().path().join(rotated_name(log.name(), index))
+    }
+
+    fn mode(path: &Path) -> u32 {
+        fs::symlink_metadata(path).unwrap().permissions().mode() & 0o777
+    }
+
+    /// A file outside the data dir, 0644, that must stay as it is.
+    fn target(temp: &tempfile::TempDir) -> std::path::PathBuf {
+        let path = temp.path().join("target");
+        fs::write(&path, "not tether's\n").unwrap();
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o644)).unwrap();
+        path
+    }
+
+    #[track_caller]
+    fn assert_untouched(target: &Path) {
+        assert_eq!(fs::read_to_string(target).unwrap(), "not tether's\n");
+        assert_eq!(mode(target), 0o644);
+    }
 
     #[test]
     fn rotation_shifts_copies_and_drops_the_oldest() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("p-stdout.log");
+        let (_temp, log) = log_file();
         for generation in 1..=4 {
-            fs::write(&path, format!("generation {generation}")).unwrap();
-            rotate(&path, 2).unwrap();
+            write_and_rotate(&log, &format!("generation {generation}"), 2);
         }
-        assert_eq!(fs::read_to_string(&path).unwrap(), "");
-        assert_eq!(fs::read_to_string(rotated_name(&path, 1)).unwrap(), "generation 4");
-        assert_eq!(fs::read_to_string(rotated_name(&path, 2)).unwrap(), "generation 3");
-        assert!(!rotated_name(&path, 3).exists());
+        assert_eq!(fs::read_to_string(log.path()).unwrap(), "");
+        assert_eq!(fs::read_to_string(copy(&log, 1)).unwrap(), "generation 4");
+        assert_eq!(fs::read_to_string(copy(&log, 2)).unwrap(), "generation 3");
+        assert!(!copy(&log, 3).exists());
+        assert_eq!(mode(&copy(&log, 1)), 0o600);
+        assert_eq!(mode(&copy(&log, 2)), 0o600);
+        let names: Vec<_> = fs::read_dir(log.dir().path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names.len(), 3, "no temporary file is left: {names:?}");
     }
 
     #[test]
     fn keeping_nothing_only_truncates() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("p-stdout.log");
-        fs::write(&path, "data").unwrap();
-        rotate(&path, 0).unwrap();
-        assert_eq!(fs::read_to_string(&path).unwrap(), "");
-        assert!(!rotated_name(&path, 1).exists());
+        let (_temp, log) = log_file();
+        write_and_rotate(&log, "data", 0);
+        assert_eq!(fs::read_to_string(log.path()).unwrap(), "");
+        assert!(!copy(&log, 1).exists());
+    }
+
+    #[test]
+    fn a_link_planted_at_a_rotated_name_is_replaced_or_moved_never_followed() {
+        for keep in [1, 2, 3] {
+            let (temp, log) = log_file();
+            let target = target(&temp);
+            std::os::unix::fs::symlink(&target, copy(&log, 1)).unwrap();
+            write_and_rotate(&log, "tether's output", keep);
+            assert_untouched(&target);
+            let first = fs::symlink_metadata(copy(&log, 1)).unwrap();
+            assert!(first.is_file(), "keep {keep}: the copy is a new regular file");
+            assert_eq!(mode(&copy(&log, 1)), 0o600, "keep {keep}");
+            assert_eq!(fs::read_to_string(copy(&log, 1)).unwrap(), "tether's output");
+            if keep > 1 {
+                assert!(fs::symlink_metadata(copy(&log, 2)).unwrap().file_type().is_symlink(), "moved along as a link");
+            }
+            // One more rotation pushes the link along or over the end, still unfollowed.
+            write_and_rotate(&log, "more", keep);
+            assert_untouched(&target);
+        }
+    }
+
+    #[test]
+    fn a_linked_live_log_is_neither_copied_nor_truncated() {
+        let (temp, log) = log_file();
+        let target = target(&temp);
+        std::os::unix::fs::symlink(&target, log.path()).unwrap();
+        let error = open_live(&log).unwrap_err();
+        let PersistError::Write { source, .. } = &error else { panic!("{error:?}") };
+        assert_eq!(source.get_ref().and_then(|e| e.downcast_ref::<UnsafeEntry>()), Some(&UnsafeEntry::SymbolicLink));
+        assert!(!copy(&log, 1).exists());
+        assert_untouched(&target);
+
+        fs::remove_file(log.path()).unwrap();
+        fs::hard_link(&target, log.path()).unwrap();
+        let error = open_live(&log).unwrap_err();
+        assert!(cause(&error).contains("hard links"), "{error:?}");
+        assert_untouched(&target);
+        assert!(open_live(&LogFile::new(log.dir().clone(), "missing.log")).unwrap().is_none());
     }
 }

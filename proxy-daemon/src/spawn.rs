@@ -7,16 +7,16 @@
 //! standard library keeps its `posix_spawn` fast path.
 
 use std::ffi::CString;
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, File};
 use std::io;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::os::unix::process::CommandExt;
-use std::path::Path;
 use std::process::Stdio;
+
+use tether_state::persist::PersistError;
 
 use crate::error::SpawnError;
 use crate::proc::{self, Pidfd};
-use crate::spec::ProcessSpec;
+use crate::spec::{LogFile, ProcessSpec};
 
 /// A freshly spawned process, not yet reaped, with a pidfd that proves which one it is.
 #[derive(Debug)]
@@ -85,17 +85,15 @@ pub(crate) fn spawn(spec: &ProcessSpec) -> Result<Spawned, SpawnError> {
     Ok(Spawned { child, pid, pidfd })
 }
 
-/// Opens a log file for appending, creating it (0600) and its directory (0700).
-fn open_log(path: &Path) -> Result<File, SpawnError> {
-    let open = || {
-        if let Some(dir) = path.parent() {
-            if !dir.as_os_str().is_empty() && !dir.is_dir() {
-                fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
-            }
+/// Opens a log file for appending, creating it (0600), relative to its directory's handle:
+/// a link planted at its name is replaced, never written through.
+fn open_log(log: &LogFile) -> Result<File, SpawnError> {
+    log.dir().open_append(log.name()).map_err(|err| match err {
+        PersistError::Write { path, source } | PersistError::Read { path, source } => {
+            SpawnError::OpenLog { path, source }
         }
-        OpenOptions::new().append(true).create(true).mode(0o600).open(path)
-    };
-    open().map_err(|source| SpawnError::OpenLog { path: path.to_owned(), source })
+        other => SpawnError::OpenLog { path: log.path(), source: io::Error::other(other) },
+    })
 }
 
 /// Looks up `user`'s uid, primary gid and supplementary groups.
@@ -138,5 +136,45 @@ fn switch_user_before_exec(command: &mut std::process::Command, credentials: Cre
             }
             Ok(())
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::os::unix::fs::PermissionsExt;
+
+    use tether_state::persist::DataDir;
+
+    use super::*;
+
+    #[test]
+    fn a_link_planted_at_a_log_file_is_replaced_and_its_target_left_alone() {
+        let temp = tempfile::tempdir().unwrap();
+        let data = DataDir::open(temp.path().join("data")).unwrap();
+        let target = temp.path().join("target");
+        fs::write(&target, "not tether's\n").unwrap();
+        fs::set_permissions(&target, fs::Permissions::from_mode(0o644)).unwrap();
+        let log = LogFile::new(data.logs().clone(), "web-proxy-stdout.log");
+        std::os::unix::fs::symlink(&target, log.path()).unwrap();
+
+        open_log(&log).unwrap().write_all(b"the proxy's output\n").unwrap();
+        let metadata = fs::symlink_metadata(log.path()).unwrap();
+        assert!(metadata.is_file());
+        assert_eq!(metadata.permissions().mode() & 0o777, 0o600);
+        assert_eq!(fs::read_to_string(log.path()).unwrap(), "the proxy's output\n");
+        assert_eq!(fs::read_to_string(&target).unwrap(), "not tether's\n");
+        assert_eq!(fs::metadata(&target).unwrap().permissions().mode() & 0o777, 0o644);
+    }
+
+    #[test]
+    fn a_directory_in_place_of_a_log_file_is_an_open_log_error() {
+        let temp = tempfile::tempdir().unwrap();
+        let data = DataDir::open(temp.path()).unwrap();
+        let log = LogFile::new(data.logs().clone(), "web-proxy-stderr.log");
+        fs::create_dir(log.path()).unwrap();
+        let error = open_log(&log).unwrap_err();
+        assert!(matches!(&error, SpawnError::OpenLog { path, .. } if *path == log.path()), "{error:?}");
+        assert!(log.path().is_dir());
     }
 }

@@ -6,10 +6,11 @@
 
 use std::ffi::OsString;
 use std::fmt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
+use tether_state::persist::{DataDir, PrivateDir};
 
 use crate::error::InvalidName;
 
@@ -95,13 +96,51 @@ impl Default for LogLimits {
     }
 }
 
+/// A log file: a name in a directory opened once without following links (the data dir's
+/// `logs/`), so that a link planted at the name or in place of the directory never
+/// redirects the output.
+#[derive(Clone, PartialEq, Eq)]
+pub struct LogFile {
+    dir: PrivateDir,
+    name: String,
+}
+
+impl LogFile {
+    /// The file `name` in `dir`. `name` is one path component; an operation on a file
+    /// with any other name fails.
+    pub fn new(dir: PrivateDir, name: impl Into<String>) -> Self {
+        Self { dir, name: name.into() }
+    }
+
+    /// The directory the file is in.
+    pub fn dir(&self) -> &PrivateDir {
+        &self.dir
+    }
+
+    /// The file's name in [`LogFile::dir`].
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Where the file is, for messages and for readers outside the supervisor.
+    pub fn path(&self) -> PathBuf {
+        self.dir.path().join(&self.name)
+    }
+}
+
+impl fmt::Debug for LogFile {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&self.path(), f)
+    }
+}
+
 /// Where a process's output goes, and the limits on it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LogSpec {
     /// The file stdout is appended to (created 0600 if missing).
-    pub stdout: PathBuf,
+    pub stdout: LogFile,
     /// The file stderr is appended to (created 0600 if missing).
-    pub stderr: PathBuf,
+    pub stderr: LogFile,
     /// Rotation limits, applied to each file separately.
     pub limits: LogLimits,
 }
@@ -143,13 +182,13 @@ pub struct ProcessSpec {
 }
 
 impl ProcessSpec {
-    /// A spec with SPEC.md's file layout under `data_dir` and default policies.
+    /// A spec with SPEC.md's file layout in `data` and default policies.
     ///
-    /// The pid file is `<data_dir>/pids/<name>.pid`, the logs are
-    /// `<data_dir>/logs/<name>-stdout.log` and `-stderr.log`. The environment is empty and
-    /// the working directory is `/`.
-    pub fn new(name: ProcessName, program: impl Into<PathBuf>, data_dir: &Path) -> Self {
-        let logs = data_dir.join("logs");
+    /// The pid file is `<data dir>/pids/<name>.pid`, the logs are `<name>-stdout.log` and
+    /// `-stderr.log` in the data dir's `logs/`. The environment is empty and the working
+    /// directory is `/`.
+    pub fn new(name: ProcessName, program: impl Into<PathBuf>, data: &DataDir) -> Self {
+        let logs = data.logs();
         Self {
             program: program.into(),
             args: Vec::new(),
@@ -160,11 +199,11 @@ impl ProcessSpec {
             restart: RestartPolicy::default(),
             restart_on_exit: true,
             logs: LogSpec {
-                stdout: logs.join(format!("{name}-stdout.log")),
-                stderr: logs.join(format!("{name}-stderr.log")),
+                stdout: LogFile::new(logs.clone(), format!("{name}-stdout.log")),
+                stderr: LogFile::new(logs.clone(), format!("{name}-stderr.log")),
                 limits: LogLimits::default(),
             },
-            pid_file: data_dir.join("pids").join(format!("{name}.pid")),
+            pid_file: data.pids_dir().join(format!("{name}.pid")),
             identity_env: Vec::new(),
             name,
         }
@@ -229,7 +268,9 @@ mod tests {
 
     #[test]
     fn debug_output_hides_environment_values() {
-        let mut spec = ProcessSpec::new(ProcessName::new("web-proxy").unwrap(), "/bin/true", Path::new("/d"));
+        let temp = tempfile::tempdir().unwrap();
+        let data = DataDir::open(temp.path()).unwrap();
+        let mut spec = ProcessSpec::new(ProcessName::new("web-proxy").unwrap(), "/bin/true", &data);
         spec.env = vec![("TETHER_PROXY_TOKEN".into(), "s3cr3t".into())];
         spec.identity_env = spec.env.clone();
         let debug = format!("{spec:?}");
@@ -239,9 +280,13 @@ mod tests {
 
     #[test]
     fn new_lays_files_out_as_in_the_spec() {
-        let spec = ProcessSpec::new(ProcessName::new("web-proxy").unwrap(), "/bin/true", Path::new("/d"));
-        assert_eq!(spec.pid_file, Path::new("/d/pids/web-proxy.pid"));
-        assert_eq!(spec.logs.stdout, Path::new("/d/logs/web-proxy-stdout.log"));
-        assert_eq!(spec.logs.stderr, Path::new("/d/logs/web-proxy-stderr.log"));
+        let temp = tempfile::tempdir().unwrap();
+        let data = DataDir::open(temp.path()).unwrap();
+        let spec = ProcessSpec::new(ProcessName::new("web-proxy").unwrap(), "/bin/true", &data);
+        assert_eq!(spec.pid_file, temp.path().join("pids/web-proxy.pid"));
+        assert_eq!(spec.logs.stdout.path(), temp.path().join("logs/web-proxy-stdout.log"));
+        assert_eq!(spec.logs.stderr.path(), temp.path().join("logs/web-proxy-stderr.log"));
+        assert_eq!(spec.logs.stdout.dir(), data.logs());
+        assert_eq!(spec.logs.stdout.name(), "web-proxy-stdout.log");
     }
 }

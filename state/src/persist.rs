@@ -1,22 +1,28 @@
 //! The data directory: its layout, atomic writes, and the stores for API registrations and
 //! proxy tokens.
 //!
-//! Every file is written whole to a temporary file in the same directory, fsynced, renamed
-//! over the old one, and the directory fsynced: a crash leaves the old content or the new,
-//! never a mix. A file that cannot be read back is moved aside with its path reported,
-//! never silently dropped. This is the only module of the crate that writes files.
+//! Every file is written whole to a temporary file in the same directory and renamed over
+//! the old one; files that must survive a power loss are fsynced, and their directory
+//! after the rename ([`Durability`]). A crash leaves the old content or the new, never a
+//! mix. A file that cannot be read back is moved aside with its path reported, never
+//! silently dropped. Everything below the data dir's root is reached through a
+//! [`PrivateDir`], never by path, and no symbolic link inside it is followed. This is the
+//! only module of the crate that writes files.
 
 use std::collections::BTreeMap;
-use std::fs::{self, DirBuilder, File, OpenOptions};
+use std::ffi::OsStr;
+use std::fs;
 use std::io::{self, Write};
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::config::{self, DisplayPath, Format, Origin};
 use crate::id::{ProxyId, ServiceId};
 use crate::service::Service;
 use crate::token::ProxyToken;
+
+mod dir;
+
+pub use dir::{Durability, PrivateDir, UnsafeEntry};
 
 /// The mode of every directory tether creates.
 pub const DIR_MODE: u32 = 0o700;
@@ -67,93 +73,138 @@ pub struct DamagedFile {
     pub problem: String,
 }
 
-/// The agent's data directory and its layout (SPEC's table).
+const SNAPSHOT: &str = "snapshot.json";
+const TOKENS: &str = "tokens.json";
+const REGISTRATIONS: &str = "registrations";
+const PIDS: &str = "pids";
+const LOGS: &str = "logs";
+
+/// The agent's data directory and its layout (SPEC's table); cheap to clone.
+///
+/// [`DataDir::open`] opens the root and its subdirectories once, without following a link
+/// below the root; every file is then reached through those handles ([`PrivateDir`]).
 #[derive(Debug, Clone)]
 pub struct DataDir {
-    root: PathBuf,
+    root: PrivateDir,
+    registrations: PrivateDir,
+    pids: PrivateDir,
+    logs: PrivateDir,
 }
 
 impl DataDir {
     /// Opens `root`, creating it and its subdirectories with mode 0700 where missing.
     ///
+    /// The root and its subdirectories get mode 0700, and every regular file in them
+    /// 0600. A symbolic link in place of a subdirectory is reported and replaced by a new
+    /// directory; what it pointed to is not touched. The root itself may be a link: the
+    /// operator chose that path.
+    ///
     /// # Errors
     ///
-    /// [`PersistError::Write`] if a directory cannot be created.
+    /// [`PersistError::Write`] if a directory cannot be created or opened.
     pub fn open(root: impl Into<PathBuf>) -> Result<Self, PersistError> {
-        let dir = Self { root: root.into() };
-        for path in [dir.root.clone(), dir.registrations_dir(), dir.pids_dir(), dir.logs_dir()] {
-            create_private_dir(&path)?;
+        let root = PrivateDir::open_root(root)?;
+        let dir = Self {
+            registrations: root.subdir(REGISTRATIONS)?,
+            pids: root.subdir(PIDS)?,
+            logs: root.subdir(LOGS)?,
+            root,
+        };
+        for handle in [&dir.root, &dir.registrations, &dir.pids, &dir.logs] {
+            handle.restrict_files();
         }
         Ok(dir)
     }
 
     /// The data dir itself.
     pub fn root(&self) -> &Path {
+        self.root.path()
+    }
+
+    /// The data dir itself, opened once: for files in it (`agent.lock`, `fleet.json`).
+    pub fn root_dir(&self) -> &PrivateDir {
         &self.root
+    }
+
+    /// `pids/`, opened once: where pid files are written ([`DataDir::pid_file_name`]).
+    pub fn pids(&self) -> &PrivateDir {
+        &self.pids
+    }
+
+    /// `logs/`, opened once: where the proxies' output goes ([`DataDir::log_file_names`]).
+    pub fn logs(&self) -> &PrivateDir {
+        &self.logs
     }
 
     /// `snapshot.json`: the manager's snapshot of running proxies.
     pub fn snapshot_path(&self) -> PathBuf {
-        self.root.join("snapshot.json")
+        self.root().join(SNAPSHOT)
     }
 
     /// `tokens.json`: every proxy's token, so that they survive agent restarts.
     pub fn tokens_path(&self) -> PathBuf {
-        self.root.join("tokens.json")
+        self.root().join(TOKENS)
     }
 
     /// `registrations/`: services registered through the API.
     pub fn registrations_dir(&self) -> PathBuf {
-        self.root.join("registrations")
+        self.root().join(REGISTRATIONS)
     }
 
     /// `pids/`: one pid file per running proxy.
     pub fn pids_dir(&self) -> PathBuf {
-        self.root.join("pids")
+        self.root().join(PIDS)
+    }
+
+    /// `<proxy id>.pid`: the name of a proxy's pid file in [`DataDir::pids`].
+    pub fn pid_file_name(id: &ProxyId) -> String {
+        format!("{id}.pid")
     }
 
     /// `pids/<proxy id>.pid`.
     pub fn pid_file(&self, id: &ProxyId) -> PathBuf {
-        self.pids_dir().join(format!("{id}.pid"))
+        self.pids_dir().join(Self::pid_file_name(id))
     }
 
     /// `logs/`: the proxies' output.
     pub fn logs_dir(&self) -> PathBuf {
-        self.root.join("logs")
+        self.root().join(LOGS)
+    }
+
+    /// `<proxy id>-stdout.log` and `<proxy id>-stderr.log`: the names of a proxy's log
+    /// files in [`DataDir::logs`].
+    pub fn log_file_names(id: &ProxyId) -> (String, String) {
+        (format!("{id}-stdout.log"), format!("{id}-stderr.log"))
     }
 
     /// `logs/<proxy id>-stdout.log` and `logs/<proxy id>-stderr.log`.
     pub fn log_files(&self, id: &ProxyId) -> (PathBuf, PathBuf) {
         let logs = self.logs_dir();
-        (logs.join(format!("{id}-stdout.log")), logs.join(format!("{id}-stderr.log")))
+        let (stdout, stderr) = Self::log_file_names(id);
+        (logs.join(stdout), logs.join(stderr))
     }
 
     /// `agent.sock`: the control socket.
     pub fn socket_path(&self) -> PathBuf {
-        self.root.join("agent.sock")
+        self.root().join("agent.sock")
     }
 
     /// The store of API registrations.
     pub fn registrations(&self) -> RegistrationStore {
-        RegistrationStore { dir: self.registrations_dir() }
+        RegistrationStore::new(self.registrations.clone())
     }
 
     /// The store of proxy tokens.
     pub fn tokens(&self) -> TokenStore {
-        TokenStore { path: self.tokens_path() }
-    }
-}
-
-fn create_private_dir(path: &Path) -> Result<(), PersistError> {
-    match DirBuilder::new().mode(DIR_MODE).create(path) {
-        Ok(()) => Ok(()),
-        Err(err) if err.kind() == io::ErrorKind::AlreadyExists && path.is_dir() => Ok(()),
-        Err(source) => Err(PersistError::Write { path: path.to_owned(), source }),
+        TokenStore::new(self.root.clone())
     }
 }
 
 /// Writes `contents` to `path` atomically with mode 0600: temporary file in the same
-/// directory, fsync, rename over `path`, fsync of the directory.
+/// directory, fsync, rename over `path`, fsync of the directory ([`Durability::PowerLoss`]).
+///
+/// `path`'s directory is opened by path; the file itself is never followed if it is a
+/// link. Files of the data dir are written through [`DataDir`]'s handles instead.
 ///
 /// # Errors
 ///
@@ -173,29 +224,26 @@ pub fn write_atomic_with(
     path: &Path,
     write: impl FnOnce(&mut dyn Write) -> io::Result<()>,
 ) -> Result<(), PersistError> {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let write_error = |source| PersistError::Write { path: path.to_owned(), source };
-    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let name = path.file_name().ok_or_else(|| write_error(io::Error::from(io::ErrorKind::InvalidInput)))?;
-    let temp = dir.join(format!(
-        ".{}.tmp.{}.{}",
-        name.to_string_lossy(),
-        std::process::id(),
-        COUNTER.fetch_add(1, Ordering::Relaxed)
-    ));
-    let result = (|| {
-        let file = OpenOptions::new().write(true).create_new(true).mode(FILE_MODE).open(&temp)?;
-        let mut out = io::BufWriter::new(file);
-        write(&mut out)?;
-        let file = out.into_inner().map_err(io::IntoInnerError::into_error)?;
-        file.sync_all()?;
-        fs::rename(&temp, path)?;
-        File::open(dir)?.sync_all()
-    })();
-    if result.is_err() {
-        let _ = fs::remove_file(&temp);
+    let (dir, name) =
+        PrivateDir::open_parent_of(path).map_err(|source| PersistError::Write { path: path.to_owned(), source })?;
+    dir.write_atomic_with(name, Durability::PowerLoss, write)
+}
+
+/// Reads the whole regular file at `path` without following it if it is a link (its
+/// directory is opened by path).
+///
+/// # Errors
+///
+/// [`io::ErrorKind::NotFound`] if there is no file; an error whose source is an
+/// [`UnsafeEntry`] if `path` is a link, a file with other hard links or a special file.
+pub fn read_no_follow(path: &Path) -> io::Result<Vec<u8>> {
+    let (dir, name) = PrivateDir::open_parent_of(path)?;
+    match dir.read(name) {
+        Ok(Some(bytes)) => Ok(bytes),
+        Ok(None) => Err(io::Error::from(io::ErrorKind::NotFound)),
+        Err(PersistError::Read { source, .. }) => Err(source),
+        Err(other) => Err(io::Error::other(other)),
     }
-    result.map_err(write_error)
 }
 
 /// Renames a damaged file to `<path>.corrupt`, replacing an older one.
@@ -211,8 +259,9 @@ pub fn quarantine(path: &Path) -> io::Result<PathBuf> {
     Ok(target)
 }
 
-fn damaged(path: PathBuf, problem: String) -> DamagedFile {
-    let moved_to = quarantine(&path).ok();
+fn damaged(dir: &PrivateDir, name: &OsStr, problem: String) -> DamagedFile {
+    let path = dir.path().join(name);
+    let moved_to = dir.quarantine(name).ok();
     tracing::warn!(path = %DisplayPath(&path), moved_to = ?moved_to, problem = %problem, "damaged file moved aside");
     DamagedFile { path, moved_to, problem }
 }
@@ -228,19 +277,22 @@ pub struct LoadedRegistrations {
 
 /// Services registered through the API: `registrations/<service id>.json`, one service
 /// object in the register API's schema per file.
+///
+/// Registrations must survive a power loss ([`Durability::PowerLoss`]): every write and
+/// removal is fsynced, file and directory.
 #[derive(Debug, Clone)]
 pub struct RegistrationStore {
-    dir: PathBuf,
+    dir: PrivateDir,
 }
 
 impl RegistrationStore {
-    /// A store in `dir` (which must exist; [`DataDir::open`] creates it).
-    pub fn new(dir: impl Into<PathBuf>) -> Self {
-        Self { dir: dir.into() }
+    /// A store in `dir` ([`DataDir::registrations`] opens `registrations/`).
+    pub fn new(dir: PrivateDir) -> Self {
+        Self { dir }
     }
 
-    fn path(&self, id: &ServiceId) -> PathBuf {
-        self.dir.join(format!("{id}.json"))
+    fn name(id: &ServiceId) -> String {
+        format!("{id}.json")
     }
 
     /// Saves `service`, replacing an earlier registration of the same id.
@@ -249,10 +301,10 @@ impl RegistrationStore {
     ///
     /// [`PersistError::Write`] or [`PersistError::Encode`].
     pub fn save(&self, service: &Service) -> Result<(), PersistError> {
-        let path = self.path(&service.id);
+        let name = Self::name(&service.id);
         let text = config::to_service_text(service, Format::Json)
-            .map_err(|err| PersistError::Encode { path: path.clone(), message: err.to_string() })?;
-        write_atomic(&path, text.as_bytes())
+            .map_err(|err| PersistError::Encode { path: self.dir.path().join(&name), message: err.to_string() })?;
+        self.dir.write_atomic(&name, Durability::PowerLoss, text.as_bytes())
     }
 
     /// Removes a registration; removing one that does not exist is not an error.
@@ -261,60 +313,64 @@ impl RegistrationStore {
     ///
     /// [`PersistError::Write`] if the file exists but cannot be removed.
     pub fn remove(&self, id: &ServiceId) -> Result<(), PersistError> {
-        let path = self.path(id);
-        match fs::remove_file(&path) {
-            Ok(()) => File::open(&self.dir)
-                .and_then(|dir| dir.sync_all())
-                .map_err(|source| PersistError::Write { path: self.dir.clone(), source }),
-            Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(()),
-            Err(source) => Err(PersistError::Write { path, source }),
-        }
+        self.dir.remove(Self::name(id), Durability::PowerLoss).map(drop)
     }
 
     /// Reads every registration back. Files that cannot be read or parsed, or whose name
-    /// does not match the id inside, are moved aside and reported.
+    /// does not match the id inside, are moved aside and reported; so are links, which are
+    /// never followed.
     ///
     /// # Errors
     ///
     /// [`PersistError::Read`] if the directory itself cannot be listed.
     pub fn load(&self) -> Result<LoadedRegistrations, PersistError> {
-        let read_error = |source| PersistError::Read { path: self.dir.clone(), source };
-        let mut paths = Vec::new();
-        for entry in fs::read_dir(&self.dir).map_err(read_error)? {
-            let path = entry.map_err(read_error)?.path();
-            let is_json = path.extension().is_some_and(|ext| ext == "json");
-            let hidden = path.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.'));
-            if is_json && !hidden {
-                paths.push(path);
-            }
-        }
-        paths.sort();
+        let mut names: Vec<_> = self
+            .dir
+            .names()?
+            .into_iter()
+            .filter(|name| {
+                let name = Path::new(name);
+                let is_json = name.extension().is_some_and(|ext| ext == "json");
+                let hidden = name.as_os_str().to_string_lossy().starts_with('.');
+                is_json && !hidden
+            })
+            .collect();
+        names.sort();
         let mut loaded = LoadedRegistrations::default();
-        for path in paths {
-            match read_registration(&path) {
+        for name in names {
+            match self.read_registration(&name) {
                 Ok(service) => loaded.services.push(service),
-                Err(problem) => loaded.damaged.push(damaged(path, problem)),
+                Err(problem) => loaded.damaged.push(damaged(&self.dir, &name, problem)),
             }
         }
         Ok(loaded)
     }
-}
 
-fn read_registration(path: &Path) -> Result<Service, String> {
-    let text = fs::read_to_string(path).map_err(|err| err.to_string())?;
-    let service =
-        config::parse_service(&text, Format::Json, &Origin::File(path.to_owned())).map_err(|err| err.to_string())?;
-    let expected = format!("{}.json", service.id);
-    if path.file_name().is_none_or(|name| name != expected.as_str()) {
-        return Err(format!("holds service {} but is not named {expected}", service.id));
+    fn read_registration(&self, name: &OsStr) -> Result<Service, String> {
+        let path = self.dir.path().join(name);
+        let bytes = match self.dir.read(name) {
+            Ok(Some(bytes)) => bytes,
+            Ok(None) => return Err("removed while it was read".to_owned()),
+            Err(PersistError::Read { source, .. }) => return Err(source.to_string()),
+            Err(err) => return Err(err.to_string()),
+        };
+        let text = String::from_utf8(bytes).map_err(|err| err.to_string())?;
+        let service = config::parse_service(&text, Format::Json, &Origin::File(path)).map_err(|err| err.to_string())?;
+        let expected = Self::name(&service.id);
+        if name != expected.as_str() {
+            return Err(format!("holds service {} but is not named {expected}", service.id));
+        }
+        Ok(service)
     }
-    Ok(service)
 }
 
 /// Every proxy's token, in `tokens.json` (mode 0600).
+///
+/// Tokens must survive a power loss ([`Durability::PowerLoss`]): a proxy that lost its
+/// token is restarted with a new one.
 #[derive(Debug, Clone)]
 pub struct TokenStore {
-    path: PathBuf,
+    dir: PrivateDir,
 }
 
 /// What was read back from `tokens.json`.
@@ -327,33 +383,29 @@ pub struct LoadedTokens {
 }
 
 impl TokenStore {
-    /// A store at `path`.
-    pub fn new(path: impl Into<PathBuf>) -> Self {
-        Self { path: path.into() }
+    /// A store at `tokens.json` in `dir` (the data dir's root: [`DataDir::tokens`]).
+    pub fn new(dir: PrivateDir) -> Self {
+        Self { dir }
     }
 
-    /// Reads the tokens back. A missing file is an empty store; a damaged one is moved
-    /// aside and reported, and the store starts empty (proxies then get new tokens).
+    /// Reads the tokens back. A missing file is an empty store; a damaged one (or a link,
+    /// which is never followed) is moved aside and reported, and the store starts empty
+    /// (proxies then get new tokens).
     pub fn load(&self) -> LoadedTokens {
-        let text = match fs::read_to_string(&self.path) {
-            Ok(text) => text,
-            Err(err) if err.kind() == io::ErrorKind::NotFound => return LoadedTokens::default(),
-            Err(err) => {
-                return LoadedTokens {
-                    tokens: BTreeMap::new(),
-                    damaged: Some(damaged(self.path.clone(), err.to_string())),
-                };
-            }
+        let damaged = |problem: String| LoadedTokens {
+            tokens: BTreeMap::new(),
+            damaged: Some(damaged(&self.dir, OsStr::new(TOKENS), problem)),
         };
-        match serde_json::from_str::<TokensFile>(&text) {
+        let bytes = match self.dir.read(TOKENS) {
+            Ok(Some(bytes)) => bytes,
+            Ok(None) => return LoadedTokens::default(),
+            Err(PersistError::Read { source, .. }) => return damaged(source.to_string()),
+            Err(err) => return damaged(err.to_string()),
+        };
+        match serde_json::from_slice::<TokensFile>(&bytes) {
             Ok(file) if file.version == TOKENS_VERSION => LoadedTokens { tokens: file.tokens, damaged: None },
-            Ok(file) => LoadedTokens {
-                tokens: BTreeMap::new(),
-                damaged: Some(damaged(self.path.clone(), format!("unknown format version {}", file.version))),
-            },
-            Err(err) => {
-                LoadedTokens { tokens: BTreeMap::new(), damaged: Some(damaged(self.path.clone(), err.to_string())) }
-            }
+            Ok(file) => damaged(format!("unknown format version {}", file.version)),
+            Err(err) => damaged(err.to_string()),
         }
     }
 
@@ -365,8 +417,8 @@ impl TokenStore {
     pub fn save(&self, tokens: &BTreeMap<ProxyId, ProxyToken>) -> Result<(), PersistError> {
         let file = TokensFileRef { version: TOKENS_VERSION, tokens };
         let text = serde_json::to_string_pretty(&file)
-            .map_err(|err| PersistError::Encode { path: self.path.clone(), message: err.to_string() })?;
-        write_atomic(&self.path, text.as_bytes())
+            .map_err(|err| PersistError::Encode { path: self.dir.path().join(TOKENS), message: err.to_string() })?;
+        self.dir.write_atomic(TOKENS, Durability::PowerLoss, text.as_bytes())
     }
 }
 

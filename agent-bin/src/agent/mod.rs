@@ -10,7 +10,7 @@ pub(crate) mod policy;
 pub(crate) mod sources;
 
 use std::net::SocketAddr;
-use std::os::unix::fs::PermissionsExt;
+use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -64,13 +64,8 @@ struct DataDirLock {
 }
 
 fn lock_data_dir(data: &DataDir) -> anyhow::Result<DataDirLock> {
-    let path = data.root().join("agent.lock");
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&path)
-        .with_context(|| format!("cannot open {}", DisplayPath(&path)))?;
+    // Through the root's handle: a link planted at `agent.lock` is replaced, never followed.
+    let file = data.root_dir().open_append("agent.lock").context("cannot open the data dir's lock")?;
     match nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock) {
         Ok(lock) => Ok(DataDirLock { _file: lock }),
         Err((_, errno)) => {
@@ -244,16 +239,28 @@ fn remove_snapshot(data: &DataDir) {
 
 /// Binds `agent.sock` with mode 0600, replacing a stale socket left by a crashed agent
 /// (the data dir lock proves no other agent uses it).
+///
+/// The mode is set on the socket before `bind` creates its file, which takes the socket's
+/// mode (Linux): a `chmod` by path afterwards would follow a link planted there meanwhile.
+/// Removing the stale file removes a link itself, never its target.
 fn bind_socket(path: &std::path::Path) -> anyhow::Result<UnixListener> {
+    use nix::sys::socket::{self, AddressFamily, Backlog, SockFlag, SockType, UnixAddr};
+
     match std::fs::remove_file(path) {
         Ok(()) => {}
         Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
         Err(err) => return Err(err).with_context(|| format!("cannot remove the stale socket {}", DisplayPath(path))),
     }
-    let listener = UnixListener::bind(path).with_context(|| format!("cannot listen on {}", DisplayPath(path)))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
-        .with_context(|| format!("cannot restrict {}", DisplayPath(path)))?;
-    Ok(listener)
+    let listen = || -> nix::Result<std::os::unix::net::UnixListener> {
+        let flags = SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK;
+        let fd = socket::socket(AddressFamily::Unix, SockType::Stream, flags, None)?;
+        nix::sys::stat::fchmod(&fd, nix::sys::stat::Mode::from_bits_truncate(0o600))?;
+        socket::bind(fd.as_raw_fd(), &UnixAddr::new(path)?)?;
+        socket::listen(&fd, Backlog::new(1024)?)?;
+        Ok(fd.into())
+    };
+    let listener = listen().with_context(|| format!("cannot listen on {}", DisplayPath(path)))?;
+    UnixListener::from_std(listener).with_context(|| format!("cannot listen on {}", DisplayPath(path)))
 }
 
 async fn serve_unix(listener: UnixListener, router: axum::Router, stop: CancellationToken) {

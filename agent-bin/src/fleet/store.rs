@@ -1,21 +1,25 @@
 //! `fleet.json` in the data dir: the last set of fleet services read from etcd, so that an
 //! agent that starts while etcd is down still runs them.
 //!
-//! The file is written atomically with mode 0600 (`persist::write_atomic`) after every
-//! change of the set, and records the node, the prefix and the etcd revision it reflects.
-//! A damaged file is moved aside with a warning; a file of another node or prefix is
-//! ignored. Loading never fails the agent.
+//! The file is written atomically with mode 0600 (`PrivateDir::write_atomic`, through the
+//! data dir's handle, so a link planted at its name is replaced, never followed) after
+//! every change of the set, and records the node, the prefix and the etcd revision it
+//! reflects. A damaged file, or a link, is moved aside with a warning; a file of another
+//! node or prefix is ignored. Loading never fails the agent.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use tether_state::config::{self, DisplayPath, Format, Origin};
-use tether_state::persist::{self, DataDir, PersistError};
+use tether_state::persist::{DataDir, Durability, PersistError, PrivateDir};
 
 use super::{Desired, Layout};
 
 /// The version of the file's format.
 const VERSION: u32 = 1;
+
+/// The file's name in the data dir.
+const NAME: &str = "fleet.json";
 
 #[derive(serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -35,25 +39,31 @@ struct FleetFile {
 /// The fleet's file in the data dir.
 #[derive(Debug, Clone)]
 pub(crate) struct FleetStore {
+    dir: PrivateDir,
+    /// For messages.
     path: PathBuf,
 }
 
 impl FleetStore {
     pub(crate) fn in_data_dir(data: &DataDir) -> Self {
-        Self { path: data.root().join("fleet.json") }
+        Self { dir: data.root_dir().clone(), path: data.root().join(NAME) }
     }
 
     /// Reads the last known set of `layout`'s node, if there is one.
     pub(crate) fn load(&self, layout: &Layout) -> Option<Desired> {
-        let text = match std::fs::read_to_string(&self.path) {
-            Ok(text) => text,
-            Err(err) if err.kind() == std::io::ErrorKind::NotFound => return None,
+        let bytes = match self.dir.read(NAME) {
+            Ok(Some(bytes)) => bytes,
+            Ok(None) => return None,
+            Err(PersistError::Read { source, .. }) => {
+                self.damaged(&source.to_string());
+                return None;
+            }
             Err(err) => {
                 self.damaged(&err.to_string());
                 return None;
             }
         };
-        let file = match serde_json::from_str::<FleetFile>(&text) {
+        let file = match serde_json::from_slice::<FleetFile>(&bytes) {
             Ok(file) if file.version == VERSION => file,
             Ok(file) => {
                 self.damaged(&format!("unknown format version {}", file.version));
@@ -86,7 +96,7 @@ impl FleetStore {
     }
 
     fn damaged(&self, problem: &str) {
-        match persist::quarantine(&self.path) {
+        match self.dir.quarantine(NAME) {
             Ok(moved) => {
                 tracing::warn!(path = %DisplayPath(&self.path), moved = %DisplayPath(&moved), problem, "fleet file damaged and moved aside")
             }
@@ -116,7 +126,9 @@ impl FleetStore {
             invalid: desired.invalid.clone(),
         };
         let text = serde_json::to_string_pretty(&file).map_err(|err| encode(err.to_string()))?;
-        persist::write_atomic(&self.path, text.as_bytes())
+        // Power-loss durability, as before: an agent that starts while etcd is down runs
+        // what this file holds.
+        self.dir.write_atomic(NAME, Durability::PowerLoss, text.as_bytes())
     }
 }
 
@@ -150,5 +162,26 @@ mod tests {
         let layout = Layout::new("/tether", "n1").unwrap();
         assert_eq!(FleetStore::in_data_dir(&data).load(&layout), None);
         assert!(temp.path().join("data/fleet.json.corrupt").exists());
+    }
+
+    #[test]
+    fn a_linked_file_is_not_read_through_and_a_save_replaces_the_link() {
+        let temp = tempfile::tempdir().unwrap();
+        let data = DataDir::open(temp.path().join("data")).unwrap();
+        let layout = Layout::new("/tether", "n1").unwrap();
+        let target = temp.path().join("target");
+        let saved = FleetStore::in_data_dir(&DataDir::open(temp.path().join("other")).unwrap());
+        saved.save(&layout, &Desired::default()).unwrap();
+        std::fs::rename(temp.path().join("other/fleet.json"), &target).unwrap();
+        let before = std::fs::read(&target).unwrap();
+        std::os::unix::fs::symlink(&target, temp.path().join("data/fleet.json")).unwrap();
+
+        let store = FleetStore::in_data_dir(&data);
+        assert_eq!(store.load(&layout), None, "a valid file behind a link is not read");
+        assert!(std::fs::symlink_metadata(temp.path().join("data/fleet.json.corrupt")).unwrap().is_symlink());
+        std::os::unix::fs::symlink(&target, temp.path().join("data/fleet.json")).unwrap();
+        store.save(&layout, &Desired { revision: 9, ..Desired::default() }).unwrap();
+        assert!(std::fs::symlink_metadata(temp.path().join("data/fleet.json")).unwrap().is_file());
+        assert_eq!(std::fs::read(&target).unwrap(), before);
     }
 }

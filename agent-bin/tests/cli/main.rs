@@ -5,6 +5,7 @@
 
 mod api;
 mod builtin;
+mod datadir;
 mod faults;
 mod fleet;
 mod lifecycle;

@@ -20,7 +20,7 @@ fn size(path: &Path) -> u64 {
 async fn logs_are_appended_across_restarts() {
     let fx = Fixture::new();
     let spec = fx.spec("append-proxy", &["--print", "hello"]);
-    let stdout = spec.logs.stdout.clone();
+    let stdout = spec.logs.stdout.path();
     std::fs::create_dir_all(stdout.parent().unwrap()).unwrap();
     std::fs::write(&stdout, "from before\n").unwrap();
     let handle = fx.supervisor.spawn(spec).unwrap();
@@ -43,7 +43,7 @@ async fn logs_are_rotated_at_their_cap() {
     let fx = Fixture::new();
     let mut spec = fx.spec("chatty-proxy", &["--write-bytes", "300000"]);
     spec.logs.limits = LogLimits { max_size: 64 * 1024, keep: 2 };
-    let stdout = spec.logs.stdout.clone();
+    let stdout = spec.logs.stdout.path();
     let handle = fx.supervisor.spawn(spec).unwrap();
 
     eventually("a rotated copy and a file back under its cap", || {
@@ -64,7 +64,7 @@ async fn logs_are_rotated_at_their_cap() {
 async fn log_limit_changes_apply_in_place() {
     let fx = Fixture::new();
     let spec = fx.spec("limits-proxy", &["--write-bytes", "20000"]);
-    let stdout = spec.logs.stdout.clone();
+    let stdout = spec.logs.stdout.path();
     let handle = fx.supervisor.spawn(spec).unwrap();
     eventually("the output", || size(&stdout) == 20000).await;
     assert!(!rotated(&stdout, 1).exists(), "under the default cap nothing rotates");
@@ -74,5 +74,37 @@ async fn log_limit_changes_apply_in_place() {
     eventually("rotation under the new cap", || rotated(&stdout, 1).exists() && size(&stdout) == 0).await;
     assert_eq!(size(&rotated(&stdout, 1)), 20000);
     assert!(!rotated(&stdout, 2).exists());
+    within("stop", handle.stop()).await;
+}
+
+#[tokio::test]
+async fn links_planted_at_a_log_file_and_its_rotated_copy_are_never_followed() {
+    let fx = Fixture::new();
+    let outside = tempfile::tempdir().unwrap();
+    let targets: Vec<PathBuf> = ["log-target", "copy-target"].iter().map(|name| outside.path().join(name)).collect();
+    for target in &targets {
+        std::fs::write(target, "not tether's\n").unwrap();
+        std::fs::set_permissions(target, std::fs::Permissions::from_mode(0o644)).unwrap();
+    }
+    let mut spec = fx.spec("planted-proxy", &["--write-bytes", "300000"]);
+    spec.logs.limits = LogLimits { max_size: 64 * 1024, keep: 2 };
+    let stdout = spec.logs.stdout.path();
+    std::os::unix::fs::symlink(&targets[0], &stdout).unwrap();
+    std::os::unix::fs::symlink(&targets[1], rotated(&stdout, 1)).unwrap();
+
+    let handle = fx.supervisor.spawn(spec).unwrap();
+    eventually("a rotated copy and a file back under its cap", || {
+        std::fs::symlink_metadata(rotated(&stdout, 1)).is_ok_and(|m| m.is_file()) && size(&stdout) <= 64 * 1024
+    })
+    .await;
+    for target in &targets {
+        assert_eq!(std::fs::read_to_string(target).unwrap(), "not tether's\n", "{}", target.display());
+        assert_eq!(std::fs::metadata(target).unwrap().permissions().mode() & 0o777, 0o644, "{}", target.display());
+    }
+    for path in [stdout.clone(), rotated(&stdout, 1)] {
+        let metadata = std::fs::symlink_metadata(&path).unwrap();
+        assert!(metadata.is_file(), "{}", path.display());
+        assert_eq!(metadata.permissions().mode() & 0o777, 0o600, "{}", path.display());
+    }
     within("stop", handle.stop()).await;
 }

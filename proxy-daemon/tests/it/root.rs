@@ -97,7 +97,7 @@ async fn user_switch_sets_uid_gid_and_supplementary_groups() {
     let program = public.path().join("tether-test-proxy");
     std::fs::copy(&spec.program, &program).unwrap();
     spec.program = program;
-    let stdout = spec.logs.stdout.clone();
+    let stdout = spec.logs.stdout.path();
     let handle = fx.supervisor.spawn(spec).unwrap();
     let pid = handle.status().pid.unwrap();
     eventually("output written through the agent's fd", || {

@@ -12,7 +12,7 @@ async fn process_gets_exactly_the_given_environment() {
     let spec = fx.spec("env-proxy", &["--print-env", "--print", "done"]);
     let expected: Vec<String> =
         spec.env.iter().map(|(key, value)| format!("{}={}", key.to_string_lossy(), value.to_string_lossy())).collect();
-    let stdout = spec.logs.stdout.clone();
+    let stdout = spec.logs.stdout.path();
     let handle = fx.supervisor.spawn(spec).unwrap();
     eventually("the environment in the log", || {
         std::fs::read_to_string(&stdout).is_ok_and(|log| log.ends_with("done\n"))
@@ -70,7 +70,7 @@ async fn log_files_are_private_and_the_working_dir_is_applied() {
     let work = fx.data_dir().join("work");
     std::fs::create_dir(&work).unwrap();
     spec.working_dir = work.clone();
-    let (stdout, stderr) = (spec.logs.stdout.clone(), spec.logs.stderr.clone());
+    let (stdout, stderr) = (spec.logs.stdout.path(), spec.logs.stderr.path());
     let handle = fx.supervisor.spawn(spec).unwrap();
     let expected = format!("{}\n", work.display());
     eventually("the working dir in the log", || std::fs::read_to_string(&stdout).is_ok_and(|log| log == expected))

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use tether_proxy_daemon::{ProcessHandle, ProcessName, ProcessSpec, ProcessState, ProcessStatus, Supervisor};
+use tether_state::persist::DataDir;
 
 /// How long any single wait in a test may take before the test fails.
 pub const DEADLINE: Duration = Duration::from_secs(10);
@@ -95,6 +96,7 @@ pub async fn pid_in_file(path: &Path) -> u32 {
 /// A temporary data dir, a supervisor, and the kill-everything guard.
 pub struct Fixture {
     pub dir: tempfile::TempDir,
+    pub data: DataDir,
     pub supervisor: Supervisor,
     pub mark: String,
 }
@@ -104,7 +106,8 @@ impl Fixture {
         static COUNTER: AtomicU32 = AtomicU32::new(0);
         let dir = tempfile::tempdir().expect("temporary directory");
         let mark = format!("{}-{}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed));
-        Self { dir, supervisor: Supervisor::new().expect("supervisor"), mark }
+        let data = DataDir::open(dir.path()).expect("data dir");
+        Self { dir, data, supervisor: Supervisor::new().expect("supervisor"), mark }
     }
 
     pub fn data_dir(&self) -> &Path {
@@ -113,7 +116,7 @@ impl Fixture {
 
     /// A spec running the helper with `args`, with the SPEC's environment and a token.
     pub fn spec(&self, name: &str, args: &[&str]) -> ProcessSpec {
-        let mut spec = ProcessSpec::new(ProcessName::new(name).unwrap(), helper(), self.data_dir());
+        let mut spec = ProcessSpec::new(ProcessName::new(name).unwrap(), helper(), &self.data);
         spec.args = args.iter().map(OsString::from).collect();
         let token = format!("token-{}-{name}", self.mark);
         spec.env = vec![

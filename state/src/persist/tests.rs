@@ -161,3 +161,287 @@ fn a_damaged_token_file_is_moved_aside_and_reported() {
     fs::write(dir.tokens_path(), "{\"version\": 9, \"tokens\": {}}").unwrap();
     assert!(dir.tokens().load().damaged.unwrap().problem.contains("unknown format version 9"));
 }
+
+/// A file outside the data dir that planted links point at, and its content and mode, so
+/// that a test can prove it was never touched.
+struct Target {
+    path: PathBuf,
+}
+
+impl Target {
+    const CONTENT: &'static str = "not tether's\n";
+
+    fn new(parent: &Path, name: &str) -> Self {
+        let path = parent.join(name);
+        fs::write(&path, Self::CONTENT).unwrap();
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o644)).unwrap();
+        Self { path }
+    }
+
+    #[track_caller]
+    fn assert_untouched(&self) {
+        assert_eq!(fs::read_to_string(&self.path).unwrap(), Self::CONTENT, "{}", self.path.display());
+        assert_eq!(mode(&self.path), 0o644, "{}", self.path.display());
+    }
+}
+
+fn is_link(path: &Path) -> bool {
+    fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink())
+}
+
+fn unsafe_entry(err: &PersistError) -> Option<UnsafeEntry> {
+    let (PersistError::Read { source, .. } | PersistError::Write { source, .. }) = err else { return None };
+    source.get_ref()?.downcast_ref::<UnsafeEntry>().copied()
+}
+
+#[test]
+fn linked_subdirectories_are_replaced_by_private_directories_and_their_targets_left_alone() {
+    let parent = tempfile::tempdir().unwrap();
+    let elsewhere = parent.path().join("elsewhere");
+    fs::create_dir(&elsewhere).unwrap();
+    fs::set_permissions(&elsewhere, fs::Permissions::from_mode(0o755)).unwrap();
+    let target = Target::new(&elsewhere, "web-proxy-stdout.log");
+    let root = parent.path().join("data");
+    fs::create_dir(&root).unwrap();
+    for name in ["logs", "pids", "registrations"] {
+        std::os::unix::fs::symlink(&elsewhere, root.join(name)).unwrap();
+    }
+
+    let dir = DataDir::open(&root).unwrap();
+    for path in [dir.logs_dir(), dir.pids_dir(), dir.registrations_dir()] {
+        assert!(!is_link(&path) && path.is_dir(), "{}", path.display());
+        assert_eq!(mode(&path), 0o700, "{}", path.display());
+    }
+    dir.logs().open_append("web-proxy-stdout.log").unwrap().write_all(b"tether's\n").unwrap();
+    dir.registrations().save(&service("web")).unwrap();
+    target.assert_untouched();
+    assert_eq!(mode(&elsewhere), 0o755);
+    let names: Vec<_> = fs::read_dir(&elsewhere).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(names, ["web-proxy-stdout.log"]);
+}
+
+#[test]
+fn a_root_that_is_a_link_is_the_operators_choice_and_is_followed() {
+    let parent = tempfile::tempdir().unwrap();
+    let real = parent.path().join("real");
+    fs::create_dir(&real).unwrap();
+    let link = parent.path().join("data");
+    std::os::unix::fs::symlink(&real, &link).unwrap();
+    let dir = DataDir::open(&link).unwrap();
+    assert!(is_link(&link), "the operator's link stays");
+    assert!(real.join("logs").is_dir());
+    dir.tokens().save(&BTreeMap::new()).unwrap();
+    assert!(real.join("tokens.json").is_file());
+}
+
+#[test]
+fn loose_modes_are_restricted_on_open() {
+    let parent = tempfile::tempdir().unwrap();
+    let root = parent.path().join("data");
+    for sub in ["", "logs", "pids", "registrations"] {
+        fs::create_dir_all(root.join(sub)).unwrap();
+        fs::set_permissions(root.join(sub), fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let files = ["tokens.json", "logs/web-proxy-stdout.log", "logs/web-proxy-stdout.log.1", "pids/web-proxy.pid"];
+    for file in files {
+        fs::write(root.join(file), "x").unwrap();
+        fs::set_permissions(root.join(file), fs::Permissions::from_mode(0o644)).unwrap();
+    }
+    // A file with a second name elsewhere is not changed through this one.
+    let outside = Target::new(parent.path(), "outside");
+    fs::hard_link(&outside.path, root.join("logs/shared.log")).unwrap();
+
+    DataDir::open(&root).unwrap();
+    for sub in ["", "logs", "pids", "registrations"] {
+        assert_eq!(mode(&root.join(sub)), 0o700, "{sub}");
+    }
+    for file in files {
+        assert_eq!(mode(&root.join(file)), 0o600, "{file}");
+    }
+    outside.assert_untouched();
+}
+
+#[test]
+fn appending_replaces_a_planted_link_and_never_writes_through_it() {
+    let parent = tempfile::tempdir().unwrap();
+    let dir = DataDir::open(parent.path().join("data")).unwrap();
+    let logs = dir.logs();
+    let target = Target::new(parent.path(), "target");
+    std::os::unix::fs::symlink(&target.path, dir.logs_dir().join("link.log")).unwrap();
+    std::os::unix::fs::symlink(parent.path().join("missing"), dir.logs_dir().join("dangling.log")).unwrap();
+    fs::hard_link(&target.path, dir.logs_dir().join("hard.log")).unwrap();
+    nix::unistd::mkfifo(&dir.logs_dir().join("fifo.log"), nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+
+    for name in ["link.log", "dangling.log", "hard.log", "fifo.log"] {
+        logs.open_append(name).unwrap().write_all(b"tether's\n").unwrap();
+        let path = dir.logs_dir().join(name);
+        assert!(fs::symlink_metadata(&path).unwrap().is_file(), "{name}");
+        assert_eq!(fs::read_to_string(&path).unwrap(), "tether's\n", "{name}");
+        assert_eq!(mode(&path), 0o600, "{name}");
+    }
+    target.assert_untouched();
+    assert!(!parent.path().join("missing").exists(), "a dangling link's target is not created");
+}
+
+#[test]
+fn appending_keeps_what_is_there_and_restricts_its_mode() {
+    let parent = tempfile::tempdir().unwrap();
+    let dir = DataDir::open(parent.path().join("data")).unwrap();
+    let path = dir.logs_dir().join("web-proxy-stdout.log");
+    fs::write(&path, "before\n").unwrap();
+    fs::set_permissions(&path, fs::Permissions::from_mode(0o644)).unwrap();
+    let mut file = dir.logs().open_append("web-proxy-stdout.log").unwrap();
+    file.write_all(b"after\n").unwrap();
+    assert_eq!(fs::read_to_string(&path).unwrap(), "before\nafter\n");
+    assert_eq!(mode(&path), 0o600);
+    // Blocking, like any file a child process gets as its output.
+    let status = nix::fcntl::fcntl(&file, nix::fcntl::FcntlArg::F_GETFL).unwrap();
+    assert_eq!(status & nix::fcntl::OFlag::O_NONBLOCK.bits(), 0);
+
+    fs::create_dir(dir.logs_dir().join("dir.log")).unwrap();
+    let err = dir.logs().open_append("dir.log").unwrap_err();
+    assert!(err.to_string().ends_with("logs/dir.log"), "{err}");
+    assert!(dir.logs_dir().join("dir.log").is_dir(), "a directory in the way is not removed");
+}
+
+#[test]
+fn a_handle_keeps_its_directory_when_the_path_is_replaced_by_a_link() {
+    let parent = tempfile::tempdir().unwrap();
+    let dir = DataDir::open(parent.path().join("data")).unwrap();
+    let elsewhere = parent.path().join("elsewhere");
+    fs::create_dir(&elsewhere).unwrap();
+    fs::rename(dir.logs_dir(), parent.path().join("moved")).unwrap();
+    std::os::unix::fs::symlink(&elsewhere, dir.logs_dir()).unwrap();
+
+    dir.logs().open_append("web-proxy-stdout.log").unwrap().write_all(b"x").unwrap();
+    dir.logs().write_atomic("copy", Durability::Crash, b"y").unwrap();
+    assert_eq!(fs::read_dir(&elsewhere).unwrap().count(), 0);
+    assert_eq!(fs::read_to_string(parent.path().join("moved/web-proxy-stdout.log")).unwrap(), "x");
+    assert_eq!(fs::read_to_string(parent.path().join("moved/copy")).unwrap(), "y");
+}
+
+#[test]
+fn reading_refuses_links_and_special_files_and_leaves_them_in_place() {
+    let parent = tempfile::tempdir().unwrap();
+    let dir = DataDir::open(parent.path().join("data")).unwrap();
+    let target = Target::new(parent.path(), "target");
+    let root = dir.root_dir();
+    std::os::unix::fs::symlink(&target.path, dir.root().join("link")).unwrap();
+    fs::hard_link(&target.path, dir.root().join("hard")).unwrap();
+    nix::unistd::mkfifo(&dir.root().join("fifo"), nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+
+    let refused = |name: &str| unsafe_entry(&root.read(name).unwrap_err());
+    assert_eq!(refused("link"), Some(UnsafeEntry::SymbolicLink));
+    assert_eq!(refused("hard"), Some(UnsafeEntry::HardLink));
+    assert_eq!(refused("fifo"), Some(UnsafeEntry::NotRegular));
+    assert!(root.read("missing").unwrap().is_none());
+    assert!(is_link(&dir.root().join("link")));
+    target.assert_untouched();
+
+    let err = read_no_follow(&dir.root().join("link")).unwrap_err();
+    assert_eq!(err.get_ref().and_then(|e| e.downcast_ref::<UnsafeEntry>()), Some(&UnsafeEntry::SymbolicLink));
+    assert_eq!(read_no_follow(&dir.root().join("missing")).unwrap_err().kind(), io::ErrorKind::NotFound);
+    fs::write(dir.root().join("plain"), "text").unwrap();
+    assert_eq!(read_no_follow(&dir.root().join("plain")).unwrap(), b"text");
+}
+
+#[test]
+fn atomic_writes_replace_a_planted_link_instead_of_following_it() {
+    let parent = tempfile::tempdir().unwrap();
+    let dir = DataDir::open(parent.path().join("data")).unwrap();
+    let target = Target::new(parent.path(), "target");
+    for durability in [Durability::PowerLoss, Durability::Crash] {
+        let path = dir.pids_dir().join("web-proxy.pid");
+        let _ = fs::remove_file(&path);
+        std::os::unix::fs::symlink(&target.path, &path).unwrap();
+        dir.pids().write_atomic("web-proxy.pid", durability, b"42\n").unwrap();
+        assert!(fs::symlink_metadata(&path).unwrap().is_file());
+        assert_eq!(fs::read_to_string(&path).unwrap(), "42\n");
+        assert_eq!(mode(&path), 0o600);
+    }
+    // The path-based write does the same for its file.
+    let snapshot = dir.snapshot_path();
+    std::os::unix::fs::symlink(&target.path, &snapshot).unwrap();
+    write_atomic(&snapshot, b"{}").unwrap();
+    assert!(fs::symlink_metadata(&snapshot).unwrap().is_file());
+    target.assert_untouched();
+}
+
+#[test]
+fn renames_removals_and_new_files_stay_in_the_directory_and_never_follow_links() {
+    let parent = tempfile::tempdir().unwrap();
+    let dir = DataDir::open(parent.path().join("data")).unwrap();
+    let target = Target::new(parent.path(), "target");
+    let pids = dir.pids();
+    std::os::unix::fs::symlink(&target.path, dir.pids_dir().join("link")).unwrap();
+
+    let err = pids.create_new("link").unwrap_err();
+    assert!(matches!(&err, PersistError::Write { source, .. } if source.kind() == io::ErrorKind::AlreadyExists));
+    assert!(pids.rename("link", "moved").unwrap());
+    assert!(is_link(&dir.pids_dir().join("moved")));
+    assert!(!pids.rename("link", "again").unwrap(), "nothing left to rename");
+    assert!(pids.remove("moved", Durability::PowerLoss).unwrap());
+    assert!(!pids.remove("moved", Durability::Crash).unwrap());
+    target.assert_untouched();
+
+    pids.create_new("new").unwrap().write_all(b"1").unwrap();
+    assert_eq!(mode(&dir.pids_dir().join("new")), 0o600);
+    let mut names = pids.names().unwrap();
+    names.sort();
+    assert_eq!(names, ["new"]);
+    pids.sync().unwrap();
+
+    for bad in ["", ".", "..", "a/b", "../escape"] {
+        let err = pids.write_atomic(bad, Durability::Crash, b"x").unwrap_err();
+        assert!(
+            matches!(&err, PersistError::Write { source, .. } if source.kind() == io::ErrorKind::InvalidInput),
+            "{bad:?}"
+        );
+    }
+    assert!(!parent.path().join("escape").exists());
+}
+
+#[test]
+fn linked_tokens_and_registrations_are_not_read_through_but_moved_aside() {
+    let parent = tempfile::tempdir().unwrap();
+    let dir = DataDir::open(parent.path().join("data")).unwrap();
+    let target = Target::new(parent.path(), "target");
+    std::os::unix::fs::symlink(&target.path, dir.tokens_path()).unwrap();
+    std::os::unix::fs::symlink(&target.path, dir.registrations_dir().join("web.json")).unwrap();
+
+    let tokens = dir.tokens().load();
+    assert!(tokens.tokens.is_empty());
+    let damaged = tokens.damaged.unwrap();
+    assert!(damaged.problem.contains("symbolic link"), "{}", damaged.problem);
+    assert!(is_link(&dir.root().join("tokens.json.corrupt")), "the link itself is moved aside");
+
+    let registrations = dir.registrations().load().unwrap();
+    assert!(registrations.services.is_empty());
+    assert!(registrations.damaged[0].problem.contains("symbolic link"), "{}", registrations.damaged[0].problem);
+    assert!(is_link(&dir.registrations_dir().join("web.json.corrupt")));
+    target.assert_untouched();
+}
+
+#[test]
+fn a_removed_subdirectory_is_made_again_when_a_file_is_next_created_in_it() {
+    let parent = tempfile::tempdir().unwrap();
+    let dir = DataDir::open(parent.path().join("data")).unwrap();
+    let logs = dir.logs().clone();
+    fs::remove_dir_all(dir.logs_dir()).unwrap();
+    logs.open_append("web-proxy-stdout.log").unwrap().write_all(b"x").unwrap();
+    assert_eq!(fs::read_to_string(dir.logs_dir().join("web-proxy-stdout.log")).unwrap(), "x");
+    assert_eq!(mode(&dir.logs_dir()), 0o700);
+    assert_eq!(&logs, dir.logs(), "every clone sees the new directory");
+
+    // Removed again, with a link in its place: made again without following it.
+    let target = Target::new(parent.path(), "target");
+    let elsewhere = parent.path().join("elsewhere");
+    fs::create_dir(&elsewhere).unwrap();
+    fs::remove_dir_all(dir.logs_dir()).unwrap();
+    std::os::unix::fs::symlink(&elsewhere, dir.logs_dir()).unwrap();
+    dir.logs().write_atomic("copy", Durability::Crash, b"y").unwrap();
+    assert!(!is_link(&dir.logs_dir()));
+    assert_eq!(fs::read_to_string(dir.logs_dir().join("copy")).unwrap(), "y");
+    assert_eq!(fs::read_dir(&elsewhere).unwrap().count(), 0);
+    target.assert_untouched();
+}
