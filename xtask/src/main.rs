@@ -18,7 +18,7 @@ const TASKS: &str = "\
 usage: cargo xtask <task>
 
 tasks:
-  ci      everything CI runs: fmt --check, clippy -D warnings, tests (nextest), doctests, docs, tidy, deps
+  ci      everything CI runs: fmt --check, clippy -D warnings, tests (nextest), doctests, examples, docs, tidy, deps
   test    the test suite only (nextest, then doctests)
   tidy    module docs present, no #[should_panic], no bare #[ignore], no process spawning outside proxy-daemon
   deps    the crate graph against the allow-list
@@ -105,10 +105,18 @@ fn ci() -> Result<(), String> {
     report(tidy::check(&workspace_root()))?;
     report(deps::check(&cargo(), &workspace_root()))?;
     test()?;
+    examples()?;
     // Warnings denied: a broken intra-doc link fails CI like a compiler warning does.
     run_with_env("docs", &["doc", "--workspace", "--no-deps"], &[("RUSTDOCFLAGS", "-D warnings")])?;
     eprintln!("xtask: ci passed");
     Ok(())
+}
+
+/// Runs each library crate's examples, which use only its public API: the downstream path.
+fn examples() -> Result<(), String> {
+    run("example", &["run", "--quiet", "-p", "tether-manager", "--example", "custom_backend"])?;
+    // The supervisor alone, without the engine.
+    run("example", &["run", "--quiet", "-p", "tether-proxy-daemon", "--no-default-features", "--example", "supervise"])
 }
 
 fn run_with_env(step: &str, args: &[&str], vars: &[(&str, &str)]) -> Result<(), String> {
