@@ -8,6 +8,7 @@ mod builtin;
 mod faults;
 mod fleet;
 mod lifecycle;
+mod limits;
 mod operations;
 mod support;
 mod validate;
