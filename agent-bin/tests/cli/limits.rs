@@ -1,6 +1,6 @@
 //! What the API's listeners let a client take: connections over a listener's cap are
-//! closed, and a slow or silent client is cut after the header timeout (a blocking query is
-//! not).
+//! closed, a slow or silent client is cut after the header timeout (a blocking query is
+//! not), and every error answer is JSON.
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::TcpStream;
@@ -182,4 +182,51 @@ fn an_idle_connection_is_closed_but_a_blocking_query_that_waits_longer_is_answer
     assert_eq!(answer.status, 200, "{answer:?}");
     assert_eq!(answer.json()["index"].as_u64(), Some(index));
     assert!(took >= wait - Duration::from_millis(500), "the blocking query returned after {took:?}");
+}
+
+/// The `error` of a JSON error answer.
+#[track_caller]
+fn error_of(response: &Response, status: u16) -> String {
+    assert_eq!(response.status, status, "{response:?}");
+    assert!(response.headers.to_ascii_lowercase().contains("content-type: application/json"), "{}", response.headers);
+    response.json()["error"].as_str().unwrap_or_else(|| panic!("no error in {}", response.body)).to_owned()
+}
+
+#[test]
+fn every_error_answer_is_json_with_its_status_code() {
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    let (_agent, addr) = agent_with_http(&dirs, None);
+    let socket = dirs.socket();
+    let unix = |raw: &str| unix_exchange(&socket, raw.as_bytes()).unwrap();
+    let tcp = |raw: &str| tcp_exchange(&addr, raw.as_bytes()).unwrap();
+    let request = |method: &str, path: &str| {
+        format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
+    };
+
+    for response in [unix(&request("POST", "/v1/agent/proxies")), tcp(&request("DELETE", "/metrics"))] {
+        let message = error_of(&response, 405);
+        assert!(message.contains("is not allowed on"), "{message}");
+        assert!(response.headers.to_ascii_lowercase().contains("allow: get,head"), "{}", response.headers);
+    }
+    for response in [unix(&request("GET", "/v1/agent/nothing")), tcp(&request("GET", "/nothing"))] {
+        assert_eq!(error_of(&response, 404), "no such endpoint");
+    }
+    // The socket-only endpoints do not exist on the HTTP address.
+    error_of(&tcp(&request("PUT", "/v1/agent/leave")), 404);
+
+    let big = "x".repeat(3 << 20);
+    let too_large = unix(&format!(
+        "PUT /v1/agent/service/register HTTP/1.1\r\nHost: tether\r\nConnection: close\r\n\
+         Content-Length: {}\r\n\r\n{big}",
+        big.len()
+    ));
+    let message = error_of(&too_large, 413);
+    assert!(message.contains("length limit exceeded"), "{message}");
+
+    let bad_query = request("GET", "/v1/agent/proxy/web-proxy/config?index=soon");
+    for response in [unix(&bad_query), tcp(&bad_query)] {
+        let message = error_of(&response, 400);
+        assert!(message.contains("query string"), "{message}");
+    }
 }
