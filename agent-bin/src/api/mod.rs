@@ -7,6 +7,7 @@
 //! 403, 404, 405, 409, 413 or 500.
 
 pub(crate) mod dto;
+mod host;
 pub(crate) mod proxy_config;
 
 use std::sync::Arc;
@@ -84,9 +85,9 @@ pub(crate) fn socket_router(state: ApiState) -> Router {
     with_json_errors(routes).with_state(state)
 }
 
-/// The routes of `--http-addr`: reading only.
+/// The routes of `--http-addr`: reading only, for requests that name the loopback.
 pub(crate) fn http_router(state: ApiState) -> Router {
-    with_json_errors(read_routes()).with_state(state)
+    with_json_errors(read_routes()).layer(middleware::from_fn(host::require_loopback)).with_state(state)
 }
 
 /// Adds the answers for an unknown path and a method a path does not take, and makes every

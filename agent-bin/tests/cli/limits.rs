@@ -1,6 +1,6 @@
 //! What the API's listeners let a client take: connections over a listener's cap are
 //! closed, a slow or silent client is cut after the header timeout (a blocking query is
-//! not), and every error answer is JSON.
+//! not), the HTTP address answers only loopback names, and every error answer is JSON.
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::TcpStream;
@@ -229,4 +229,39 @@ fn every_error_answer_is_json_with_its_status_code() {
         let message = error_of(&response, 400);
         assert!(message.contains("query string"), "{message}");
     }
+}
+
+#[test]
+fn the_http_address_answers_only_requests_that_name_the_loopback() {
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    let (_agent, addr) = agent_with_http(&dirs, None);
+    let port = addr.rsplit_once(':').unwrap().1;
+    let get = |host: Option<&str>, target: &str| {
+        let host = host.map(|host| format!("Host: {host}\r\n")).unwrap_or_default();
+        let raw = format!("GET {target} HTTP/1.1\r\n{host}Connection: close\r\n\r\n");
+        tcp_exchange(&addr, raw.as_bytes()).unwrap()
+    };
+
+    let with_port = format!("rebound.example:{port}");
+    for host in ["rebound.example", with_port.as_str(), "10.0.0.1", "localhost.rebound.example"] {
+        for target in ["/v1/agent/proxies", "/metrics", "/no/such/path"] {
+            let message = error_of(&get(Some(host), target), 403);
+            assert!(message.contains(&format!("host {host:?}")), "{message}");
+        }
+    }
+    let absolute = get(Some(&addr), "http://rebound.example/v1/agent/proxies");
+    assert!(error_of(&absolute, 403).contains("rebound.example"));
+    assert_eq!(error_of(&get(None, "/v1/agent/proxies"), 400), "missing Host header");
+
+    let local = [addr.clone(), format!("localhost:{port}"), "localhost".to_owned(), format!("[::1]:{port}")];
+    for host in &local {
+        let response = get(Some(host), "/v1/agent/proxies");
+        assert_eq!(response.status, 200, "{host}: {response:?}");
+        assert!(response.body.contains("\"web-proxy\""), "{host}: {}", response.body);
+    }
+
+    // The socket is for the agent's own user, not for browsers: it does not look at Host.
+    let raw = "GET /v1/agent/proxies HTTP/1.1\r\nHost: rebound.example\r\nConnection: close\r\n\r\n";
+    assert_eq!(unix_exchange(&dirs.socket(), raw.as_bytes()).unwrap().status, 200);
 }
