@@ -7,6 +7,7 @@
 
 pub(crate) mod dev;
 pub(crate) mod policy;
+mod serve;
 pub(crate) mod sources;
 
 use std::net::SocketAddr;
@@ -79,6 +80,9 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
     if let Some(addr) = options.http_addr.filter(|addr| !addr.ip().is_loopback()) {
         return Err(UsageError(format!("--http-addr {addr} is not a loopback address")).into());
     }
+    let nofile = serve::raise_descriptor_limit();
+    let caps = serve::ConnectionCaps::for_limit(nofile);
+    tracing::info!(nofile, unix_connections = caps.unix, tcp_connections = caps.tcp, "descriptor limit");
     let data = DataDir::open(&options.data_dir).context("preparing the data dir")?;
     let _lock = lock_data_dir(&data)?;
     let sources = match Sources::open(data.clone(), options.config_dirs.clone(), options.allow_api_commands) {
@@ -125,11 +129,11 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
     };
     let mut servers = JoinSet::new();
     let unix = bind_socket(&socket_path)?;
-    servers.spawn(serve_unix(unix, api::socket_router(api_state.clone()), api_stop.clone()));
+    servers.spawn(serve::serve(unix, api::socket_router(api_state.clone()), "socket", caps.unix, api_stop.clone()));
     if let Some(addr) = options.http_addr {
         let tcp = TcpListener::bind(addr).await.with_context(|| format!("cannot listen on --http-addr {addr}"))?;
         tracing::info!(%addr, "serving the read endpoints over HTTP");
-        servers.spawn(serve_tcp(tcp, api::http_router(api_state), api_stop.clone()));
+        servers.spawn(serve::serve(tcp, api::http_router(api_state), "http", caps.tcp, api_stop.clone()));
     }
     tracing::info!(socket = %DisplayPath(&socket_path), services = sources.state().len(), root = running_as_root, "agent started");
 
@@ -261,18 +265,4 @@ fn bind_socket(path: &std::path::Path) -> anyhow::Result<UnixListener> {
     };
     let listener = listen().with_context(|| format!("cannot listen on {}", DisplayPath(path)))?;
     UnixListener::from_std(listener).with_context(|| format!("cannot listen on {}", DisplayPath(path)))
-}
-
-async fn serve_unix(listener: UnixListener, router: axum::Router, stop: CancellationToken) {
-    let served = axum::serve(listener, router).with_graceful_shutdown(stop.cancelled_owned()).await;
-    if let Err(err) = served {
-        tracing::error!(error = %err, "control socket server failed");
-    }
-}
-
-async fn serve_tcp(listener: TcpListener, router: axum::Router, stop: CancellationToken) {
-    let served = axum::serve(listener, router).with_graceful_shutdown(stop.cancelled_owned()).await;
-    if let Err(err) = served {
-        tracing::error!(error = %err, "HTTP server failed");
-    }
 }

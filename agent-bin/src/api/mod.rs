@@ -2,17 +2,20 @@
 //! `--http-addr`.
 //!
 //! Handlers translate between the wire (`dto`) and the libraries; they hold no state of
-//! their own and never block the runtime. Errors are `{"error": "..."}` with 400, 403,
-//! 404, 409 or 500.
+//! their own and never block the runtime. Every error answer, whoever makes it (a handler,
+//! an extractor's rejection, the router), is `{"error": "..."}` with its status code: 400,
+//! 403, 404, 405, 409, 413 or 500.
 
 pub(crate) mod dto;
+mod host;
 pub(crate) mod proxy_config;
 
 use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::{Path, State};
-use axum::http::StatusCode;
+use axum::http::{Method, StatusCode, Uri, header};
+use axum::middleware;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, put};
 use axum::{Json, Router};
@@ -75,17 +78,25 @@ impl From<RegisterError> for ApiError {
 
 /// The routes of `agent.sock`: everything.
 pub(crate) fn socket_router(state: ApiState) -> Router {
-    read_routes()
+    let routes = read_routes()
         .route("/v1/agent/service/register", put(register))
         .route("/v1/agent/service/deregister/{id}", put(deregister))
-        .route("/v1/agent/leave", put(leave))
-        .fallback(not_found)
-        .with_state(state)
+        .route("/v1/agent/leave", put(leave));
+    with_json_errors(routes).with_state(state)
 }
 
-/// The routes of `--http-addr`: reading only.
+/// The routes of `--http-addr`: reading only, for requests that name the loopback.
 pub(crate) fn http_router(state: ApiState) -> Router {
-    read_routes().fallback(not_found).with_state(state)
+    with_json_errors(read_routes()).layer(middleware::from_fn(host::require_loopback)).with_state(state)
+}
+
+/// Adds the answers for an unknown path and a method a path does not take, and makes every
+/// error answer JSON. Call it once every route is in: layers reach only the routes before.
+fn with_json_errors(routes: Router<ApiState>) -> Router<ApiState> {
+    routes
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::map_response(json_errors))
 }
 
 fn read_routes() -> Router<ApiState> {
@@ -100,6 +111,39 @@ fn read_routes() -> Router<ApiState> {
 
 async fn not_found() -> ApiError {
     ApiError::new(StatusCode::NOT_FOUND, "no such endpoint")
+}
+
+/// The router adds the `Allow` header to this answer.
+async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
+    ApiError::new(StatusCode::METHOD_NOT_ALLOWED, format!("method {method} is not allowed on {}", uri.path()))
+}
+
+/// The most of a non-JSON error body that [`json_errors`] reads; rejections are one line.
+const ERROR_BODY_LIMIT: usize = 64 * 1024;
+
+/// Rewrites an error answer that is not JSON into `{"error": ...}`, with the same status
+/// and headers: the rejections of axum's extractors (413 for a body over the limit, 400
+/// for a bad query string or path) are plain text.
+async fn json_errors(response: Response) -> Response {
+    let status = response.status();
+    let is_json = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|value| value.as_bytes().starts_with(b"application/json"));
+    if !(status.is_client_error() || status.is_server_error()) || is_json {
+        return response;
+    }
+    let (mut parts, body) = response.into_parts();
+    let text = axum::body::to_bytes(body, ERROR_BODY_LIMIT).await.unwrap_or_default();
+    let text = String::from_utf8_lossy(&text);
+    let message = match text.trim() {
+        "" => status.canonical_reason().unwrap_or("error").to_lowercase(),
+        message => message.to_owned(),
+    };
+    let (json_parts, json_body) = ApiError::new(status, message).into_response().into_parts();
+    parts.headers.remove(header::CONTENT_LENGTH);
+    parts.headers.extend(json_parts.headers);
+    Response::from_parts(parts, json_body)
 }
 
 /// The wire form of a proxy's status.

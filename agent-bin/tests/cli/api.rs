@@ -139,8 +139,11 @@ fn the_http_listener_serves_reads_only() {
     let http = |method: &str, path: &str| {
         use std::io::{Read, Write};
         let mut stream = std::net::TcpStream::connect(&addr).unwrap();
-        write!(stream, "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 2\r\n\r\n{{}}")
-            .unwrap();
+        write!(
+            stream,
+            "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: 2\r\n\r\n{{}}"
+        )
+        .unwrap();
         let mut out = String::new();
         stream.read_to_string(&mut out).unwrap();
         out

@@ -9,6 +9,7 @@ mod datadir;
 mod faults;
 mod fleet;
 mod lifecycle;
+mod limits;
 mod operations;
 mod policy;
 mod support;

@@ -112,10 +112,33 @@ impl Agent {
 
     /// Starts the agent at `program` without waiting for it.
     pub fn spawn_with(program: &Path, dirs: &Dirs, extra: &[&str]) -> Self {
+        Self::spawn_configured(program, dirs, extra, |_| {})
+    }
+
+    /// Like [`Agent::start`], with the agent's descriptor limit, soft and hard, at `nofile`.
+    pub fn start_with_nofile(dirs: &Dirs, extra: &[&str], nofile: u64) -> Self {
+        use std::os::unix::process::CommandExt;
+        let program = Path::new(env!("CARGO_BIN_EXE_tether"));
+        let agent = Self::spawn_configured(program, dirs, extra, |command| {
+            // SAFETY: the hook runs in the forked child, where only async-signal-safe calls
+            // are allowed: setrlimit(2) is one, and the closure allocates nothing.
+            unsafe {
+                command.pre_exec(move || {
+                    nix::sys::resource::setrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE, nofile, nofile)
+                        .map_err(std::io::Error::from)
+                });
+            }
+        });
+        wait_for("the agent's socket", || get(&agent.socket, "/v1/agent/health").ok().filter(|r| r.status == 200));
+        agent
+    }
+
+    fn spawn_configured(program: &Path, dirs: &Dirs, extra: &[&str], configure: impl FnOnce(&mut Command)) -> Self {
         static STARTED: AtomicUsize = AtomicUsize::new(0);
         let log = dirs.temp.path().join(format!("agent-{}.log", STARTED.fetch_add(1, Ordering::Relaxed)));
         let stderr = std::fs::File::create(&log).unwrap();
-        let child = command(program)
+        let mut command = command(program);
+        command
             .arg("agent")
             .arg("--config-dir")
             .arg(&dirs.config)
@@ -134,9 +157,9 @@ impl Agent {
             .args(extra)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(stderr)
-            .spawn()
-            .unwrap();
+            .stderr(stderr);
+        configure(&mut command);
+        let child = command.spawn().unwrap();
         Self { child: Some(child), socket: dirs.socket(), log }
     }
 
@@ -267,6 +290,37 @@ pub fn request(
     let mut raw = Vec::new();
     stream.read_to_end(&mut raw)?;
     parse(&raw)
+}
+
+/// A free loopback TCP address, for `--http-addr`.
+pub fn free_loopback_addr() -> String {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    format!("127.0.0.1:{port}")
+}
+
+/// Sends `raw` (a whole request, with `Connection: close`) over TCP to `addr` and reads the
+/// answer to its end.
+pub fn tcp_exchange(addr: &str, raw: &[u8]) -> std::io::Result<Response> {
+    let stream = std::net::TcpStream::connect(addr)?;
+    stream.set_read_timeout(Some(DEADLINE))?;
+    exchange(stream, raw)
+}
+
+/// Sends `raw` (a whole request, with `Connection: close`) over the agent's socket and reads
+/// the answer to its end.
+pub fn unix_exchange(socket: &Path, raw: &[u8]) -> std::io::Result<Response> {
+    let stream = UnixStream::connect(socket)?;
+    stream.set_read_timeout(Some(DEADLINE))?;
+    exchange(stream, raw)
+}
+
+fn exchange(mut stream: impl Read + Write, raw: &[u8]) -> std::io::Result<Response> {
+    // The agent may answer before it has read the whole request (a body over the limit) and
+    // close: the answer is then already on its way, so a failed write is no failure here.
+    let _ = stream.write_all(raw);
+    let mut answer = Vec::new();
+    stream.read_to_end(&mut answer)?;
+    parse(&answer)
 }
 
 fn parse(raw: &[u8]) -> std::io::Result<Response> {
