@@ -651,22 +651,19 @@ impl Task {
             status.last_exit = last_exit;
         });
 
+        let mut failed_attempts = 0_u32;
         loop {
             if !delay.is_zero() {
                 // No pid file names a process that does not exist while the next one waits.
                 // (An immediate restart replaces the file instead.)
-                if let Some(pid) = self.last_pid.take() {
+                if let Some(pid) = self.last_pid {
                     self.shared.pid_files.forget(&self.spec.pid_file, pid);
                 }
                 if !self.wait_backoff(delay).await {
                     return None;
                 }
             }
-            self.status.send_modify(|status| {
-                status.state = ProcessState::Starting;
-                // Every attempt counts, whether or not its spawn succeeds.
-                status.restarts += 1;
-            });
+            self.status.send_modify(|status| status.state = ProcessState::Starting);
             match spawn::spawn(&self.spec) {
                 Ok(spawned) => return Some(self.restarted(spawned)),
                 Err(error) => {
@@ -681,9 +678,10 @@ impl Task {
                         backoff_ms = delay.as_millis() as u64,
                         "process cannot be restarted; retrying"
                     );
+                    failed_attempts += 1;
                     self.status.send_modify(|status| {
                         status.state = ProcessState::Backoff;
-                        status.error = Some(format!("cannot restart: {message}"));
+                        status.error = Some(format!("cannot restart (failed attempts: {failed_attempts}): {message}"));
                     });
                 }
             }
@@ -702,6 +700,8 @@ impl Task {
             status.state = ProcessState::Running;
             status.pid = Some(pid);
             status.identity = identity;
+            // Restarts that ran: the exits they followed are counted from this.
+            status.restarts += 1;
             status.started_at = Some(SystemTime::now());
             status.error = None;
         });

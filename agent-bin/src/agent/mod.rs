@@ -64,13 +64,27 @@ struct DataDirLock {
     _file: nix::fcntl::Flock<std::fs::File>,
 }
 
-fn lock_data_dir(data: &DataDir) -> anyhow::Result<DataDirLock> {
+/// How long the lock may stay taken before the agent gives up: a proxy that a crashed agent
+/// was spawning holds the lock until its exec, which is a matter of milliseconds.
+const LOCK_WAIT: Duration = Duration::from_secs(3);
+
+async fn lock_data_dir(data: &DataDir) -> anyhow::Result<DataDirLock> {
     // Through the root's handle: a link planted at `agent.lock` is replaced, never followed.
-    let file = data.root_dir().open_append("agent.lock").context("cannot open the data dir's lock")?;
-    match nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock) {
-        Ok(lock) => Ok(DataDirLock { _file: lock }),
-        Err((_, errno)) => {
-            Err(anyhow::anyhow!("another agent is running with the data dir {} ({errno})", DisplayPath(data.root())))
+    let mut file = data.root_dir().open_append("agent.lock").context("cannot open the data dir's lock")?;
+    let deadline = tokio::time::Instant::now() + LOCK_WAIT;
+    loop {
+        match nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock) {
+            Ok(lock) => return Ok(DataDirLock { _file: lock }),
+            Err((unlocked, nix::errno::Errno::EWOULDBLOCK)) if tokio::time::Instant::now() < deadline => {
+                file = unlocked;
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            Err((_, errno)) => {
+                return Err(anyhow::anyhow!(
+                    "another agent is running with the data dir {} ({errno})",
+                    DisplayPath(data.root())
+                ));
+            }
         }
     }
 }
@@ -84,7 +98,7 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
     let caps = serve::ConnectionCaps::for_limit(nofile);
     tracing::info!(nofile, unix_connections = caps.unix, tcp_connections = caps.tcp, "descriptor limit");
     let data = DataDir::open(&options.data_dir).context("preparing the data dir")?;
-    let _lock = lock_data_dir(&data)?;
+    let _lock = lock_data_dir(&data).await?;
     let sources = match Sources::open(data.clone(), options.config_dirs.clone(), options.allow_api_commands) {
         Ok(sources) => Arc::new(sources),
         Err(errors) => {

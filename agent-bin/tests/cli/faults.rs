@@ -1007,8 +1007,7 @@ fn leave_with_failed_proxies_stops_the_rest_and_removes_the_snapshot() {
     let backoff = wait_for("the failed restart", || {
         agent.proxy("vanishing-proxy").filter(|p| p["state"] == "backoff" && p["error"].is_string())
     });
-    assert!(backoff["error"].as_str().unwrap().starts_with("cannot restart: "), "{backoff}");
-    assert!(backoff["restarts"].as_u64().unwrap() >= 1, "a failed restart counts: {backoff}");
+    assert!(backoff["error"].as_str().unwrap().starts_with("cannot restart (failed attempts: 1): "), "{backoff}");
 
     let left = assert_cmd::Command::from_std(tether())
         .arg("leave")

@@ -127,10 +127,11 @@ async fn a_restart_that_cannot_exec_waits_on_the_backoff_with_the_reason_and_run
     })
     .await;
     let error = status.error.clone().expect("the reason");
-    assert!(error.starts_with(&format!("cannot restart: failed to execute `{}`", program.display())), "{error}");
+    assert!(error.starts_with("cannot restart (failed attempts: 1): "), "{error}");
+    assert!(error.contains(&format!("failed to execute `{}`", program.display())), "{error}");
     assert_eq!(status.pid, None);
     assert_eq!(status.last_exit, Some(ExitReason::Signal(libc::SIGKILL)));
-    assert!(status.restarts >= 1, "the failed attempt counts: {status:?}");
+    assert_eq!(status.restarts, 0, "a restart that did not run is not counted: {status:?}");
     eventually("no pid file names a process that does not exist", || !pid_file.exists()).await;
 
     // The program comes back: the next attempt on the backoff runs it, with no change made.
@@ -139,6 +140,7 @@ async fn a_restart_that_cannot_exec_waits_on_the_backoff_with_the_reason_and_run
         status_where(&handle, "the restart once the program is back", |status| status.state == ProcessState::Running)
             .await;
     assert_eq!(status.error, None);
+    assert_eq!(status.restarts, 1);
     let new_pid = status.pid.unwrap();
     assert_ne!(new_pid, pid);
     eventually("the pid file to name the new instance", || read_pid_file(&pid_file) == Some(new_pid)).await;
