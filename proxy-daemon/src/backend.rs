@@ -215,7 +215,7 @@ impl ProxyBackend for OsProcessBackend {
             // Every instance found of this proxy: the one its pid file names first, then
             // those found by their environment (a pid file may be missing or stale after a
             // crash, or a write that failed).
-            let mut pids: Vec<u32> = read_pid(&self.shared.data.pid_file(&id)).into_iter().collect();
+            let mut pids: Vec<u32> = crate::pidfile::read(&self.shared.data.pid_file(&id)).into_iter().collect();
             for pid in self.take_found(&id) {
                 if !pids.contains(&pid) {
                     pids.push(pid);
@@ -273,13 +273,10 @@ impl ProxyBackend for OsProcessBackend {
         // Proof needs the proxy's id and token, which only `restore` with the desired proxy
         // can check.
         let mut ids: BTreeSet<ProxyId> = BTreeSet::new();
-        if let Ok(entries) = std::fs::read_dir(self.shared.data.pids_dir()) {
-            for entry in entries.flatten() {
-                let name = entry.file_name();
-                let Some(id) = name.to_str().and_then(|n| n.strip_suffix(".pid")) else { continue };
-                if let Ok(id) = ProxyId::parse(id) {
-                    ids.insert(id);
-                }
+        for name in self.shared.data.pids().names().unwrap_or_default() {
+            let Some(id) = name.to_str().and_then(|n| n.strip_suffix(".pid")) else { continue };
+            if let Ok(id) = ProxyId::parse(id) {
+                ids.insert(id);
             }
         }
         let socket = [(OsString::from(SOCKET_VAR), self.shared.environment.socket.clone().into_os_string())];
@@ -296,11 +293,6 @@ impl ProxyBackend for OsProcessBackend {
 
 const PROXY_ID_VAR: &str = "TETHER_PROXY_ID";
 const SOCKET_VAR: &str = "TETHER_SOCKET";
-
-/// The pid a pid file names, if it is readable.
-fn read_pid(path: &std::path::Path) -> Option<u32> {
-    crate::proc::parse_pid_file(&std::fs::read(path).ok()?)
-}
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     // Every critical section only moves values in or out.

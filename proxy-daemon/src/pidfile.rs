@@ -114,6 +114,18 @@ impl Place {
     }
 }
 
+/// The pid that the pid file at `path` names: `None` when it is missing, is not a regular
+/// file holding a pid, or lies behind a link.
+pub(crate) fn read(path: &Path) -> Option<u32> {
+    let dir = path.parent().filter(|dir| !dir.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let flags = OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC | OFlag::O_RDONLY;
+    let dir = nix::fcntl::open(dir, flags, Mode::empty()).ok()?;
+    let name = path.file_name()?.to_owned();
+    let mut temp = name.clone();
+    temp.push(".tmp");
+    Place { dir, name, temp }.read().ok().flatten()
+}
+
 /// Writes `pid` to `path` atomically: a temporary file, then a rename; mode 0600.
 #[cfg(test)]
 pub(crate) fn write_atomically(path: &Path, pid: u32) -> io::Result<()> {

@@ -266,15 +266,13 @@ impl Supervisor {
     }
 }
 
-/// The pid that `spec.pid_file` names, if it is a readable pid file.
+/// The pid that `spec.pid_file` names, if it is a readable pid file (not behind a link).
 fn read_pid_file(spec: &ProcessSpec) -> Option<u32> {
-    match std::fs::read(&spec.pid_file) {
-        Ok(text) => proc::parse_pid_file(&text),
-        Err(error) => {
-            tracing::debug!(proxy = %spec.name, %error, "no readable pid file");
-            None
-        }
+    let pid = crate::pidfile::read(&spec.pid_file);
+    if pid.is_none() {
+        tracing::debug!(proxy = %spec.name, "no readable pid file");
     }
+    pid
 }
 
 /// Proves that `pid` is `spec`'s process by the identity in its environment; see
