@@ -11,6 +11,14 @@ use tether_proxy_daemon::{ProcessState, Supervisor};
 
 use crate::support::*;
 
+/// Clock ticks since boot, the unit of a process's start time.
+fn ticks_since_boot() -> u64 {
+    let uptime = std::fs::read_to_string("/proc/uptime").unwrap();
+    let seconds: f64 = uptime.split_whitespace().next().unwrap().parse().unwrap();
+    let ticks_per_second = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK).unwrap().unwrap();
+    (seconds * ticks_per_second as f64) as u64
+}
+
 /// A foreign process (not started by the supervisor, without the token) on `pid`.
 struct Foreign(std::process::Child);
 
@@ -65,6 +73,10 @@ async fn foreign_process_on_a_reused_pid_is_neither_adopted_nor_signalled() {
     // The proxy dies while no agent watches; its pid is freed once it is reaped.
     send(identity.pid, Signal::SIGKILL);
     eventually("the old pid to be free", || !exists(identity.pid)).await;
+    // A start time is counted in clock ticks: the foreign process must start in a later
+    // tick than the original, as any real reuse of a pid does (it takes the whole pid
+    // space to wrap).
+    eventually("a later clock tick", || ticks_since_boot() > identity.start_time + 1).await;
     let foreign = foreign_process_on(identity.pid, &fx.mark);
 
     let next = Supervisor::new().unwrap();
