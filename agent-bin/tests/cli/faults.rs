@@ -615,6 +615,54 @@ fn private_tmpfs_unavailable(dir: &Path) -> Option<String> {
     }
 }
 
+/// `command` with the arguments of an agent on `dirs`, its stderr to `log`.
+fn agent_command(mut command: std::process::Command, dirs: &Dirs, log: &Path) -> std::process::Command {
+    command
+        .arg(env!("CARGO_BIN_EXE_tether"))
+        .arg("agent")
+        .arg("--config-dir")
+        .arg(&dirs.config)
+        .arg("--data-dir")
+        .arg(&dirs.data)
+        .args(["--sync-quiescent", "20ms", "--sync-max-delay", "200ms", "--log-format", "json", "--log-level", "debug"])
+        .args(root_flags())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(log).unwrap());
+    command
+}
+
+/// Starts an agent in a mount namespace of its own, on a 256 KiB tmpfs mounted over its
+/// data dir, and waits for its socket. Returns the agent and its data dir as seen through
+/// its root. `unshare` and `sh` exec, so the child's pid is the agent's. The guard kills the
+/// agent and, by the socket path in their environment, its proxies; with them gone the
+/// namespace and its tmpfs go too.
+fn agent_on_tmpfs(dirs: &Dirs, log: &str) -> (Agent, PathBuf) {
+    let log = dirs.temp.path().join(log);
+    let mut unshare = command(Path::new("unshare"));
+    unshare
+        .args(["--mount", "--propagation", "private", "sh", "-c"])
+        .arg(r#"mount -t tmpfs -o size=256k,mode=0700 tether-faults "$1" && shift && exec "$@""#)
+        .arg("sh")
+        .arg(&dirs.data);
+    let agent = agent_command(unshare, dirs, &log).spawn().unwrap();
+    started_inside(Agent { child: Some(agent), socket: dirs.socket(), log }, dirs)
+}
+
+/// Waits for the socket of `agent`, which may run in a mount namespace of its own, and
+/// returns it with its data dir as seen through its root.
+fn started_inside(mut agent: Agent, dirs: &Dirs) -> (Agent, PathBuf) {
+    let inside = Path::new(&format!("/proc/{}/root", agent.pid())).join(dirs.data.strip_prefix("/").unwrap());
+    let socket = inside.join("agent.sock");
+    wait_until("the agent's socket, in its mount namespace", || {
+        if let Some(status) = agent.child.as_mut().unwrap().try_wait().unwrap() {
+            panic!("the agent exited with {status}: {}", agent.logs());
+        }
+        get(&socket, "/v1/agent/health").map_err(|err| err.to_string()).map(drop)
+    });
+    (agent, inside)
+}
+
 /// The proxies as an agent answers on `socket`, or why not.
 fn proxies_at(socket: &Path) -> Result<Vec<serde_json::Value>, String> {
     let response = get(socket, "/v1/agent/proxies").map_err(|err| err.to_string())?;
@@ -650,38 +698,8 @@ fn a_full_data_dir_file_system_fails_snapshot_writes_loudly_and_supervision_carr
         return;
     }
     dirs.write_config("a.toml", &sleeper("web"));
-    // The agent runs in a mount namespace of its own, on a 256 KiB tmpfs mounted over its
-    // data dir. `unshare` and `sh` exec, so the child's pid is the agent's.
-    let log = dirs.temp.path().join("agent.log");
-    let mut agent = command(Path::new("unshare"));
-    agent
-        .args(["--mount", "--propagation", "private", "sh", "-c"])
-        .arg(r#"mount -t tmpfs -o size=256k,mode=0700 tether-faults "$1" && shift && exec "$@""#)
-        .arg("sh")
-        .arg(&dirs.data)
-        .arg(env!("CARGO_BIN_EXE_tether"))
-        .arg("agent")
-        .arg("--config-dir")
-        .arg(&dirs.config)
-        .arg("--data-dir")
-        .arg(&dirs.data)
-        .args(["--sync-quiescent", "20ms", "--sync-max-delay", "200ms", "--log-format", "json", "--log-level", "debug"])
-        .args(root_flags())
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap());
-    // The guard kills the agent and, by the socket path in their environment, its proxies;
-    // with them gone the namespace and its tmpfs go too.
-    let mut agent = Agent { child: Some(agent.spawn().unwrap()), socket: dirs.socket(), log };
-    // The test sees the data dir as the agent does through the agent's root.
-    let inside = Path::new(&format!("/proc/{}/root", agent.pid())).join(dirs.data.strip_prefix("/").unwrap());
+    let (agent, inside) = agent_on_tmpfs(&dirs, "agent.log");
     let socket = inside.join("agent.sock");
-    wait_until("the agent's socket, in its mount namespace", || {
-        if let Some(status) = agent.child.as_mut().unwrap().try_wait().unwrap() {
-            panic!("the agent exited with {status}: {}", agent.logs());
-        }
-        get(&socket, "/v1/agent/health").map_err(|err| err.to_string()).map(drop)
-    });
     let mountinfo = std::fs::read_to_string(format!("/proc/{}/mountinfo", agent.pid())).unwrap();
     let data = dirs.data.display().to_string();
     assert!(
@@ -887,40 +905,8 @@ fn a_pid_file_write_lost_to_a_full_disk_then_a_crash_runs_no_proxy_twice() {
         return;
     }
     dirs.write_config("a.toml", &sleeper("web"));
-    let agent_args = |command: &mut std::process::Command| {
-        command
-            .arg(env!("CARGO_BIN_EXE_tether"))
-            .arg("agent")
-            .arg("--config-dir")
-            .arg(&dirs.config)
-            .arg("--data-dir")
-            .arg(&dirs.data)
-            .args(["--sync-quiescent", "20ms", "--sync-max-delay", "200ms", "--log-format", "json"])
-            .args(["--log-level", "debug"])
-            .args(root_flags())
-            .stdin(Stdio::null())
-            .stdout(Stdio::null());
-    };
-    // The first agent runs in a mount namespace of its own, on a 256 KiB tmpfs over its data
-    // dir. `unshare` and `sh` exec, so the child's pid is the agent's.
-    let log = dirs.temp.path().join("first.log");
-    let mut first = command(Path::new("unshare"));
-    first
-        .args(["--mount", "--propagation", "private", "sh", "-c"])
-        .arg(r#"mount -t tmpfs -o size=256k,mode=0700 tether-faults "$1" && shift && exec "$@""#)
-        .arg("sh")
-        .arg(&dirs.data);
-    agent_args(&mut first);
-    first.stderr(std::fs::File::create(&log).unwrap());
-    let mut first = Agent { child: Some(first.spawn().unwrap()), socket: dirs.socket(), log };
-    let inside = Path::new(&format!("/proc/{}/root", first.pid())).join(dirs.data.strip_prefix("/").unwrap());
+    let (mut first, inside) = agent_on_tmpfs(&dirs, "first.log");
     let socket = inside.join("agent.sock");
-    wait_until("the agent's socket, in its mount namespace", || {
-        if let Some(status) = first.child.as_mut().unwrap().try_wait().unwrap() {
-            panic!("the agent exited with {status}: {}", first.logs());
-        }
-        get(&socket, "/v1/agent/health").map_err(|err| err.to_string()).map(drop)
-    });
     let before = wait_running(&socket, "web-proxy", None);
     let pid_file = inside.join("pids/web-proxy.pid");
     wait_for("the pid file", || (std::fs::read_to_string(&pid_file).ok()?.trim() == before.to_string()).then_some(()));
@@ -951,19 +937,11 @@ fn a_pid_file_write_lost_to_a_full_disk_then_a_crash_runs_no_proxy_twice() {
     first.signal(Signal::SIGKILL);
     first.wait();
     let log = dirs.temp.path().join("second.log");
-    let mut second = command(Path::new("nsenter"));
-    second.args(["--target", &live.to_string(), "--mount", "--"]);
-    agent_args(&mut second);
-    second.stderr(std::fs::File::create(&log).unwrap());
-    let mut second = Agent { child: Some(second.spawn().unwrap()), socket: dirs.socket(), log };
-    let inside = Path::new(&format!("/proc/{}/root", second.pid())).join(dirs.data.strip_prefix("/").unwrap());
+    let mut nsenter = command(Path::new("nsenter"));
+    nsenter.args(["--target", &live.to_string(), "--mount", "--"]);
+    let second = agent_command(nsenter, &dirs, &log).spawn().unwrap();
+    let (mut second, inside) = started_inside(Agent { child: Some(second), socket: dirs.socket(), log }, &dirs);
     let socket = inside.join("agent.sock");
-    wait_until("the second agent's socket", || {
-        if let Some(status) = second.child.as_mut().unwrap().try_wait().unwrap() {
-            panic!("the agent exited with {status}: {}", second.logs());
-        }
-        get(&socket, "/v1/agent/health").map_err(|err| err.to_string()).map(drop)
-    });
     let listed = wait_running(&socket, "web-proxy", None);
     assert_eq!(listed, live, "the live instance is adopted:\n{}", second.logs());
     eprintln!("pid file after the failed write: {named:?}; the live instance: {live}");
