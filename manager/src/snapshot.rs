@@ -282,8 +282,9 @@ struct VersionOnly {
     version: u32,
 }
 
-/// The snapshot as a file (`snapshot.json` in the data dir), mode 0600, written through
-/// [`persist::write_atomic`], with a format version.
+/// The snapshot as a file (`snapshot.json` in the data dir), mode 0600, replaced whole
+/// through [`persist::write_atomic_with`] (renamed into place, not fsynced), with a format
+/// version.
 #[derive(Debug, Clone)]
 pub struct FileSnapshotStore {
     path: PathBuf,
@@ -320,8 +321,12 @@ impl FileSnapshotStore {
     }
 
     fn save_blocking(path: &Path, snapshot: &EncodedSnapshot) -> Result<(), SnapshotError> {
-        // Streamed into the file: the whole text never exists in memory at once.
-        persist::write_atomic_with(path, |out| snapshot.write_to(out)).map_err(|source| SnapshotError::Write { source })
+        // Streamed into the file: the whole text never exists in memory at once. Durability
+        // class: the snapshot describes processes that die with the machine (the boot id
+        // rejects its records after a reboot), so the rename protects it against an agent
+        // crash and no fsync is needed.
+        persist::write_atomic_with(path, persist::Durability::Crash, |out| snapshot.write_to(out))
+            .map_err(|source| SnapshotError::Write { source })
     }
 }
 
@@ -329,7 +334,7 @@ impl FileSnapshotStore {
 impl SnapshotStore for FileSnapshotStore {
     async fn load(&self) -> Result<Option<Snapshot>, SnapshotError> {
         let path = self.path.clone();
-        // File I/O and fsync block: keep them off the engine's worker threads.
+        // File I/O blocks: keep it off the engine's worker threads.
         match tokio::task::spawn_blocking(move || Self::load_blocking(&path)).await {
             Ok(result) => result,
             Err(join) => std::panic::resume_unwind(join.into_panic()),

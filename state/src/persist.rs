@@ -210,11 +210,12 @@ impl DataDir {
 ///
 /// [`PersistError::Write`]; the old content of `path`, if any, is then untouched.
 pub fn write_atomic(path: &Path, contents: &[u8]) -> Result<(), PersistError> {
-    write_atomic_with(path, |out| out.write_all(contents))
+    write_atomic_with(path, Durability::PowerLoss, |out| out.write_all(contents))
 }
 
 /// Like [`write_atomic`], but the contents come from `write`, which writes them to the
-/// temporary file (through a buffer): a large file need not be assembled in memory first.
+/// temporary file (through a buffer): a large file need not be assembled in memory first;
+/// and what the write must survive is the caller's choice ([`Durability`]).
 ///
 /// # Errors
 ///
@@ -222,11 +223,12 @@ pub fn write_atomic(path: &Path, contents: &[u8]) -> Result<(), PersistError> {
 /// then untouched.
 pub fn write_atomic_with(
     path: &Path,
+    durability: Durability,
     write: impl FnOnce(&mut dyn Write) -> io::Result<()>,
 ) -> Result<(), PersistError> {
     let (dir, name) =
         PrivateDir::open_parent_of(path).map_err(|source| PersistError::Write { path: path.to_owned(), source })?;
-    dir.write_atomic_with(name, Durability::PowerLoss, write)
+    dir.write_atomic_with(name, durability, write)
 }
 
 /// Reads the whole regular file at `path` without following it if it is a link (its

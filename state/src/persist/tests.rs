@@ -76,13 +76,14 @@ fn a_failed_atomic_write_keeps_the_old_content() {
 fn a_streamed_atomic_write_that_fails_keeps_the_old_content_and_leaves_no_temp() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("x.json");
-    write_atomic_with(&path, |out| out.write_all(b"one, ").and_then(|()| out.write_all(b"two"))).unwrap();
+    write_atomic_with(&path, Durability::PowerLoss, |out| out.write_all(b"one, ").and_then(|()| out.write_all(b"two")))
+        .unwrap();
     assert_eq!(fs::read(&path).unwrap(), b"one, two");
     let failing = |out: &mut dyn Write| {
         out.write_all(b"half")?;
         Err(io::Error::other("the producer failed"))
     };
-    assert!(write_atomic_with(&path, failing).is_err());
+    assert!(write_atomic_with(&path, Durability::PowerLoss, failing).is_err());
     assert_eq!(fs::read(&path).unwrap(), b"one, two");
     let names: Vec<_> = fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert_eq!(names, ["x.json"]);
