@@ -21,7 +21,8 @@ use crate::spec::{LogFile, ProcessSpec};
 /// A freshly spawned process, not yet reaped, with a pidfd that proves which one it is.
 #[derive(Debug)]
 pub(crate) struct Spawned {
-    pub(crate) child: tokio::process::Child,
+    /// A `std` child: it holds no descriptor (tokio's would hold a pidfd of its own).
+    pub(crate) child: std::process::Child,
     pub(crate) pid: u32,
     pub(crate) pidfd: Pidfd,
 }
@@ -64,21 +65,17 @@ pub(crate) fn spawn(spec: &ProcessSpec) -> Result<Spawned, SpawnError> {
     if let Some(credentials) = credentials {
         switch_user_before_exec(&mut command, credentials);
     }
-    let mut command = tokio::process::Command::from(command);
     let child = command.spawn().map_err(|source| SpawnError::Exec { program: spec.program.clone(), source })?;
-    let Some(pid) = child.id() else {
-        return Err(SpawnError::Exec {
-            program: spec.program.clone(),
-            source: io::Error::other("the child has no pid"),
-        });
-    };
-    // The child is not reaped until we await it, so its pid cannot have been reused yet.
+    let pid = child.id();
+    // The child is not reaped until we wait for it, so its pid cannot have been reused yet.
     let pidfd = match Pidfd::open(pid) {
         Ok(pidfd) => pidfd,
         Err(source) => {
-            // Without a pidfd we cannot supervise it: kill it rather than leave it loose.
-            // Dropping the child hands the reaping to tokio's orphan queue.
+            // Without a pidfd we cannot supervise it: kill it rather than leave it loose, and
+            // reap it (SIGKILL ends it at once).
             let _already_gone = proc::signal_group(pid, nix::sys::signal::Signal::SIGKILL);
+            let mut child = child;
+            let _reaped = child.wait();
             return Err(SpawnError::Watch { pid, source });
         }
     };

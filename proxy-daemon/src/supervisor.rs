@@ -434,8 +434,9 @@ struct Instance {
 }
 
 enum InstanceKind {
-    /// Our child: we reap it.
-    Child(tokio::process::Child),
+    /// Our child: we reap it, once its pidfd says that it exited. A `std` child holds no
+    /// descriptor, so the pidfd is the only one a supervised process costs.
+    Child(std::process::Child),
     /// Adopted: its parent (init or a subreaper) reaps it.
     Adopted,
 }
@@ -443,16 +444,36 @@ enum InstanceKind {
 impl Instance {
     /// Reaps the exited main process, if it is ours, and reads how it ended.
     async fn reap(self) -> Option<ExitReason> {
-        match self.kind {
-            InstanceKind::Child(mut child) => match child.wait().await {
-                Ok(status) => ExitReason::from_status(status),
-                Err(error) => {
-                    tracing::warn!(pid = self.pid, %error, "failed to reap process");
-                    None
-                }
+        let InstanceKind::Child(mut child) = self.kind else { return None };
+        // The pidfd said it exited, so the wait does not block; should it ever, it blocks a
+        // thread of the blocking pool, not the runtime.
+        let waited = match child.try_wait() {
+            Ok(Some(status)) => Ok(status),
+            Ok(None) => match tokio::task::spawn_blocking(move || child.wait()).await {
+                Ok(waited) => waited,
+                Err(join) => Err(std::io::Error::other(join)),
             },
-            InstanceKind::Adopted => None,
+            Err(error) => Err(error),
+        };
+        match waited {
+            Ok(status) => ExitReason::from_status(status),
+            Err(error) => {
+                tracing::warn!(pid = self.pid, %error, "failed to reap process");
+                None
+            }
         }
+    }
+
+    /// Leaves the process running, unsupervised. Our child is still reaped when it exits,
+    /// so that it does not stay a zombie for the rest of the agent's life.
+    fn release(self) {
+        let InstanceKind::Child(mut child) = self.kind else { return };
+        let pidfd = self.pidfd;
+        tokio::spawn(async move {
+            if pidfd.exited().await.is_ok() {
+                let _status = child.try_wait();
+            }
+        });
     }
 }
 
@@ -493,11 +514,13 @@ impl Task {
                     }
                     if let Some(reply) = commands.detach {
                         let _caller_gone = reply.send(self.detach(&mut instance));
+                        instance.release();
                         return;
                     }
                     if commands.handle_gone {
                         self.shared.rotator.forget(self.key);
                         tracing::info!(pid = instance.pid, "handle dropped; process left running unsupervised");
+                        instance.release();
                         return;
                     }
                 }
