@@ -12,5 +12,6 @@ mod lifecycle;
 mod limits;
 mod operations;
 mod policy;
+mod scale;
 mod support;
 mod validate;
