@@ -38,6 +38,12 @@ struct Credentials {
 ///
 /// Must be called from within a tokio runtime.
 pub(crate) fn spawn(spec: &ProcessSpec) -> Result<Spawned, SpawnError> {
+    if !spec.program.is_absolute() {
+        // There is no `PATH` search: a relative name would be found relative to the working
+        // directory, which is rarely what was meant.
+        let source = io::Error::new(io::ErrorKind::InvalidInput, "the program must be an absolute path");
+        return Err(SpawnError::Exec { program: spec.program.clone(), source });
+    }
     let credentials = spec.user.as_deref().map(resolve_user).transpose()?;
     match fs::metadata(&spec.working_dir) {
         Ok(metadata) if metadata.is_dir() => {}

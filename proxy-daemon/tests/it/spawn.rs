@@ -107,5 +107,12 @@ async fn missing_program_and_missing_working_dir_are_spawn_errors() {
     spec.working_dir = fx.data_dir().join("no-such-dir");
     let error = fx.supervisor.spawn(spec).unwrap_err();
     assert!(matches!(&error, SpawnError::WorkingDir { .. }), "{error:?}");
+
+    // No `PATH` search, and no program relative to the working dir.
+    let mut spec = fx.spec("missing-proxy", &[]);
+    spec.program = "sleep".into();
+    let error = fx.supervisor.spawn(spec).unwrap_err();
+    let message = tether_state::error_chain(&error);
+    assert!(message.contains("the program must be an absolute path"), "{message}");
     assert!(fx.marked_processes().is_empty());
 }
