@@ -31,6 +31,8 @@ pub(crate) enum Command {
     Deregister(DeregisterArgs),
     /// Stop every proxy and the agent.
     Leave(SocketArgs),
+    /// Show the last lines of a proxy's stdout (or stderr) log; -f follows it, across rotations.
+    Logs(LogsArgs),
     /// Check config dirs without an agent: exit 0 if valid, 2 and every error otherwise.
     Validate(ValidateArgs),
     /// The built-in TCP proxy; normally started by the agent.
@@ -146,6 +148,24 @@ pub(crate) struct DeregisterArgs {
     /// The service's id.
     #[arg(value_name = "SERVICE_ID")]
     pub(crate) id: String,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct LogsArgs {
+    #[command(flatten)]
+    pub(crate) socket: SocketArgs,
+    /// The proxy's id (`<service id>-proxy`).
+    #[arg(value_name = "PROXY_ID")]
+    pub(crate) id: String,
+    /// Show the stderr log instead of stdout.
+    #[arg(long)]
+    pub(crate) stderr: bool,
+    /// How many lines to show.
+    #[arg(short = 'n', long = "lines", value_name = "N", default_value_t = 20)]
+    pub(crate) lines: usize,
+    /// Keep showing what the proxy writes, until interrupted.
+    #[arg(short = 'f', long)]
+    pub(crate) follow: bool,
 }
 
 #[derive(Debug, Args)]

@@ -70,6 +70,51 @@ pub(crate) async fn request_with(
         .map_err(|_| ClientError::Timeout)?
 }
 
+/// Sends a GET and hands each chunk of a successful answer's body to `chunk` as it
+/// arrives, with no time limit once the answer has begun (a followed log streams until
+/// interrupted). An unsuccessful answer is returned whole, as [`request`] does.
+pub(crate) async fn stream(
+    socket: &Path,
+    path: &str,
+    mut chunk: impl FnMut(&[u8]) -> std::io::Result<()>,
+) -> Result<Response, ClientError> {
+    let begun = async {
+        let stream = UnixStream::connect(socket)
+            .await
+            .map_err(|source| ClientError::Connect { socket: socket.to_owned(), source })?;
+        let (mut sender, connection) =
+            hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(ClientError::Http)?;
+        let connection = tokio::spawn(connection);
+        let request = Request::builder()
+            .method(Method::GET)
+            .uri(path)
+            .header(hyper::header::HOST, "tether")
+            .body(Full::new(Bytes::new()))
+            .map_err(ClientError::Request)?;
+        let response = sender.send_request(request).await.map_err(ClientError::Http)?;
+        Ok::<_, ClientError>((response, sender, connection))
+    };
+    let (response, sender, connection) =
+        tokio::time::timeout(TIMEOUT, begun).await.map_err(|_| ClientError::Timeout)??;
+    let status = response.status();
+    let mut body = response.into_body();
+    if status != StatusCode::OK {
+        let body = body.collect().await.map_err(ClientError::Http)?.to_bytes();
+        return Ok(Response { status, body });
+    }
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(ClientError::Http)?;
+        if let Some(data) = frame.data_ref() {
+            if chunk(data).is_err() {
+                break; // the reader went away (a closed pipe): stop quietly
+            }
+        }
+    }
+    drop(sender);
+    connection.abort();
+    Ok(Response { status, body: Bytes::new() })
+}
+
 async fn send(
     socket: &Path,
     method: Method,

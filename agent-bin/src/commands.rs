@@ -1,5 +1,5 @@
 //! The CLI commands that talk to a running agent: `status`, `register`, `deregister`,
-//! `leave`. Each validates its input locally first (exit 2), then asks the agent (exit 1
+//! `leave`, `logs`. Each validates its input locally first (exit 2), then asks the agent (exit 1
 //! when the agent is unreachable or refuses).
 
 use std::io::Write;
@@ -133,6 +133,24 @@ pub(crate) async fn leave(socket: &Path) -> anyhow::Result<ExitCode> {
         return Err(refused("leave", &response));
     }
     writeln!(std::io::stdout(), "left: every proxy stopped, agent exiting")?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `tether logs PROXY_ID [--stderr] [-n N] [-f]`: the log's last lines, then, with
+/// `follow`, what the proxy writes until interrupted.
+pub(crate) async fn logs(socket: &Path, args: &crate::cli::LogsArgs) -> anyhow::Result<ExitCode> {
+    let id = tether_state::ProxyId::parse(args.id.as_str()).map_err(|err| UsageError(err.to_string()))?;
+    let stream = if args.stderr { "stderr" } else { "stdout" };
+    let path = format!("/v1/agent/proxy/{id}/logs?stream={stream}&lines={}&follow={}", args.lines, args.follow);
+    let mut stdout = std::io::stdout().lock();
+    let response = client::stream(socket, &path, |chunk| {
+        stdout.write_all(chunk)?;
+        stdout.flush()
+    })
+    .await?;
+    if response.status != StatusCode::OK {
+        return Err(refused(&format!("logs {id}"), &response));
+    }
     Ok(ExitCode::SUCCESS)
 }
 

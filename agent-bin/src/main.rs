@@ -79,6 +79,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Register(args) => current_thread()?.block_on(commands::register(&args.socket.socket(), &args.file)),
         Command::Deregister(args) => current_thread()?.block_on(commands::deregister(&args.socket.socket(), &args.id)),
         Command::Leave(args) => current_thread()?.block_on(commands::leave(&args.socket())),
+        Command::Logs(args) => current_thread()?.block_on(commands::logs(&args.socket.socket(), &args)),
         Command::Fleet(command) => current_thread()?.block_on(fleet::cli::run(command)),
     }
 }

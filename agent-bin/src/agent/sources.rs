@@ -204,6 +204,11 @@ impl Sources {
         &self.state
     }
 
+    /// The data dir.
+    pub(crate) fn data(&self) -> &DataDir {
+        &self.data
+    }
+
     /// Re-reads the config dirs; only the files that changed are parsed again. All or
     /// nothing: on any error every error is logged and the previous config stays in force.
     pub(crate) fn reload(&self) -> Result<ReloadReport, ReloadError> {

@@ -8,6 +8,7 @@
 
 pub(crate) mod dto;
 mod host;
+pub(crate) mod logs;
 pub(crate) mod proxy_config;
 
 use std::sync::Arc;
@@ -81,7 +82,9 @@ pub(crate) fn socket_router(state: ApiState) -> Router {
     let routes = read_routes()
         .route("/v1/agent/service/register", put(register))
         .route("/v1/agent/service/deregister/{id}", put(deregister))
-        .route("/v1/agent/leave", put(leave));
+        .route("/v1/agent/leave", put(leave))
+        // Socket only: a proxy's output may hold secrets.
+        .route("/v1/agent/proxy/{id}/logs", get(logs::get_logs));
     with_json_errors(routes).with_state(state)
 }
 

@@ -11,6 +11,7 @@ mod fleet;
 mod lifecycle;
 mod limits;
 mod operations;
+mod operator;
 mod policy;
 mod scale;
 mod support;

@@ -289,6 +289,24 @@ impl PrivateDir {
         }
     }
 
+    /// Opens the existing regular file `name` for reading only, without following a link;
+    /// `None` if there is none.
+    ///
+    /// # Errors
+    ///
+    /// [`PersistError::Read`]; when the entry is a link, a file with other hard links or a
+    /// special file, the source is an [`UnsafeEntry`] and the entry is left as it is.
+    pub fn open_read(&self, name: impl AsRef<OsStr>) -> Result<Option<File>, PersistError> {
+        let name = name.as_ref();
+        let read_error = |source: io::Error| PersistError::Read { path: self.path().join(name), source };
+        check_name(name).map_err(read_error)?;
+        match self.open_existing(name, OFlag::O_RDONLY).map_err(read_error)? {
+            Existing::Found(fd) => Ok(Some(File::from(fd))),
+            Existing::Missing => Ok(None),
+            Existing::Unsafe(why) => Err(read_error(io::Error::other(why))),
+        }
+    }
+
     /// Creates the new file `name` (mode 0600) for writing; it must not exist yet, not
     /// even as a link.
     ///

@@ -1,0 +1,120 @@
+//! The operator's commands beyond status: `tether logs`.
+
+use std::io::{BufRead, BufReader};
+use std::process::Stdio;
+use std::sync::mpsc;
+
+use crate::support::*;
+
+/// `--allow-root` when the tests run as root, so that proxies without `user` may run.
+fn root_flags() -> Vec<&'static str> {
+    if is_root() { vec!["--allow-root"] } else { vec![] }
+}
+
+/// A proxy that writes numbered lines of about 100 bytes to stdout, `every` seconds apart,
+/// and one line to stderr.
+fn chatty(every: &str, log_max_size: &str) -> String {
+    format!(
+        "[[service]]\nname = \"chatty\"\n[service.proxy]\ncommand = [\"/bin/sh\", \"-c\", \
+         \"echo to stderr >&2; i=0; while :; do echo line $i {pad}; i=$((i+1)); sleep {every}; done\"]\n\
+         log_max_size = \"{log_max_size}\"\nlog_keep = 1\n",
+        pad = "x".repeat(90)
+    )
+}
+
+fn line_number(line: &str) -> Option<u64> {
+    line.strip_prefix("line ")?.split(' ').next()?.parse().ok()
+}
+
+#[test]
+fn logs_shows_the_last_lines_of_either_stream_and_names_an_unknown_id() {
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    dirs.write_config("chatty.toml", &chatty("0.01", "64MiB"));
+    let agent = Agent::start(&dirs, &root_flags());
+    agent.wait_state("chatty-proxy", "running");
+    let logs = |args: &[&str]| {
+        let output = tether().arg("logs").arg("--data-dir").arg(&dirs.data).args(args).output().unwrap();
+        (output.status.code(), String::from_utf8(output.stdout).unwrap(), String::from_utf8(output.stderr).unwrap())
+    };
+    let (code, out, err) = wait_for("25 lines written", || {
+        let shown = logs(&["chatty-proxy", "-n", "3"]);
+        let numbers: Vec<u64> = shown.1.lines().filter_map(line_number).collect();
+        (numbers.len() == 3 && numbers[0] >= 25).then_some(shown)
+    });
+    assert_eq!(code, Some(0), "{err}");
+    let numbers: Vec<u64> = out.lines().filter_map(line_number).collect();
+    assert_eq!(numbers, [numbers[0], numbers[0] + 1, numbers[0] + 2], "three consecutive lines:\n{out}");
+    let (code, out, _) = logs(&["chatty-proxy"]);
+    assert_eq!(code, Some(0));
+    assert_eq!(out.lines().count(), 20, "20 lines by default:\n{out}");
+    let (code, out, _) = logs(&["chatty-proxy", "--stderr"]);
+    assert_eq!((code, out.as_str()), (Some(0), "to stderr\n"));
+
+    let (code, _, err) = logs(&["nothing-proxy"]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("nothing-proxy"), "{err}");
+    let (code, _, err) = logs(&["not-a-proxy-id!"]);
+    assert_eq!(code, Some(2), "{err}");
+}
+
+#[test]
+fn logs_follow_shows_lines_written_after_a_rotation() {
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    // About 2 KiB a second against a 4 KiB cap: a copy-truncate rotation every two seconds.
+    dirs.write_config("chatty.toml", &chatty("0.05", "4KiB"));
+    let agent = Agent::start(&dirs, &root_flags());
+    agent.wait_state("chatty-proxy", "running");
+    let mut follow = tether()
+        .arg("logs")
+        .arg("--data-dir")
+        .arg(&dirs.data)
+        .args(["chatty-proxy", "-n", "1", "-f"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    struct KillOnDrop(std::process::Child);
+    impl Drop for KillOnDrop {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let stdout = follow.stdout.take().unwrap();
+    let _follow = KillOnDrop(follow);
+    let (lines, seen) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { return };
+            if lines.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    let rotated = dirs.data.join("logs/chatty-proxy-stdout.log.1");
+    let mut numbers = Vec::new();
+    // Until two rotations have happened since following began, and lines after them arrived.
+    let mut rotations = 0;
+    let mut last_first_line = None;
+    wait_for("lines after two rotations", || {
+        while let Ok(line) = seen.try_recv() {
+            numbers.extend(line_number(&line));
+        }
+        let first = std::fs::read_to_string(&rotated).ok().and_then(|text| text.lines().next().map(str::to_owned));
+        if first.is_some() && first != last_first_line {
+            rotations += 1;
+            last_first_line = first;
+        }
+        (rotations >= 2 && numbers.len() > 60).then_some(())
+    });
+    // Every line arrives once and in order across the truncations: the follower reads the
+    // end of the copy it had not read, then the file from its start. (A line written in the
+    // instant between the copy and the truncation is in neither, as with every copy-truncate
+    // rotation: at most one gap per rotation.)
+    assert!(numbers.windows(2).all(|pair| pair[0] < pair[1]), "in order, once each: {numbers:?}");
+    let span = numbers[numbers.len() - 1] - numbers[0] + 1;
+    let missing = span - numbers.len() as u64;
+    assert!(missing <= rotations, "{missing} lines missing across {rotations} rotations: {numbers:?}");
+}
