@@ -33,6 +33,8 @@ pub(crate) enum Command {
     Leave(SocketArgs),
     /// Show the last lines of a proxy's stdout (or stderr) log; -f follows it, across rotations.
     Logs(LogsArgs),
+    /// Reload the config dirs like SIGHUP, and wait for the result: 0 applied, 2 and every error otherwise.
+    Reload(SocketArgs),
     /// Check config dirs without an agent: exit 0 if valid, 2 and every error otherwise.
     Validate(ValidateArgs),
     /// The built-in TCP proxy; normally started by the agent.

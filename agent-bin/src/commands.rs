@@ -1,5 +1,5 @@
 //! The CLI commands that talk to a running agent: `status`, `register`, `deregister`,
-//! `leave`, `logs`. Each validates its input locally first (exit 2), then asks the agent (exit 1
+//! `leave`, `logs`, `reload`. Each validates its input locally first (exit 2), then asks the agent (exit 1
 //! when the agent is unreachable or refuses).
 
 use std::io::Write;
@@ -134,6 +134,34 @@ pub(crate) async fn leave(socket: &Path) -> anyhow::Result<ExitCode> {
     }
     writeln!(std::io::stdout(), "left: every proxy stopped, agent exiting")?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// `tether reload`: the config dirs reloaded as SIGHUP does; exit 0 when applied, 2 with
+/// every error when a file is invalid (then nothing changed).
+pub(crate) async fn reload(socket: &Path) -> anyhow::Result<ExitCode> {
+    let response = client::request(socket, Method::PUT, "/v1/agent/reload", None).await?;
+    match response.status {
+        StatusCode::OK => {
+            let report: serde_json::Value = serde_json::from_slice(&response.body).unwrap_or_default();
+            let count = |key: &str| report.get(key).and_then(serde_json::Value::as_u64).unwrap_or(0);
+            writeln!(
+                std::io::stdout(),
+                "reloaded: {} added, {} changed, {} removed ({} files read, {} unchanged)",
+                count("added"),
+                count("changed"),
+                count("removed"),
+                count("files_read"),
+                count("files_unchanged")
+            )?;
+            Ok(ExitCode::SUCCESS)
+        }
+        StatusCode::BAD_REQUEST => Err(UsageError(format!(
+            "reload refused; the previous config stays in force:\n{}",
+            response.error_message()
+        ))
+        .into()),
+        _ => Err(refused("reload", &response)),
+    }
 }
 
 /// `tether logs PROXY_ID [--stderr] [-n N] [-f]`: the log's last lines, then, with

@@ -80,6 +80,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Deregister(args) => current_thread()?.block_on(commands::deregister(&args.socket.socket(), &args.id)),
         Command::Leave(args) => current_thread()?.block_on(commands::leave(&args.socket())),
         Command::Logs(args) => current_thread()?.block_on(commands::logs(&args.socket.socket(), &args)),
+        Command::Reload(args) => current_thread()?.block_on(commands::reload(&args.socket())),
         Command::Fleet(command) => current_thread()?.block_on(fleet::cli::run(command)),
     }
 }

@@ -83,6 +83,7 @@ pub(crate) fn socket_router(state: ApiState) -> Router {
         .route("/v1/agent/service/register", put(register))
         .route("/v1/agent/service/deregister/{id}", put(deregister))
         .route("/v1/agent/leave", put(leave))
+        .route("/v1/agent/reload", put(reload))
         // Socket only: a proxy's output may hold secrets.
         .route("/v1/agent/proxy/{id}/logs", get(logs::get_logs));
     with_json_errors(routes).with_state(state)
@@ -222,6 +223,29 @@ async fn leave(State(state): State<ApiState>) -> Result<Json<serde_json::Value>,
         Ok(Ok(())) => Ok(Json(serde_json::json!({ "left": true }))),
         Ok(Err(message)) => Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message)),
         Err(_) => Err(ApiError::new(StatusCode::CONFLICT, "the agent is already shutting down")),
+    }
+}
+
+/// `PUT /v1/agent/reload`: reloads the config dirs as SIGHUP does, and says whether it took.
+async fn reload(State(state): State<ApiState>) -> Result<Json<serde_json::Value>, ApiError> {
+    let sources = state.sources.clone();
+    let reloaded = tokio::task::spawn_blocking(move || sources.reload())
+        .await
+        .map_err(|join| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("the reload failed: {join}")))?;
+    match reloaded {
+        Ok(report) => Ok(Json(serde_json::json!({
+            "added": report.catalog.added,
+            "changed": report.catalog.changed,
+            "removed": report.catalog.removed,
+            "files_read": report.files.read,
+            "files_unchanged": report.files.reused,
+        }))),
+        // Every error, one a line: the previous config stays in force.
+        Err(crate::agent::sources::ReloadError::Config(errors)) => {
+            let lines: Vec<String> = errors.0.iter().map(|error| crate::error_chain(error)).collect();
+            Err(ApiError::new(StatusCode::BAD_REQUEST, lines.join("\n")))
+        }
+        Err(other) => Err(ApiError::new(StatusCode::BAD_REQUEST, crate::error_chain(&other))),
     }
 }
 

@@ -118,3 +118,34 @@ fn logs_follow_shows_lines_written_after_a_rotation() {
     let missing = span - numbers.len() as u64;
     assert!(missing <= rotations, "{missing} lines missing across {rotations} rotations: {numbers:?}");
 }
+
+#[test]
+fn reload_applies_a_valid_config_and_refuses_a_broken_one_with_file_and_line() {
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    dirs.write_config("a.toml", &sleeper("web"));
+    let agent = Agent::start(&dirs, &root_flags());
+    let web = agent.wait_state("web-proxy", "running")["pid"].as_i64().unwrap();
+    let reload = || {
+        let output = tether().arg("reload").arg("--data-dir").arg(&dirs.data).output().unwrap();
+        (output.status.code(), String::from_utf8(output.stdout).unwrap(), String::from_utf8(output.stderr).unwrap())
+    };
+
+    dirs.write_config("b.toml", &sleeper("db"));
+    let (code, out, err) = reload();
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains("1 added"), "{out}");
+    agent.wait_state("db-proxy", "running");
+
+    // A broken file: exit 2 naming the file, line and field; nothing changes.
+    dirs.write_config("c.toml", "[[service]]\nname = \"api\"\n[service.proxy]\nkill_timeout = \"5x\"\n");
+    std::fs::remove_file(dirs.config.join("b.toml")).unwrap();
+    let (code, _, err) = reload();
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("c.toml:4:"), "{err}");
+    assert!(err.contains("kill_timeout"), "{err}");
+    let proxies = agent.proxies();
+    let ids: Vec<&str> = proxies.iter().map(|p| p["id"].as_str().unwrap()).collect();
+    assert_eq!(ids, ["db-proxy", "web-proxy"], "the previous config stays in force");
+    assert_eq!(agent.proxy("web-proxy").unwrap()["pid"].as_i64(), Some(web));
+}
