@@ -35,6 +35,8 @@ pub(crate) enum Command {
     Logs(LogsArgs),
     /// Reload the config dirs like SIGHUP, and wait for the result: 0 applied, 2 and every error otherwise.
     Reload(SocketArgs),
+    /// Stream what happens to proxies (started, exited, restarted, stopped, ...) until interrupted.
+    Events(EventsArgs),
     /// Check config dirs without an agent: exit 0 if valid, 2 and every error otherwise.
     Validate(ValidateArgs),
     /// The built-in TCP proxy; normally started by the agent.
@@ -150,6 +152,15 @@ pub(crate) struct DeregisterArgs {
     /// The service's id.
     #[arg(value_name = "SERVICE_ID")]
     pub(crate) id: String,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct EventsArgs {
+    #[command(flatten)]
+    pub(crate) socket: SocketArgs,
+    /// One JSON object a line: {"time", "proxy", "event", "pid", "detail"}.
+    #[arg(long)]
+    pub(crate) json: bool,
 }
 
 #[derive(Debug, Args)]

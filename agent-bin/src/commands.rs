@@ -1,5 +1,5 @@
 //! The CLI commands that talk to a running agent: `status`, `register`, `deregister`,
-//! `leave`, `logs`, `reload`. Each validates its input locally first (exit 2), then asks the agent (exit 1
+//! `leave`, `logs`, `reload`, `events`. Each validates its input locally first (exit 2), then asks the agent (exit 1
 //! when the agent is unreachable or refuses).
 
 use std::io::Write;
@@ -133,6 +133,44 @@ pub(crate) async fn leave(socket: &Path) -> anyhow::Result<ExitCode> {
         return Err(refused("leave", &response));
     }
     writeln!(std::io::stdout(), "left: every proxy stopped, agent exiting")?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `tether events [--json]`: every event until interrupted, as JSON lines or as a line of
+/// text each (time, proxy, event, pid, detail).
+pub(crate) async fn events(socket: &Path, json: bool) -> anyhow::Result<ExitCode> {
+    let mut stdout = std::io::stdout().lock();
+    let mut pending = Vec::new();
+    let response = client::stream(socket, "/v1/agent/events", |chunk| {
+        if json {
+            stdout.write_all(chunk)?;
+            return stdout.flush();
+        }
+        pending.extend_from_slice(chunk);
+        while let Some(end) = pending.iter().position(|&b| b == b'\n') {
+            let line: Vec<u8> = pending.drain(..=end).collect();
+            let Ok(event) = serde_json::from_slice::<serde_json::Value>(&line) else { continue };
+            let field = |key: &str| match &event[key] {
+                serde_json::Value::String(text) => text.clone(),
+                serde_json::Value::Null => "-".to_owned(),
+                other => other.to_string(),
+            };
+            writeln!(
+                stdout,
+                "{}  {}  {}  {}  {}",
+                field("time"),
+                field("proxy"),
+                field("event"),
+                field("pid"),
+                field("detail")
+            )?;
+        }
+        stdout.flush()
+    })
+    .await?;
+    if response.status != StatusCode::OK {
+        return Err(refused("events", &response));
+    }
     Ok(ExitCode::SUCCESS)
 }
 

@@ -81,6 +81,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Leave(args) => current_thread()?.block_on(commands::leave(&args.socket())),
         Command::Logs(args) => current_thread()?.block_on(commands::logs(&args.socket.socket(), &args)),
         Command::Reload(args) => current_thread()?.block_on(commands::reload(&args.socket())),
+        Command::Events(args) => current_thread()?.block_on(commands::events(&args.socket.socket(), args.json)),
         Command::Fleet(command) => current_thread()?.block_on(fleet::cli::run(command)),
     }
 }

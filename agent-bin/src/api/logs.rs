@@ -6,26 +6,22 @@
 //! (`tether-proxy-daemon` does). File reads run on the blocking pool; a follower wakes on a
 //! short timer only while a client follows.
 
-use std::convert::Infallible;
 use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use hyper::body::Frame;
 use serde::Deserialize;
 use tether_state::ProxyId;
 use tether_state::persist::{DataDir, PrivateDir};
 use tokio::sync::mpsc;
 
-use super::{ApiError, ApiState};
+use super::{ApiError, ApiState, ChannelBody};
 
 /// Lines shown when the request names no count (SPEC: 20).
 const DEFAULT_LINES: usize = 20;
@@ -227,18 +223,6 @@ fn missed_in_copy(dir: &PrivateDir, rotated: &str, offset: u64) -> Option<Vec<u8
     let mut missed = vec![0_u8; usize::try_from(size).ok()?];
     copy.read_exact_at(&mut missed, offset).ok()?;
     Some(missed)
-}
-
-/// A response body fed by a channel: each message is one chunk.
-struct ChannelBody(mpsc::Receiver<Bytes>);
-
-impl hyper::body::Body for ChannelBody {
-    type Data = Bytes;
-    type Error = Infallible;
-
-    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        self.0.poll_recv(cx).map(|chunk| chunk.map(|bytes| Ok(Frame::data(bytes))))
-    }
 }
 
 #[cfg(test)]

@@ -7,11 +7,15 @@
 //! 403, 404, 405, 409, 413 or 500.
 
 pub(crate) mod dto;
+pub(crate) mod events;
 mod host;
 pub(crate) mod logs;
 pub(crate) mod proxy_config;
 
+use std::convert::Infallible;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 
 use axum::body::Bytes;
 use axum::extract::{Path, State};
@@ -20,6 +24,7 @@ use axum::middleware;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, put};
 use axum::{Json, Router};
+use hyper::body::Frame;
 use tether_manager::{LastExit, ManagerHandle, ProxyStatus};
 use tether_state::config::{self, Format, Origin};
 use tether_state::{CatalogError, ProxyId, ServiceId};
@@ -28,6 +33,19 @@ use tokio::sync::{mpsc, oneshot};
 use crate::agent::sources::{RegisterError, Sources};
 use crate::metrics::Metrics;
 use dto::{ErrorDto, ExitDto, HealthDto, ProxyStatusDto};
+
+/// A response body fed by a channel: each message is one chunk; the body ends when the
+/// sender is dropped, and the sender learns that the client went away when it is closed.
+pub(crate) struct ChannelBody(pub(crate) mpsc::Receiver<Bytes>);
+
+impl hyper::body::Body for ChannelBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        self.0.poll_recv(cx).map(|chunk| chunk.map(|bytes| Ok(Frame::data(bytes))))
+    }
+}
 
 /// A request to stop every proxy and exit; answered once the proxies are stopped.
 pub(crate) type LeaveRequest = oneshot::Sender<Result<(), String>>;
@@ -108,6 +126,7 @@ fn read_routes() -> Router<ApiState> {
         .route("/v1/agent/proxies", get(proxies))
         .route("/v1/agent/proxy/{id}", get(proxy))
         .route("/v1/agent/proxy/{id}/config", get(proxy_config::get_config))
+        .route("/v1/agent/events", get(events::get_events))
         .route("/v1/agent/health", get(health))
         .route("/v1/agent/fleet", get(fleet))
         .route("/metrics", get(metrics))

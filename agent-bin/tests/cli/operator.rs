@@ -149,3 +149,63 @@ fn reload_applies_a_valid_config_and_refuses_a_broken_one_with_file_and_line() {
     assert_eq!(ids, ["db-proxy", "web-proxy"], "the previous config stays in force");
     assert_eq!(agent.proxy("web-proxy").unwrap()["pid"].as_i64(), Some(web));
 }
+
+#[test]
+fn events_show_a_killed_proxy_exit_and_restart() {
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    let agent = Agent::start(&dirs, &root_flags());
+    let mut events = tether()
+        .arg("events")
+        .arg("--json")
+        .arg("--data-dir")
+        .arg(&dirs.data)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    struct KillOnDrop(std::process::Child);
+    impl Drop for KillOnDrop {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let stdout = events.stdout.take().unwrap();
+    let _events = KillOnDrop(events);
+    let (lines, seen) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { return };
+            if lines.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    let mut received: Vec<serde_json::Value> = Vec::new();
+    let mut next = |what: &str, wanted: &dyn Fn(&serde_json::Value) -> bool| -> serde_json::Value {
+        wait_for(what, || {
+            while let Ok(line) = seen.try_recv() {
+                received.push(serde_json::from_str(&line).unwrap_or_else(|err| panic!("{err}: {line}")));
+            }
+            let found = received.iter().position(wanted)?;
+            Some(received.remove(found))
+        })
+    };
+
+    // A proxy registered after the stream began is seen starting.
+    dirs.write_config("a.toml", &sleeper("web"));
+    assert_eq!(tether().arg("reload").arg("--data-dir").arg(&dirs.data).status().unwrap().code(), Some(0));
+    let started = next("started", &|e| e["proxy"] == "web-proxy" && e["event"] == "started");
+    let pid = started["pid"].as_i64().unwrap();
+    assert!(humantime::parse_rfc3339(started["time"].as_str().unwrap()).is_ok(), "{started}");
+
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(i32::try_from(pid).unwrap()), nix::sys::signal::Signal::SIGKILL)
+        .unwrap();
+    let exited = next("exited", &|e| e["proxy"] == "web-proxy" && e["event"] == "exited");
+    assert_eq!(exited["pid"].as_i64(), Some(pid));
+    assert_eq!(exited["detail"], "killed by signal 9");
+    let restarted = next("restarted", &|e| e["proxy"] == "web-proxy" && e["event"] == "restarted");
+    assert_ne!(restarted["pid"].as_i64(), Some(pid));
+    assert_eq!(agent.proxy("web-proxy").unwrap()["pid"], restarted["pid"]);
+}

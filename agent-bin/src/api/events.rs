@@ -1,0 +1,212 @@
+//! `GET /v1/agent/events`: what happens to proxies, as a stream of JSON lines, one per
+//! event: `{"time", "proxy", "event", "pid", "detail"}`.
+//!
+//! The events are told from the engine's status changes, compared with the last status seen
+//! of each proxy: a new pid is `started` (or `restarted`, when the restart count grew), a
+//! pid that is gone is `exited` (or `stopped`, during a stop), and a proxy entering
+//! `backoff`, `failed` or `blocked` says so. This module keeps one map of statuses per
+//! client and nothing else; it never decides or changes anything.
+
+use std::collections::HashMap;
+use std::time::SystemTime;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+use tether_manager::{LastExit, ProxyEvent, ProxyState, ProxyStatus};
+use tether_state::ProxyId;
+use tokio::sync::{broadcast, mpsc};
+
+use super::{ApiState, ChannelBody};
+
+/// One event, as a line of the stream.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub(crate) struct EventDto {
+    /// When it was seen, RFC 3339 with milliseconds.
+    pub(crate) time: String,
+    pub(crate) proxy: String,
+    pub(crate) event: &'static str,
+    pub(crate) pid: Option<u32>,
+    pub(crate) detail: Option<String>,
+}
+
+pub(crate) async fn get_events(State(state): State<ApiState>) -> Response {
+    // Subscribe before reading the statuses: no change falls between the two.
+    let changes = state.manager.subscribe();
+    let seen: HashMap<ProxyId, ProxyStatus> =
+        state.manager.status().into_iter().map(|status| (status.id.clone(), status)).collect();
+    let (lines, receiver) = mpsc::channel(64);
+    tokio::spawn(stream(Events { seen }, changes, lines, state.clone()));
+    ([(header::CONTENT_TYPE, "application/x-ndjson")], Body::new(ChannelBody(receiver))).into_response()
+}
+
+async fn stream(
+    mut events: Events,
+    mut changes: broadcast::Receiver<ProxyEvent>,
+    lines: mpsc::Sender<Bytes>,
+    state: ApiState,
+) {
+    loop {
+        let change = tokio::select! {
+            () = state.shutdown.cancelled() => return,
+            () = lines.closed() => return,
+            change = changes.recv() => change,
+        };
+        let found = match change {
+            Ok(change) => events.on(&change, SystemTime::now()),
+            // Too slow a client: compare with the statuses as they are now.
+            Err(broadcast::error::RecvError::Lagged(_)) => events.resync(state.manager.status(), SystemTime::now()),
+            Err(broadcast::error::RecvError::Closed) => return,
+        };
+        for event in found {
+            let Ok(mut line) = serde_json::to_vec(&event) else { continue };
+            line.push(b'\n');
+            if lines.send(Bytes::from(line)).await.is_err() {
+                return;
+            }
+        }
+    }
+}
+
+/// The last status seen of each proxy, and the events that a new status makes.
+pub(crate) struct Events {
+    seen: HashMap<ProxyId, ProxyStatus>,
+}
+
+impl Events {
+    fn on(&mut self, change: &ProxyEvent, now: SystemTime) -> Vec<EventDto> {
+        match change {
+            ProxyEvent::Changed(status) => {
+                let before = self.seen.insert(status.id.clone(), status.clone());
+                diff(before.as_ref(), status, now)
+            }
+            ProxyEvent::Removed(id) => match self.seen.remove(id) {
+                Some(before) => vec![event(now, id, "removed", before.pid, None)],
+                None => Vec::new(),
+            },
+            _ => Vec::new(),
+        }
+    }
+
+    fn resync(&mut self, now_statuses: Vec<ProxyStatus>, now: SystemTime) -> Vec<EventDto> {
+        let mut found = Vec::new();
+        let current: HashMap<ProxyId, ProxyStatus> =
+            now_statuses.into_iter().map(|status| (status.id.clone(), status)).collect();
+        for (id, before) in &self.seen {
+            if !current.contains_key(id) {
+                found.push(event(now, id, "removed", before.pid, None));
+            }
+        }
+        for status in current.values() {
+            found.extend(diff(self.seen.get(&status.id), status, now));
+        }
+        self.seen = current;
+        found
+    }
+}
+
+fn event(now: SystemTime, id: &ProxyId, name: &'static str, pid: Option<u32>, detail: Option<String>) -> EventDto {
+    EventDto {
+        time: humantime::format_rfc3339_millis(now).to_string(),
+        proxy: id.as_str().to_owned(),
+        event: name,
+        pid,
+        detail,
+    }
+}
+
+fn exit_text(exit: Option<LastExit>) -> String {
+    match exit {
+        Some(LastExit::Code(code)) => format!("exit code {code}"),
+        Some(LastExit::Signal(signal)) => format!("killed by signal {signal}"),
+        _ => "exit status unknown (an adopted process)".to_owned(),
+    }
+}
+
+/// The events between two statuses of one proxy.
+pub(crate) fn diff(before: Option<&ProxyStatus>, after: &ProxyStatus, now: SystemTime) -> Vec<EventDto> {
+    let id = &after.id;
+    let mut found = Vec::new();
+    let (was_pid, was_state, was_restarts) = match before {
+        Some(before) => (before.pid, Some(before.state), before.restarts),
+        None => (None, None, after.restarts),
+    };
+    if let Some(old) = was_pid.filter(|old| after.pid != Some(*old)) {
+        if was_state == Some(ProxyState::Stopping) || after.state == ProxyState::Stopping {
+            found.push(event(now, id, "stopped", Some(old), after.last_exit.map(|exit| exit_text(Some(exit)))));
+        } else {
+            found.push(event(now, id, "exited", Some(old), Some(exit_text(after.last_exit))));
+        }
+    }
+    if let Some(new) = after.pid.filter(|new| was_pid != Some(*new)) {
+        let name = if before.is_some() && after.restarts > was_restarts { "restarted" } else { "started" };
+        found.push(event(now, id, name, Some(new), None));
+    }
+    if was_state != Some(after.state) {
+        let name = match after.state {
+            ProxyState::Backoff => Some("backoff"),
+            ProxyState::Failed => Some("failed"),
+            ProxyState::Blocked => Some("blocked"),
+            _ => None,
+        };
+        if let Some(name) = name {
+            found.push(event(now, id, name, after.pid, after.error.clone()));
+        }
+    }
+    found
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn status(state: ProxyState, pid: Option<u32>, restarts: u32) -> ProxyStatus {
+        let id = ProxyId::parse("web-proxy").unwrap();
+        ProxyStatus {
+            service: id.service_id(),
+            id,
+            state,
+            pid,
+            restarts,
+            started_at: None,
+            last_exit: None,
+            error: None,
+        }
+    }
+
+    fn names(before: Option<&ProxyStatus>, after: &ProxyStatus) -> Vec<(&'static str, Option<u32>)> {
+        diff(before, after, SystemTime::UNIX_EPOCH).into_iter().map(|event| (event.event, event.pid)).collect()
+    }
+
+    #[test]
+    fn a_killed_proxy_exits_and_is_restarted() {
+        let running = status(ProxyState::Running, Some(10), 0);
+        assert_eq!(names(None, &running), [("started", Some(10))]);
+        let mut exited = status(ProxyState::Starting, None, 0);
+        exited.last_exit = Some(LastExit::Signal(9));
+        let events = diff(Some(&running), &exited, SystemTime::UNIX_EPOCH);
+        assert_eq!(events.len(), 1);
+        assert_eq!((events[0].event, events[0].pid), ("exited", Some(10)));
+        assert_eq!(events[0].detail.as_deref(), Some("killed by signal 9"));
+        let restarted = status(ProxyState::Running, Some(11), 1);
+        assert_eq!(names(Some(&exited), &restarted), [("restarted", Some(11))]);
+        // Both in one change: the exit comes first.
+        assert_eq!(names(Some(&running), &restarted), [("exited", Some(10)), ("restarted", Some(11))]);
+    }
+
+    #[test]
+    fn stops_backoffs_and_failures_are_named() {
+        let running = status(ProxyState::Running, Some(10), 0);
+        let stopping = status(ProxyState::Stopping, Some(10), 0);
+        assert_eq!(names(Some(&running), &stopping), []);
+        let stopped = status(ProxyState::Stopping, None, 0);
+        assert_eq!(names(Some(&stopping), &stopped), [("stopped", Some(10))]);
+        let backoff = status(ProxyState::Backoff, None, 2);
+        assert_eq!(names(Some(&running), &backoff), [("exited", Some(10)), ("backoff", None)]);
+        let failed = status(ProxyState::Failed, None, 0);
+        assert_eq!(names(None, &failed), [("failed", None)]);
+        assert_eq!(names(Some(&failed), &failed), []);
+    }
+}
