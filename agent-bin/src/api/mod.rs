@@ -126,6 +126,7 @@ fn read_routes() -> Router<ApiState> {
         .route("/v1/agent/proxies", get(proxies))
         .route("/v1/agent/proxy/{id}", get(proxy))
         .route("/v1/agent/proxy/{id}/config", get(proxy_config::get_config))
+        .route("/", get(page))
         .route("/v1/agent/events", get(events::get_events))
         .route("/v1/agent/health", get(health))
         .route("/v1/agent/fleet", get(fleet))
@@ -266,6 +267,24 @@ async fn reload(State(state): State<ApiState>) -> Result<Json<serde_json::Value>
         }
         Err(other) => Err(ApiError::new(StatusCode::BAD_REQUEST, crate::error_chain(&other))),
     }
+}
+
+/// `GET /`: the status page, one self-contained file built into the binary. It reads
+/// `/v1/agent/proxies` and follows `/v1/agent/events`, so it needs nothing the read
+/// endpoints do not serve, and loads nothing from elsewhere (its policy says so).
+async fn page() -> impl IntoResponse {
+    (
+        [
+            (header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            (header::CACHE_CONTROL, "no-cache"),
+            (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+            (
+                header::CONTENT_SECURITY_POLICY,
+                "default-src 'none'; connect-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'",
+            ),
+        ],
+        include_str!("page.html"),
+    )
 }
 
 async fn health() -> Json<HealthDto> {

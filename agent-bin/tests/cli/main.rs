@@ -12,6 +12,7 @@ mod lifecycle;
 mod limits;
 mod operations;
 mod operator;
+mod page;
 mod policy;
 mod scale;
 mod support;

@@ -1,0 +1,219 @@
+//! The status page in a real browser: headless Chromium driven through ChromeDriver's
+//! WebDriver protocol (plain HTTP and JSON), so that what a person sees is what is tested.
+//!
+//! Skipped, with the reason printed, where `chromium` or `chromedriver` is missing; CI
+//! installs both.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use base64::Engine;
+use nix::sys::signal::{Signal, kill, killpg};
+use nix::unistd::Pid;
+use serde_json::{Value, json};
+
+use crate::support::*;
+
+const CHROMIUM: &str = "/usr/bin/chromium";
+const CHROMEDRIVER: &str = "/usr/bin/chromedriver";
+
+/// `--allow-root` when the tests run as root, so that proxies without `user` may run.
+fn root_flags() -> Vec<&'static str> {
+    if is_root() { vec!["--allow-root"] } else { vec![] }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// One HTTP/1.1 exchange with a JSON body over TCP; the answer's JSON.
+fn http_json(addr: SocketAddr, method: &str, path: &str, body: Option<&Value>) -> std::io::Result<Value> {
+    let body = body.map(Value::to_string).unwrap_or_default();
+    let mut stream = TcpStream::connect(addr)?;
+    stream.set_read_timeout(Some(DEADLINE))?;
+    write!(
+        stream,
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )?;
+    // ChromeDriver keeps the connection open whatever the request says: read the head,
+    // then exactly the body it announces.
+    let mut raw = Vec::new();
+    let mut buffer = [0_u8; 16 << 10];
+    let head_end = loop {
+        let read = stream.read(&mut buffer)?;
+        if read == 0 {
+            return Err(std::io::Error::other("the connection closed before the head ended"));
+        }
+        raw.extend_from_slice(&buffer[..read]);
+        if let Some(end) = raw.windows(4).position(|window| window == b"\r\n\r\n") {
+            break end + 4;
+        }
+    };
+    let head = String::from_utf8_lossy(&raw[..head_end]).to_ascii_lowercase();
+    let length: usize = head
+        .lines()
+        .find_map(|line| line.strip_prefix("content-length:"))
+        .and_then(|value| value.trim().parse().ok())
+        .ok_or_else(|| std::io::Error::other(format!("no content-length in {head}")))?;
+    while raw.len() < head_end + length {
+        let read = stream.read(&mut buffer)?;
+        if read == 0 {
+            break;
+        }
+        raw.extend_from_slice(&buffer[..read]);
+    }
+    let payload = String::from_utf8_lossy(&raw[head_end..]);
+    serde_json::from_str(&payload).map_err(|err| std::io::Error::other(format!("{err}: {payload}")))
+}
+
+/// ChromeDriver and its browser, in a process group that is killed on drop.
+struct Browser {
+    driver: Child,
+    addr: SocketAddr,
+    session: String,
+    _profile: tempfile::TempDir,
+}
+
+impl Browser {
+    fn start() -> Self {
+        let port = free_port();
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let driver = Command::new(CHROMEDRIVER)
+            .arg(format!("--port={port}"))
+            .process_group(0)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let profile = tempfile::tempdir().unwrap();
+        let mut browser = Self { driver, addr, session: String::new(), _profile: profile };
+        wait_until("chromedriver to answer", || {
+            http_json(addr, "GET", "/status", None).map_err(|err| err.to_string()).map(drop)
+        });
+        let capabilities = json!({"capabilities": {"alwaysMatch": {
+            "browserName": "chrome",
+            "goog:chromeOptions": {
+                "binary": CHROMIUM,
+                "args": [
+                    "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                    "--disable-quic", "--no-first-run", "--window-size=1280,800",
+                    format!("--user-data-dir={}", browser._profile.path().display()),
+                ],
+            },
+        }}});
+        let created = http_json(addr, "POST", "/session", Some(&capabilities)).unwrap();
+        browser.session =
+            created["value"]["sessionId"].as_str().unwrap_or_else(|| panic!("no session: {created}")).to_owned();
+        browser
+    }
+
+    fn command(&self, method: &str, what: &str, body: Option<&Value>) -> Value {
+        let path = format!("/session/{}/{what}", self.session);
+        let answer = http_json(self.addr, method, &path, body).unwrap();
+        assert!(answer["value"].get("error").is_none(), "{what}: {answer}");
+        answer["value"].clone()
+    }
+
+    fn open(&self, url: &str) {
+        self.command("POST", "url", Some(&json!({ "url": url })));
+    }
+
+    /// Runs `script` in the page and returns its value.
+    fn eval(&self, script: &str) -> Value {
+        self.command("POST", "execute/sync", Some(&json!({ "script": script, "args": [] })))
+    }
+
+    fn screenshot(&self, path: &Path) {
+        let data = self.command("GET", "screenshot", None);
+        let png = base64::engine::general_purpose::STANDARD.decode(data.as_str().unwrap()).unwrap();
+        std::fs::write(path, png).unwrap();
+    }
+}
+
+impl Drop for Browser {
+    fn drop(&mut self) {
+        if !self.session.is_empty() {
+            let _ = http_json(self.addr, "DELETE", &format!("/session/{}", self.session), None);
+        }
+        let _ = killpg(Pid::from_raw(self.driver.id() as i32), Signal::SIGKILL);
+        let _ = self.driver.wait();
+    }
+}
+
+/// The text of `class`'s cell in the row of proxy `id`, or null.
+fn cell_script(id: &str, class: &str) -> String {
+    format!(
+        "const row = document.querySelector('tr[data-proxy=\"{id}\"]'); \
+         return row ? row.querySelector('td.{class}').textContent : null;"
+    )
+}
+
+#[test]
+fn the_status_page_lists_the_proxies_and_shows_a_restart_without_a_reload() {
+    for program in [CHROMIUM, CHROMEDRIVER] {
+        if !Path::new(program).exists() {
+            eprintln!("skipped: {program} is missing (install Debian's chromium and chromium-driver)");
+            return;
+        }
+    }
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    let services: String = (0..3).map(|n| sleeper(&format!("s{n}"))).collect();
+    dirs.write_config("a.toml", &services);
+    let port = free_port();
+    let http_addr = format!("127.0.0.1:{port}");
+    let mut flags = root_flags();
+    flags.extend(["--http-addr", &http_addr]);
+    let agent = Agent::start(&dirs, &flags);
+    for n in 0..3 {
+        agent.wait_state(&format!("s{n}-proxy"), "running");
+    }
+
+    let browser = Browser::start();
+    browser.open(&format!("http://{http_addr}/"));
+    let listed = wait_for("the page to list the proxies", || {
+        let ids = browser.eval("return [...document.querySelectorAll('tbody tr')].map(r => r.dataset.proxy);");
+        (ids.as_array().is_some_and(|ids| ids.len() == 3)).then_some(ids)
+    });
+    assert_eq!(listed, json!(["s0-proxy", "s1-proxy", "s2-proxy"]));
+    let pid = wait_for("s1-proxy's pid on the page", || {
+        let pid = browser.eval(&cell_script("s1-proxy", "pid"));
+        pid.as_str().and_then(|pid| pid.parse::<i32>().ok())
+    });
+    assert_eq!(Some(i64::from(pid)), agent.proxy("s1-proxy").unwrap()["pid"].as_i64());
+    assert_eq!(browser.eval(&cell_script("s1-proxy", "state")), json!("running"));
+    wait_for("the page to say it is live", || {
+        (browser.eval("return document.getElementById('connection').textContent;") == json!("live")).then_some(())
+    });
+
+    // Killed from outside: the page shows the new process, and one more restart, by
+    // itself (no reload), within a second.
+    kill(Pid::from_raw(pid), Signal::SIGKILL).unwrap();
+    let killed_at = Instant::now();
+    let shown = loop {
+        let now = browser.eval(&cell_script("s1-proxy", "pid"));
+        let restarts = browser.eval(&cell_script("s1-proxy", "restarts"));
+        if let Some(new) = now.as_str().and_then(|text| text.parse::<i32>().ok()).filter(|new| *new != pid) {
+            if restarts == json!("1") {
+                break new;
+            }
+        }
+        assert!(killed_at.elapsed() < Duration::from_secs(1), "the page did not show the restart within a second");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let took = killed_at.elapsed();
+    assert_eq!(Some(i64::from(shown)), agent.proxy("s1-proxy").unwrap()["pid"].as_i64());
+    eprintln!("the page showed the restart {took:?} after the kill");
+    let artifact = Path::new(env!("CARGO_TARGET_TMPDIR")).join("status-page.png");
+    browser.screenshot(&artifact);
+    eprintln!("screenshot: {}", artifact.display());
+    assert!(std::fs::metadata(&artifact).unwrap().len() > 1000);
+}
