@@ -44,6 +44,21 @@ pub(crate) enum Command {
     /// Put, list and remove a node's services in etcd, the fleet catalog.
     #[command(subcommand)]
     Fleet(FleetCommand),
+    /// Write shell completions or the man page, from this command line's own definition.
+    #[command(hide = true, subcommand)]
+    Generate(GenerateCommand),
+}
+
+/// What `tether generate` writes to stdout.
+#[derive(Debug, Subcommand)]
+pub(crate) enum GenerateCommand {
+    /// The completion script of a shell.
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// The man page, tether(1), in roff.
+    Man,
 }
 
 /// How to reach etcd and where the fleet's keys are: the shape of etcdctl's flags.

@@ -82,6 +82,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Logs(args) => current_thread()?.block_on(commands::logs(&args.socket.socket(), &args)),
         Command::Reload(args) => current_thread()?.block_on(commands::reload(&args.socket())),
         Command::Events(args) => current_thread()?.block_on(commands::events(&args.socket.socket(), args.json)),
+        Command::Generate(what) => generate(what),
         Command::Fleet(command) => current_thread()?.block_on(fleet::cli::run(command)),
     }
 }
@@ -92,4 +93,19 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 
 fn current_thread() -> anyhow::Result<tokio::runtime::Runtime> {
     Ok(tokio::runtime::Builder::new_current_thread().enable_all().build()?)
+}
+
+/// `tether generate completions SHELL` and `tether generate man`: written from the CLI's own
+/// definition, so that they never drift from it.
+fn generate(what: cli::GenerateCommand) -> anyhow::Result<ExitCode> {
+    use clap::CommandFactory;
+    let mut command = cli::Cli::command();
+    let mut stdout = std::io::stdout().lock();
+    match what {
+        cli::GenerateCommand::Completions { shell } => {
+            clap_complete::generate(shell, &mut command, "tether", &mut stdout)
+        }
+        cli::GenerateCommand::Man => clap_mangen::Man::new(command).render(&mut stdout)?,
+    }
+    Ok(ExitCode::SUCCESS)
 }

@@ -7,6 +7,7 @@
 
 mod bench;
 mod deps;
+mod dist;
 mod fuzz;
 mod tidy;
 
@@ -24,6 +25,7 @@ tasks:
   deps    the crate graph against the allow-list
   bench   every crate's benchmarks, then the end-to-end benchmarks of the tether binary
   fuzz    every fuzz target for a bounded time
+  dist    release binary (stripped), shell completions, man page and systemd unit in target/dist
 ";
 
 fn main() -> ExitCode {
@@ -35,6 +37,7 @@ fn main() -> ExitCode {
         Some("deps") => report(deps::check(&cargo(), &workspace_root())),
         Some("bench") => bench::run(&workspace_root()),
         Some("fuzz") => fuzz::run(&workspace_root(), env::args().skip(2).collect()),
+        Some("dist") => dist::run(&workspace_root()),
         None | Some("help" | "-h" | "--help") => {
             print!("{TASKS}");
             return ExitCode::SUCCESS;
