@@ -36,6 +36,8 @@ pub struct Identity {
 /// The fields of `/proc/<pid>/stat` that identity checks use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Stat {
+    /// The parent's pid.
+    pub(crate) ppid: u32,
     pub(crate) pgid: u32,
     /// The session id.
     pub(crate) sid: u32,
@@ -48,6 +50,7 @@ pub(crate) fn parse_stat(text: &str) -> Option<Stat> {
     // Field 3 (state) is the first after the command name; field N is at index N - 3.
     let fields: Vec<&str> = after_comm.split_ascii_whitespace().collect();
     Some(Stat {
+        ppid: fields.get(4 - 3)?.parse().ok()?,
         pgid: fields.get(5 - 3)?.parse().ok()?,
         sid: fields.get(6 - 3)?.parse().ok()?,
         start_time: fields.get(22 - 3)?.parse().ok()?,
@@ -83,26 +86,21 @@ pub(crate) fn read_environ(pid: u32) -> io::Result<Vec<u8>> {
     fs::read(format!("/proc/{pid}/environ"))
 }
 
-/// Calls `visit` with the pid and environment of every process that could be an instance
-/// the supervisor spawned: it leads its own process group but not a session (every spawned
-/// process gets a group of its own and stays in the agent's session, while a daemonised
-/// helper that called `setsid()` leads a session). Processes whose `/proc` entries cannot
-/// be read (gone, or another user's without the privilege) are skipped.
+/// Calls `visit` with the pid, the stat and the environment of every process whose
+/// `/proc` entries can be read (those of processes gone meanwhile, or of another user's
+/// without the privilege, cannot).
 ///
 /// A hint, not a proof: what it finds must be proven again through a pidfd.
-pub(crate) fn visit_group_leaders(mut visit: impl FnMut(u32, &[u8])) {
+pub(crate) fn visit_processes(mut visit: impl FnMut(u32, Stat, &[u8])) {
     let Ok(entries) = fs::read_dir("/proc") else { return };
     let mut path = String::new();
     for entry in entries.flatten() {
         let Some(pid) = entry.file_name().to_str().and_then(|name| name.parse::<u32>().ok()) else { continue };
         path.clear();
         let _infallible = write!(path, "/proc/{pid}/stat");
-        let Ok(stat) = fs::read_to_string(&path) else { continue };
-        if !parse_stat(&stat).is_some_and(|stat| stat.pgid == pid && stat.sid != pid) {
-            continue;
-        }
+        let Some(stat) = fs::read_to_string(&path).ok().as_deref().and_then(parse_stat) else { continue };
         if let Ok(environ) = read_environ(pid) {
-            visit(pid, &environ);
+            visit(pid, stat, &environ);
         }
     }
 }
@@ -204,7 +202,7 @@ mod tests {
     #[test]
     fn stat_parsing_survives_parentheses_and_spaces_in_the_name() {
         let line = "4242 (we) ird (x)) S 1 4242 4242 0 -1 4194560 107 0 0 0 0 0 0 0 20 0 1 0 987654 1000 100 18446744073709551615";
-        assert_eq!(parse_stat(line), Some(Stat { pgid: 4242, sid: 4242, start_time: 987654 }));
+        assert_eq!(parse_stat(line), Some(Stat { ppid: 1, pgid: 4242, sid: 4242, start_time: 987654 }));
         assert_eq!(parse_stat("4242 (x) S 1"), None);
         assert_eq!(parse_stat("garbage"), None);
     }

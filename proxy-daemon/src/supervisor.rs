@@ -185,22 +185,33 @@ impl Supervisor {
         Some(handle.stop().await)
     }
 
-    /// Every process that may be an instance started by a supervisor: it leads its own
-    /// process group, not a session, and its environment holds every pair of `required`.
-    /// Returns each one's pid and the value of `key` in its environment (empty if unset),
-    /// sorted by pid.
+    /// Every process that may be an instance started by a supervisor: its environment holds
+    /// every pair of `required`, it leads its own process group but not a session (every
+    /// spawned process gets a group of its own and stays in its supervisor's session, while
+    /// a daemonised helper that called `setsid()` leads a session), and its parent's
+    /// environment does not hold them (a worker that an instance made a group leader has
+    /// its parent's environment; an instance's parent is its supervisor, or init once the
+    /// supervisor is gone). Returns each one's pid and the value of `key` in its environment
+    /// (empty if unset), sorted by pid.
     ///
     /// A hint, not a proof: adopt or stop what it finds only through
     /// [`Supervisor::adopt_by_environment`] or [`Supervisor::stop_by_environment`]. Costs
-    /// one read of `/proc/<pid>/stat` for every process of the machine.
+    /// one read of `/proc/<pid>/stat` and `/proc/<pid>/environ` for every process of the
+    /// machine.
     pub fn find_by_environment(&self, required: &[(OsString, OsString)], key: &str) -> Vec<(u32, OsString)> {
-        let mut found = Vec::new();
-        proc::visit_group_leaders(|pid, environ| {
+        let mut matching = Vec::new();
+        proc::visit_processes(|pid, stat, environ| {
             if proc::environ_contains(environ, required) {
                 let value = proc::environ_value(environ, key.as_bytes()).unwrap_or_default();
-                found.push((pid, OsStr::from_bytes(value).to_owned()));
+                matching.push((pid, stat, OsStr::from_bytes(value).to_owned()));
             }
         });
+        let pids: std::collections::HashSet<u32> = matching.iter().map(|(pid, _, _)| *pid).collect();
+        let mut found: Vec<(u32, OsString)> = matching
+            .into_iter()
+            .filter(|(pid, stat, _)| stat.pgid == *pid && stat.sid != *pid && !pids.contains(&stat.ppid))
+            .map(|(pid, _, value)| (pid, value))
+            .collect();
         found.sort();
         found
     }

@@ -158,6 +158,35 @@ async fn instances_are_found_by_their_environment_and_a_second_one_is_stopped_wi
 }
 
 #[tokio::test]
+async fn a_worker_that_leads_its_own_group_is_not_taken_for_an_instance() {
+    let fx = Fixture::new();
+    let mut spec = fx.spec("job-control-proxy", &[]);
+    spec.program = "/bin/sh".into();
+    // The worker makes itself the leader of a group of its own, in the same session.
+    spec.args = vec!["-c".into(), "perl -e 'setpgrp(0, 0); sleep 30' & wait".into()];
+    let handle = fx.supervisor.spawn(spec.clone()).unwrap();
+    let pid = handle.status().pid.unwrap();
+    let leads_its_group = |pid: u32| {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let pgid = stat.rsplit_once(") ").and_then(|(_, rest)| rest.split(' ').nth(2)?.parse::<u32>().ok());
+        pgid == Some(pid)
+    };
+    let mut worker = 0;
+    eventually("the worker to lead its own group", || {
+        let others: Vec<u32> = fx.marked_processes().into_iter().filter(|&other| other != pid).collect();
+        worker = others.first().copied().unwrap_or(0);
+        others.len() == 1 && leads_its_group(worker)
+    })
+    .await;
+    let mark = [(MARK.into(), fx.mark.clone().into())];
+    let found: Vec<u32> =
+        fx.supervisor.find_by_environment(&mark, "TETHER_PROXY_ID").into_iter().map(|(pid, _)| pid).collect();
+    assert_eq!(found, vec![pid]);
+    within("stop", handle.stop()).await;
+    send(worker, Signal::SIGKILL);
+}
+
+#[tokio::test]
 async fn a_daemonised_helper_is_not_taken_for_an_instance() {
     let fx = Fixture::new();
     let mut spec = fx.spec("daemonising-proxy", &[]);
