@@ -1,5 +1,6 @@
-//! The [`Manager`]: the reconcile loop, its coalescing, the actions it runs, restore at
-//! start-up and the two shutdowns.
+//! The [`Manager`]: the reconcile loop, its coalescing, what it publishes, and the two
+//! shutdowns; the actions it runs are in `actions`, restore at start-up in `restore`, the
+//! snapshot's bookkeeping in `records`.
 //!
 //! This module owns the engine's state and every task it spawns (action tasks, status
 //! watchers, the snapshot writer), each in a `JoinSet` held by the manager, so that nothing
@@ -7,24 +8,20 @@
 //! hold a lock across an await, and never run two actions on one proxy at once.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet, VecDeque};
+use std::collections::{BinaryHeap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tether_state::config::{self, Format};
 use tether_state::{Catalog, DesiredProxy, ManagedProxy, ProxyId, Revision, Subscription, TokenFingerprint};
 use tokio::sync::{mpsc, oneshot, watch};
-use tokio::task::{AbortHandle, JoinError, JoinSet};
+use tokio::task::{AbortHandle, JoinSet};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::Instrument;
 
 use crate::backend::{BackendError, ProcessStatus, ProxyBackend, ProxyHandle, ProxyState};
-use crate::plan::{Action, Observed, Origin, Policy, decide};
-use crate::snapshot::{
-    EncodedRecord, EncodedService, ProxyRecord, SnapshotError, SnapshotStore, WriterMessage, WriterSender, writer,
-};
-use crate::status::{ActionKind, ManagerHandle, ProxyStatus, Published};
+use crate::plan::{Action, Observed, Policy, decide};
+use crate::snapshot::{EncodedService, SnapshotError, SnapshotStore, WriterMessage, WriterSender};
+use crate::status::{ManagerHandle, ProxyStatus, Published};
 use crate::users::UserLookup;
 
 /// How the engine behaves. `Default` gives SPEC's defaults.
@@ -136,18 +133,6 @@ enum Outcome {
     StopFailed { error: BackendError },
     Updated { proxy: Arc<ManagedProxy> },
     UpdateFailed { error: BackendError },
-}
-
-/// What is left to do of the restore that precedes the first reconcile.
-enum RestoreStage {
-    Load,
-    Adopt {
-        queue: VecDeque<(ProxyRecord, Option<Origin>)>,
-        wanted: HashMap<ProxyId, Arc<ManagedProxy>>,
-        /// The records of the snapshot as loaded, encoded: what the file says now.
-        saved: Option<BTreeMap<ProxyId, EncodedRecord>>,
-    },
-    Done,
 }
 
 /// A catalog change the engine has not synced yet.
@@ -387,159 +372,6 @@ impl Manager {
         result.map_err(|source| ShutdownError::Snapshot { source })
     }
 
-    /// Restores what the snapshot (or the backend's candidates) says runs. Returns false if
-    /// `shutdown` was cancelled first.
-    async fn restore_snapshot(&mut self, shutdown: &CancellationToken) -> bool {
-        if let RestoreStage::Load = self.restore {
-            let loaded = tokio::select! {
-                () = shutdown.cancelled() => return false,
-                loaded = self.store.load() => loaded,
-            };
-            let (mut records, saved) = match loaded {
-                Ok(Some(snapshot)) => {
-                    // Kept encoded, as the writer compares it: the records are moved, not copied.
-                    let saved: BTreeMap<ProxyId, EncodedRecord> = snapshot
-                        .proxies
-                        .iter()
-                        .filter_map(|record| Some((record.id.clone(), encode(record)?)))
-                        .collect();
-                    (snapshot.proxies, Some(saved))
-                }
-                Ok(None) => (Vec::new(), None),
-                Err(err) => {
-                    tracing::warn!(error = %crate::error_chain(&err), "snapshot unusable; adopting the backend's candidates instead");
-                    (Vec::new(), None)
-                }
-            };
-            let mut seen = HashSet::new();
-            records.retain(|record| seen.insert(record.id.clone()));
-            // The backend's candidates come after the snapshot's records: they cover a
-            // proxy started after the last snapshot write (an agent killed in between), and
-            // one whose record cannot be proven any more. A candidate of an id already
-            // adopted is skipped, so nothing is taken over twice.
-            let mut candidate_ids = HashSet::new();
-            let candidates = self.candidates(shutdown).await;
-            records.extend(candidates.into_iter().filter(|record| candidate_ids.insert(record.id.clone())));
-            seen.extend(candidate_ids);
-            let queue: VecDeque<_> = records
-                .into_iter()
-                .map(|record| {
-                    let origin = origin_of(&record);
-                    (record, origin)
-                })
-                .collect();
-            // What the catalog wants of those proxies: the backend restarts an adopted
-            // process from it, and proves candidates with its token.
-            let wanted = if queue.is_empty() {
-                HashMap::new()
-            } else {
-                self.catalog
-                    .changes_since(None)
-                    .upserted
-                    .into_iter()
-                    .filter(|desired| seen.contains(desired.proxy.id()))
-                    .map(|desired| (desired.proxy.id().clone(), desired.proxy))
-                    .collect()
-            };
-            self.restore = RestoreStage::Adopt { queue, wanted, saved };
-        }
-        // One record per turn, so that a cancelled turn leaves the record queued.
-        while matches!(&self.restore, RestoreStage::Adopt { queue, .. } if !queue.is_empty()) {
-            if !self.restore_one(shutdown).await {
-                return false;
-            }
-        }
-        if let RestoreStage::Adopt { saved, .. } = std::mem::replace(&mut self.restore, RestoreStage::Done) {
-            self.start_writer(saved);
-        }
-        true
-    }
-
-    async fn restore_one(&mut self, shutdown: &CancellationToken) -> bool {
-        let RestoreStage::Adopt { queue, wanted, .. } = &mut self.restore else { return true };
-        let Some((record, _)) = queue.front() else { return true };
-        if self.slots.contains_key(&record.id) {
-            // Its snapshot record was adopted: the candidate of the same id is that process.
-            queue.pop_front();
-            return true;
-        }
-        let (id, backend_record) = (record.id.clone(), record.backend.clone());
-        let desired = wanted.get(&id).cloned();
-        let restored = tokio::select! {
-            () = shutdown.cancelled() => return false,
-            restored = self.backend.restore(id.clone(), backend_record, desired) => restored,
-        };
-        let RestoreStage::Adopt { queue, wanted, .. } = &mut self.restore else { return true };
-        let Some((mut record, mut origin)) = queue.pop_front() else { return true };
-        match restored {
-            Some(handle) => {
-                tracing::info!(proxy = %id, "proxy adopted");
-                self.published.lock().stats.adopted += 1;
-                // A candidate without a snapshot record that the backend proved against the
-                // wanted proxy runs that proxy, by the backend's contract.
-                if record.service.is_none() && record.token.is_none() {
-                    if let Some(proxy) = wanted.get(&id) {
-                        record.service = service_value(proxy);
-                        record.token = Some(proxy.token().fingerprint());
-                        origin = origin_of(&record);
-                    }
-                }
-                let service = record.service.as_ref().and_then(|service| EncodedService::new(service).ok());
-                let mut slot = Slot::new();
-                slot.observed = Observed::Adopted { origin };
-                self.slots.insert(id.clone(), slot);
-                self.install(&id, handle.into(), service, record.token);
-                self.publish(&id);
-            }
-            None => {
-                tracing::info!(proxy = %id, "snapshot record dropped: its process cannot be proven to be the same");
-                self.published.lock().stats.dropped += 1;
-            }
-        }
-        true
-    }
-
-    async fn candidates(&self, shutdown: &CancellationToken) -> Vec<ProxyRecord> {
-        let found = tokio::select! {
-            () = shutdown.cancelled() => return Vec::new(),
-            found = self.backend.adoption_candidates() => found,
-        };
-        found.into_iter().map(|(id, backend)| ProxyRecord { id, service: None, token: None, backend }).collect()
-    }
-
-    fn start_writer(&mut self, saved: Option<BTreeMap<ProxyId, EncodedRecord>>) {
-        let records: BTreeMap<ProxyId, EncodedRecord> =
-            self.slots.keys().filter_map(|id| Some((id.clone(), self.record_of(id)?))).collect();
-        let (sender, messages) = mpsc::unbounded_channel();
-        let store = self.store.clone();
-        let published = self.published.clone();
-        self.background
-            .spawn(writer(store, messages, records, saved, published).instrument(tracing::info_span!("snapshot")));
-        self.writer = Some(sender);
-    }
-
-    fn record_of(&self, id: &ProxyId) -> Option<EncodedRecord> {
-        let installed = self.slots.get(id)?.installed.as_ref()?;
-        let backend = installed.handle.record();
-        match EncodedRecord::new(id, installed.service.as_ref(), installed.token.as_ref(), &backend) {
-            Ok(record) => Some(record),
-            Err(err) => {
-                tracing::warn!(proxy = %id, error = %err, "cannot encode the snapshot record; it is left out");
-                None
-            }
-        }
-    }
-
-    fn send_record(&self, id: &ProxyId) {
-        let Some(writer) = &self.writer else { return };
-        let message = match self.record_of(id) {
-            Some(record) => WriterMessage::Put(id.clone(), record),
-            None => WriterMessage::Remove(id.clone()),
-        };
-        // A gone writer is reported by the next flush.
-        let _ = writer.send(message);
-    }
-
     fn note_change(&mut self) {
         let now = Instant::now();
         let first = self.unsynced.map_or(now, |u| u.first);
@@ -648,167 +480,6 @@ impl Manager {
         }
     }
 
-    fn launch(&mut self, id: &ProxyId, action: Action) {
-        let wanted = self.desired.get(id).map(|d| d.proxy.clone());
-        let Some(slot) = self.slots.get_mut(id) else { return };
-        let handle = slot.installed.as_ref().map(|installed| installed.handle.clone());
-        slot.busy = Some(action);
-        slot.launched_for = wanted.clone();
-        let backend = self.backend.clone();
-        let task = async move {
-            match (action, wanted, handle) {
-                (Action::Start, Some(proxy), _) => start(&*backend, proxy).await,
-                (Action::Restart, Some(proxy), Some(handle)) => match handle.stop().await {
-                    Ok(()) => start(&*backend, proxy).await,
-                    Err(error) => Outcome::StopFailed { error },
-                },
-                (Action::Restart, Some(proxy), None) => start(&*backend, proxy).await,
-                (Action::Update, Some(proxy), Some(handle)) => match handle.update(proxy.clone()).await {
-                    Ok(()) => Outcome::Updated { proxy },
-                    Err(error) => Outcome::UpdateFailed { error },
-                },
-                (_, _, Some(handle)) => match handle.stop().await {
-                    Ok(()) => Outcome::Stopped,
-                    Err(error) => Outcome::StopFailed { error },
-                },
-                (_, _, None) => Outcome::Stopped,
-            }
-        };
-        let span = tracing::info_span!("proxy", proxy = %id, action = ?action);
-        let abort = self.actions.spawn(task.instrument(span));
-        self.action_ids.insert(abort.id(), id.clone());
-        let mut board = self.published.lock();
-        board.stats.actions += 1;
-        board.stats.in_flight = self.actions.len();
-        drop(board);
-        self.publish(id);
-    }
-
-    fn on_done(&mut self, done: Result<(tokio::task::Id, Outcome), JoinError>) {
-        let (task, outcome) = match done {
-            Ok((task, outcome)) => (task, Ok(outcome)),
-            Err(join) => (join.id(), Err(join)),
-        };
-        let Some(id) = self.action_ids.remove(&task) else { return };
-        let Some(slot) = self.slots.get_mut(&id) else { return };
-        let action = slot.busy.take();
-        let wanted = slot.launched_for.take();
-        let mut failed = None;
-        let succeeded = matches!(outcome, Ok(Outcome::Started { .. } | Outcome::Stopped | Outcome::Updated { .. }));
-        if let Some(kind) = action.and_then(action_kind) {
-            *self.published.lock().stats.actions_by_kind.entry((kind, succeeded)).or_default() += 1;
-        }
-        match outcome {
-            Ok(Outcome::Started { proxy, handle }) => {
-                tracing::info!(proxy = %id, "proxy started");
-                slot.observed = Observed::Running { applied: proxy.clone() };
-                slot.error = None;
-                slot.start_failures = 0;
-                slot.retry_at = None;
-                self.uninstall(&id);
-                self.install(&id, handle.into(), encoded_service(&proxy), Some(proxy.token().fingerprint()));
-            }
-            Ok(Outcome::StartFailed { error }) => {
-                let had_process = slot.installed.is_some() && action == Some(Action::Restart);
-                // A restart whose start failed has already stopped the old process.
-                // The start is tried again on the restart backoff: a descriptor, memory or
-                // the program itself may be back by then.
-                slot.start_failures = slot.start_failures.saturating_add(1);
-                let delay = wanted
-                    .as_ref()
-                    .map_or(Duration::ZERO, |proxy| proxy.spec().restart.delay_before(slot.start_failures))
-                    .max(MIN_RETRY_DELAY);
-                let at = Instant::now() + delay;
-                slot.retry_at = Some(at);
-                self.retries.push(Reverse((at, id.clone())));
-                tracing::warn!(
-                    proxy = %id,
-                    error = %crate::error_chain(&error),
-                    attempt = slot.start_failures,
-                    backoff_ms = delay.as_millis() as u64,
-                    "start failed; retrying"
-                );
-                slot.observed = Observed::Failed { wanted, has_process: false };
-                failed = Some(error);
-                if had_process || slot.installed.is_some() {
-                    self.uninstall(&id);
-                }
-            }
-            Ok(Outcome::Stopped) => {
-                tracing::info!(proxy = %id, "proxy stopped");
-                slot.observed = Observed::Idle;
-                slot.error = None;
-                self.uninstall(&id);
-            }
-            Ok(Outcome::StopFailed { error }) => {
-                slot.observed = Observed::Failed { wanted, has_process: true };
-                failed = Some(error);
-            }
-            Ok(Outcome::Updated { proxy }) => {
-                tracing::info!(proxy = %id, "change applied in place");
-                slot.observed = Observed::Running { applied: proxy.clone() };
-                slot.error = None;
-                if let Some(installed) = &mut slot.installed {
-                    installed.service = encoded_service(&proxy);
-                    installed.token = Some(proxy.token().fingerprint());
-                }
-                self.send_record(&id);
-            }
-            Ok(Outcome::UpdateFailed { error }) => {
-                slot.observed = Observed::Failed { wanted, has_process: true };
-                failed = Some(error);
-            }
-            Err(join) => {
-                let has_process = slot.installed.is_some();
-                slot.observed = Observed::Failed { wanted, has_process };
-                slot.error = Some(format!("the {action:?} action ended abnormally: {join}").to_lowercase());
-                self.published.lock().stats.failures += 1;
-            }
-        }
-        if let Some(error) = failed {
-            let message = crate::error_chain(&error);
-            if !matches!(error, BackendError::Start { .. }) {
-                tracing::warn!(proxy = %id, error = %message, "action failed; retried on the next change");
-            }
-            if let Some(slot) = self.slots.get_mut(&id) {
-                slot.error = Some(message);
-            }
-            self.published.lock().stats.failures += 1;
-        }
-        self.publish(&id);
-        // Level-triggered: plan the proxy again against what is wanted now.
-        self.consider(&id);
-        while self.actions.len() < self.config.max_concurrent_actions.max(1) && !self.closing {
-            let Some(next) = self.backlog.pop_front() else { break };
-            self.in_backlog.remove(&next);
-            self.consider(&next);
-        }
-        let mut board = self.published.lock();
-        board.stats.in_flight = self.actions.len();
-        board.stats.queued = self.backlog.len();
-    }
-
-    /// Tries again every failed start whose backoff is over.
-    fn retry_due(&mut self) {
-        let now = Instant::now();
-        while let Some(Reverse((at, _))) = self.retries.peek() {
-            if *at > now {
-                break;
-            }
-            let Some(Reverse((at, id))) = self.retries.pop() else { break };
-            let Some(slot) = self.slots.get_mut(&id) else { continue };
-            if slot.retry_at != Some(at) || slot.busy.is_some() {
-                continue; // stale: started, changed or forgotten since
-            }
-            slot.retry_at = None;
-            if let Observed::Failed { has_process: false, .. } = slot.observed {
-                tracing::info!(proxy = %id, attempt = slot.start_failures + 1, "retrying the failed start");
-                slot.observed = Observed::Idle;
-                self.consider(&id);
-            }
-        }
-    }
-
     fn install(
         &mut self,
         id: &ProxyId,
@@ -879,14 +550,6 @@ impl Manager {
     }
 }
 
-async fn start(backend: &dyn ProxyBackend, proxy: Arc<ManagedProxy>) -> Outcome {
-    let handle = backend.create(proxy.clone());
-    match handle.start().await {
-        Ok(()) => Outcome::Started { proxy, handle },
-        Err(error) => Outcome::StartFailed { error },
-    }
-}
-
 async fn sleep_until(deadline: Option<Instant>) {
     match deadline {
         Some(deadline) => tokio::time::sleep_until(deadline).await,
@@ -894,44 +557,12 @@ async fn sleep_until(deadline: Option<Instant>) {
     }
 }
 
-/// The kind of a backend action, for counting; `None` for decisions that are not actions.
-fn action_kind(action: Action) -> Option<ActionKind> {
-    match action {
-        Action::Start => Some(ActionKind::Start),
-        Action::Stop => Some(ActionKind::Stop),
-        Action::Restart => Some(ActionKind::Restart),
-        Action::Update => Some(ActionKind::Update),
-        Action::Block | Action::Forget => None,
-    }
-}
+mod actions;
+mod records;
+mod restore;
 
-/// The service of `proxy` as the snapshot records it.
-fn service_value(proxy: &ManagedProxy) -> Option<serde_json::Value> {
-    let text = config::to_service_text(proxy.service(), Format::Json).ok()?;
-    serde_json::from_str(&text).ok()
-}
-
-/// The service of `proxy`, encoded as the snapshot records it.
-fn encoded_service(proxy: &ManagedProxy) -> Option<EncodedService> {
-    EncodedService::new(&service_value(proxy)?).ok()
-}
-
-/// `record` encoded as the snapshot holds it; `None`, with a warning, if it cannot be.
-fn encode(record: &ProxyRecord) -> Option<EncodedRecord> {
-    EncodedRecord::from_record(record)
-        .inspect_err(|err| tracing::warn!(proxy = %record.id, error = %err, "cannot encode a snapshot record"))
-        .ok()
-}
-
-/// What a snapshot record says its process was started from, if it says so readably.
-fn origin_of(record: &ProxyRecord) -> Option<Origin> {
-    let text = record.service.as_ref()?.to_string();
-    let service = config::parse_service(&text, Format::Json, &config::Origin::Body).ok()?;
-    if service.id.proxy_id() != record.id || service.proxy.is_none() {
-        return None;
-    }
-    Some(Origin { service: Arc::new(service), token: record.token.clone()? })
-}
+use records::{encoded_service, service_value};
+use restore::RestoreStage;
 
 #[cfg(test)]
 mod fake;

@@ -1,5 +1,6 @@
 //! Tests of the engine: a fake backend and mocks under a paused clock, driving real catalogs.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use tether_state::{LocalState, ProxySpec, Service, ServiceId, ServiceName, Source};
@@ -7,7 +8,7 @@ use tokio::task::JoinHandle;
 
 use super::fake::{Call, Fake};
 use super::*;
-use crate::snapshot::{MemorySnapshotStore, Snapshot};
+use crate::snapshot::{MemorySnapshotStore, ProxyRecord, Snapshot};
 use crate::{MockProxyBackend, MockProxyHandle, ProxyEvent};
 
 const LIMIT: Duration = Duration::from_secs(600);

@@ -1,0 +1,201 @@
+//! The actions the engine runs: launching one per proxy in its own task, applying each
+//! outcome when it is done, and trying failed starts again on the restart backoff.
+//!
+//! This module never runs two actions on one proxy, and never waits for an action inside
+//! the engine's loop: outcomes arrive through the action set.
+
+use std::cmp::Reverse;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tether_state::{ManagedProxy, ProxyId};
+use tokio::task::JoinError;
+use tokio::time::Instant;
+use tracing::Instrument;
+
+use super::{MIN_RETRY_DELAY, Manager, Outcome, encoded_service};
+use crate::backend::{BackendError, ProxyBackend};
+use crate::plan::{Action, Observed};
+use crate::status::ActionKind;
+
+impl Manager {
+    pub(super) fn launch(&mut self, id: &ProxyId, action: Action) {
+        let wanted = self.desired.get(id).map(|d| d.proxy.clone());
+        let Some(slot) = self.slots.get_mut(id) else { return };
+        let handle = slot.installed.as_ref().map(|installed| installed.handle.clone());
+        slot.busy = Some(action);
+        slot.launched_for = wanted.clone();
+        let backend = self.backend.clone();
+        let task = async move {
+            match (action, wanted, handle) {
+                (Action::Start, Some(proxy), _) => start(&*backend, proxy).await,
+                (Action::Restart, Some(proxy), Some(handle)) => match handle.stop().await {
+                    Ok(()) => start(&*backend, proxy).await,
+                    Err(error) => Outcome::StopFailed { error },
+                },
+                (Action::Restart, Some(proxy), None) => start(&*backend, proxy).await,
+                (Action::Update, Some(proxy), Some(handle)) => match handle.update(proxy.clone()).await {
+                    Ok(()) => Outcome::Updated { proxy },
+                    Err(error) => Outcome::UpdateFailed { error },
+                },
+                (_, _, Some(handle)) => match handle.stop().await {
+                    Ok(()) => Outcome::Stopped,
+                    Err(error) => Outcome::StopFailed { error },
+                },
+                (_, _, None) => Outcome::Stopped,
+            }
+        };
+        let span = tracing::info_span!("proxy", proxy = %id, action = ?action);
+        let abort = self.actions.spawn(task.instrument(span));
+        self.action_ids.insert(abort.id(), id.clone());
+        let mut board = self.published.lock();
+        board.stats.actions += 1;
+        board.stats.in_flight = self.actions.len();
+        drop(board);
+        self.publish(id);
+    }
+
+    pub(super) fn on_done(&mut self, done: Result<(tokio::task::Id, Outcome), JoinError>) {
+        let (task, outcome) = match done {
+            Ok((task, outcome)) => (task, Ok(outcome)),
+            Err(join) => (join.id(), Err(join)),
+        };
+        let Some(id) = self.action_ids.remove(&task) else { return };
+        let Some(slot) = self.slots.get_mut(&id) else { return };
+        let action = slot.busy.take();
+        let wanted = slot.launched_for.take();
+        let mut failed = None;
+        let succeeded = matches!(outcome, Ok(Outcome::Started { .. } | Outcome::Stopped | Outcome::Updated { .. }));
+        if let Some(kind) = action.and_then(action_kind) {
+            *self.published.lock().stats.actions_by_kind.entry((kind, succeeded)).or_default() += 1;
+        }
+        match outcome {
+            Ok(Outcome::Started { proxy, handle }) => {
+                tracing::info!(proxy = %id, "proxy started");
+                slot.observed = Observed::Running { applied: proxy.clone() };
+                slot.error = None;
+                slot.start_failures = 0;
+                slot.retry_at = None;
+                self.uninstall(&id);
+                self.install(&id, handle.into(), encoded_service(&proxy), Some(proxy.token().fingerprint()));
+            }
+            Ok(Outcome::StartFailed { error }) => {
+                let had_process = slot.installed.is_some() && action == Some(Action::Restart);
+                // A restart whose start failed has already stopped the old process.
+                // The start is tried again on the restart backoff: a descriptor, memory or
+                // the program itself may be back by then.
+                slot.start_failures = slot.start_failures.saturating_add(1);
+                let delay = wanted
+                    .as_ref()
+                    .map_or(Duration::ZERO, |proxy| proxy.spec().restart.delay_before(slot.start_failures))
+                    .max(MIN_RETRY_DELAY);
+                let at = Instant::now() + delay;
+                slot.retry_at = Some(at);
+                self.retries.push(Reverse((at, id.clone())));
+                tracing::warn!(
+                    proxy = %id,
+                    error = %crate::error_chain(&error),
+                    attempt = slot.start_failures,
+                    backoff_ms = delay.as_millis() as u64,
+                    "start failed; retrying"
+                );
+                slot.observed = Observed::Failed { wanted, has_process: false };
+                failed = Some(error);
+                if had_process || slot.installed.is_some() {
+                    self.uninstall(&id);
+                }
+            }
+            Ok(Outcome::Stopped) => {
+                tracing::info!(proxy = %id, "proxy stopped");
+                slot.observed = Observed::Idle;
+                slot.error = None;
+                self.uninstall(&id);
+            }
+            Ok(Outcome::StopFailed { error }) => {
+                slot.observed = Observed::Failed { wanted, has_process: true };
+                failed = Some(error);
+            }
+            Ok(Outcome::Updated { proxy }) => {
+                tracing::info!(proxy = %id, "change applied in place");
+                slot.observed = Observed::Running { applied: proxy.clone() };
+                slot.error = None;
+                if let Some(installed) = &mut slot.installed {
+                    installed.service = encoded_service(&proxy);
+                    installed.token = Some(proxy.token().fingerprint());
+                }
+                self.send_record(&id);
+            }
+            Ok(Outcome::UpdateFailed { error }) => {
+                slot.observed = Observed::Failed { wanted, has_process: true };
+                failed = Some(error);
+            }
+            Err(join) => {
+                let has_process = slot.installed.is_some();
+                slot.observed = Observed::Failed { wanted, has_process };
+                slot.error = Some(format!("the {action:?} action ended abnormally: {join}").to_lowercase());
+                self.published.lock().stats.failures += 1;
+            }
+        }
+        if let Some(error) = failed {
+            let message = crate::error_chain(&error);
+            if !matches!(error, BackendError::Start { .. }) {
+                tracing::warn!(proxy = %id, error = %message, "action failed; retried on the next change");
+            }
+            if let Some(slot) = self.slots.get_mut(&id) {
+                slot.error = Some(message);
+            }
+            self.published.lock().stats.failures += 1;
+        }
+        self.publish(&id);
+        // Level-triggered: plan the proxy again against what is wanted now.
+        self.consider(&id);
+        while self.actions.len() < self.config.max_concurrent_actions.max(1) && !self.closing {
+            let Some(next) = self.backlog.pop_front() else { break };
+            self.in_backlog.remove(&next);
+            self.consider(&next);
+        }
+        let mut board = self.published.lock();
+        board.stats.in_flight = self.actions.len();
+        board.stats.queued = self.backlog.len();
+    }
+
+    /// Tries again every failed start whose backoff is over.
+    pub(super) fn retry_due(&mut self) {
+        let now = Instant::now();
+        while let Some(Reverse((at, _))) = self.retries.peek() {
+            if *at > now {
+                break;
+            }
+            let Some(Reverse((at, id))) = self.retries.pop() else { break };
+            let Some(slot) = self.slots.get_mut(&id) else { continue };
+            if slot.retry_at != Some(at) || slot.busy.is_some() {
+                continue; // stale: started, changed or forgotten since
+            }
+            slot.retry_at = None;
+            if let Observed::Failed { has_process: false, .. } = slot.observed {
+                tracing::info!(proxy = %id, attempt = slot.start_failures + 1, "retrying the failed start");
+                slot.observed = Observed::Idle;
+                self.consider(&id);
+            }
+        }
+    }
+}
+
+async fn start(backend: &dyn ProxyBackend, proxy: Arc<ManagedProxy>) -> Outcome {
+    let handle = backend.create(proxy.clone());
+    match handle.start().await {
+        Ok(()) => Outcome::Started { proxy, handle },
+        Err(error) => Outcome::StartFailed { error },
+    }
+}
+
+/// The kind of a backend action, for counting; `None` for decisions that are not actions.
+fn action_kind(action: Action) -> Option<ActionKind> {
+    match action {
+        Action::Start => Some(ActionKind::Start),
+        Action::Stop => Some(ActionKind::Stop),
+        Action::Restart => Some(ActionKind::Restart),
+        Action::Update => Some(ActionKind::Update),
+        Action::Block | Action::Forget => None,
+    }
+}
