@@ -1,0 +1,357 @@
+//! Reading config dirs: [`load_dirs`] once, and [`ConfigLoader`], which reads again only the
+//! files whose inode, size, mtime or ctime changed since the last load.
+//!
+//! This module reads files and hands their text to the schema; it never writes a file and
+//! never decides what a service is.
+
+use super::*;
+
+/// Loads every `*.toml` and `*.json` file directly in each dir, in lexical order per dir.
+///
+/// # Errors
+///
+/// Every error found, across all files: unreadable or invalid files, and service ids
+/// defined twice (in one file or in two).
+pub fn load_dirs<P: AsRef<Path>>(dirs: &[P]) -> Result<Vec<ConfigEntry>, ConfigErrors> {
+    let scan = scan(dirs.iter().map(AsRef::as_ref), &HashMap::new());
+    let files = scan.into_result()?;
+    let mut entries = Vec::new();
+    for file in files {
+        // Nothing else holds the file: move its services out rather than clone them.
+        let file = Arc::try_unwrap(file).unwrap_or_else(|shared| (*shared).clone());
+        let path = file.path;
+        entries.extend(file.services.into_iter().map(|service| ConfigEntry { service, file: path.clone() }));
+    }
+    Ok(entries)
+}
+
+/// Loads a set of config dirs again and again, as [`load_dirs`] does, but reads again only
+/// the files that changed since the last load.
+///
+/// A file is taken from the previous load when its device, inode, size, modification time
+/// and change time are all as they were when it was last read, and it was last changed
+/// well before that read ([`SETTLE_TIME`]): a file changed within the timestamps'
+/// granularity of the read could change again without its timestamps showing it, so it is
+/// read every time until it has settled. Files that failed are always read again. Every
+/// load lists the dirs afresh, so added and removed files are always seen, and the result
+/// and the errors are exactly those of [`load_dirs`] on the same files.
+///
+/// ```
+/// use tether_state::config::ConfigLoader;
+///
+/// let dir = tempfile::tempdir().unwrap();
+/// std::fs::write(dir.path().join("web.toml"), "[[service]]\nname = \"web\"\n").unwrap();
+/// let mut loader = ConfigLoader::new(vec![dir.path().to_owned()]);
+/// assert_eq!(loader.load().unwrap()[0].service.id.as_str(), "web");
+/// std::fs::write(dir.path().join("api.toml"), "[[service]]\nname = \"api\"\n").unwrap();
+/// let ids: Vec<_> = loader.load().unwrap().into_iter().map(|e| e.service.id.to_string()).collect();
+/// assert_eq!(ids, ["api", "web"]);
+/// ```
+pub struct ConfigLoader {
+    dirs: Vec<PathBuf>,
+    cache: HashMap<PathBuf, Arc<LoadedFile>>,
+    settle_time: Duration,
+    last: LoadStats,
+}
+
+impl fmt::Debug for ConfigLoader {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Not the cached texts: a proxy's `env` may hold secrets.
+        f.debug_struct("ConfigLoader")
+            .field("dirs", &self.dirs)
+            .field("cached_files", &self.cache.len())
+            .field("settle_time", &self.settle_time)
+            .finish_non_exhaustive()
+    }
+}
+
+/// How long after its last change a file's timestamps are trusted to show any further
+/// change; see [`ConfigLoader`]. Covers file systems with one- or two-second timestamps,
+/// and a write still in progress while the file is read.
+pub const SETTLE_TIME: Duration = Duration::from_secs(2);
+
+/// What the last [`ConfigLoader::load`] did with the files it found.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LoadStats {
+    /// Files read and parsed (successfully or not).
+    pub read: usize,
+    /// Files taken unchanged from an earlier load.
+    pub reused: usize,
+}
+
+impl ConfigLoader {
+    /// A loader of `dirs` that has read nothing yet.
+    pub fn new(dirs: Vec<PathBuf>) -> Self {
+        Self::with_settle_time(dirs, SETTLE_TIME)
+    }
+
+    /// A loader that trusts a file's timestamps once it has not changed for `settle_time`.
+    /// [`ConfigLoader::new`] uses [`SETTLE_TIME`]; a shorter time is only safe on file
+    /// systems with fine timestamps, and suits tests.
+    pub fn with_settle_time(dirs: Vec<PathBuf>, settle_time: Duration) -> Self {
+        Self { dirs, cache: HashMap::new(), settle_time, last: LoadStats::default() }
+    }
+
+    /// The dirs this loader reads.
+    pub fn dirs(&self) -> &[PathBuf] {
+        &self.dirs
+    }
+
+    /// Loads every config file of the dirs, reading only those that changed.
+    ///
+    /// # Errors
+    ///
+    /// Exactly those of [`load_dirs`]. The files that did load are remembered all the same,
+    /// so that a reload after a fix reads only the fixed file.
+    pub fn load(&mut self) -> Result<Vec<ConfigEntry>, ConfigErrors> {
+        let files = self.load_files()?;
+        let mut entries = Vec::new();
+        for file in &files {
+            entries.extend(
+                file.services()
+                    .iter()
+                    .map(|service| ConfigEntry { service: service.clone(), file: file.0.path.clone() }),
+            );
+        }
+        Ok(entries)
+    }
+
+    /// Like [`ConfigLoader::load`], file by file: a file that was not read again is the
+    /// same [`ConfigFile`] as in the last load ([`ConfigFile::same_read`]), so that a caller
+    /// can skip what did not change without comparing services.
+    ///
+    /// # Errors
+    ///
+    /// As [`ConfigLoader::load`].
+    pub fn load_files(&mut self) -> Result<Vec<ConfigFile>, ConfigErrors> {
+        let scan = scan(self.dirs.iter().map(PathBuf::as_path), &self.cache);
+        self.last = scan.stats;
+        self.cache = scan
+            .files
+            .iter()
+            .filter(|file| file.settled(self.settle_time))
+            .map(|file| (file.path.clone(), file.clone()))
+            .collect();
+        Ok(scan.into_result()?.into_iter().map(ConfigFile).collect())
+    }
+
+    /// What the last load read and what it reused.
+    pub fn last_stats(&self) -> LoadStats {
+        self.last
+    }
+}
+
+/// One config file and its services, as a [`ConfigLoader`] read it. Cheap to clone: clones
+/// share the parsed services.
+#[derive(Clone)]
+pub struct ConfigFile(Arc<LoadedFile>);
+
+impl ConfigFile {
+    /// The file.
+    pub fn path(&self) -> &Path {
+        &self.0.path
+    }
+
+    /// Its services, in the file's order.
+    pub fn services(&self) -> &[Service] {
+        &self.0.services
+    }
+
+    /// Whether both come from the same read of a file: a loader hands out the same read
+    /// again for as long as the file does not change.
+    pub fn same_read(&self, other: &ConfigFile) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl fmt::Debug for ConfigFile {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let ids: Vec<&str> = self.0.services.iter().map(|service| service.id.as_str()).collect();
+        f.debug_struct("ConfigFile").field("path", &self.0.path).field("services", &ids).finish()
+    }
+}
+
+/// The files of one pass over the config dirs, with every error found.
+pub(super) struct Scan {
+    files: Vec<Arc<LoadedFile>>,
+    errors: Vec<ConfigError>,
+    stats: LoadStats,
+}
+
+impl Scan {
+    /// The files, or every error: those of the files, then ids defined in two files.
+    fn into_result(mut self) -> Result<Vec<Arc<LoadedFile>>, ConfigErrors> {
+        // Cross-file duplicates; positions are worked out only for the files involved.
+        let mut seen: HashMap<&ServiceId, (usize, usize)> = HashMap::new();
+        let mut duplicates = Vec::new();
+        for (file_index, file) in self.files.iter().enumerate() {
+            for (service_index, service) in file.services.iter().enumerate() {
+                match seen.get(&service.id) {
+                    Some(&first) => duplicates.push((first, (file_index, service_index))),
+                    None => {
+                        seen.insert(&service.id, (file_index, service_index));
+                    }
+                }
+            }
+        }
+        for ((first_file, first_index), (file_index, service_index)) in duplicates {
+            let file = &self.files[file_index];
+            self.errors.push(ConfigError::Duplicate {
+                location: file.location_of(service_index),
+                id: file.services[service_index].id.clone(),
+                first: Box::new(self.files[first_file].location_of(first_index)),
+            });
+        }
+        if !self.errors.is_empty() {
+            return Err(ConfigErrors(self.errors));
+        }
+        Ok(self.files)
+    }
+}
+
+/// Lists `dirs` and loads their files, taking from `cache` those that did not change.
+pub(super) fn scan<'a>(dirs: impl Iterator<Item = &'a Path>, cache: &HashMap<PathBuf, Arc<LoadedFile>>) -> Scan {
+    let mut scan = Scan { files: Vec::new(), errors: Vec::new(), stats: LoadStats::default() };
+    for dir in dirs {
+        match config_files(dir) {
+            Ok(paths) => {
+                for path in paths {
+                    if let Some(cached) = cache.get(&path).filter(|cached| cached.unchanged()) {
+                        scan.stats.reused += 1;
+                        scan.files.push(cached.clone());
+                        continue;
+                    }
+                    scan.stats.read += 1;
+                    match load_file(&path) {
+                        Ok(loaded) => scan.files.push(Arc::new(loaded)),
+                        Err(err) => scan.errors.push(err),
+                    }
+                }
+            }
+            Err(err) => scan.errors.push(err),
+        }
+    }
+    scan
+}
+
+/// What identifies one version of a file's content, as far as its metadata can tell.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Fingerprint {
+    dev: u64,
+    ino: u64,
+    size: u64,
+    /// Modification time, in nanoseconds since the epoch.
+    mtime: i128,
+    /// Status change time, in nanoseconds since the epoch: unlike the modification time, no
+    /// tool can set it back, so a rewrite that keeps the size and the old mtime still shows.
+    ctime: i128,
+}
+
+impl Fingerprint {
+    fn of(metadata: &fs::Metadata) -> Self {
+        let nanos = |secs: i64, nsecs: i64| i128::from(secs) * 1_000_000_000 + i128::from(nsecs);
+        Self {
+            dev: metadata.dev(),
+            ino: metadata.ino(),
+            size: metadata.size(),
+            mtime: nanos(metadata.mtime(), metadata.mtime_nsec()),
+            ctime: nanos(metadata.ctime(), metadata.ctime_nsec()),
+        }
+    }
+}
+
+/// The wall clock in nanoseconds since the epoch, or `None` before it.
+pub(super) fn now_nanos() -> Option<i128> {
+    let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).ok()?;
+    i128::try_from(since.as_nanos()).ok()
+}
+
+/// A config file that parsed, with its text kept to point at its services on error.
+#[derive(Clone)]
+pub(super) struct LoadedFile {
+    path: PathBuf,
+    text: String,
+    format: Format,
+    services: Vec<Service>,
+    /// The metadata of the file as it was read.
+    fingerprint: Fingerprint,
+    /// The wall clock just before the file was looked at, if known.
+    read_at: Option<i128>,
+}
+
+impl LoadedFile {
+    fn location_of(&self, index: usize) -> Location {
+        let origin = Origin::File(self.path.clone());
+        service_location(&self.text, self.format, &origin, index)
+    }
+
+    /// Whether the file had stopped changing `settle_time` before it was read, so that its
+    /// timestamps would show any later change.
+    fn settled(&self, settle_time: Duration) -> bool {
+        let Some(read_at) = self.read_at else { return false };
+        let changed = self.fingerprint.mtime.max(self.fingerprint.ctime);
+        changed.saturating_add(settle_time.as_nanos().try_into().unwrap_or(i128::MAX)) < read_at
+    }
+
+    /// Whether the file on disk still has the metadata it had when it was read.
+    fn unchanged(&self) -> bool {
+        fs::metadata(&self.path).is_ok_and(|now| now.is_file() && Fingerprint::of(&now) == self.fingerprint)
+    }
+}
+
+/// The `*.toml` and `*.json` files directly in `dir`, sorted by name.
+pub(super) fn config_files(dir: &Path) -> Result<Vec<PathBuf>, ConfigError> {
+    let read_error = |source| ConfigError::Read { location: Location::file(dir), source };
+    let mut files = Vec::new();
+    for entry in fs::read_dir(dir).map_err(read_error)? {
+        let path = entry.map_err(read_error)?.path();
+        if Format::of_path(&path).is_some() {
+            files.push(path);
+        }
+    }
+    files.sort();
+    Ok(files)
+}
+
+/// Loads and parses one config file.
+pub(super) fn load_file(path: &Path) -> Result<LoadedFile, ConfigError> {
+    let read_at = now_nanos();
+    let location = Location::file(path);
+    let Some(format) = Format::of_path(path) else {
+        return Err(ConfigError::NotAFile { location });
+    };
+    // Look before opening: opening a FIFO (or a symlink to one) for reading blocks until a
+    // writer comes, which would hang `validate`, the agent's start and every reload. The
+    // check after opening still guards against an entry replaced in between.
+    let target = fs::metadata(path).map_err(|source| ConfigError::Read { location: location.clone(), source })?;
+    if !target.is_file() {
+        return Err(ConfigError::NotAFile { location });
+    }
+    let file = fs::File::open(path).map_err(|source| ConfigError::Read { location: location.clone(), source })?;
+    let metadata = file.metadata().map_err(|source| ConfigError::Read { location: location.clone(), source })?;
+    if !metadata.is_file() {
+        return Err(ConfigError::NotAFile { location });
+    }
+    if metadata.len() > MAX_FILE_SIZE {
+        return Err(ConfigError::TooLarge { location });
+    }
+    let mut bytes = Vec::new();
+    file.take(MAX_FILE_SIZE + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|source| ConfigError::Read { location: location.clone(), source })?;
+    if bytes.len() as u64 > MAX_FILE_SIZE {
+        return Err(ConfigError::TooLarge { location });
+    }
+    let text = match String::from_utf8(bytes) {
+        Ok(text) => text,
+        Err(err) => {
+            let valid = &err.as_bytes()[..err.utf8_error().valid_up_to()];
+            let valid = std::str::from_utf8(valid).unwrap_or_default();
+            let (line, column) = line_column(valid, valid.len());
+            return Err(ConfigError::NotUtf8 { location: Location::at(&location.origin, line, column) });
+        }
+    };
+    let services = parse_file(&text, format, &location.origin)?;
+    let fingerprint = Fingerprint::of(&metadata);
+    Ok(LoadedFile { path: path.to_owned(), text, format, services, fingerprint, read_at })
+}

@@ -1,0 +1,571 @@
+//! The schema's private `serde` structs, as read (validating every value as it is read,
+//! refusing unknown keys) and as written back.
+//!
+//! Only valid [`Service`] values leave this module; it performs no I/O.
+
+use super::*;
+
+// ---------------------------------------------------------------------------------------
+// The schema, as read.
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct FileDef {
+    #[serde(default)]
+    pub(super) service: Vec<Validated>,
+}
+
+/// A service that passed every check; the struct-level checks run in `TryFrom`.
+#[derive(Deserialize)]
+#[serde(try_from = "ServiceDef")]
+pub(super) struct Validated(pub(super) Service);
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct ServiceDef {
+    name: ServiceName,
+    id: Option<ServiceId>,
+    address: Option<Address>,
+    port: Option<u16>,
+    tags: Option<Vec<Tag>>,
+    meta: Option<BTreeMap<MetaKey, NoNul>>,
+    proxy: Option<ProxyDef>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct ProxyDef {
+    exec_mode: Option<ExecModeDef>,
+    command: Option<CommandDef>,
+    working_dir: Option<AbsolutePath>,
+    env: Option<BTreeMap<EnvKey, NoNul>>,
+    inherit_env: Option<bool>,
+    user: Option<UserName>,
+    kill_signal: Option<KillSignal>,
+    kill_timeout: Option<HumanDuration>,
+    log_max_size: Option<ByteSize>,
+    log_keep: Option<LogKeep>,
+    config: Option<ConfigDef>,
+    restart: Option<RestartDef>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RestartDef {
+    free_attempts: Option<u32>,
+    max_delay: Option<HumanDuration>,
+    healthy_after: Option<HumanDuration>,
+}
+
+#[derive(Deserialize, Serialize, Clone, Copy)]
+#[serde(rename_all = "lowercase")]
+pub(super) enum ExecModeDef {
+    Daemon,
+}
+
+impl TryFrom<ServiceDef> for Validated {
+    type Error = String;
+
+    fn try_from(def: ServiceDef) -> Result<Self, String> {
+        let id = match def.id {
+            Some(id) => id,
+            None => ServiceId::new(def.name.as_str())
+                .map_err(|err| format!("no `id` is given, so the name must be a valid id: {err}"))?,
+        };
+        let mut service = Service::new(id, def.name);
+        if let Some(address) = def.address {
+            service.address = address.0;
+        }
+        service.port = def.port;
+        service.tags = def.tags.unwrap_or_default().into_iter().map(|t| t.0).collect();
+        service.meta = def.meta.unwrap_or_default().into_iter().map(|(k, v)| (k.0, v.0)).collect();
+        service.proxy = def.proxy.map(ProxySpec::from);
+        Ok(Self(service))
+    }
+}
+
+impl From<ProxyDef> for ProxySpec {
+    fn from(def: ProxyDef) -> Self {
+        let kill_default = KillPolicy::default();
+        let restart_default = RestartPolicy::default();
+        let log_default = LogPolicy::default();
+        let restart = def.restart.unwrap_or(RestartDef { free_attempts: None, max_delay: None, healthy_after: None });
+        ProxySpec {
+            exec_mode: match def.exec_mode {
+                Some(ExecModeDef::Daemon) | None => ExecMode::Daemon,
+            },
+            command: def.command.map_or(ProxyCommand::BuiltIn, |c| ProxyCommand::Exec(c.0)),
+            working_dir: def.working_dir.map(|p| p.0),
+            env: def.env.unwrap_or_default().into_iter().map(|(k, v)| (k.0, v.0)).collect(),
+            inherit_env: def.inherit_env.unwrap_or(false),
+            user: def.user.map(|u| u.0),
+            kill: KillPolicy {
+                signal: def.kill_signal.unwrap_or(kill_default.signal),
+                timeout: def.kill_timeout.map_or(kill_default.timeout, |d| d.0),
+            },
+            restart: RestartPolicy {
+                free_attempts: restart.free_attempts.unwrap_or(restart_default.free_attempts),
+                max_delay: restart.max_delay.map_or(restart_default.max_delay, |d| d.0),
+                healthy_after: restart.healthy_after.map_or(restart_default.healthy_after, |d| d.0),
+            },
+            log: LogPolicy {
+                max_size: def.log_max_size.map_or(log_default.max_size, |s| s.0),
+                keep: def.log_keep.map_or(log_default.keep, |k| k.0),
+            },
+            config: def.config.map(|c| c.0).unwrap_or_default(),
+        }
+    }
+}
+
+/// Declares a string newtype that validates while it is deserialized.
+macro_rules! checked_string {
+    ($(#[$doc:meta])* $name:ident, $check:expr) => {
+        $(#[$doc])*
+        #[derive(PartialEq, Eq, PartialOrd, Ord)]
+        struct $name(String);
+
+        impl<'de> Deserialize<'de> for $name {
+            fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+                let raw = String::deserialize(deserializer)?;
+                let check: fn(&str) -> Result<(), String> = $check;
+                check(&raw).map_err(de::Error::custom)?;
+                Ok(Self(raw))
+            }
+        }
+    };
+}
+
+pub(super) fn no_nul(s: &str) -> Result<(), String> {
+    if s.contains('\0') { Err("must not contain NUL bytes".to_owned()) } else { Ok(()) }
+}
+
+checked_string!(
+    /// A value that can be passed to a process: no NUL.
+    NoNul,
+    no_nul
+);
+checked_string!(
+    /// A service address: a host name or IP address.
+    Address,
+    |s| {
+        if s.is_empty() || s.len() > 253 {
+            return Err(format!("invalid address {s:?}: must be 1 to 253 bytes"));
+        }
+        if s.chars().any(|c| c.is_whitespace() || c.is_control() || c == '/') {
+            return Err(format!("invalid address {s:?}: must be a host name or an IP address"));
+        }
+        Ok(())
+    }
+);
+checked_string!(
+    /// A tag: not empty, no control characters.
+    Tag,
+    |s| {
+        if s.is_empty() || s.chars().any(char::is_control) {
+            return Err(format!("invalid tag {s:?}: must be non-empty, without control characters"));
+        }
+        Ok(())
+    }
+);
+checked_string!(
+    /// A meta key: not empty, no control characters.
+    MetaKey,
+    |s| {
+        if s.is_empty() || s.chars().any(char::is_control) {
+            return Err(format!("invalid meta key {s:?}: must be non-empty, without control characters"));
+        }
+        Ok(())
+    }
+);
+checked_string!(
+    /// An environment variable name the proxy may be given.
+    EnvKey,
+    |s| {
+        let mut chars = s.chars();
+        let well_formed = chars.next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+            && chars.all(|c| c.is_ascii_alphanumeric() || c == '_');
+        if !well_formed {
+            return Err(format!("invalid environment variable name {s:?}: must match ^[A-Za-z_][A-Za-z0-9_]*$"));
+        }
+        if s.starts_with("TETHER_") {
+            return Err(format!("environment variable {s} is reserved: tether sets the TETHER_* variables itself"));
+        }
+        Ok(())
+    }
+);
+checked_string!(
+    /// A user name (or numeric uid) to run the proxy as.
+    UserName,
+    |s| {
+        if s.is_empty() || s.len() > 256 || s.chars().any(|c| c.is_whitespace() || c.is_control() || c == ':' || c == '/') {
+            return Err(format!("invalid user {s:?}: must be a user name or a numeric uid"));
+        }
+        Ok(())
+    }
+);
+
+pub(super) struct AbsolutePath(PathBuf);
+
+impl<'de> Deserialize<'de> for AbsolutePath {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let raw = String::deserialize(deserializer)?;
+        no_nul(&raw).map_err(de::Error::custom)?;
+        let path = PathBuf::from(&raw);
+        if !path.is_absolute() {
+            return Err(de::Error::custom(format!("working_dir {raw:?} must be an absolute path")));
+        }
+        Ok(Self(path))
+    }
+}
+
+pub(super) struct CommandDef(CommandLine);
+
+impl<'de> Deserialize<'de> for CommandDef {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let words = Vec::<String>::deserialize(deserializer)?;
+        if words.iter().any(|w| w.contains('\0')) {
+            return Err(de::Error::custom("command words must not contain NUL bytes"));
+        }
+        CommandLine::from_words(words)
+            .map(Self)
+            .ok_or_else(|| de::Error::custom("command must name a program; leave `command` out for the built-in proxy"))
+    }
+}
+
+/// The opaque `config` table. Any value JSON can hold is accepted; TOML's `nan` and `inf`
+/// are refused here, because `serde_json` would quietly turn them into `null`, which the
+/// proxy never asked for and which TOML cannot even write back.
+pub(super) struct ConfigDef(ProxyConfigMap);
+
+impl<'de> Deserialize<'de> for ConfigDef {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct TableVisitor;
+
+        impl<'de> Visitor<'de> for TableVisitor {
+            type Value = ProxyConfigMap;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a map")
+            }
+
+            fn visit_map<A: de::MapAccess<'de>>(self, map: A) -> Result<ProxyConfigMap, A::Error> {
+                read_config_map(map, 1)
+            }
+        }
+
+        deserializer.deserialize_map(TableVisitor).map(Self)
+    }
+}
+
+/// Reads the entries of a table inside `config` that is `depth` deep.
+pub(super) fn read_config_map<'de, A: de::MapAccess<'de>>(
+    mut map: A,
+    depth: usize,
+) -> Result<ProxyConfigMap, A::Error> {
+    let mut values = ProxyConfigMap::new();
+    while let Some(key) = map.next_key::<String>()? {
+        let value = map.next_value_seed(ConfigValue { container_depth: depth })?;
+        values.insert(key, value);
+    }
+    Ok(values)
+}
+
+/// One value inside `config`, read like `serde_json::Value` but without non-finite floats,
+/// and no deeper than [`MAX_CONFIG_DEPTH`].
+#[derive(Clone, Copy)]
+pub(super) struct ConfigValue {
+    /// How deep the table or array that holds the value is.
+    container_depth: usize,
+}
+
+impl ConfigValue {
+    /// The depth of a table or array read as this value, or an error past the limit. Checked
+    /// before its entries are read, so that no input recurses further.
+    fn nested<E: de::Error>(self) -> Result<usize, E> {
+        let depth = self.container_depth + 1;
+        if depth > MAX_CONFIG_DEPTH {
+            return Err(E::custom(format!(
+                "`config` nests tables and arrays more than {MAX_CONFIG_DEPTH} deep (counting `config` itself)"
+            )));
+        }
+        Ok(depth)
+    }
+}
+
+impl<'de> DeserializeSeed<'de> for ConfigValue {
+    type Value = serde_json::Value;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<serde_json::Value, D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for ConfigValue {
+    type Value = serde_json::Value;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any value JSON can hold")
+    }
+
+    fn visit_bool<E: de::Error>(self, value: bool) -> Result<Self::Value, E> {
+        Ok(value.into())
+    }
+
+    fn visit_i64<E: de::Error>(self, value: i64) -> Result<Self::Value, E> {
+        Ok(value.into())
+    }
+
+    fn visit_u64<E: de::Error>(self, value: u64) -> Result<Self::Value, E> {
+        Ok(value.into())
+    }
+
+    fn visit_f64<E: de::Error>(self, value: f64) -> Result<Self::Value, E> {
+        serde_json::Number::from_f64(value).map(serde_json::Value::Number).ok_or_else(|| {
+            E::custom(format!("{value} cannot be passed to the proxy as JSON: use a finite number or a string"))
+        })
+    }
+
+    fn visit_str<E: de::Error>(self, value: &str) -> Result<Self::Value, E> {
+        Ok(value.into())
+    }
+
+    fn visit_string<E: de::Error>(self, value: String) -> Result<Self::Value, E> {
+        Ok(value.into())
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(serde_json::Value::Null)
+    }
+
+    fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(serde_json::Value::Null)
+    }
+
+    fn visit_some<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
+        DeserializeSeed::deserialize(self, deserializer)
+    }
+
+    fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let depth = self.nested()?;
+        let mut values = Vec::new();
+        while let Some(value) = seq.next_element_seed(ConfigValue { container_depth: depth })? {
+            values.push(value);
+        }
+        Ok(serde_json::Value::Array(values))
+    }
+
+    fn visit_map<A: de::MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+        let depth = self.nested()?;
+        read_config_map(map, depth).map(serde_json::Value::Object)
+    }
+}
+
+pub(super) struct LogKeep(u32);
+
+impl<'de> Deserialize<'de> for LogKeep {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let keep = u32::deserialize(deserializer)?;
+        if keep > 1000 {
+            return Err(de::Error::custom(format!("log_keep {keep} is more than 1000 files")));
+        }
+        Ok(Self(keep))
+    }
+}
+
+pub(super) struct HumanDuration(Duration);
+
+impl<'de> Deserialize<'de> for HumanDuration {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let raw = String::deserialize(deserializer)?;
+        humantime::parse_duration(&raw).map(Self).map_err(|err| {
+            de::Error::custom(format!("invalid duration {raw:?}: {err} (examples: \"500ms\", \"5s\", \"1m\")"))
+        })
+    }
+}
+
+/// A size in bytes: an integer, or a string such as `"64MiB"`, `"10MB"`, `"512KiB"`.
+pub(super) struct ByteSize(u64);
+
+/// The smallest log size cap: rotation of smaller files would churn.
+pub(super) const MIN_LOG_SIZE: u64 = 4096;
+
+impl ByteSize {
+    fn parse(raw: &str) -> Result<u64, String> {
+        let raw = raw.trim();
+        let split = raw.find(|c: char| !c.is_ascii_digit()).unwrap_or(raw.len());
+        let (digits, unit) = raw.split_at(split);
+        let number: u64 = digits
+            .parse()
+            .map_err(|_| format!("invalid size {raw:?}: expected a number of bytes such as \"64MiB\""))?;
+        let factor: u64 = match unit.trim() {
+            "" | "B" => 1,
+            "K" | "KB" => 1000,
+            "KiB" => 1 << 10,
+            "M" | "MB" => 1000 * 1000,
+            "MiB" => 1 << 20,
+            "G" | "GB" => 1000 * 1000 * 1000,
+            "GiB" => 1 << 30,
+            other => {
+                return Err(format!(
+                    "invalid size {raw:?}: unknown unit {other:?} (use B, KB, KiB, MB, MiB, GB or GiB)"
+                ));
+            }
+        };
+        number.checked_mul(factor).ok_or_else(|| format!("invalid size {raw:?}: too large"))
+    }
+
+    fn checked(bytes: u64) -> Result<Self, String> {
+        if bytes < MIN_LOG_SIZE {
+            return Err(format!("log_max_size of {bytes} bytes is below the minimum of {MIN_LOG_SIZE}"));
+        }
+        Ok(Self(bytes))
+    }
+}
+
+impl<'de> Deserialize<'de> for ByteSize {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct SizeVisitor;
+
+        impl Visitor<'_> for SizeVisitor {
+            type Value = ByteSize;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a size such as \"64MiB\" or a number of bytes")
+            }
+
+            fn visit_u64<E: de::Error>(self, bytes: u64) -> Result<ByteSize, E> {
+                ByteSize::checked(bytes).map_err(E::custom)
+            }
+
+            fn visit_i64<E: de::Error>(self, bytes: i64) -> Result<ByteSize, E> {
+                let bytes = u64::try_from(bytes).map_err(|_| E::custom("a size cannot be negative"))?;
+                self.visit_u64(bytes)
+            }
+
+            fn visit_str<E: de::Error>(self, raw: &str) -> Result<ByteSize, E> {
+                ByteSize::parse(raw).and_then(ByteSize::checked).map_err(E::custom)
+            }
+        }
+
+        deserializer.deserialize_any(SizeVisitor)
+    }
+}
+
+impl<'de> Deserialize<'de> for KillSignal {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let raw = String::deserialize(deserializer)?;
+        KillSignal::from_name(&raw).ok_or_else(|| {
+            let names: Vec<&str> = KillSignal::ALL.iter().map(|s| s.name()).collect();
+            de::Error::custom(format!("unknown kill_signal {raw:?}: expected one of {}", names.join(", ")))
+        })
+    }
+}
+
+impl Serialize for KillSignal {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.name())
+    }
+}
+
+impl<'de> Deserialize<'de> for ServiceName {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let raw = String::deserialize(deserializer)?;
+        ServiceName::new(raw).map_err(de::Error::custom)
+    }
+}
+
+impl Serialize for ServiceName {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.as_str())
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The schema, as written: every field explicit, so that a round trip is exact.
+
+#[derive(Serialize)]
+pub(super) struct FileOut<'a> {
+    pub(super) service: Vec<ServiceOut<'a>>,
+}
+
+#[derive(Serialize)]
+pub(super) struct ServiceOut<'a> {
+    name: &'a ServiceName,
+    id: &'a ServiceId,
+    address: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    port: Option<u16>,
+    tags: &'a [String],
+    meta: &'a BTreeMap<String, String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    proxy: Option<ProxyOut<'a>>,
+}
+
+#[derive(Serialize)]
+pub(super) struct ProxyOut<'a> {
+    exec_mode: ExecModeDef,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    command: Option<Vec<String>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    working_dir: Option<&'a Path>,
+    env: &'a BTreeMap<String, String>,
+    inherit_env: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    user: Option<&'a str>,
+    kill_signal: KillSignal,
+    kill_timeout: String,
+    log_max_size: u64,
+    log_keep: u32,
+    config: &'a ProxyConfigMap,
+    restart: RestartOut,
+}
+
+#[derive(Serialize)]
+pub(super) struct RestartOut {
+    free_attempts: u32,
+    max_delay: String,
+    healthy_after: String,
+}
+
+impl<'a> From<&'a Service> for ServiceOut<'a> {
+    fn from(service: &'a Service) -> Self {
+        Self {
+            name: &service.name,
+            id: &service.id,
+            address: &service.address,
+            port: service.port,
+            tags: &service.tags,
+            meta: &service.meta,
+            proxy: service.proxy.as_ref().map(ProxyOut::from),
+        }
+    }
+}
+
+impl<'a> From<&'a ProxySpec> for ProxyOut<'a> {
+    fn from(spec: &'a ProxySpec) -> Self {
+        let duration = |d: Duration| humantime::format_duration(d).to_string();
+        Self {
+            exec_mode: match spec.exec_mode {
+                ExecMode::Daemon => ExecModeDef::Daemon,
+            },
+            command: match &spec.command {
+                ProxyCommand::BuiltIn => None,
+                ProxyCommand::Exec(line) => Some(line.to_words()),
+            },
+            working_dir: spec.working_dir.as_deref(),
+            env: &spec.env,
+            inherit_env: spec.inherit_env,
+            user: spec.user.as_deref(),
+            kill_signal: spec.kill.signal,
+            kill_timeout: duration(spec.kill.timeout),
+            log_max_size: spec.log.max_size,
+            log_keep: spec.log.keep,
+            config: &spec.config,
+            restart: RestartOut {
+                free_attempts: spec.restart.free_attempts,
+                max_delay: duration(spec.restart.max_delay),
+                healthy_after: duration(spec.restart.healthy_after),
+            },
+        }
+    }
+}
