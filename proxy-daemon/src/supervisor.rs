@@ -7,9 +7,7 @@
 //! never signals a process group whose leader it has not proven to be the same process,
 //! and never restarts a process after a stop.
 
-use std::ffi::{OsStr, OsString};
 use std::io;
-use std::os::unix::ffi::OsStrExt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
@@ -29,6 +27,8 @@ use crate::rotate::Rotator;
 use crate::spawn::{self, Spawned};
 use crate::spec::{ProcessName, ProcessSpec, ProcessUpdate};
 use crate::status::{ExitReason, ProcessState, ProcessStatus};
+
+mod adopt;
 
 /// The shortest wait before a failed start is tried again, free attempts included: a
 /// program that cannot start at all must not spin the agent.
@@ -103,150 +103,6 @@ impl Supervisor {
         Ok(self.supervise(spec, instance, ProcessStatus::running(pid, SystemTime::now(), identity), true))
     }
 
-    /// Takes back a detached process, if `identity` proves that it is still the same one.
-    ///
-    /// Proof: the boot id matches, a pidfd for `identity.pid` can be opened, and then the
-    /// process's start time and process group match `identity`, and it was still alive
-    /// after they were read (so the pidfd cannot refer to a reused pid). Without proof the
-    /// process is left alone, never signalled, and `None` is returned. An adopted process
-    /// is not our child: its exit is learned through the pidfd, and it is then restarted
-    /// from `spec` like any other.
-    ///
-    /// # Panics
-    ///
-    /// When called outside a tokio runtime.
-    pub fn adopt(&self, spec: ProcessSpec, identity: &Identity) -> Option<ProcessHandle> {
-        let span = tracing::info_span!("proxy.adopt", proxy = %spec.name, pid = identity.pid);
-        let _entered = span.enter();
-        if identity.boot_id != self.shared.boot_id {
-            tracing::info!("not adopting: the machine rebooted since the process was detached");
-            return None;
-        }
-        let pidfd = open_pidfd(identity.pid)?;
-        let stat = match proc::read_stat(identity.pid) {
-            Ok(stat) => stat,
-            Err(error) => {
-                tracing::info!(%error, "not adopting: cannot read the process's stat");
-                return None;
-            }
-        };
-        if stat.start_time != identity.start_time || stat.pgid != identity.pgid {
-            tracing::info!("not adopting: the pid belongs to another process now");
-            return None;
-        }
-        self.adopt_proven(spec, pidfd, identity.pid, stat, true)
-    }
-
-    /// Takes back the process named in `spec.pid_file`, if its environment proves that it
-    /// is this spec's process ([`Supervisor::adopt_by_environment`]). A missing or
-    /// malformed pid file proves nothing: `None`.
-    ///
-    /// # Panics
-    ///
-    /// When called outside a tokio runtime.
-    pub fn adopt_from_pid_file(&self, spec: ProcessSpec) -> Option<ProcessHandle> {
-        let pid = read_pid_file(&spec)?;
-        self.adopt_by_environment(spec, pid)
-    }
-
-    /// Takes back process `pid`, if its environment proves that it is this spec's process.
-    ///
-    /// Proof: a pidfd for the pid can be opened, and then every pair of
-    /// `spec.identity_env` appears in its `/proc/<pid>/environ`, it leads its own process
-    /// group, and it was still alive after those were read. With an empty `identity_env`
-    /// or failed proof, the process is left alone, never signalled, and `None` is
-    /// returned. The pid file is written for the adopted process.
-    ///
-    /// # Panics
-    ///
-    /// When called outside a tokio runtime.
-    pub fn adopt_by_environment(&self, spec: ProcessSpec, pid: u32) -> Option<ProcessHandle> {
-        let span = tracing::info_span!("proxy.adopt", proxy = %spec.name, pid);
-        let _entered = span.enter();
-        let (pidfd, stat) = prove_by_environment(&spec, pid)?;
-        self.adopt_proven(spec, pidfd, pid, stat, true)
-    }
-
-    /// Stops process `pid`, if its environment proves that it is this spec's process (the
-    /// proof of [`Supervisor::adopt_by_environment`]), with the spec's kill policy. Its pid
-    /// file is left as it is: this is for a second instance, whose file names the first.
-    /// `None` when nothing was proven, and nothing was signalled.
-    ///
-    /// # Panics
-    ///
-    /// When called outside a tokio runtime.
-    pub async fn stop_by_environment(&self, spec: ProcessSpec, pid: u32) -> Option<ProcessStatus> {
-        let handle = {
-            let span = tracing::info_span!("proxy.adopt", proxy = %spec.name, pid);
-            let _entered = span.enter();
-            let (pidfd, stat) = prove_by_environment(&spec, pid)?;
-            self.adopt_proven(spec, pidfd, pid, stat, false)?
-        };
-        Some(handle.stop().await)
-    }
-
-    /// Every process that may be an instance started by a supervisor: its environment holds
-    /// every pair of `required`, it leads its own process group but not a session (every
-    /// spawned process gets a group of its own and stays in its supervisor's session, while
-    /// a daemonised helper that called `setsid()` leads a session), and its parent's
-    /// environment does not hold them (a worker that an instance made a group leader has
-    /// its parent's environment; an instance's parent is its supervisor, or init once the
-    /// supervisor is gone). Returns each one's pid and the value of `key` in its environment
-    /// (empty if unset), sorted by pid.
-    ///
-    /// A hint, not a proof: adopt or stop what it finds only through
-    /// [`Supervisor::adopt_by_environment`] or [`Supervisor::stop_by_environment`]. Costs
-    /// one read of `/proc/<pid>/stat` and `/proc/<pid>/environ` for every process of the
-    /// machine.
-    pub fn find_by_environment(&self, required: &[(OsString, OsString)], key: &str) -> Vec<(u32, OsString)> {
-        let mut matching = Vec::new();
-        proc::visit_processes(|pid, stat, environ| {
-            if proc::environ_contains(environ, required) {
-                let value = proc::environ_value(environ, key.as_bytes()).unwrap_or_default();
-                matching.push((pid, stat, OsStr::from_bytes(value).to_owned()));
-            }
-        });
-        let pids: std::collections::HashSet<u32> = matching.iter().map(|(pid, _, _)| *pid).collect();
-        let mut found: Vec<(u32, OsString)> = matching
-            .into_iter()
-            .filter(|(pid, stat, _)| stat.pgid == *pid && stat.sid != *pid && !pids.contains(&stat.ppid))
-            .map(|(pid, _, value)| (pid, value))
-            .collect();
-        found.sort();
-        found
-    }
-
-    /// Finishes an adoption once `/proc` has vouched for `pid`: the pidfd, opened before
-    /// `/proc` was read, must still refer to a live process.
-    /// `write_pid_file`: whether the pid file is to name it (not for a second instance).
-    fn adopt_proven(
-        &self,
-        spec: ProcessSpec,
-        pidfd: Pidfd,
-        pid: u32,
-        stat: proc::Stat,
-        write_pid_file: bool,
-    ) -> Option<ProcessHandle> {
-        if !matches!(pidfd.has_exited(), Ok(false)) {
-            tracing::info!("not adopting: the process exited during the checks");
-            return None;
-        }
-        let started_at = self.shared.start_time_to_system_time(stat.start_time).unwrap_or_else(SystemTime::now);
-        let age = SystemTime::now().duration_since(started_at).unwrap_or_default();
-        let now = Instant::now();
-        let instance = Instance {
-            kind: InstanceKind::Adopted,
-            pidfd,
-            pid,
-            pgid: stat.pgid,
-            start_time: Some(stat.start_time),
-            started: now.checked_sub(age).unwrap_or(now),
-        };
-        tracing::info!("process adopted");
-        let identity = self.shared.identity(pid, stat.pgid, Some(stat.start_time));
-        Some(self.supervise(spec, instance, ProcessStatus::running(pid, started_at, identity), write_pid_file))
-    }
-
     fn supervise(
         &self,
         spec: ProcessSpec,
@@ -274,47 +130,6 @@ impl Supervisor {
         };
         let task = tokio::spawn(task.run(instance).instrument(span));
         ProcessHandle { name, commands, status, task }
-    }
-}
-
-/// The pid that `spec.pid_file` names, if it is a readable pid file (not behind a link).
-fn read_pid_file(spec: &ProcessSpec) -> Option<u32> {
-    let pid = crate::pidfile::read(&spec.pid_file);
-    if pid.is_none() {
-        tracing::debug!(proxy = %spec.name, "no readable pid file");
-    }
-    pid
-}
-
-/// Proves that `pid` is `spec`'s process by the identity in its environment; see
-/// [`Supervisor::adopt_by_environment`].
-fn prove_by_environment(spec: &ProcessSpec, pid: u32) -> Option<(Pidfd, proc::Stat)> {
-    if spec.identity_env.is_empty() {
-        tracing::info!("not adopting: the spec has no identity to prove");
-        return None;
-    }
-    let pidfd = open_pidfd(pid)?;
-    let proven = proc::read_environ(pid).map(|environ| proc::environ_contains(&environ, &spec.identity_env));
-    if !matches!(proven, Ok(true)) {
-        tracing::info!("not adopting: the pid's environment does not hold the identity");
-        return None;
-    }
-    match proc::read_stat(pid) {
-        Ok(stat) if stat.pgid == pid => Some((pidfd, stat)),
-        _ => {
-            tracing::info!("not adopting: the process does not lead its own group");
-            None
-        }
-    }
-}
-
-fn open_pidfd(pid: u32) -> Option<Pidfd> {
-    match Pidfd::open(pid) {
-        Ok(pidfd) => Some(pidfd),
-        Err(error) => {
-            tracing::info!(%error, "not adopting: the process is gone");
-            None
-        }
     }
 }
 

@@ -42,6 +42,9 @@ async fn adopted_process_exit_is_noticed_through_the_pidfd_and_restarted() {
     let spec = fx.spec("watch-proxy", &["--sleep"]);
     let pid_file = spec.pid_file.clone();
     let handle = fx.supervisor.spawn(spec.clone()).unwrap();
+    // The first supervisor's write is done before the second one writes (in an agent, the
+    // next supervisor starts after the last one's writer has finished or died).
+    pid_in_file(&pid_file).await;
     let identity = within("detach", handle.detach()).await.unwrap();
     let adopted = Supervisor::new().unwrap().adopt(spec, &identity).expect("adopted");
 
@@ -195,7 +198,14 @@ async fn a_daemonised_helper_is_not_taken_for_an_instance() {
     spec.args = vec!["-c".into(), "setsid sleep 30 & exec sleep 30".into()];
     let handle = fx.supervisor.spawn(spec.clone()).unwrap();
     let pid = handle.status().pid.unwrap();
-    eventually("the helper to start", || fx.marked_processes().len() == 2).await;
+    // Both have exec'd `sleep`: the shell's own exec is not caught half-way.
+    let sleeping =
+        |pid: u32| std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|line| line.starts_with(b"sleep\0"));
+    eventually("the helper to start", || {
+        let marked = fx.marked_processes();
+        marked.len() == 2 && marked.iter().all(|&pid| sleeping(pid))
+    })
+    .await;
     let mark = [(MARK.into(), fx.mark.clone().into())];
     let found: Vec<u32> =
         fx.supervisor.find_by_environment(&mark, "TETHER_PROXY_ID").into_iter().map(|(pid, _)| pid).collect();
