@@ -8,6 +8,9 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+/// The key prefix of the fleet's keys in etcd when none is given.
+pub(crate) const DEFAULT_ETCD_PREFIX: &str = "/tether";
+
 /// Where the agent keeps its state when `--data-dir` is not given.
 pub(crate) const DEFAULT_DATA_DIR: &str = "/var/lib/tether";
 
@@ -65,7 +68,7 @@ pub(crate) enum GenerateCommand {
 #[derive(Debug, Args)]
 pub(crate) struct EtcdArgs {
     /// The key prefix of the fleet: keys are PREFIX/nodes/NODE/services/ID.
-    #[arg(long, value_name = "PREFIX", env = "TETHER_ETCD_PREFIX", default_value = crate::fleet::DEFAULT_PREFIX)]
+    #[arg(long, value_name = "PREFIX", env = "TETHER_ETCD_PREFIX", default_value = DEFAULT_ETCD_PREFIX)]
     pub(crate) etcd_prefix: String,
     /// Verify etcd's server certificate with this CA bundle (PEM); turns on TLS.
     #[arg(long, value_name = "FILE")]

@@ -9,6 +9,7 @@ mod cli;
 mod client;
 mod commands;
 mod connect_proxy;
+mod error;
 mod fleet;
 mod logging;
 mod metrics;
@@ -20,12 +21,7 @@ use clap::Parser;
 
 use crate::cli::{Cli, Command, LogFormat};
 
-/// An error that is the user's input, not a runtime failure: exit code 2.
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub(crate) struct UsageError(String);
-
-pub(crate) use tether_state::error_chain;
+pub(crate) use error::{UsageError, error_chain};
 
 fn main() -> ExitCode {
     let cli = Cli::parse();

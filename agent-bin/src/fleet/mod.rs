@@ -22,9 +22,6 @@ use tether_state::{IdError, Service, ServiceId, SourceKind};
 /// The name of the fleet source in the catalog (`Source::External`).
 pub(crate) const SOURCE_NAME: &str = "etcd";
 
-/// The default key prefix.
-pub(crate) const DEFAULT_PREFIX: &str = "/tether";
-
 /// The catalog source kind of fleet services.
 pub(crate) fn source_kind() -> SourceKind {
     SourceKind::External(SOURCE_NAME.to_owned())
