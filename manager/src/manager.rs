@@ -239,6 +239,12 @@ impl Manager {
     /// Restores the snapshot (once), reconciles at once, then reconciles on every catalog
     /// change, coalesced, until `shutdown` is cancelled or the catalog is gone.
     ///
+    /// # Panics
+    ///
+    /// With the `mock` feature (tests), when an action panicked, such as a mock's unmet
+    /// expectation: raised again here, so that a test fails rather than waits. Without it, the
+    /// proxy is marked failed and the engine goes on.
+    ///
     /// # Cancel safety
     ///
     /// Cancel safe. Dropping the future leaves no half-applied state: running actions keep

@@ -130,6 +130,13 @@ impl Manager {
                 failed = Some(error);
             }
             Err(join) => {
+                // In tests, a panic in an action is most often a mock's unmet expectation:
+                // raised again here, it fails the test instead of leaving it waiting for a
+                // state that never comes. An agent marks the proxy failed and goes on.
+                #[cfg(any(test, feature = "mock"))]
+                if join.is_panic() {
+                    std::panic::resume_unwind(join.into_panic());
+                }
                 let has_process = slot.installed.is_some();
                 slot.observed = Observed::Failed { wanted, has_process };
                 slot.error = Some(format!("the {action:?} action ended abnormally: {join}").to_lowercase());

@@ -854,3 +854,19 @@ async fn an_unprovable_snapshot_record_falls_back_to_the_candidate_of_its_id() {
     assert_eq!((running.handle.stats().adopted, running.handle.stats().dropped), (1, 1));
     running.stop().await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_mock_expectation_that_fails_in_an_action_fails_the_run_instead_of_hanging_it() {
+    let mut backend = MockProxyBackend::new();
+    // The handle expects no `start`: the action's call panics inside its task.
+    backend.expect_create().returning(|_| Box::new(MockProxyHandle::new()));
+    backend.expect_adoption_candidates().returning(Vec::new);
+    let state = catalog(&[service("web")]);
+    let store = Arc::new(MemorySnapshotStore::new());
+    let manager = Manager::new(Arc::new(state), Arc::new(backend), store, ManagerConfig::default());
+    let (_shutdown, task) = spawn_run(manager);
+    let ended = tokio::time::timeout(LIMIT, task).await.expect("the run ends");
+    let panic = ended.expect_err("the run panicked").into_panic();
+    let message = panic.downcast_ref::<String>().cloned().unwrap_or_default();
+    assert!(message.contains("No matching expectation found"), "{message}");
+}
