@@ -22,6 +22,7 @@ use tokio::io::unix::AsyncFd;
 /// pids are reused; the start time (in clock ticks since boot) and the boot id together
 /// identify one process on one machine.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct Identity {
     /// The pid of the main process.
     pub pid: u32,
@@ -224,6 +225,14 @@ mod tests {
         assert!(!environ_contains(environ, &[pair("A", "")]));
         assert!(!environ_contains(environ, &[pair("TETHER_PROXY", "ID=web-proxy")]));
         assert!(environ_contains(environ, &[]));
+    }
+
+    #[cfg(feature = "manager")]
+    #[test]
+    fn an_identity_survives_serialisation() {
+        let identity = Identity { pid: 42, pgid: 42, start_time: 987_654, boot_id: read_boot_id().unwrap() };
+        let text = serde_json::to_string(&identity).unwrap();
+        assert_eq!(serde_json::from_str::<Identity>(&text).unwrap(), identity);
     }
 
     #[test]
