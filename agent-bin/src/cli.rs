@@ -38,6 +38,8 @@ pub(crate) enum Command {
     Logs(LogsArgs),
     /// Reload the config dirs like SIGHUP, and wait for the result: 0 applied, 2 and every error otherwise.
     Reload(SocketArgs),
+    /// Restart one proxy now (it keeps its restart count); returns once the new process runs.
+    Restart(ProxyArgs),
     /// Stream what happens to proxies (started, exited, restarted, stopped, ...) until interrupted.
     Events(EventsArgs),
     /// Check config dirs without an agent: exit 0 if valid, 2 and every error otherwise.
@@ -169,6 +171,15 @@ pub(crate) struct DeregisterArgs {
     pub(crate) socket: SocketArgs,
     /// The service's id.
     #[arg(value_name = "SERVICE_ID")]
+    pub(crate) id: String,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct ProxyArgs {
+    #[command(flatten)]
+    pub(crate) socket: SocketArgs,
+    /// The proxy's id (`<service id>-proxy`).
+    #[arg(value_name = "PROXY_ID")]
     pub(crate) id: String,
 }
 

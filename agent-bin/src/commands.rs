@@ -1,5 +1,5 @@
 //! The CLI commands that talk to a running agent: `status`, `register`, `deregister`,
-//! `leave`, `logs`, `reload`, `events`. Each validates its input locally first (exit 2), then asks the agent (exit 1
+//! `leave`, `logs`, `reload`, `events`, `restart`. Each validates its input locally first (exit 2), then asks the agent (exit 1
 //! when the agent is unreachable or refuses).
 
 use std::io::Write;
@@ -171,6 +171,21 @@ pub(crate) async fn events(socket: &Path, json: bool) -> anyhow::Result<ExitCode
     if response.status != StatusCode::OK {
         return Err(refused("events", &response));
     }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `tether restart PROXY_ID`: returns once the new process runs.
+pub(crate) async fn restart(socket: &Path, id: &str) -> anyhow::Result<ExitCode> {
+    let id = tether_state::ProxyId::parse(id).map_err(|err| UsageError(err.to_string()))?;
+    let path = format!("/v1/agent/proxy/{id}/restart");
+    let response = client::request(socket, Method::PUT, &path, None).await?;
+    if response.status != StatusCode::OK {
+        return Err(refused(&format!("restart {id}"), &response));
+    }
+    let status: ProxyStatusDto =
+        serde_json::from_slice(&response.body).context("the agent sent a status this version cannot read")?;
+    let pid = status.pid.map_or_else(|| "-".to_owned(), |pid| pid.to_string());
+    writeln!(std::io::stdout(), "restarted {id}: pid {pid}, {} restarts", status.restarts)?;
     Ok(ExitCode::SUCCESS)
 }
 

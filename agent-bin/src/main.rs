@@ -77,6 +77,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Leave(args) => current_thread()?.block_on(commands::leave(&args.socket())),
         Command::Logs(args) => current_thread()?.block_on(commands::logs(&args.socket.socket(), &args)),
         Command::Reload(args) => current_thread()?.block_on(commands::reload(&args.socket())),
+        Command::Restart(args) => current_thread()?.block_on(commands::restart(&args.socket.socket(), &args.id)),
         Command::Events(args) => current_thread()?.block_on(commands::events(&args.socket.socket(), args.json)),
         Command::Generate(what) => generate(what),
         Command::Fleet(command) => current_thread()?.block_on(fleet::cli::run(command)),

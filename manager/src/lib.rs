@@ -102,7 +102,7 @@ pub use snapshot::{
     BoxedCause, EncodedSnapshot, FileSnapshotStore, MemorySnapshotStore, ProxyRecord, SNAPSHOT_VERSION, Snapshot,
     SnapshotError, SnapshotStore, UnknownVersion,
 };
-pub use status::{ActionKind, ManagerHandle, PASS_BUCKETS, ProxyEvent, ProxyStatus, ReconcileStats};
+pub use status::{ActionKind, ManagerHandle, PASS_BUCKETS, ProxyEvent, ProxyStatus, ReconcileStats, RequestError};
 pub use users::UserLookup;
 
 pub(crate) use tether_state::error_chain;

@@ -21,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 use crate::backend::{BackendError, ProcessStatus, ProxyBackend, ProxyHandle, ProxyState};
 use crate::plan::{Action, Observed, Policy, decide};
 use crate::snapshot::{EncodedService, SnapshotError, SnapshotStore, WriterMessage, WriterSender};
-use crate::status::{ManagerHandle, ProxyStatus, Published};
+use crate::status::{ManagerHandle, ProxyStatus, Published, Request, RequestError};
 use crate::users::UserLookup;
 
 /// How the engine behaves. `Default` gives SPEC's defaults.
@@ -105,6 +105,11 @@ struct Slot {
     start_failures: u32,
     /// When the failed start is tried again, if it is to be.
     retry_at: Option<Instant>,
+    /// Restarts counted before the current handle: kept across `tether restart`.
+    restarts_base: u32,
+    /// A restart asked through a handle, answered when its action is done, with the
+    /// restart count to keep.
+    requested: Option<(oneshot::Sender<Result<(), RequestError>>, u32)>,
 }
 
 impl Slot {
@@ -117,6 +122,8 @@ impl Slot {
             error: None,
             start_failures: 0,
             retry_at: None,
+            restarts_base: 0,
+            requested: None,
         }
     }
 }
@@ -170,6 +177,7 @@ pub struct Manager {
     background: JoinSet<()>,
     status_tx: mpsc::UnboundedSender<(ProxyId, u64)>,
     status_rx: mpsc::UnboundedReceiver<(ProxyId, u64)>,
+    requests: mpsc::UnboundedReceiver<Request>,
     generation: u64,
     restore: RestoreStage,
     writer: Option<WriterSender>,
@@ -201,6 +209,7 @@ impl Manager {
         // Subscribe now, so that no change made after construction is missed.
         let subscription = catalog.subscribe();
         let (status_tx, status_rx) = mpsc::unbounded_channel();
+        let (requests_tx, requests) = mpsc::unbounded_channel();
         let policy = Policy { refuse_root: config.running_as_root && !config.allow_root, ..Policy::default() };
         Self {
             catalog,
@@ -223,11 +232,12 @@ impl Manager {
             background: JoinSet::new(),
             status_tx,
             status_rx,
+            requests,
             generation: 0,
             restore: RestoreStage::Load,
             writer: None,
             closing: false,
-            published: Published::new(),
+            published: Published::with_requests(requests_tx),
         }
     }
 
@@ -273,6 +283,7 @@ impl Manager {
                 () = shutdown.cancelled() => break,
                 Some(done) = self.actions.join_next_with_id(), if !self.actions.is_empty() => self.on_done(done),
                 Some((id, generation)) = self.status_rx.recv() => self.on_status(&id, generation),
+                Some(request) = self.requests.recv() => self.on_request(request),
                 changed = self.subscription.changed(), if self.catalog_open => match changed {
                     Some(_) => self.note_change(),
                     None => self.catalog_open = false,
@@ -548,7 +559,7 @@ impl Manager {
             service: id.service_id(),
             state,
             pid: process.pid,
-            restarts: process.restarts,
+            restarts: process.restarts.saturating_add(slot.restarts_base),
             started_at: process.started_at,
             last_exit: process.last_exit,
             error,

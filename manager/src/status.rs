@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
 
 use tether_state::{ProxyId, Revision, ServiceId};
-use tokio::sync::broadcast;
+use tokio::sync::{broadcast, mpsc, oneshot};
 
 use crate::backend::{LastExit, ProxyState};
 
@@ -134,14 +134,60 @@ pub(crate) struct Board {
 pub(crate) struct Published {
     board: Arc<Mutex<Board>>,
     events: broadcast::Sender<ProxyEvent>,
+    requests: mpsc::UnboundedSender<Request>,
+}
+
+/// What a handle asks of the engine.
+#[derive(Debug)]
+pub(crate) enum Request {
+    /// Restart one proxy now; answered once the new process runs, or why not.
+    Restart { id: ProxyId, done: oneshot::Sender<Result<(), RequestError>> },
+}
+
+/// A request to the engine that it did not carry out.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RequestError {
+    /// No proxy of that id is wanted.
+    #[error("no proxy {0}")]
+    NotFound(ProxyId),
+    /// Another action runs on the proxy; it may be asked again once that is done.
+    #[error("proxy {0} is busy with another action; try again")]
+    Busy(ProxyId),
+    /// Policy refuses to run the proxy (it is `blocked`).
+    #[error("proxy {id} is blocked: {reason}")]
+    Blocked {
+        /// The proxy.
+        id: ProxyId,
+        /// Why.
+        reason: String,
+    },
+    /// The action ran and failed.
+    #[error("proxy {id} could not be restarted: {reason}")]
+    Failed {
+        /// The proxy.
+        id: ProxyId,
+        /// Why.
+        reason: String,
+    },
+    /// The engine is not running (shutting down, or gone).
+    #[error("the engine is not running")]
+    Gone,
 }
 
 /// Events a slow subscriber may fall behind by before it sees `Lagged`.
 const EVENT_CAPACITY: usize = 1024;
 
 impl Published {
+    /// A board whose handles send their requests to `requests`.
+    pub(crate) fn with_requests(requests: mpsc::UnboundedSender<Request>) -> Self {
+        Self { board: Arc::default(), events: broadcast::Sender::new(EVENT_CAPACITY), requests }
+    }
+
+    /// A board whose handles' requests go nowhere (answered `Gone`).
+    #[cfg(test)]
     pub(crate) fn new() -> Self {
-        Self { board: Arc::default(), events: broadcast::Sender::new(EVENT_CAPACITY) }
+        Self::with_requests(mpsc::unbounded_channel().0)
     }
 
     pub(crate) fn lock(&self) -> MutexGuard<'_, Board> {
@@ -208,6 +254,21 @@ impl ManagerHandle {
     /// Every status change from now on.
     pub fn subscribe(&self) -> broadcast::Receiver<ProxyEvent> {
         self.published.events.subscribe()
+    }
+
+    /// Restarts proxy `id` now: stops it and starts it again from what the catalog wants,
+    /// as a change that needs a restart does. It keeps its restart count. Returns once the
+    /// new process runs.
+    ///
+    /// # Errors
+    ///
+    /// [`RequestError`]: no such proxy, another action runs on it, it is blocked, the
+    /// restart failed, or the engine is not running.
+    pub async fn restart(&self, id: &ProxyId) -> Result<(), RequestError> {
+        let (done, answer) = oneshot::channel();
+        let request = Request::Restart { id: id.clone(), done };
+        self.published.requests.send(request).map_err(|_| RequestError::Gone)?;
+        answer.await.unwrap_or(Err(RequestError::Gone))
     }
 }
 

@@ -102,6 +102,7 @@ pub(crate) fn socket_router(state: ApiState) -> Router {
         .route("/v1/agent/service/deregister/{id}", put(deregister))
         .route("/v1/agent/leave", put(leave))
         .route("/v1/agent/reload", put(reload))
+        .route("/v1/agent/proxy/{id}/restart", put(restart))
         // Socket only: a proxy's output may hold secrets.
         .route("/v1/agent/proxy/{id}/logs", get(logs::get_logs));
     with_json_errors(routes).with_state(state)
@@ -244,6 +245,25 @@ async fn leave(State(state): State<ApiState>) -> Result<Json<serde_json::Value>,
         Ok(Err(message)) => Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message)),
         Err(_) => Err(ApiError::new(StatusCode::CONFLICT, "the agent is already shutting down")),
     }
+}
+
+/// `PUT /v1/agent/proxy/{id}/restart`: restarts one proxy now; answered once the new process
+/// runs.
+async fn restart(State(state): State<ApiState>, Path(id): Path<String>) -> Result<Json<ProxyStatusDto>, ApiError> {
+    use tether_manager::RequestError;
+    let id = ProxyId::parse(id).map_err(|err| ApiError::new(StatusCode::NOT_FOUND, err.to_string()))?;
+    state.manager.restart(&id).await.map_err(|err| {
+        let status = match &err {
+            RequestError::NotFound(_) => StatusCode::NOT_FOUND,
+            RequestError::Busy(_) | RequestError::Blocked { .. } => StatusCode::CONFLICT,
+            RequestError::Gone => StatusCode::SERVICE_UNAVAILABLE,
+            _ => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        ApiError::new(status, err.to_string())
+    })?;
+    let status =
+        state.manager.proxy(&id).ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, format!("no proxy {id}")))?;
+    Ok(Json(status_dto(&status)))
 }
 
 /// `PUT /v1/agent/reload`: reloads the config dirs as SIGHUP does, and says whether it took.

@@ -209,3 +209,38 @@ fn events_show_a_killed_proxy_exit_and_restart() {
     assert_ne!(restarted["pid"].as_i64(), Some(pid));
     assert_eq!(agent.proxy("web-proxy").unwrap()["pid"], restarted["pid"]);
 }
+
+#[test]
+fn restart_changes_the_pid_and_keeps_the_restart_count() {
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    dirs.write_config("a.toml", &sleeper("web"));
+    let agent = Agent::start(&dirs, &root_flags());
+    let first = agent.wait_state("web-proxy", "running")["pid"].as_i64().unwrap();
+    // One crash first: the count is 1.
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(i32::try_from(first).unwrap()),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let second = wait_for("the restart after the crash", || {
+        agent.proxy("web-proxy").filter(|p| p["state"] == "running" && p["pid"].as_i64() != Some(first))
+    });
+    assert_eq!(second["restarts"], 1);
+    let second = second["pid"].as_i64().unwrap();
+
+    let output = tether().arg("restart").arg("--data-dir").arg(&dirs.data).arg("web-proxy").output().unwrap();
+    let out = String::from_utf8(output.stdout).unwrap();
+    assert_eq!(output.status.code(), Some(0), "{}", String::from_utf8_lossy(&output.stderr));
+    let status = agent.proxy("web-proxy").unwrap();
+    let third = status["pid"].as_i64().unwrap();
+    assert_ne!(third, second, "a new process");
+    assert!(!alive(second), "the old one is gone");
+    assert_eq!((status["state"].as_str(), status["restarts"].as_u64()), (Some("running"), Some(1)));
+    assert!(out.contains(&format!("pid {third}")), "{out}");
+
+    let output = tether().arg("restart").arg("--data-dir").arg(&dirs.data).arg("nothing-proxy").output().unwrap();
+    let err = String::from_utf8(output.stderr).unwrap();
+    assert_eq!(output.status.code(), Some(1), "{err}");
+    assert!(err.contains("nothing-proxy"), "{err}");
+}

@@ -90,9 +90,19 @@ fn connect_proxy_outside_an_agent_explains_itself() {
 fn help_lists_every_command() {
     let assert = tether().arg("--help").assert().code(0);
     let out = String::from_utf8(assert.get_output().stdout.clone()).unwrap();
-    for command in
-        ["agent", "status", "register", "deregister", "leave", "logs", "reload", "events", "validate", "connect-proxy"]
-    {
+    for command in [
+        "agent",
+        "status",
+        "register",
+        "deregister",
+        "leave",
+        "logs",
+        "reload",
+        "events",
+        "restart",
+        "validate",
+        "connect-proxy",
+    ] {
         assert!(out.contains(command), "{command} missing from:\n{out}");
     }
 }

@@ -16,7 +16,7 @@ use tracing::Instrument;
 use super::{MIN_RETRY_DELAY, Manager, Outcome, encoded_service};
 use crate::backend::{BackendError, ProxyBackend};
 use crate::plan::{Action, Observed};
-use crate::status::ActionKind;
+use crate::status::{ActionKind, Request, RequestError};
 
 impl Manager {
     pub(super) fn launch(&mut self, id: &ProxyId, action: Action) {
@@ -76,6 +76,8 @@ impl Manager {
                 slot.error = None;
                 slot.start_failures = 0;
                 slot.retry_at = None;
+                // A restart asked by the operator keeps the count; any other start is new.
+                slot.restarts_base = slot.requested.as_ref().map_or(0, |(_, base)| *base);
                 self.uninstall(&id);
                 self.install(&id, handle.into(), encoded_service(&proxy), Some(proxy.token().fingerprint()));
             }
@@ -153,6 +155,18 @@ impl Manager {
             }
             self.published.lock().stats.failures += 1;
         }
+        if let Some(slot) = self.slots.get_mut(&id) {
+            if let Some((done, _)) = slot.requested.take() {
+                let answer = match (&slot.observed, &slot.error) {
+                    (Observed::Running { .. }, None) => Ok(()),
+                    (_, error) => Err(RequestError::Failed {
+                        id: id.clone(),
+                        reason: error.clone().unwrap_or_else(|| "it was stopped meanwhile".to_owned()),
+                    }),
+                };
+                let _caller_gone = done.send(answer);
+            }
+        }
         self.publish(&id);
         // Level-triggered: plan the proxy again against what is wanted now.
         self.consider(&id);
@@ -164,6 +178,50 @@ impl Manager {
         let mut board = self.published.lock();
         board.stats.in_flight = self.actions.len();
         board.stats.queued = self.backlog.len();
+    }
+
+    /// Carries out a handle's request.
+    pub(super) fn on_request(&mut self, request: Request) {
+        match request {
+            Request::Restart { id, done } => {
+                if let Err(refused) = self.restart(&id) {
+                    let _caller_gone = done.send(Err(refused));
+                    return;
+                }
+                let restarts = self.published.lock().proxies.get(&id).map_or(0, |status| status.restarts);
+                if let Some(slot) = self.slots.get_mut(&id) {
+                    slot.requested = Some((done, restarts));
+                }
+            }
+        }
+    }
+
+    /// Launches a restart of `id` asked by the operator: stop and start of a process that
+    /// runs, a start at once of one that does not (a failed start skips its backoff).
+    fn restart(&mut self, id: &ProxyId) -> Result<(), RequestError> {
+        if self.closing {
+            return Err(RequestError::Gone);
+        }
+        if !self.desired.contains_key(id) {
+            return Err(RequestError::NotFound(id.clone()));
+        }
+        let Some(slot) = self.slots.get_mut(id) else { return Err(RequestError::NotFound(id.clone())) };
+        if slot.busy.is_some() || slot.requested.is_some() {
+            return Err(RequestError::Busy(id.clone()));
+        }
+        if let Observed::Blocked { .. } = slot.observed {
+            return Err(RequestError::Blocked { id: id.clone(), reason: slot.error.clone().unwrap_or_default() });
+        }
+        slot.retry_at = None;
+        let action = if slot.observed.has_process() {
+            Action::Restart
+        } else {
+            slot.observed = Observed::Idle;
+            Action::Start
+        };
+        tracing::info!(proxy = %id, ?action, "restart asked");
+        self.launch(id, action);
+        Ok(())
     }
 
     /// Tries again every failed start whose backoff is over.

@@ -870,3 +870,22 @@ async fn a_mock_expectation_that_fails_in_an_action_fails_the_run_instead_of_han
     let message = panic.downcast_ref::<String>().cloned().unwrap_or_default();
     assert!(message.contains("No matching expectation found"), "{message}");
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_restart_asked_through_the_handle_stops_and_starts_and_keeps_the_count() {
+    let running = run(&[service("web"), with_user("db")]);
+    let before = running.until_state(&pid("web"), ProxyState::Running).await;
+    tokio::time::timeout(LIMIT, running.handle.restart(&pid("web"))).await.unwrap().unwrap();
+    let after = running.handle.proxy(&pid("web")).unwrap();
+    assert_eq!(after.state, ProxyState::Running);
+    assert_ne!(after.pid, before.pid, "a new process");
+    assert_eq!(after.restarts, before.restarts);
+    assert_eq!(running.fake.calls_of(Call::Stop).len(), 1);
+    assert_eq!(running.fake.calls_of(Call::Start).len(), 3);
+
+    let unknown = ServiceId::new("nothing").unwrap().proxy_id();
+    let refused = running.handle.restart(&unknown).await;
+    assert_eq!(refused, Err(RequestError::NotFound(unknown)));
+    let manager = running.stop().await;
+    tokio::time::timeout(LIMIT, manager.close()).await.unwrap().unwrap();
+}
