@@ -40,6 +40,10 @@ pub(crate) enum Command {
     Reload(SocketArgs),
     /// Restart one proxy now (it keeps its restart count); returns once the new process runs.
     Restart(ProxyArgs),
+    /// Hold one proxy down: stopped, across agent restarts and reloads, until `start`.
+    Stop(ProxyArgs),
+    /// Release a proxy held down by `stop`: it starts again.
+    Start(ProxyArgs),
     /// Stream what happens to proxies (started, exited, restarted, stopped, ...) until interrupted.
     Events(EventsArgs),
     /// Check config dirs without an agent: exit 0 if valid, 2 and every error otherwise.

@@ -1,5 +1,5 @@
 //! The CLI commands that talk to a running agent: `status`, `register`, `deregister`,
-//! `leave`, `logs`, `reload`, `events`, `restart`. Each validates its input locally first (exit 2), then asks the agent (exit 1
+//! `leave`, `logs`, `reload`, `events`, `restart`, `stop`, `start`. Each validates its input locally first (exit 2), then asks the agent (exit 1
 //! when the agent is unreachable or refuses).
 
 use std::io::Write;
@@ -187,6 +187,39 @@ pub(crate) async fn restart(socket: &Path, id: &str) -> anyhow::Result<ExitCode>
     let pid = status.pid.map_or_else(|| "-".to_owned(), |pid| pid.to_string());
     writeln!(std::io::stdout(), "restarted {id}: pid {pid}, {} restarts", status.restarts)?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// How long `tether stop` and `tether start` wait for the proxy to get there.
+const HOLD_WAIT: Duration = Duration::from_secs(120);
+
+/// `tether stop PROXY_ID` (`hold`) and `tether start PROXY_ID`: returns once the proxy is
+/// `stopped`, or has left `stopped` and `pending`.
+pub(crate) async fn hold(socket: &Path, id: &str, hold: bool) -> anyhow::Result<ExitCode> {
+    let id = tether_state::ProxyId::parse(id).map_err(|err| UsageError(err.to_string()))?;
+    let verb = if hold { "stop" } else { "start" };
+    let response = client::request(socket, Method::PUT, &format!("/v1/agent/proxy/{id}/{verb}"), None).await?;
+    if response.status != StatusCode::OK {
+        return Err(refused(&format!("{verb} {id}"), &response));
+    }
+    let deadline = tokio::time::Instant::now() + HOLD_WAIT;
+    loop {
+        let response = client::request(socket, Method::GET, &format!("/v1/agent/proxy/{id}"), None).await?;
+        if response.status != StatusCode::OK {
+            return Err(refused(&format!("{verb} {id}"), &response));
+        }
+        let status: ProxyStatusDto =
+            serde_json::from_slice(&response.body).context("the agent sent a status this version cannot read")?;
+        let there =
+            if hold { status.state == "stopped" } else { !matches!(status.state.as_str(), "stopped" | "pending") };
+        if there {
+            writeln!(std::io::stdout(), "{id}: {}", status.state)?;
+            return Ok(ExitCode::SUCCESS);
+        }
+        if tokio::time::Instant::now() >= deadline {
+            anyhow::bail!("{verb} {id}: still {} after {}", status.state, humantime::format_duration(HOLD_WAIT));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// `tether reload`: the config dirs reloaded as SIGHUP does; exit 0 when applied, 2 with

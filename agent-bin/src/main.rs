@@ -78,6 +78,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Logs(args) => current_thread()?.block_on(commands::logs(&args.socket.socket(), &args)),
         Command::Reload(args) => current_thread()?.block_on(commands::reload(&args.socket())),
         Command::Restart(args) => current_thread()?.block_on(commands::restart(&args.socket.socket(), &args.id)),
+        Command::Stop(args) => current_thread()?.block_on(commands::hold(&args.socket.socket(), &args.id, true)),
+        Command::Start(args) => current_thread()?.block_on(commands::hold(&args.socket.socket(), &args.id, false)),
         Command::Events(args) => current_thread()?.block_on(commands::events(&args.socket.socket(), args.json)),
         Command::Generate(what) => generate(what),
         Command::Fleet(command) => current_thread()?.block_on(fleet::cli::run(command)),

@@ -40,12 +40,13 @@ impl Metrics {
 
 /// The states a proxy can be in, all reported (zero included) so that dashboards and
 /// alerts see every series.
-const STATES: [ProxyState; 7] = [
+const STATES: [ProxyState; 8] = [
     ProxyState::Pending,
     ProxyState::Starting,
     ProxyState::Running,
     ProxyState::Backoff,
     ProxyState::Stopping,
+    ProxyState::Stopped,
     ProxyState::Blocked,
     ProxyState::Failed,
 ];

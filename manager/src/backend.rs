@@ -35,6 +35,8 @@ pub enum ProxyState {
     Backoff,
     /// Being stopped.
     Stopping,
+    /// Held down by the operator (`tether stop`) until released (`tether start`).
+    Stopped,
     /// Refused by policy (running as root); the error says why.
     Blocked,
     /// Cannot be started or stopped; the error says why, and the next change retries it.
@@ -50,6 +52,7 @@ impl ProxyState {
             Self::Running => "running",
             Self::Backoff => "backoff",
             Self::Stopping => "stopping",
+            Self::Stopped => "stopped",
             Self::Blocked => "blocked",
             Self::Failed => "failed",
         }

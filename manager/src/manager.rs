@@ -8,7 +8,7 @@
 //! hold a lock across an await, and never run two actions on one proxy at once.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeSet, BinaryHeap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -40,6 +40,9 @@ pub struct ManagerConfig {
     /// The uid of a proxy's `user`, for the root policy: when the agent is root and root is
     /// not allowed, a proxy with no `user`, or with a `user` that is uid 0, is blocked.
     pub users: UserLookup,
+    /// Proxies held down by the operator when the engine starts (kept by the agent across
+    /// restarts); [`ManagerHandle::hold`] changes the set afterwards.
+    pub held: BTreeSet<ProxyId>,
 }
 
 impl Default for ManagerConfig {
@@ -51,6 +54,7 @@ impl Default for ManagerConfig {
             running_as_root: false,
             allow_root: false,
             users: UserLookup::default(),
+            held: BTreeSet::new(),
         }
     }
 }
@@ -178,6 +182,8 @@ pub struct Manager {
     status_tx: mpsc::UnboundedSender<(ProxyId, u64)>,
     status_rx: mpsc::UnboundedReceiver<(ProxyId, u64)>,
     requests: mpsc::UnboundedReceiver<Request>,
+    /// Proxies held down by the operator: stopped, and shown `stopped`, while wanted.
+    held: BTreeSet<ProxyId>,
     generation: u64,
     restore: RestoreStage,
     writer: Option<WriterSender>,
@@ -210,6 +216,7 @@ impl Manager {
         let subscription = catalog.subscribe();
         let (status_tx, status_rx) = mpsc::unbounded_channel();
         let (requests_tx, requests) = mpsc::unbounded_channel();
+        let held = config.held.clone();
         let policy = Policy { refuse_root: config.running_as_root && !config.allow_root, ..Policy::default() };
         Self {
             catalog,
@@ -233,6 +240,7 @@ impl Manager {
             status_tx,
             status_rx,
             requests,
+            held,
             generation: 0,
             restore: RestoreStage::Load,
             writer: None,
@@ -462,7 +470,23 @@ impl Manager {
             return;
         }
         let desired = self.desired.get(id).map(|d| &d.proxy);
-        let Some(action) = decide(desired, slot.map(|slot| &slot.observed), &self.policy) else { return };
+        let held = desired.is_some() && self.held.contains(id);
+        let action = if held {
+            // Held down by the operator: what runs is stopped, nothing starts.
+            if slot.is_some_and(|slot| slot.observed.has_process() || slot.installed.is_some()) {
+                Action::Stop
+            } else {
+                let slot = self.slots.entry(id.clone()).or_insert_with(Slot::new);
+                slot.observed = Observed::Idle;
+                slot.error = None;
+                slot.retry_at = None;
+                self.publish(id);
+                return;
+            }
+        } else {
+            let Some(action) = decide(desired, slot.map(|slot| &slot.observed), &self.policy) else { return };
+            action
+        };
         tracing::debug!(proxy = %id, ?action, "decided");
         match action {
             Action::Forget => {
@@ -550,6 +574,7 @@ impl Manager {
             (Some(Action::Stop | Action::Restart), _) => (ProxyState::Stopping, None),
             (_, Observed::Blocked { .. }) => (ProxyState::Blocked, slot.error.clone()),
             (_, Observed::Failed { .. }) => (ProxyState::Failed, slot.error.clone()),
+            (_, Observed::Idle) if slot.installed.is_none() && self.held.contains(id) => (ProxyState::Stopped, None),
             (_, Observed::Idle) => (ProxyState::Pending, None),
             _ if queued && slot.installed.is_none() => (ProxyState::Pending, None),
             _ => (process.state, process.error.clone()),

@@ -142,6 +142,8 @@ pub(crate) struct Published {
 pub(crate) enum Request {
     /// Restart one proxy now; answered once the new process runs, or why not.
     Restart { id: ProxyId, done: oneshot::Sender<Result<(), RequestError>> },
+    /// Hold one proxy down (`hold`), or release it; answered at once.
+    Hold { id: ProxyId, hold: bool, done: oneshot::Sender<Result<(), RequestError>> },
 }
 
 /// A request to the engine that it did not carry out.
@@ -267,6 +269,21 @@ impl ManagerHandle {
     pub async fn restart(&self, id: &ProxyId) -> Result<(), RequestError> {
         let (done, answer) = oneshot::channel();
         let request = Request::Restart { id: id.clone(), done };
+        self.published.requests.send(request).map_err(|_| RequestError::Gone)?;
+        answer.await.unwrap_or(Err(RequestError::Gone))
+    }
+
+    /// Holds proxy `id` down (`hold`: it is stopped, and stays `stopped` through catalog
+    /// changes until released), or releases it (it starts again). Returns once the engine
+    /// has taken the request, not once the proxy has stopped or started: watch its status.
+    ///
+    /// # Errors
+    ///
+    /// [`RequestError::NotFound`] when no proxy of that id is wanted, or
+    /// [`RequestError::Gone`].
+    pub async fn hold(&self, id: &ProxyId, hold: bool) -> Result<(), RequestError> {
+        let (done, answer) = oneshot::channel();
+        let request = Request::Hold { id: id.clone(), hold, done };
         self.published.requests.send(request).map_err(|_| RequestError::Gone)?;
         answer.await.unwrap_or(Err(RequestError::Gone))
     }

@@ -6,6 +6,7 @@
 //! leave`) stops every proxy in parallel and removes the snapshot.
 
 pub(crate) mod dev;
+pub(crate) mod held;
 pub(crate) mod policy;
 mod serve;
 pub(crate) mod sources;
@@ -115,12 +116,15 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
         AgentEnvironment { socket: socket_path.clone(), http_addr: options.http_addr.map(|addr| addr.to_string()) };
     let backend = Arc::new(OsProcessBackend::new(data.clone(), environment).context("starting the process backend")?);
     let store = Arc::new(FileSnapshotStore::in_data_dir(&data));
+    // Proxies held down by `tether stop` stay stopped across agent restarts.
+    let held = Arc::new(held::Held::load(&data));
     let config = ManagerConfig {
         sync_quiescent: options.sync_quiescent,
         sync_max_delay: options.sync_max_delay,
         running_as_root,
         allow_root: options.allow_root,
         users: policy::system_users(),
+        held: held.ids(),
         ..ManagerConfig::default()
     };
     let catalog = Arc::new(sources.state().clone());
@@ -140,6 +144,7 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
         metrics: Arc::new(metrics),
         shutdown: api_stop.clone(),
         fleet: fleet_status,
+        held: held.clone(),
     };
     let mut servers = JoinSet::new();
     let unix = bind_socket(&socket_path)?;

@@ -148,6 +148,7 @@ pub(crate) fn diff(before: Option<&ProxyStatus>, after: &ProxyStatus, now: Syste
         let name = match after.state {
             ProxyState::Backoff => Some("backoff"),
             ProxyState::Failed => Some("failed"),
+            ProxyState::Stopped => Some("held"),
             ProxyState::Blocked => Some("blocked"),
             _ => None,
         };

@@ -61,6 +61,8 @@ pub(crate) struct ApiState {
     pub(crate) shutdown: tokio_util::sync::CancellationToken,
     /// The fleet follower's status, when the agent follows etcd.
     pub(crate) fleet: Option<crate::fleet::follow::SharedStatus>,
+    /// The proxies held down by `tether stop`, as kept in the data dir.
+    pub(crate) held: Arc<crate::agent::held::Held>,
 }
 
 /// An API error: a status code and a message for `{"error": ...}`.
@@ -103,6 +105,8 @@ pub(crate) fn socket_router(state: ApiState) -> Router {
         .route("/v1/agent/leave", put(leave))
         .route("/v1/agent/reload", put(reload))
         .route("/v1/agent/proxy/{id}/restart", put(restart))
+        .route("/v1/agent/proxy/{id}/stop", put(stop))
+        .route("/v1/agent/proxy/{id}/start", put(start))
         // Socket only: a proxy's output may hold secrets.
         .route("/v1/agent/proxy/{id}/logs", get(logs::get_logs));
     with_json_errors(routes).with_state(state)
@@ -230,6 +234,13 @@ async fn deregister(
     tokio::task::spawn_blocking(move || sources.deregister(&service))
         .await
         .map_err(|err| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, err.to_string()))??;
+    // A deregistered proxy is gone, hold and all: registered again, it runs.
+    let held = state.held.clone();
+    let proxy = id.proxy_id();
+    let released = tokio::task::spawn_blocking(move || held.set(&proxy, false)).await;
+    if let Ok(Err(err)) = released {
+        tracing::warn!(service = %id, error = %crate::error_chain(&err), "cannot release the hold of a deregistered proxy");
+    }
     Ok(Json(serde_json::json!({ "deregistered": id.as_str() })))
 }
 
@@ -258,6 +269,42 @@ async fn restart(State(state): State<ApiState>, Path(id): Path<String>) -> Resul
             RequestError::Busy(_) | RequestError::Blocked { .. } => StatusCode::CONFLICT,
             RequestError::Gone => StatusCode::SERVICE_UNAVAILABLE,
             _ => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        ApiError::new(status, err.to_string())
+    })?;
+    let status =
+        state.manager.proxy(&id).ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, format!("no proxy {id}")))?;
+    Ok(Json(status_dto(&status)))
+}
+
+/// `PUT /v1/agent/proxy/{id}/stop`: holds one proxy down; it is stopped and stays `stopped`
+/// (across agent restarts and reloads) until started. Answered once the engine has it; the
+/// stop itself shows in the proxy's status.
+async fn stop(State(state): State<ApiState>, Path(id): Path<String>) -> Result<Json<ProxyStatusDto>, ApiError> {
+    hold(state, id, true).await
+}
+
+/// `PUT /v1/agent/proxy/{id}/start`: releases a proxy held down by `stop`.
+async fn start(State(state): State<ApiState>, Path(id): Path<String>) -> Result<Json<ProxyStatusDto>, ApiError> {
+    hold(state, id, false).await
+}
+
+async fn hold(state: ApiState, id: String, hold: bool) -> Result<Json<ProxyStatusDto>, ApiError> {
+    let id = ProxyId::parse(id).map_err(|err| ApiError::new(StatusCode::NOT_FOUND, err.to_string()))?;
+    if state.manager.proxy(&id).is_none() {
+        return Err(ApiError::new(StatusCode::NOT_FOUND, format!("no proxy {id}")));
+    }
+    // Written first: once answered, the hold survives a crash of the agent.
+    let held = state.held.clone();
+    let target = id.clone();
+    tokio::task::spawn_blocking(move || held.set(&target, hold))
+        .await
+        .map_err(|join| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, join.to_string()))?
+        .map_err(|err| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, crate::error_chain(&err)))?;
+    state.manager.hold(&id, hold).await.map_err(|err| {
+        let status = match err {
+            tether_manager::RequestError::NotFound(_) => StatusCode::NOT_FOUND,
+            _ => StatusCode::SERVICE_UNAVAILABLE,
         };
         ApiError::new(status, err.to_string())
     })?;

@@ -244,3 +244,38 @@ fn restart_changes_the_pid_and_keeps_the_restart_count() {
     assert_eq!(output.status.code(), Some(1), "{err}");
     assert!(err.contains("nothing-proxy"), "{err}");
 }
+
+#[test]
+fn a_stopped_proxy_stays_stopped_across_a_reload_and_an_agent_restart_until_started() {
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    dirs.write_config("a.toml", &sleeper("web"));
+    let mut agent = Agent::start(&dirs, &root_flags());
+    let pid = agent.wait_state("web-proxy", "running")["pid"].as_i64().unwrap();
+    let run = |verb: &str| {
+        let output = tether().arg(verb).arg("--data-dir").arg(&dirs.data).arg("web-proxy").output().unwrap();
+        let out = String::from_utf8(output.stdout).unwrap();
+        assert_eq!(output.status.code(), Some(0), "{verb}: {}", String::from_utf8_lossy(&output.stderr));
+        out
+    };
+    assert_eq!(run("stop"), "web-proxy: stopped\n");
+    assert!(!alive(pid), "the process is gone");
+    assert_eq!(agent.proxy("web-proxy").unwrap()["pid"], serde_json::Value::Null);
+
+    // A reload, then an agent restart: still stopped, nothing started.
+    agent.signal(nix::sys::signal::Signal::SIGHUP);
+    dirs.write_config("b.toml", &sleeper("db"));
+    agent.signal(nix::sys::signal::Signal::SIGHUP);
+    agent.wait_state("db-proxy", "running");
+    assert_eq!(agent.proxy("web-proxy").unwrap()["state"], "stopped");
+    agent.signal(nix::sys::signal::Signal::SIGTERM);
+    assert!(agent.wait().success());
+    let agent = Agent::start(&dirs, &root_flags());
+    agent.wait_state("db-proxy", "running");
+    assert_eq!(agent.wait_state("web-proxy", "stopped")["pid"], serde_json::Value::Null);
+    assert!(!processes_by_proxy_id(&dirs.socket()).contains_key("web-proxy"), "no web-proxy process");
+
+    let out = run("start");
+    assert!(out.starts_with("web-proxy: "), "{out}");
+    agent.wait_state("web-proxy", "running");
+}

@@ -193,6 +193,24 @@ impl Manager {
                     slot.requested = Some((done, restarts));
                 }
             }
+            Request::Hold { id, hold, done } => {
+                if !self.desired.contains_key(&id) {
+                    let _caller_gone = done.send(Err(RequestError::NotFound(id)));
+                    return;
+                }
+                let changed = if hold { self.held.insert(id.clone()) } else { self.held.remove(&id) };
+                if changed {
+                    tracing::info!(proxy = %id, hold, "held down by the operator, or released");
+                    if let Some(slot) = self.slots.get_mut(&id) {
+                        // Released: started at once, whatever backoff a failed start was in.
+                        slot.start_failures = 0;
+                        slot.retry_at = None;
+                    }
+                    self.consider(&id);
+                    self.publish(&id);
+                }
+                let _caller_gone = done.send(Ok(()));
+            }
         }
     }
 
@@ -204,6 +222,10 @@ impl Manager {
         }
         if !self.desired.contains_key(id) {
             return Err(RequestError::NotFound(id.clone()));
+        }
+        if self.held.contains(id) {
+            let reason = "it is held down (stopped); start it first".to_owned();
+            return Err(RequestError::Blocked { id: id.clone(), reason });
         }
         let Some(slot) = self.slots.get_mut(id) else { return Err(RequestError::NotFound(id.clone())) };
         if slot.busy.is_some() || slot.requested.is_some() {

@@ -889,3 +889,40 @@ async fn a_restart_asked_through_the_handle_stops_and_starts_and_keeps_the_count
     let manager = running.stop().await;
     tokio::time::timeout(LIMIT, manager.close()).await.unwrap().unwrap();
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_held_proxy_is_stopped_stays_stopped_through_changes_and_starts_when_released() {
+    let running = run(&[service("web")]);
+    running.until_state(&pid("web"), ProxyState::Running).await;
+    running.handle.hold(&pid("web"), true).await.unwrap();
+    let stopped = running.until_state(&pid("web"), ProxyState::Stopped).await;
+    assert_eq!(stopped.pid, None);
+    assert_eq!(running.fake.calls_of(Call::Stop).len(), 1);
+    // A change to the service does not start it.
+    let mut web = service("web");
+    web.port = Some(9);
+    running.state.upsert(web, Source::Api).unwrap();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(running.handle.proxy(&pid("web")).unwrap().state, ProxyState::Stopped);
+    assert_eq!(running.fake.calls_of(Call::Start).len(), 1);
+    let refused = running.handle.restart(&pid("web")).await;
+    assert!(matches!(refused, Err(RequestError::Blocked { .. })), "{refused:?}");
+
+    running.handle.hold(&pid("web"), false).await.unwrap();
+    running.until_state(&pid("web"), ProxyState::Running).await;
+    assert_eq!(running.fake.calls_of(Call::Start).len(), 2);
+    let unknown = ServiceId::new("nothing").unwrap().proxy_id();
+    assert_eq!(running.handle.hold(&unknown, true).await, Err(RequestError::NotFound(unknown)));
+    let manager = running.stop().await;
+    tokio::time::timeout(LIMIT, manager.close()).await.unwrap().unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_proxy_held_when_the_engine_starts_is_not_started() {
+    let config = ManagerConfig { held: [pid("web")].into(), ..ManagerConfig::default() };
+    let running = run_with(&catalog(&[service("web")]), &Fake::new(), &Arc::new(MemorySnapshotStore::new()), config);
+    running.until_state(&pid("web"), ProxyState::Stopped).await;
+    assert!(running.fake.calls_of(Call::Start).is_empty());
+    let manager = running.stop().await;
+    tokio::time::timeout(LIMIT, manager.close()).await.unwrap().unwrap();
+}
