@@ -139,8 +139,21 @@ impl Fixture {
 
 impl Drop for Fixture {
     fn drop(&mut self) {
-        for pid in self.marked_processes() {
-            let _ = kill(Pid::from_raw(pid as i32), Signal::SIGKILL);
+        // Until three scans in a row find nothing: a supervising task that has not ended yet
+        // may start one more instance after a kill.
+        let start = Instant::now();
+        let mut quiet = 0;
+        while quiet < 3 && start.elapsed() < DEADLINE {
+            let marked = self.marked_processes();
+            if marked.is_empty() {
+                quiet += 1;
+            } else {
+                quiet = 0;
+                for pid in marked {
+                    let _ = kill(Pid::from_raw(pid as i32), Signal::SIGKILL);
+                }
+            }
+            std::thread::sleep(Duration::from_millis(5));
         }
     }
 }
