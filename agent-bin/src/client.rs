@@ -70,6 +70,21 @@ pub(crate) async fn request_with(
         .map_err(|_| ClientError::Timeout)?
 }
 
+/// Connects to the agent's socket and runs the HTTP/1.1 connection in a task of its own.
+async fn connect(
+    socket: &Path,
+) -> Result<
+    (hyper::client::conn::http1::SendRequest<Full<Bytes>>, tokio::task::JoinHandle<hyper::Result<()>>),
+    ClientError,
+> {
+    let stream = UnixStream::connect(socket)
+        .await
+        .map_err(|source| ClientError::Connect { socket: socket.to_owned(), source })?;
+    let (sender, connection) =
+        hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(ClientError::Http)?;
+    Ok((sender, tokio::spawn(connection)))
+}
+
 /// Sends a GET and hands each chunk of a successful answer's body to `chunk` as it
 /// arrives, with no time limit once the answer has begun (a followed log streams until
 /// interrupted). An unsuccessful answer is returned whole, as [`request`] does.
@@ -79,12 +94,7 @@ pub(crate) async fn stream(
     mut chunk: impl FnMut(&[u8]) -> std::io::Result<()>,
 ) -> Result<Response, ClientError> {
     let begun = async {
-        let stream = UnixStream::connect(socket)
-            .await
-            .map_err(|source| ClientError::Connect { socket: socket.to_owned(), source })?;
-        let (mut sender, connection) =
-            hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(ClientError::Http)?;
-        let connection = tokio::spawn(connection);
+        let (mut sender, connection) = connect(socket).await?;
         let request = Request::builder()
             .method(Method::GET)
             .uri(path)
@@ -122,13 +132,8 @@ async fn send(
     body: Option<Vec<u8>>,
     headers: &[(&str, &str)],
 ) -> Result<Response, ClientError> {
-    let stream = UnixStream::connect(socket)
-        .await
-        .map_err(|source| ClientError::Connect { socket: socket.to_owned(), source })?;
-    let (mut sender, connection) =
-        hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(ClientError::Http)?;
     // The connection task ends with the request; it is awaited below through the response.
-    let connection = tokio::spawn(connection);
+    let (mut sender, connection) = connect(socket).await?;
     let mut request = Request::builder().method(method);
     for (name, value) in headers {
         request = request.header(*name, *value);

@@ -22,6 +22,40 @@ fn chatty(every: &str, log_max_size: &str) -> String {
     )
 }
 
+/// A `tether` command that streams until killed: killed and reaped on drop.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Runs `tether ARGS --data-dir DIR` and hands each line it prints to the receiver, as it
+/// comes.
+fn streaming(dirs: &Dirs, args: &[&str]) -> (KillOnDrop, mpsc::Receiver<String>) {
+    let mut child = tether()
+        .args(args)
+        .arg("--data-dir")
+        .arg(&dirs.data)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (lines, seen) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { return };
+            if lines.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    (KillOnDrop(child), seen)
+}
+
 fn line_number(line: &str) -> Option<u64> {
     line.strip_prefix("line ")?.split(' ').next()?.parse().ok()
 }
@@ -66,33 +100,7 @@ fn logs_follow_shows_lines_written_after_a_rotation() {
     dirs.write_config("chatty.toml", &chatty("0.05", "4KiB"));
     let agent = Agent::start(&dirs, &root_flags());
     agent.wait_state("chatty-proxy", "running");
-    let mut follow = tether()
-        .arg("logs")
-        .arg("--data-dir")
-        .arg(&dirs.data)
-        .args(["chatty-proxy", "-n", "1", "-f"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    struct KillOnDrop(std::process::Child);
-    impl Drop for KillOnDrop {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-    let stdout = follow.stdout.take().unwrap();
-    let _follow = KillOnDrop(follow);
-    let (lines, seen) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { return };
-            if lines.send(line).is_err() {
-                return;
-            }
-        }
-    });
+    let (_follow, seen) = streaming(&dirs, &["logs", "chatty-proxy", "-n", "1", "-f"]);
     let rotated = dirs.data.join("logs/chatty-proxy-stdout.log.1");
     let mut numbers = Vec::new();
     // Until two rotations have happened since following began, and lines after them arrived.
@@ -155,33 +163,7 @@ fn events_show_a_killed_proxy_exit_and_restart() {
     let dirs = Dirs::new();
     let _sweep = SweepOnDrop(dirs.socket());
     let agent = Agent::start(&dirs, &root_flags());
-    let mut events = tether()
-        .arg("events")
-        .arg("--json")
-        .arg("--data-dir")
-        .arg(&dirs.data)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    struct KillOnDrop(std::process::Child);
-    impl Drop for KillOnDrop {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-    let stdout = events.stdout.take().unwrap();
-    let _events = KillOnDrop(events);
-    let (lines, seen) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { return };
-            if lines.send(line).is_err() {
-                return;
-            }
-        }
-    });
+    let (_events, seen) = streaming(&dirs, &["events", "--json"]);
     let mut received: Vec<serde_json::Value> = Vec::new();
     let mut next = |what: &str, wanted: &dyn Fn(&serde_json::Value) -> bool| -> serde_json::Value {
         wait_for(what, || {
