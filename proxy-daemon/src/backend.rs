@@ -12,7 +12,6 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use nix::sys::signal::Signal;
 use serde::{Deserialize, Serialize};
 use tether_manager::{BackendError, LastExit, ProxyBackend, ProxyHandle, ProxyState};
 use tether_state::persist::DataDir;
@@ -21,7 +20,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::proc::Identity;
-use crate::spec::{KillPolicy, LogFile, LogLimits, LogSpec, ProcessName, ProcessSpec, ProcessUpdate};
+use crate::spec::{KillPolicy, LogFile, LogSpec, ProcessName, ProcessSpec, ProcessUpdate};
 use crate::status::{ExitReason, ProcessState, ProcessStatus};
 use crate::supervisor::{ProcessHandle, Supervisor};
 
@@ -119,7 +118,7 @@ impl Shared {
             kill: kill_policy(proxy),
             restart: spec.restart,
             restart_on_exit: true,
-            logs: LogSpec { stdout, stderr, limits: LogLimits { max_size: spec.log.max_size, keep: spec.log.keep } },
+            logs: LogSpec { stdout, stderr, limits: spec.log },
             pid_file: self.data.pid_file(id),
             identity_env,
         }
@@ -141,21 +140,8 @@ fn own_executable() -> PathBuf {
     }
 }
 
-fn signal_of(signal: KillSignal) -> Signal {
-    match signal {
-        KillSignal::Term => Signal::SIGTERM,
-        KillSignal::Quit => Signal::SIGQUIT,
-        KillSignal::Hup => Signal::SIGHUP,
-        KillSignal::Usr1 => Signal::SIGUSR1,
-        KillSignal::Usr2 => Signal::SIGUSR2,
-        KillSignal::Kill => Signal::SIGKILL,
-        _ => Signal::SIGINT,
-    }
-}
-
 fn kill_policy(proxy: &ManagedProxy) -> KillPolicy {
-    let kill = proxy.spec().kill;
-    KillPolicy { signal: signal_of(kill.signal), timeout: kill.timeout }
+    proxy.spec().kill
 }
 
 /// What a snapshot keeps of one proxy: its identity, and how to stop it.
@@ -177,7 +163,7 @@ impl Record {
             pgid: identity.pgid,
             start_time: identity.start_time,
             boot_id: identity.boot_id.clone(),
-            kill_signal: kill.signal.as_str().to_owned(),
+            kill_signal: kill.signal.name().to_owned(),
             kill_timeout_ms: u64::try_from(kill.timeout.as_millis()).unwrap_or(u64::MAX),
         }
     }
@@ -187,7 +173,7 @@ impl Record {
     }
 
     fn kill(&self) -> KillPolicy {
-        let signal = self.kill_signal.parse::<Signal>().unwrap_or(Signal::SIGINT);
+        let signal = KillSignal::from_name(&self.kill_signal).unwrap_or_default();
         KillPolicy { signal, timeout: Duration::from_millis(self.kill_timeout_ms) }
     }
 }
@@ -502,14 +488,14 @@ impl ProxyHandle for OsProxyHandle {
         let update = ProcessUpdate {
             kill: Some(kill),
             restart: Some(spec.restart),
-            log_limits: Some(LogLimits { max_size: spec.log.max_size, keep: spec.log.keep }),
+            log_limits: Some(spec.log),
         };
         let mut state = self.lock();
         if let Some(process) = &state.process {
             process.update(update);
         }
         if let Some(record) = &mut state.record {
-            record.kill_signal = kill.signal.as_str().to_owned();
+            record.kill_signal = kill.signal.name().to_owned();
             record.kill_timeout_ms = u64::try_from(kill.timeout.as_millis()).unwrap_or(u64::MAX);
         }
         state.proxy = Some(proxy);

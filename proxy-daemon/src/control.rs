@@ -170,7 +170,7 @@ mod tests {
         let (sender, receiver) = link();
         let kill = KillPolicy { timeout: Duration::from_secs(1), ..KillPolicy::default() };
         assert!(sender.update(ProcessUpdate { kill: Some(kill), ..ProcessUpdate::default() }));
-        let limits = crate::spec::LogLimits { max_size: 10, keep: 1 };
+        let limits = crate::spec::LogPolicy { max_size: 10, keep: 1 };
         assert!(sender.update(ProcessUpdate { log_limits: Some(limits), ..ProcessUpdate::default() }));
         assert!(sender.stop());
         let taken = tokio::time::timeout(Duration::from_secs(10), receiver.recv()).await.unwrap();

@@ -24,7 +24,7 @@ use tokio::io::unix::AsyncFd;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use crate::spec::{LogFile, LogLimits};
+use crate::spec::{LogFile, LogPolicy};
 
 /// How long a file that was just written stays unwatched: the rate limit of the checks.
 const REARM_AFTER: Duration = Duration::from_secs(1);
@@ -33,8 +33,8 @@ const REARM_AFTER: Duration = Duration::from_secs(1);
 type FileKey = (u64, u8);
 
 enum Command {
-    Watch { process: u64, files: [LogFile; 2], limits: LogLimits },
-    Limits { process: u64, limits: LogLimits },
+    Watch { process: u64, files: [LogFile; 2], limits: LogPolicy },
+    Limits { process: u64, limits: LogPolicy },
     Forget { process: u64 },
 }
 
@@ -59,13 +59,13 @@ impl Rotator {
     }
 
     /// Watches the two log files of `process`, replacing any earlier registration.
-    pub(crate) fn watch(&self, process: u64, stdout: &LogFile, stderr: &LogFile, limits: LogLimits) {
+    pub(crate) fn watch(&self, process: u64, stdout: &LogFile, stderr: &LogFile, limits: LogPolicy) {
         let files = [stdout.clone(), stderr.clone()];
         let _task_gone = self.commands.send(Command::Watch { process, files, limits });
     }
 
     /// Changes the limits of `process`'s files.
-    pub(crate) fn set_limits(&self, process: u64, limits: LogLimits) {
+    pub(crate) fn set_limits(&self, process: u64, limits: LogPolicy) {
         let _task_gone = self.commands.send(Command::Limits { process, limits });
     }
 
@@ -92,7 +92,7 @@ impl AsRawFd for InotifyFd {
 
 struct Watched {
     file: LogFile,
-    limits: LogLimits,
+    limits: LogPolicy,
     watch: Option<WatchDescriptor>,
 }
 

@@ -7,9 +7,7 @@
 use std::ffi::OsString;
 use std::fmt;
 use std::path::PathBuf;
-use std::time::Duration;
 
-use nix::sys::signal::Signal;
 use tether_state::persist::{DataDir, PrivateDir};
 
 use crate::error::InvalidName;
@@ -61,40 +59,12 @@ impl fmt::Debug for ProcessName {
     }
 }
 
-/// How a process is stopped: `signal` to its group, then SIGKILL after `timeout`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct KillPolicy {
-    /// Sent first to the whole process group (default SIGINT).
-    pub signal: Signal,
-    /// How long to wait for the main process after `signal` before SIGKILL (default 5 s).
-    pub timeout: Duration,
-}
-
-impl Default for KillPolicy {
-    fn default() -> Self {
-        Self { signal: Signal::SIGINT, timeout: Duration::from_secs(5) }
-    }
-}
-
-/// When an exited process is started again: SPEC.md's restart policy, shared with the
-/// catalog's types so that its schedule ([`RestartPolicy::delay_before`]) is written once.
-pub use tether_state::RestartPolicy;
-
-/// Size limits of a log file: rotate past `max_size`, keep `keep` rotated copies.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LogLimits {
-    /// Rotate a log file once it is larger than this many bytes (default 64 MiB).
-    pub max_size: u64,
-    /// Rotated files kept per stream, `<file>.1` (newest) to `<file>.<keep>` (default 5).
-    /// With 0, a file past its cap is only truncated.
-    pub keep: u32,
-}
-
-impl Default for LogLimits {
-    fn default() -> Self {
-        Self { max_size: 64 * 1024 * 1024, keep: 5 }
-    }
-}
+/// The policies of a process are tether-state's, one vocabulary with the catalog's:
+/// [`KillPolicy`] (how it is stopped: its [`KillSignal`] to the group, then SIGKILL after the
+/// timeout), [`RestartPolicy`] (when an exited process is started again, with its schedule
+/// in [`RestartPolicy::delay_before`]) and [`LogPolicy`] (the size limits of its log files).
+/// Their defaults are SPEC.md's, written once there.
+pub use tether_state::{KillPolicy, KillSignal, LogPolicy, RestartPolicy};
 
 /// A log file: a name in a directory opened once without following links (the data dir's
 /// `logs/`), so that a link planted at the name or in place of the directory never
@@ -142,7 +112,7 @@ pub struct LogSpec {
     /// The file stderr is appended to (created 0600 if missing).
     pub stderr: LogFile,
     /// Rotation limits, applied to each file separately.
-    pub limits: LogLimits,
+    pub limits: LogPolicy,
 }
 
 /// Everything needed to start, supervise, stop and recognise one process.
@@ -201,7 +171,7 @@ impl ProcessSpec {
             logs: LogSpec {
                 stdout: LogFile::new(logs.clone(), format!("{name}-stdout.log")),
                 stderr: LogFile::new(logs.clone(), format!("{name}-stderr.log")),
-                limits: LogLimits::default(),
+                limits: LogPolicy::default(),
             },
             pid_file: data.pids_dir().join(format!("{name}.pid")),
             identity_env: Vec::new(),
@@ -241,7 +211,7 @@ pub struct ProcessUpdate {
     /// A new restart policy, used from the next exit on.
     pub restart: Option<RestartPolicy>,
     /// New log limits, used from the next write on.
-    pub log_limits: Option<LogLimits>,
+    pub log_limits: Option<LogPolicy>,
 }
 
 #[cfg(test)]

@@ -413,7 +413,7 @@ impl Task {
             matches!(instance.kind, InstanceKind::Child(_)) || matches!(instance.pidfd.has_exited(), Ok(false));
         let mut error = None;
         if leader_known {
-            if let Err(cause) = proc::signal_group(instance.pgid, kill.signal) {
+            if let Err(cause) = proc::signal_group(instance.pgid, kill.signal.into()) {
                 error = Some(format!("failed to signal process group {}: {cause}", instance.pgid));
             }
             if tokio::time::timeout(kill.timeout, instance.pidfd.exited()).await.is_err() {

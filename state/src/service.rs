@@ -218,6 +218,23 @@ impl KillSignal {
     }
 }
 
+impl From<KillSignal> for nix::sys::signal::Signal {
+    /// The OS signal: the one mapping, exhaustive, so that a new variant cannot be sent as
+    /// another signal.
+    fn from(signal: KillSignal) -> Self {
+        use nix::sys::signal::Signal;
+        match signal {
+            KillSignal::Int => Signal::SIGINT,
+            KillSignal::Term => Signal::SIGTERM,
+            KillSignal::Quit => Signal::SIGQUIT,
+            KillSignal::Hup => Signal::SIGHUP,
+            KillSignal::Usr1 => Signal::SIGUSR1,
+            KillSignal::Usr2 => Signal::SIGUSR2,
+            KillSignal::Kill => Signal::SIGKILL,
+        }
+    }
+}
+
 impl fmt::Display for KillSignal {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
@@ -284,12 +301,14 @@ impl RestartPolicy {
     }
 }
 
-/// How large a proxy's log files may grow.
+/// How large a proxy's log files may grow: each file (stdout and stderr separately) is
+/// rotated past `max_size`, keeping `keep` rotated copies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LogPolicy {
-    /// Rotate a log file once it is larger than this many bytes.
+    /// Rotate a log file once it is larger than this many bytes (default 64 MiB).
     pub max_size: u64,
-    /// Rotated files kept per stream (`<id>-stdout.log.1` …).
+    /// Rotated files kept per stream, `<file>.1` (newest) to `<file>.<keep>` (default 5).
+    /// With 0, a file past its cap is only truncated.
     pub keep: u32,
 }
 
@@ -514,6 +533,13 @@ mod tests {
         assert_eq!(KillSignal::from_name(""), None);
         for signal in KillSignal::ALL {
             assert_eq!(KillSignal::from_name(signal.name()), Some(signal));
+        }
+    }
+
+    #[test]
+    fn every_signal_is_sent_as_the_one_it_names() {
+        for signal in KillSignal::ALL {
+            assert_eq!(nix::sys::signal::Signal::from(signal).as_str(), signal.name());
         }
     }
 

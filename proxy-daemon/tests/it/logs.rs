@@ -4,7 +4,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 use nix::sys::signal::Signal;
-use tether_proxy_daemon::{LogLimits, ProcessUpdate};
+use tether_proxy_daemon::{LogPolicy, ProcessUpdate};
 
 use crate::support::*;
 
@@ -42,7 +42,7 @@ async fn logs_are_appended_across_restarts() {
 async fn logs_are_rotated_at_their_cap() {
     let fx = Fixture::new();
     let mut spec = fx.spec("chatty-proxy", &["--write-bytes", "300000"]);
-    spec.logs.limits = LogLimits { max_size: 64 * 1024, keep: 2 };
+    spec.logs.limits = LogPolicy { max_size: 64 * 1024, keep: 2 };
     let stdout = spec.logs.stdout.path();
     let handle = fx.supervisor.spawn(spec).unwrap();
 
@@ -70,7 +70,7 @@ async fn log_limit_changes_apply_in_place() {
     assert!(!rotated(&stdout, 1).exists(), "under the default cap nothing rotates");
 
     handle
-        .update(ProcessUpdate { log_limits: Some(LogLimits { max_size: 4096, keep: 1 }), ..ProcessUpdate::default() });
+        .update(ProcessUpdate { log_limits: Some(LogPolicy { max_size: 4096, keep: 1 }), ..ProcessUpdate::default() });
     eventually("rotation under the new cap", || rotated(&stdout, 1).exists() && size(&stdout) == 0).await;
     assert_eq!(size(&rotated(&stdout, 1)), 20000);
     assert!(!rotated(&stdout, 2).exists());
@@ -87,7 +87,7 @@ async fn links_planted_at_a_log_file_and_its_rotated_copy_are_never_followed() {
         std::fs::set_permissions(target, std::fs::Permissions::from_mode(0o644)).unwrap();
     }
     let mut spec = fx.spec("planted-proxy", &["--write-bytes", "300000"]);
-    spec.logs.limits = LogLimits { max_size: 64 * 1024, keep: 2 };
+    spec.logs.limits = LogPolicy { max_size: 64 * 1024, keep: 2 };
     let stdout = spec.logs.stdout.path();
     std::os::unix::fs::symlink(&targets[0], &stdout).unwrap();
     std::os::unix::fs::symlink(&targets[1], rotated(&stdout, 1)).unwrap();

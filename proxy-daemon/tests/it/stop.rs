@@ -2,8 +2,7 @@
 
 use std::time::{Duration, Instant};
 
-use nix::sys::signal::Signal;
-use tether_proxy_daemon::{ExitReason, KillPolicy, ProcessState, ProcessUpdate};
+use tether_proxy_daemon::{ExitReason, KillPolicy, KillSignal, ProcessState, ProcessUpdate};
 
 use crate::support::*;
 
@@ -54,7 +53,7 @@ async fn kill_policy_changes_apply_in_place() {
     let handle = fx.supervisor.spawn(fx.spec("term-proxy", &["--ignore-sigint"])).unwrap();
     let pid = handle.status().pid.unwrap();
     handle.update(ProcessUpdate {
-        kill: Some(KillPolicy { signal: Signal::SIGTERM, timeout: Duration::from_secs(5) }),
+        kill: Some(KillPolicy { signal: KillSignal::Term, timeout: Duration::from_secs(5) }),
         ..ProcessUpdate::default()
     });
     let start = Instant::now();
