@@ -47,6 +47,12 @@ impl ProcessName {
     }
 }
 
+impl AsRef<str> for ProcessName {
+    fn as_ref(&self) -> &str {
+        &self.0
+    }
+}
+
 impl fmt::Display for ProcessName {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.0)
@@ -159,6 +165,7 @@ impl ProcessSpec {
     /// directory is `/`.
     pub fn new(name: ProcessName, program: impl Into<PathBuf>, data: &DataDir) -> Self {
         let logs = data.logs();
+        let (stdout, stderr) = DataDir::log_file_names(&name);
         Self {
             program: program.into(),
             args: Vec::new(),
@@ -169,11 +176,11 @@ impl ProcessSpec {
             restart: RestartPolicy::default(),
             restart_on_exit: true,
             logs: LogSpec {
-                stdout: LogFile::new(logs.clone(), format!("{name}-stdout.log")),
-                stderr: LogFile::new(logs.clone(), format!("{name}-stderr.log")),
+                stdout: LogFile::new(logs.clone(), stdout),
+                stderr: LogFile::new(logs.clone(), stderr),
                 limits: LogPolicy::default(),
             },
-            pid_file: data.pids_dir().join(format!("{name}.pid")),
+            pid_file: data.pid_file(&name),
             identity_env: Vec::new(),
             name,
         }

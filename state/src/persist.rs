@@ -156,14 +156,15 @@ impl DataDir {
         self.root().join(PIDS)
     }
 
-    /// `<proxy id>.pid`: the name of a proxy's pid file in [`DataDir::pids`].
-    pub fn pid_file_name(id: &ProxyId) -> String {
-        format!("{id}.pid")
+    /// `<proxy id>.pid`: the name of a proxy's pid file in [`DataDir::pids`]. `name` is a
+    /// proxy id, or a process name of the supervisor (the same rule).
+    pub fn pid_file_name(name: impl AsRef<str>) -> String {
+        format!("{}.pid", name.as_ref())
     }
 
     /// `pids/<proxy id>.pid`.
-    pub fn pid_file(&self, id: &ProxyId) -> PathBuf {
-        self.pids_dir().join(Self::pid_file_name(id))
+    pub fn pid_file(&self, name: impl AsRef<str>) -> PathBuf {
+        self.pids_dir().join(Self::pid_file_name(name))
     }
 
     /// `logs/`: the proxies' output.
@@ -173,14 +174,15 @@ impl DataDir {
 
     /// `<proxy id>-stdout.log` and `<proxy id>-stderr.log`: the names of a proxy's log
     /// files in [`DataDir::logs`].
-    pub fn log_file_names(id: &ProxyId) -> (String, String) {
-        (format!("{id}-stdout.log"), format!("{id}-stderr.log"))
+    pub fn log_file_names(name: impl AsRef<str>) -> (String, String) {
+        let name = name.as_ref();
+        (format!("{name}-stdout.log"), format!("{name}-stderr.log"))
     }
 
     /// `logs/<proxy id>-stdout.log` and `logs/<proxy id>-stderr.log`.
-    pub fn log_files(&self, id: &ProxyId) -> (PathBuf, PathBuf) {
+    pub fn log_files(&self, name: impl AsRef<str>) -> (PathBuf, PathBuf) {
         let logs = self.logs_dir();
-        let (stdout, stderr) = Self::log_file_names(id);
+        let (stdout, stderr) = Self::log_file_names(name);
         (logs.join(stdout), logs.join(stderr))
     }
 
