@@ -13,8 +13,9 @@ use tether_state::ServiceId;
 use tether_state::config::{self, Format, Origin};
 
 use crate::UsageError;
-use crate::api::dto::{ExitDto, ProxyStatusDto};
+use crate::api::dto::ProxyStatusDto;
 use crate::client::{self, Response};
+use tether_state::ExitReason;
 
 fn refused(what: &str, response: &Response) -> anyhow::Error {
     anyhow::anyhow!("{what}: the agent answered {}: {}", response.status, response.error_message())
@@ -52,8 +53,8 @@ pub(crate) fn table(proxies: &[ProxyStatusDto], now: SystemTime) -> String {
                 .and_then(|t| now.duration_since(t).ok())
                 .map(|d| humantime::format_duration(Duration::from_secs(d.as_secs())).to_string());
             let last_exit = match p.last_exit {
-                Some(ExitDto::Code(code)) => format!("code {code}"),
-                Some(ExitDto::Signal(signal)) => format!("signal {signal}"),
+                Some(ExitReason::Code(code)) => format!("code {code}"),
+                Some(ExitReason::Signal(signal)) => format!("signal {signal}"),
                 None => "-".to_owned(),
             };
             [
@@ -284,7 +285,7 @@ mod tests {
                 pid: Some(4242),
                 restarts: 2,
                 started_at: Some("2026-01-01T00:00:00Z".into()),
-                last_exit: Some(ExitDto::Code(3)),
+                last_exit: Some(ExitReason::Code(3)),
                 error: None,
             },
             ProxyStatusDto {

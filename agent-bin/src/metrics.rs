@@ -9,7 +9,7 @@ use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::Registry;
-use tether_manager::{LastExit, ManagerHandle, PASS_BUCKETS, ProxyState};
+use tether_manager::{ExitReason, ManagerHandle, PASS_BUCKETS, ProxyState};
 
 /// The agent's metrics registry.
 #[derive(Debug)]
@@ -79,7 +79,7 @@ impl Collector for ManagerCollector {
         )?;
         for status in &statuses {
             let labels = [("proxy", status.id.as_str()), ("service", status.service.as_str())];
-            ConstCounter::new(u64::from(status.restarts)).encode(family.encode_family(&labels)?)?;
+            ConstCounter::new(status.restarts).encode(family.encode_family(&labels)?)?;
         }
 
         {
@@ -121,8 +121,8 @@ impl Collector for ManagerCollector {
             )?;
             for (exit, count) in &stats.exits {
                 let (how, value) = match exit {
-                    LastExit::Code(code) => ("code", code.to_string()),
-                    LastExit::Signal(signal) => ("signal", signal.to_string()),
+                    ExitReason::Code(code) => ("code", code.to_string()),
+                    ExitReason::Signal(signal) => ("signal", signal.to_string()),
                 };
                 let labels = [("exit", how), ("value", value.as_str())];
                 ConstCounter::new(*count).encode(family.encode_family(&labels)?)?;

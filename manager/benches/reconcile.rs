@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use tether_manager::{
-    BackendError, Manager, ManagerConfig, MemorySnapshotStore, ProcessStatus, ProxyBackend, ProxyHandle, ProxyState,
+    BackendError, BackendStatus, Manager, ManagerConfig, MemorySnapshotStore, ProxyBackend, ProxyHandle, ProxyState,
 };
 use tether_state::{LocalState, ManagedProxy, ProxyId, ProxySpec, Service, ServiceId, ServiceName, Source};
 use tokio::sync::watch;
@@ -26,7 +26,7 @@ struct FastBackend {
 }
 
 struct FastHandle {
-    status: watch::Sender<ProcessStatus>,
+    status: watch::Sender<BackendStatus>,
     done: watch::Sender<u64>,
 }
 
@@ -49,7 +49,7 @@ impl ProxyHandle for FastHandle {
         self.done.send_modify(|n| *n += 1);
         Ok(())
     }
-    fn status(&self) -> watch::Receiver<ProcessStatus> {
+    fn status(&self) -> watch::Receiver<BackendStatus> {
         self.status.subscribe()
     }
     fn record(&self) -> serde_json::Value {
@@ -60,7 +60,7 @@ impl ProxyHandle for FastHandle {
 #[async_trait]
 impl ProxyBackend for FastBackend {
     fn create(&self, _proxy: Arc<ManagedProxy>) -> Box<dyn ProxyHandle> {
-        Box::new(FastHandle { status: watch::Sender::new(ProcessStatus::default()), done: self.done.clone() })
+        Box::new(FastHandle { status: watch::Sender::new(BackendStatus::default()), done: self.done.clone() })
     }
     async fn restore(
         &self,

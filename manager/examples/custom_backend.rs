@@ -15,14 +15,14 @@ use tether_manager::tether_state::{
     LocalState, ManagedProxy, ProxyId, ProxySpec, Service, ServiceId, ServiceName, Source, SourceKind,
 };
 use tether_manager::{
-    BackendError, CancellationToken, Manager, ManagerConfig, ManagerHandle, MemorySnapshotStore, ProcessStatus,
+    BackendError, BackendStatus, CancellationToken, Manager, ManagerConfig, ManagerHandle, MemorySnapshotStore,
     ProxyBackend, ProxyHandle, ProxyState, async_trait, serde_json, watch,
 };
 
 /// One proxy of the pretend backend: only a status.
 struct PretendProxy {
     id: ProxyId,
-    status: watch::Sender<ProcessStatus>,
+    status: watch::Sender<BackendStatus>,
 }
 
 #[async_trait]
@@ -45,7 +45,7 @@ impl ProxyHandle for PretendProxy {
         Ok(())
     }
 
-    fn status(&self) -> watch::Receiver<ProcessStatus> {
+    fn status(&self) -> watch::Receiver<BackendStatus> {
         self.status.subscribe()
     }
 
@@ -59,7 +59,7 @@ struct PretendBackend;
 #[async_trait]
 impl ProxyBackend for PretendBackend {
     fn create(&self, proxy: Arc<ManagedProxy>) -> Box<dyn ProxyHandle> {
-        Box::new(PretendProxy { id: proxy.id().clone(), status: watch::Sender::new(ProcessStatus::default()) })
+        Box::new(PretendProxy { id: proxy.id().clone(), status: watch::Sender::new(BackendStatus::default()) })
     }
     // `restore` and `adoption_candidates` keep their defaults: nothing is adopted.
 }

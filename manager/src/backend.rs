@@ -13,7 +13,7 @@ use std::time::SystemTime;
 
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
-use tether_state::{ManagedProxy, ProxyId};
+use tether_state::{ExitReason, ManagedProxy, ProxyId};
 use tokio::sync::watch;
 
 /// A boxed error from a backend's own layer, kept as the `source` of a [`BackendError`].
@@ -65,36 +65,26 @@ impl fmt::Display for ProxyState {
     }
 }
 
-/// How a proxy's process last ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum LastExit {
-    /// It exited with this code.
-    Code(i32),
-    /// It was killed by this signal.
-    Signal(i32),
-}
-
 /// What a backend observes of one proxy's process.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct ProcessStatus {
+pub struct BackendStatus {
     /// One of `starting`, `running`, `backoff`, `stopping` or `failed`.
     pub state: ProxyState,
     /// The process id, while there is a process.
     pub pid: Option<u32>,
     /// How many times the backend restarted the process after an exit.
-    pub restarts: u32,
+    pub restarts: u64,
     /// When the current process started.
     pub started_at: Option<SystemTime>,
     /// How the previous process ended.
-    pub last_exit: Option<LastExit>,
+    pub last_exit: Option<ExitReason>,
     /// Why the backend gave up or is backing off, for display.
     pub error: Option<String>,
 }
 
 /// An operation on a proxy that the backend could not carry out.
 ///
-/// A proxy that exits non-zero is not an error: it shows up in [`ProcessStatus`].
+/// A proxy that exits non-zero is not an error: it shows up in [`BackendStatus`].
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum BackendError {
@@ -177,7 +167,7 @@ pub trait ProxyHandle: Send + Sync {
     async fn update(&self, proxy: Arc<ManagedProxy>) -> Result<(), BackendError>;
 
     /// The proxy's status, which changes whenever the backend observes something.
-    fn status(&self) -> watch::Receiver<ProcessStatus>;
+    fn status(&self) -> watch::Receiver<BackendStatus>;
 
     /// The backend's record of this proxy for the snapshot: whatever it needs to prove,
     /// after an agent restart, that a process is this one (pid, start time, boot id, …).

@@ -22,12 +22,12 @@
 //!
 //! use tether_manager::tether_state::{LocalState, ManagedProxy, ProxySpec, Service, ServiceId, ServiceName, Source};
 //! use tether_manager::{
-//!     BackendError, CancellationToken, Manager, ManagerConfig, MemorySnapshotStore, ProcessStatus, ProxyBackend,
+//!     BackendError, CancellationToken, Manager, ManagerConfig, MemorySnapshotStore, BackendStatus, ProxyBackend,
 //!     ProxyHandle, ProxyState, async_trait, watch,
 //! };
 //!
 //! /// A "process" that is only a status.
-//! struct Pretend(watch::Sender<ProcessStatus>);
+//! struct Pretend(watch::Sender<BackendStatus>);
 //!
 //! #[async_trait]
 //! impl ProxyHandle for Pretend {
@@ -38,7 +38,7 @@
 //!     async fn stop(&self) -> Result<(), BackendError> { Ok(()) }
 //!     async fn detach(&self) {}
 //!     async fn update(&self, _proxy: Arc<ManagedProxy>) -> Result<(), BackendError> { Ok(()) }
-//!     fn status(&self) -> watch::Receiver<ProcessStatus> { self.0.subscribe() }
+//!     fn status(&self) -> watch::Receiver<BackendStatus> { self.0.subscribe() }
 //!     fn record(&self) -> tether_manager::serde_json::Value { tether_manager::serde_json::json!({ "pretend": true }) }
 //! }
 //!
@@ -47,7 +47,7 @@
 //! #[async_trait]
 //! impl ProxyBackend for PretendBackend {
 //!     fn create(&self, _proxy: Arc<ManagedProxy>) -> Box<dyn ProxyHandle> {
-//!         Box::new(Pretend(watch::Sender::new(ProcessStatus::default())))
+//!         Box::new(Pretend(watch::Sender::new(BackendStatus::default())))
 //!     }
 //!     // `restore` and `adoption_candidates` keep their defaults: nothing survives an agent
 //!     // restart here, so nothing is adopted.
@@ -92,7 +92,7 @@ mod snapshot;
 mod status;
 mod users;
 
-pub use backend::{BackendError, BoxError, LastExit, ProcessStatus, ProxyBackend, ProxyHandle, ProxyState};
+pub use backend::{BackendError, BackendStatus, BoxError, ProxyBackend, ProxyHandle, ProxyState};
 #[cfg(any(test, feature = "mock"))]
 pub use backend::{MockProxyBackend, MockProxyHandle};
 pub use manager::{Manager, ManagerConfig, ShutdownError};
@@ -111,5 +111,6 @@ pub(crate) use tether_state::error_chain;
 pub use async_trait::async_trait;
 pub use serde_json;
 pub use tether_state;
+pub use tether_state::ExitReason;
 pub use tokio::sync::watch;
 pub use tokio_util::sync::CancellationToken;

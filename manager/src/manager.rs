@@ -18,7 +18,7 @@ use tokio::task::{AbortHandle, JoinSet};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::backend::{BackendError, ProcessStatus, ProxyBackend, ProxyHandle, ProxyState};
+use crate::backend::{BackendError, BackendStatus, ProxyBackend, ProxyHandle, ProxyState};
 use crate::plan::{Action, Observed, Policy, decide};
 use crate::snapshot::{EncodedService, SnapshotError, SnapshotStore, WriterMessage, WriterSender};
 use crate::status::{ManagerHandle, ProxyStatus, Published, Request, RequestError};
@@ -88,7 +88,7 @@ fn join_ids(ids: &[ProxyId]) -> String {
 /// A handle the engine holds, with what it needs to report and snapshot it.
 struct Installed {
     handle: Arc<dyn ProxyHandle>,
-    status: watch::Receiver<ProcessStatus>,
+    status: watch::Receiver<BackendStatus>,
     generation: u64,
     watcher: AbortHandle,
     /// What the snapshot records the process was started from, encoded once.
@@ -110,10 +110,10 @@ struct Slot {
     /// When the failed start is tried again, if it is to be.
     retry_at: Option<Instant>,
     /// Restarts counted before the current handle: kept across `tether restart`.
-    restarts_base: u32,
+    restarts_base: u64,
     /// A restart asked through a handle, answered when its action is done, with the
     /// restart count to keep.
-    requested: Option<(oneshot::Sender<Result<(), RequestError>>, u32)>,
+    requested: Option<(oneshot::Sender<Result<(), RequestError>>, u64)>,
 }
 
 impl Slot {

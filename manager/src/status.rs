@@ -8,10 +8,10 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
 
-use tether_state::{ProxyId, Revision, ServiceId};
+use tether_state::{ExitReason, ProxyId, Revision, ServiceId};
 use tokio::sync::{broadcast, mpsc, oneshot};
 
-use crate::backend::{LastExit, ProxyState};
+use crate::backend::ProxyState;
 
 /// One proxy's status, as `tether status --json` shows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -25,11 +25,11 @@ pub struct ProxyStatus {
     /// The pid of its process, while there is one.
     pub pid: Option<u32>,
     /// Restarts after exits.
-    pub restarts: u32,
+    pub restarts: u64,
     /// When its current process started.
     pub started_at: Option<SystemTime>,
     /// How its previous process ended.
-    pub last_exit: Option<LastExit>,
+    pub last_exit: Option<ExitReason>,
     /// Why it is blocked, failed or backing off.
     pub error: Option<String>,
 }
@@ -100,7 +100,7 @@ pub struct ReconcileStats {
     pub actions_by_kind: BTreeMap<(ActionKind, bool), u64>,
     /// Process exits observed, by exit code or signal (stops included; the exits of
     /// adopted processes, whose status belongs to their real parent, are not known).
-    pub exits: BTreeMap<LastExit, u64>,
+    pub exits: BTreeMap<ExitReason, u64>,
     /// Snapshots written.
     pub snapshot_writes: u64,
     /// Snapshot writes that failed (and are retried on the next change).
@@ -208,7 +208,7 @@ impl Published {
         // Exits seen so far: one per restart, and one more while the last process is gone.
         // Counting the growth of that number catches an exit even when the restart that
         // followed it is already shown.
-        let exits_seen = |s: &ProxyStatus| u64::from(s.restarts) + u64::from(s.pid.is_none() && s.last_exit.is_some());
+        let exits_seen = |s: &ProxyStatus| s.restarts + u64::from(s.pid.is_none() && s.last_exit.is_some());
         let grown = exits_seen(&status).saturating_sub(shown.map_or(0, exits_seen));
         if let (true, Some(exit)) = (grown > 0, status.last_exit) {
             *board.stats.exits.entry(exit).or_default() += grown;
@@ -293,7 +293,7 @@ impl ManagerHandle {
 mod tests {
     use super::*;
 
-    fn status(pid: Option<u32>, last_exit: Option<LastExit>) -> ProxyStatus {
+    fn status(pid: Option<u32>, last_exit: Option<ExitReason>) -> ProxyStatus {
         ProxyStatus {
             id: ServiceId::new("web").unwrap().proxy_id(),
             service: ServiceId::new("web").unwrap(),
@@ -311,16 +311,19 @@ mod tests {
         let published = Published::new();
         let restarted = |restarts, pid, exit| ProxyStatus { restarts, ..status(pid, exit) };
         published.set(status(Some(1), None));
-        published.set(status(None, Some(LastExit::Code(3))));
+        published.set(status(None, Some(ExitReason::Code(3))));
         // The same status again, and the restart of that exit, count nothing.
-        published.set(status(None, Some(LastExit::Code(3))));
-        published.set(restarted(1, Some(2), Some(LastExit::Code(3))));
+        published.set(status(None, Some(ExitReason::Code(3))));
+        published.set(restarted(1, Some(2), Some(ExitReason::Code(3))));
         // An exit whose restart is already shown when it is published still counts.
-        published.set(restarted(2, Some(3), Some(LastExit::Signal(9))));
+        published.set(restarted(2, Some(3), Some(ExitReason::Signal(9))));
         // A stop: the process is gone and says how it ended.
-        published.set(restarted(2, None, Some(LastExit::Code(0))));
+        published.set(restarted(2, None, Some(ExitReason::Code(0))));
         let exits = published.handle().stats().exits;
-        assert_eq!(exits, BTreeMap::from([(LastExit::Code(0), 1), (LastExit::Code(3), 1), (LastExit::Signal(9), 1)]));
+        assert_eq!(
+            exits,
+            BTreeMap::from([(ExitReason::Code(0), 1), (ExitReason::Code(3), 1), (ExitReason::Signal(9), 1)])
+        );
     }
 
     #[test]

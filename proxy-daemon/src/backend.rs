@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
-use tether_manager::{BackendError, LastExit, ProxyBackend, ProxyHandle, ProxyState};
+use tether_manager::{BackendError, ProxyBackend, ProxyHandle, ProxyState};
 use tether_state::persist::DataDir;
 use tether_state::{KillSignal, ManagedProxy, ProxyCommand, ProxyId};
 use tokio::sync::watch;
@@ -21,7 +21,7 @@ use tokio::task::JoinHandle;
 
 use crate::proc::Identity;
 use crate::spec::{KillPolicy, LogFile, LogSpec, ProcessName, ProcessSpec, ProcessUpdate};
-use crate::status::{ExitReason, ProcessState, ProcessStatus};
+use crate::status::{ProcessState, ProcessStatus};
 use crate::supervisor::{ProcessHandle, Supervisor};
 
 /// What the agent tells every proxy about itself (SPEC's `TETHER_SOCKET`,
@@ -349,7 +349,7 @@ struct OsProxyHandle {
     shared: Arc<Shared>,
     id: ProxyId,
     state: Mutex<HandleState>,
-    status: watch::Sender<tether_manager::ProcessStatus>,
+    status: watch::Sender<tether_manager::BackendStatus>,
 }
 
 struct HandleState {
@@ -371,7 +371,7 @@ impl Drop for HandleState {
 
 impl OsProxyHandle {
     fn new(shared: Arc<Shared>, id: ProxyId, proxy: Option<Arc<ManagedProxy>>) -> Self {
-        let (status, _) = watch::channel(tether_manager::ProcessStatus::default());
+        let (status, _) = watch::channel(tether_manager::BackendStatus::default());
         Self {
             shared,
             id,
@@ -418,8 +418,8 @@ impl OsProxyHandle {
     }
 }
 
-fn translate(status: &ProcessStatus) -> tether_manager::ProcessStatus {
-    tether_manager::ProcessStatus {
+fn translate(status: &ProcessStatus) -> tether_manager::BackendStatus {
+    tether_manager::BackendStatus {
         state: match status.state {
             ProcessState::Starting => ProxyState::Starting,
             ProcessState::Running => ProxyState::Running,
@@ -430,12 +430,9 @@ fn translate(status: &ProcessStatus) -> tether_manager::ProcessStatus {
             _ => ProxyState::Failed,
         },
         pid: status.pid,
-        restarts: u32::try_from(status.restarts).unwrap_or(u32::MAX),
+        restarts: status.restarts,
         started_at: status.started_at,
-        last_exit: status.last_exit.map(|exit| match exit {
-            ExitReason::Code(code) => LastExit::Code(code),
-            ExitReason::Signal(signal) => LastExit::Signal(signal),
-        }),
+        last_exit: status.last_exit,
         error: status.error.clone(),
     }
 }
@@ -485,11 +482,7 @@ impl ProxyHandle for OsProxyHandle {
     async fn update(&self, proxy: Arc<ManagedProxy>) -> Result<(), BackendError> {
         let spec = proxy.spec();
         let kill = kill_policy(&proxy);
-        let update = ProcessUpdate {
-            kill: Some(kill),
-            restart: Some(spec.restart),
-            log_limits: Some(spec.log),
-        };
+        let update = ProcessUpdate { kill: Some(kill), restart: Some(spec.restart), log_limits: Some(spec.log) };
         let mut state = self.lock();
         if let Some(process) = &state.process {
             process.update(update);
@@ -502,7 +495,7 @@ impl ProxyHandle for OsProxyHandle {
         Ok(())
     }
 
-    fn status(&self) -> watch::Receiver<tether_manager::ProcessStatus> {
+    fn status(&self) -> watch::Receiver<tether_manager::BackendStatus> {
         self.status.subscribe()
     }
 

@@ -55,6 +55,8 @@ mod supervisor;
 pub use backend::{AgentEnvironment, BUILT_IN_PROXY_ARG, OsProcessBackend};
 pub use error::{DetachError, InvalidName, SpawnError};
 pub use proc::Identity;
-pub use spec::{KillPolicy, KillSignal, LogFile, LogPolicy, LogSpec, ProcessName, ProcessSpec, ProcessUpdate, RestartPolicy};
+pub use spec::{
+    KillPolicy, KillSignal, LogFile, LogPolicy, LogSpec, ProcessName, ProcessSpec, ProcessUpdate, RestartPolicy,
+};
 pub use status::{ExitReason, ProcessState, ProcessStatus};
 pub use supervisor::{ProcessHandle, Supervisor};

@@ -53,26 +53,7 @@ impl fmt::Display for ProcessState {
     }
 }
 
-/// How a process ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum ExitReason {
-    /// It exited with this code.
-    Code(i32),
-    /// It was killed by this signal number.
-    Signal(i32),
-}
-
-impl ExitReason {
-    /// The reason recorded in a wait status.
-    pub fn from_status(status: std::process::ExitStatus) -> Option<Self> {
-        use std::os::unix::process::ExitStatusExt;
-        match (status.code(), status.signal()) {
-            (Some(code), _) => Some(Self::Code(code)),
-            (None, Some(signal)) => Some(Self::Signal(signal)),
-            (None, None) => None,
-        }
-    }
-}
+pub use tether_state::ExitReason;
 
 /// The last observed status of a supervised process.
 #[derive(Debug, Clone, PartialEq, Eq)]

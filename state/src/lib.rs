@@ -57,6 +57,7 @@
 
 mod catalog;
 pub mod config;
+mod exit;
 mod id;
 pub mod persist;
 mod service;
@@ -68,6 +69,7 @@ pub use catalog::{
     Catalog, CatalogError, ChangeNotifier, Changes, DesiredProxy, Entry, LocalState, ReplaceReport, Revision, Source,
     SourceKind, Subscription,
 };
+pub use exit::ExitReason;
 pub use id::{
     IdError, MAX_PROXY_ID_LEN, MAX_SERVICE_ID_LEN, PROXY_SUFFIX, ProxyId, SERVICE_ID_RULE, ServiceId,
     check_process_name, check_service_id,

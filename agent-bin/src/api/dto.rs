@@ -6,6 +6,7 @@
 use std::time::SystemTime;
 
 use serde::{Deserialize, Serialize};
+use tether_state::ExitReason;
 
 /// One proxy, as `GET /v1/agent/proxies` and `tether status --json` show it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -17,16 +18,10 @@ pub(crate) struct ProxyStatusDto {
     pub(crate) restarts: u64,
     /// RFC 3339, UTC, seconds.
     pub(crate) started_at: Option<String>,
-    pub(crate) last_exit: Option<ExitDto>,
+    /// `{"code": n}` or `{"signal": n}`: tether-state's one exit vocabulary, whose wire
+    /// form the tests below pin.
+    pub(crate) last_exit: Option<ExitReason>,
     pub(crate) error: Option<String>,
-}
-
-/// How a proxy's process last ended: `{"code": n}` or `{"signal": n}`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub(crate) enum ExitDto {
-    Code(i32),
-    Signal(i32),
 }
 
 /// `{"error": "..."}`.
@@ -59,13 +54,13 @@ mod tests {
             pid: Some(42),
             restarts: 1,
             started_at: Some(rfc3339(SystemTime::UNIX_EPOCH)),
-            last_exit: Some(ExitDto::Signal(9)),
+            last_exit: Some(ExitReason::Signal(9)),
             error: None,
         };
         assert_eq!(
             serde_json::to_string(&dto).unwrap(),
             r#"{"id":"web-proxy","service":"web","state":"running","pid":42,"restarts":1,"started_at":"1970-01-01T00:00:00Z","last_exit":{"signal":9},"error":null}"#
         );
-        assert_eq!(serde_json::to_string(&ExitDto::Code(3)).unwrap(), r#"{"code":3}"#);
+        assert_eq!(serde_json::to_string(&ExitReason::Code(3)).unwrap(), r#"{"code":3}"#);
     }
 }

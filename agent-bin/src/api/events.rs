@@ -15,7 +15,7 @@ use axum::extract::State;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
-use tether_manager::{LastExit, ProxyEvent, ProxyState, ProxyStatus};
+use tether_manager::{ExitReason, ProxyEvent, ProxyState, ProxyStatus};
 use tether_state::ProxyId;
 use tokio::sync::{broadcast, mpsc};
 
@@ -117,11 +117,10 @@ fn event(now: SystemTime, id: &ProxyId, name: &'static str, pid: Option<u32>, de
     }
 }
 
-fn exit_text(exit: Option<LastExit>) -> String {
+fn exit_text(exit: Option<ExitReason>) -> String {
     match exit {
-        Some(LastExit::Code(code)) => format!("exit code {code}"),
-        Some(LastExit::Signal(signal)) => format!("killed by signal {signal}"),
-        _ => "exit status unknown (an adopted process)".to_owned(),
+        Some(exit) => exit.to_string(),
+        None => "exit status unknown (an adopted process)".to_owned(),
     }
 }
 
@@ -163,7 +162,7 @@ pub(crate) fn diff(before: Option<&ProxyStatus>, after: &ProxyStatus, now: Syste
 mod tests {
     use super::*;
 
-    fn status(state: ProxyState, pid: Option<u32>, restarts: u32) -> ProxyStatus {
+    fn status(state: ProxyState, pid: Option<u32>, restarts: u64) -> ProxyStatus {
         let id = ProxyId::parse("web-proxy").unwrap();
         ProxyStatus {
             service: id.service_id(),
@@ -186,7 +185,7 @@ mod tests {
         let running = status(ProxyState::Running, Some(10), 0);
         assert_eq!(names(None, &running), [("started", Some(10))]);
         let mut exited = status(ProxyState::Starting, None, 0);
-        exited.last_exit = Some(LastExit::Signal(9));
+        exited.last_exit = Some(ExitReason::Signal(9));
         let events = diff(Some(&running), &exited, SystemTime::UNIX_EPOCH);
         assert_eq!(events.len(), 1);
         assert_eq!((events[0].event, events[0].pid), ("exited", Some(10)));

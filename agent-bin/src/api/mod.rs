@@ -25,14 +25,14 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, put};
 use axum::{Json, Router};
 use hyper::body::Frame;
-use tether_manager::{LastExit, ManagerHandle, ProxyStatus};
+use tether_manager::{ManagerHandle, ProxyStatus};
 use tether_state::config::{self, Format, Origin};
 use tether_state::{CatalogError, ProxyId, ServiceId};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::agent::sources::{RegisterError, Sources};
 use crate::metrics::Metrics;
-use dto::{ErrorDto, ExitDto, HealthDto, ProxyStatusDto};
+use dto::{ErrorDto, HealthDto, ProxyStatusDto};
 
 /// A response body fed by a channel: each message is one chunk; the body ends when the
 /// sender is dropped, and the sender learns that the client went away when it is closed.
@@ -182,12 +182,9 @@ pub(crate) fn status_dto(status: &ProxyStatus) -> ProxyStatusDto {
         service: status.service.to_string(),
         state: status.state.as_str().to_owned(),
         pid: status.pid,
-        restarts: u64::from(status.restarts),
+        restarts: status.restarts,
         started_at: status.started_at.map(dto::rfc3339),
-        last_exit: status.last_exit.map(|exit| match exit {
-            LastExit::Code(code) => ExitDto::Code(code),
-            LastExit::Signal(signal) => ExitDto::Signal(signal),
-        }),
+        last_exit: status.last_exit,
         error: status.error.clone(),
     }
 }

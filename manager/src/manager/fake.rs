@@ -10,7 +10,7 @@ use tether_state::{ManagedProxy, ProxyId};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::backend::{BackendError, ProcessStatus, ProxyBackend, ProxyHandle, ProxyState};
+use crate::backend::{BackendError, BackendStatus, ProxyBackend, ProxyHandle, ProxyState};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(super) enum Call {
@@ -107,10 +107,10 @@ impl Fake {
     }
 
     fn handle(self: &Arc<Self>, id: ProxyId, proxy: Option<Arc<ManagedProxy>>, pid: Option<u32>) -> FakeHandle {
-        let status = ProcessStatus {
+        let status = BackendStatus {
             state: if pid.is_some() { ProxyState::Running } else { ProxyState::Pending },
             pid,
-            ..ProcessStatus::default()
+            ..BackendStatus::default()
         };
         FakeHandle { fake: self.clone(), id, proxy: Mutex::new(proxy), status: watch::Sender::new(status) }
     }
@@ -120,7 +120,7 @@ pub(super) struct FakeHandle {
     fake: Arc<Fake>,
     id: ProxyId,
     proxy: Mutex<Option<Arc<ManagedProxy>>>,
-    pub(super) status: watch::Sender<ProcessStatus>,
+    pub(super) status: watch::Sender<BackendStatus>,
 }
 
 fn failure(what: &str) -> crate::BoxError {
@@ -190,7 +190,7 @@ impl ProxyHandle for FakeHandle {
         result
     }
 
-    fn status(&self) -> watch::Receiver<ProcessStatus> {
+    fn status(&self) -> watch::Receiver<BackendStatus> {
         self.status.subscribe()
     }
 

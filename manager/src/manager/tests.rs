@@ -261,7 +261,7 @@ async fn actions_beyond_the_bound_wait_for_a_free_slot() {
 fn mock_handle(start: Result<(), ()>) -> MockProxyHandle {
     let mut handle = MockProxyHandle::new();
     let (status, receiver) =
-        watch::channel(ProcessStatus { state: ProxyState::Running, pid: Some(7), ..Default::default() });
+        watch::channel(BackendStatus { state: ProxyState::Running, pid: Some(7), ..Default::default() });
     let status = Arc::new(status);
     handle.expect_start().times(1).returning(move || match start {
         Ok(()) => Ok(()),
@@ -491,7 +491,7 @@ async fn snapshot_is_written_only_when_its_content_changes() {
 async fn a_backend_restart_rewrites_the_snapshot_with_the_new_pid() {
     // The mock handle's status sender lets the test play the backend's supervisor.
     let (status, receiver) =
-        watch::channel(ProcessStatus { state: ProxyState::Running, pid: Some(10), ..Default::default() });
+        watch::channel(BackendStatus { state: ProxyState::Running, pid: Some(10), ..Default::default() });
     let status = Arc::new(status);
     let mut handle = MockProxyHandle::new();
     handle.expect_start().returning(|| Ok(()));
@@ -514,12 +514,12 @@ async fn a_backend_restart_rewrites_the_snapshot_with_the_new_pid() {
         s.state = ProxyState::Running;
         s.pid = Some(11);
         s.restarts = 1;
-        s.last_exit = Some(crate::LastExit::Code(3));
+        s.last_exit = Some(crate::ExitReason::Code(3));
     });
     tokio::time::timeout(LIMIT, saves.wait_for(|n| *n == 2)).await.unwrap().unwrap();
     assert_eq!(store.snapshot().unwrap().proxies[0].backend, serde_json::json!({ "pid": 11 }));
     let shown = view.proxy(&pid("web")).unwrap();
-    assert_eq!((shown.pid, shown.restarts, shown.last_exit), (Some(11), 1, Some(crate::LastExit::Code(3))));
+    assert_eq!((shown.pid, shown.restarts, shown.last_exit), (Some(11), 1, Some(crate::ExitReason::Code(3))));
     shutdown.cancel();
     let manager = tokio::time::timeout(LIMIT, task).await.unwrap().unwrap();
     tokio::time::timeout(LIMIT, manager.close()).await.unwrap().unwrap();
