@@ -13,7 +13,7 @@ use async_trait::async_trait;
 use tether_manager::{
     BackendError, BackendStatus, Manager, ManagerConfig, MemorySnapshotStore, ProxyBackend, ProxyHandle, ProxyState,
 };
-use tether_state::{LocalState, ManagedProxy, ProxyId, ProxySpec, Service, ServiceId, ServiceName, Source};
+use tether_state::{LocalState, ManagedProxy, ProxySpec, Service, ServiceId, ServiceName, Source};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -52,26 +52,12 @@ impl ProxyHandle for FastHandle {
     fn status(&self) -> watch::Receiver<BackendStatus> {
         self.status.subscribe()
     }
-    fn record(&self) -> serde_json::Value {
-        serde_json::Value::Null
-    }
 }
 
 #[async_trait]
 impl ProxyBackend for FastBackend {
     fn create(&self, _proxy: Arc<ManagedProxy>) -> Box<dyn ProxyHandle> {
         Box::new(FastHandle { status: watch::Sender::new(BackendStatus::default()), done: self.done.clone() })
-    }
-    async fn restore(
-        &self,
-        _id: ProxyId,
-        _record: serde_json::Value,
-        _desired: Option<Arc<ManagedProxy>>,
-    ) -> Option<Box<dyn ProxyHandle>> {
-        None
-    }
-    async fn adoption_candidates(&self) -> Vec<(ProxyId, serde_json::Value)> {
-        Vec::new()
     }
 }
 

@@ -16,7 +16,7 @@ use tether_manager::tether_state::{
 };
 use tether_manager::{
     BackendError, BackendStatus, CancellationToken, Manager, ManagerConfig, ManagerHandle, MemorySnapshotStore,
-    ProxyBackend, ProxyHandle, ProxyState, async_trait, serde_json, watch,
+    ProxyBackend, ProxyHandle, ProxyState, async_trait, watch,
 };
 
 /// One proxy of the pretend backend: only a status.
@@ -48,10 +48,7 @@ impl ProxyHandle for PretendProxy {
     fn status(&self) -> watch::Receiver<BackendStatus> {
         self.status.subscribe()
     }
-
-    fn record(&self) -> serde_json::Value {
-        serde_json::json!({ "pretend": self.id.as_str() })
-    }
+    // `record` keeps its default: a pretend proxy has nothing to prove after a restart.
 }
 
 struct PretendBackend;

@@ -82,6 +82,92 @@ pub struct BackendStatus {
     pub error: Option<String>,
 }
 
+/// A backend's own record of one proxy in the snapshot: JSON text that the engine stores
+/// and hands back to [`ProxyBackend::restore`] byte for byte, and never reads.
+///
+/// The backend gives it a type of its own ([`BackendRecord::new`], [`BackendRecord::parse`]);
+/// what it records is its business, as long as it holds no secret. [`BackendRecord::none`]
+/// (`null`) records nothing.
+///
+/// ```
+/// use tether_manager::BackendRecord;
+///
+/// #[derive(serde::Serialize, serde::Deserialize, PartialEq, Debug)]
+/// struct Mine { pid: u32 }
+///
+/// let record = BackendRecord::new(&Mine { pid: 42 }).unwrap();
+/// assert_eq!(record.as_json(), r#"{"pid":42}"#);
+/// assert_eq!(record.parse::<Mine>().unwrap(), Mine { pid: 42 });
+/// assert!(BackendRecord::none().is_none());
+/// ```
+#[derive(Debug, Clone, Serialize)]
+#[serde(transparent)]
+pub struct BackendRecord(Box<serde_json::value::RawValue>);
+
+impl<'de> Deserialize<'de> for BackendRecord {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        use serde::de::Error;
+        let raw = Box::<serde_json::value::RawValue>::deserialize(deserializer)?;
+        // Compact JSON holds no line break (strings escape theirs): this one was written
+        // pretty (snapshot format 1). It is kept compact, as records are written now, so
+        // that it reads back byte for byte after the next write.
+        if raw.get().contains('\n') {
+            let value: serde_json::Value = serde_json::from_str(raw.get()).map_err(D::Error::custom)?;
+            return Self::new(&value).map_err(D::Error::custom);
+        }
+        Ok(Self(raw))
+    }
+}
+
+impl BackendRecord {
+    /// The record of `value`, encoded once.
+    ///
+    /// # Errors
+    ///
+    /// When `value` cannot be encoded as JSON (a map with non-string keys, for example).
+    pub fn new<T: Serialize + ?Sized>(value: &T) -> Result<Self, serde_json::Error> {
+        serde_json::value::to_raw_value(value).map(Self)
+    }
+
+    /// The record that records nothing: `null`.
+    pub fn none() -> Self {
+        Self::new(&()).unwrap_or_else(|_| unreachable!("null is JSON"))
+    }
+
+    /// Whether this is [`BackendRecord::none`].
+    pub fn is_none(&self) -> bool {
+        self.0.get() == "null"
+    }
+
+    /// Reads the record as the backend's own type.
+    ///
+    /// # Errors
+    ///
+    /// When the text is not a `T` (written by another backend, or another version of it).
+    pub fn parse<T: serde::de::DeserializeOwned>(&self) -> Result<T, serde_json::Error> {
+        serde_json::from_str(self.0.get())
+    }
+
+    /// The JSON text, compact, as the snapshot holds it.
+    pub fn as_json(&self) -> &str {
+        self.0.get()
+    }
+}
+
+impl Default for BackendRecord {
+    fn default() -> Self {
+        Self::none()
+    }
+}
+
+impl PartialEq for BackendRecord {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_json() == other.as_json()
+    }
+}
+
+impl Eq for BackendRecord {}
+
 /// An operation on a proxy that the backend could not carry out.
 ///
 /// A proxy that exits non-zero is not an error: it shows up in [`BackendStatus`].
@@ -170,9 +256,14 @@ pub trait ProxyHandle: Send + Sync {
     fn status(&self) -> watch::Receiver<BackendStatus>;
 
     /// The backend's record of this proxy for the snapshot: whatever it needs to prove,
-    /// after an agent restart, that a process is this one (pid, start time, boot id, …).
-    /// Never a secret.
-    fn record(&self) -> serde_json::Value;
+    /// after an agent restart, that a process is this one (pid, start time, boot id, …),
+    /// in a type of its own. Never a secret.
+    ///
+    /// The default records nothing ([`BackendRecord::none`]), for a backend whose proxies
+    /// do not outlive the agent.
+    fn record(&self) -> BackendRecord {
+        BackendRecord::none()
+    }
 }
 
 /// Builds [`ProxyHandle`]s: the engine's only way to make something run.
@@ -204,7 +295,7 @@ pub trait ProxyBackend: Send + Sync {
     async fn restore(
         &self,
         id: ProxyId,
-        record: serde_json::Value,
+        record: BackendRecord,
         desired: Option<Arc<ManagedProxy>>,
     ) -> Option<Box<dyn ProxyHandle>> {
         let _unused = (id, record, desired);
@@ -223,7 +314,7 @@ pub trait ProxyBackend: Send + Sync {
     /// stopped.
     ///
     /// The default finds none.
-    async fn adoption_candidates(&self) -> Vec<(ProxyId, serde_json::Value)> {
+    async fn adoption_candidates(&self) -> Vec<(ProxyId, BackendRecord)> {
         Vec::new()
     }
 }

@@ -39,7 +39,7 @@
 //!     async fn detach(&self) {}
 //!     async fn update(&self, _proxy: Arc<ManagedProxy>) -> Result<(), BackendError> { Ok(()) }
 //!     fn status(&self) -> watch::Receiver<BackendStatus> { self.0.subscribe() }
-//!     fn record(&self) -> tether_manager::serde_json::Value { tether_manager::serde_json::json!({ "pretend": true }) }
+//!     // `record` keeps its default: nothing to prove after an agent restart.
 //! }
 //!
 //! struct PretendBackend;
@@ -92,15 +92,15 @@ mod snapshot;
 mod status;
 mod users;
 
-pub use backend::{BackendError, BackendStatus, BoxError, ProxyBackend, ProxyHandle, ProxyState};
+pub use backend::{BackendError, BackendRecord, BackendStatus, BoxError, ProxyBackend, ProxyHandle, ProxyState};
 #[cfg(any(test, feature = "mock"))]
 pub use backend::{MockProxyBackend, MockProxyHandle};
 pub use manager::{Manager, ManagerConfig, ShutdownError};
 #[cfg(any(test, feature = "mock"))]
 pub use snapshot::MockSnapshotStore;
 pub use snapshot::{
-    BoxedCause, EncodedSnapshot, FileSnapshotStore, MemorySnapshotStore, ProxyRecord, SNAPSHOT_VERSION, Snapshot,
-    SnapshotError, SnapshotStore, UnknownVersion,
+    BoxedCause, EncodedSnapshot, FileSnapshotStore, MemorySnapshotStore, OLDEST_SNAPSHOT_VERSION, ProxyRecord,
+    SNAPSHOT_VERSION, Snapshot, SnapshotError, SnapshotStore, UnknownVersion,
 };
 pub use status::{ActionKind, ManagerHandle, PASS_BUCKETS, ProxyEvent, ProxyStatus, ReconcileStats, RequestError};
 pub use users::UserLookup;

@@ -603,7 +603,7 @@ mod actions;
 mod records;
 mod restore;
 
-use records::{encoded_service, service_value};
+use records::encoded_service;
 use restore::RestoreStage;
 
 #[cfg(test)]

@@ -13,15 +13,26 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::backend::BackendRecord;
 use crate::status::Published;
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use tether_state::persist::{self, PersistError};
-use tether_state::{ProxyId, TokenFingerprint};
+use tether_state::{ProxyId, Service, TokenFingerprint};
 use tokio::sync::{mpsc, oneshot, watch};
 
-/// The version of the snapshot format this crate writes and reads.
-pub const SNAPSHOT_VERSION: u32 = 1;
+/// The version of the snapshot format this crate writes. It reads this one and every
+/// earlier one ([`OLDEST_SNAPSHOT_VERSION`] on), migrating them.
+///
+/// Version 2 (this one) holds each service in the schema's own form, in the schema's field
+/// order, and each backend record compact, as the backend wrote it. Version 1 held services
+/// as generic JSON values (keys sorted) and backend records re-encoded by the engine; its
+/// services read through the same schema, and its backend records go to the backend
+/// unchanged, which migrates its own.
+pub const SNAPSHOT_VERSION: u32 = 2;
+
+/// The oldest snapshot format this crate reads.
+pub const OLDEST_SNAPSHOT_VERSION: u32 = 1;
 
 /// What the snapshot keeps of one running proxy.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -29,13 +40,13 @@ pub const SNAPSHOT_VERSION: u32 = 1;
 pub struct ProxyRecord {
     /// The proxy.
     pub id: ProxyId,
-    /// The service the process was started from, in the register API's JSON schema, or
+    /// The service the process was started from (stored in the register API's schema), or
     /// `None` when unknown (a proxy adopted without a snapshot).
-    pub service: Option<serde_json::Value>,
+    pub service: Option<Service>,
     /// The fingerprint of the token the process was started with, never the token.
     pub token: Option<TokenFingerprint>,
     /// The backend's own record ([`crate::ProxyHandle::record`]), opaque to the engine.
-    pub backend: serde_json::Value,
+    pub backend: BackendRecord,
 }
 
 /// Every proxy that ran when the snapshot was taken, ordered by id.
@@ -44,6 +55,17 @@ pub struct ProxyRecord {
 pub struct Snapshot {
     /// The proxies.
     pub proxies: Vec<ProxyRecord>,
+    /// The format version it was read from, when that is older than [`SNAPSHOT_VERSION`]:
+    /// the engine then writes it again in the current format once restore is done.
+    #[serde(skip)]
+    pub migrated_from: Option<u32>,
+}
+
+impl Snapshot {
+    /// A snapshot of `proxies`, in the current format.
+    pub fn new(proxies: Vec<ProxyRecord>) -> Self {
+        Self { proxies, migrated_from: None }
+    }
 }
 
 /// A snapshot that could not be read or written.
@@ -86,7 +108,7 @@ pub type BoxedCause = Box<dyn std::error::Error + Send + Sync + 'static>;
 
 /// A snapshot written by a format this crate does not read.
 #[derive(Debug, thiserror::Error)]
-#[error("unknown snapshot format version {found}, expected {SNAPSHOT_VERSION}")]
+#[error("unknown snapshot format version {found}, expected {OLDEST_SNAPSHOT_VERSION} to {SNAPSHOT_VERSION}")]
 pub struct UnknownVersion {
     /// The version found.
     pub found: u32,
@@ -120,7 +142,7 @@ pub trait SnapshotStore: Send + Sync {
 /// use tether_manager::{EncodedSnapshot, Snapshot};
 ///
 /// let empty = EncodedSnapshot::encode(&Snapshot::default()).unwrap();
-/// assert_eq!(empty.to_bytes(), b"{\n  \"version\": 1,\n  \"proxies\": []\n}");
+/// assert_eq!(empty.to_bytes(), b"{\n  \"version\": 2,\n  \"proxies\": []\n}");
 /// assert_eq!(empty.decode().unwrap(), Snapshot::default());
 /// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -210,19 +232,20 @@ impl EncodedRecord {
         id: &ProxyId,
         service: Option<&EncodedService>,
         token: Option<&TokenFingerprint>,
-        backend: &serde_json::Value,
+        backend: &BackendRecord,
     ) -> Result<Self, serde_json::Error> {
         let field = format!("{RECORD_INDENT}  ");
         let service = service.map_or("null", |service| &service.0);
         let token = serde_json::to_string(&token)?;
-        let backend = serde_json::to_string_pretty(backend)?;
+        // As the backend wrote it: raw JSON is copied, never re-formatted.
+        let backend = backend.as_json();
         let mut text = String::with_capacity(service.len() + backend.len() + 256);
         text.push_str(RECORD_INDENT);
         text.push_str("{\n");
         text.push_str(&format!("{field}\"id\": {},\n", serde_json::to_string(id)?));
         text.push_str(&format!("{field}\"service\": {},\n", indent(service, &field, false)));
         text.push_str(&format!("{field}\"token\": {token},\n"));
-        text.push_str(&format!("{field}\"backend\": {}\n", indent(&backend, &field, false)));
+        text.push_str(&format!("{field}\"backend\": {backend}\n"));
         text.push_str(RECORD_INDENT);
         text.push('}');
         Ok(Self(text.into()))
@@ -235,7 +258,7 @@ impl EncodedRecord {
 pub(crate) struct EncodedService(Box<str>);
 
 impl EncodedService {
-    pub(crate) fn new(service: &serde_json::Value) -> Result<Self, serde_json::Error> {
+    pub(crate) fn new(service: &Service) -> Result<Self, serde_json::Error> {
         Ok(Self(serde_json::to_string_pretty(service)?.into()))
     }
 }
@@ -258,12 +281,20 @@ fn indent(text: &str, prefix: &str, first: bool) -> String {
 }
 
 /// Reads the text of a snapshot file.
+///
+/// Every version from [`OLDEST_SNAPSHOT_VERSION`] has the same envelope and record fields;
+/// what differs is how their values were written (see [`SNAPSHOT_VERSION`]), and the
+/// schema reads a service in either form. A version this crate does not know is refused
+/// before its records are read.
 fn decode(bytes: &[u8]) -> Result<Snapshot, BoxedCause> {
+    let known = OLDEST_SNAPSHOT_VERSION..=SNAPSHOT_VERSION;
     match serde_json::from_slice::<VersionOnly>(bytes) {
-        Ok(VersionOnly { version }) if version != SNAPSHOT_VERSION => Err(Box::new(UnknownVersion { found: version })),
+        Ok(VersionOnly { version }) if !known.contains(&version) => Err(Box::new(UnknownVersion { found: version })),
         Ok(_) => match serde_json::from_slice::<FileIn>(bytes) {
-            Ok(file) if file.version == SNAPSHOT_VERSION => Ok(Snapshot { proxies: file.proxies }),
-            Ok(file) => Err(Box::new(UnknownVersion { found: file.version })),
+            Ok(file) => {
+                let migrated_from = (file.version != SNAPSHOT_VERSION).then_some(file.version);
+                Ok(Snapshot { proxies: file.proxies, migrated_from })
+            }
             Err(err) => Err(Box::new(err)),
         },
         Err(err) => Err(Box::new(err)),

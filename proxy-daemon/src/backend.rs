@@ -5,24 +5,24 @@
 //! file, policies), forwards the supervisor's observations as the manager's status, and
 //! records in snapshots only what proves identity: never a token or an environment value.
 
+mod record;
+
 use std::collections::{BTreeSet, HashMap};
 use std::ffi::OsString;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
 
 use async_trait::async_trait;
-use serde::{Deserialize, Serialize};
-use tether_manager::{BackendError, ProxyBackend, ProxyHandle, ProxyState};
+use tether_manager::{BackendError, BackendRecord, ProxyBackend, ProxyHandle, ProxyState};
 use tether_state::persist::DataDir;
-use tether_state::{KillSignal, ManagedProxy, ProxyCommand, ProxyId};
+use tether_state::{ManagedProxy, ProxyCommand, ProxyId};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::proc::Identity;
 use crate::spec::{KillPolicy, LogFile, LogSpec, ProcessName, ProcessSpec, ProcessUpdate};
 use crate::status::{ProcessState, ProcessStatus};
 use crate::supervisor::{ProcessHandle, Supervisor};
+use record::{Read, Record};
 
 /// What the agent tells every proxy about itself (SPEC's `TETHER_SOCKET`,
 /// `TETHER_HTTP_ADDR`).
@@ -144,46 +144,6 @@ fn kill_policy(proxy: &ManagedProxy) -> KillPolicy {
     proxy.spec().kill
 }
 
-/// What a snapshot keeps of one proxy: its identity, and how to stop it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Record {
-    pid: u32,
-    pgid: u32,
-    start_time: u64,
-    boot_id: String,
-    kill_signal: String,
-    kill_timeout_ms: u64,
-}
-
-impl Record {
-    fn new(identity: &Identity, kill: KillPolicy) -> Self {
-        Self {
-            pid: identity.pid,
-            pgid: identity.pgid,
-            start_time: identity.start_time,
-            boot_id: identity.boot_id.clone(),
-            kill_signal: kill.signal.name().to_owned(),
-            kill_timeout_ms: u64::try_from(kill.timeout.as_millis()).unwrap_or(u64::MAX),
-        }
-    }
-
-    fn identity(&self) -> Identity {
-        Identity { pid: self.pid, pgid: self.pgid, start_time: self.start_time, boot_id: self.boot_id.clone() }
-    }
-
-    fn kill(&self) -> KillPolicy {
-        let signal = KillSignal::from_name(&self.kill_signal).unwrap_or_default();
-        KillPolicy { signal, timeout: Duration::from_millis(self.kill_timeout_ms) }
-    }
-}
-
-/// The record of an adoption candidate found in `pids/`: its process is proven by the
-/// id and token in its environment.
-fn pid_file_candidate() -> serde_json::Value {
-    serde_json::json!({ "pid_file": true })
-}
-
 #[async_trait]
 impl ProxyBackend for OsProcessBackend {
     fn create(&self, proxy: Arc<ManagedProxy>) -> Box<dyn ProxyHandle> {
@@ -193,11 +153,29 @@ impl ProxyBackend for OsProcessBackend {
     async fn restore(
         &self,
         id: ProxyId,
-        record: serde_json::Value,
+        record: BackendRecord,
         desired: Option<Arc<ManagedProxy>>,
     ) -> Option<Box<dyn ProxyHandle>> {
         let desired_proxy = desired.as_deref();
-        let process = if record == pid_file_candidate() {
+        let record = match Record::read(&record) {
+            Ok(record) => record,
+            Err(err) => {
+                tracing::info!(proxy = %id, error = %err, "snapshot record unreadable; not adopting");
+                return None;
+            }
+        };
+        let process = if let Read::Process(record) = record {
+            let spec = self.adoption_spec(&id, desired_proxy, record.kill);
+            let process = self.shared.supervisor.adopt(spec, &record.identity)?;
+            // Any other instance of the proxy was started by an agent that crashed before
+            // it could record it: it must not run beside the adopted one.
+            for pid in self.take_found(&id) {
+                if pid != record.identity.pid {
+                    self.stop_duplicate(&id, desired_proxy, pid).await;
+                }
+            }
+            process
+        } else {
             // Every instance found of this proxy: the one its pid file names first, then
             // those found by their environment (a pid file may be missing or stale after a
             // crash, or a write that failed).
@@ -228,31 +206,13 @@ impl ProxyBackend for OsProcessBackend {
                 }
             }
             process
-        } else {
-            let record = match serde_json::from_value::<Record>(record) {
-                Ok(record) => record,
-                Err(err) => {
-                    tracing::info!(proxy = %id, error = %err, "snapshot record unreadable; not adopting");
-                    return None;
-                }
-            };
-            let spec = self.adoption_spec(&id, desired_proxy, record.kill());
-            let process = self.shared.supervisor.adopt(spec, &record.identity())?;
-            // Any other instance of the proxy was started by an agent that crashed before
-            // it could record it: it must not run beside the adopted one.
-            for pid in self.take_found(&id) {
-                if pid != record.pid {
-                    self.stop_duplicate(&id, desired_proxy, pid).await;
-                }
-            }
-            process
         };
         let handle = OsProxyHandle::new(self.shared.clone(), id, desired);
         handle.attach(process);
         Some(Box::new(handle))
     }
 
-    async fn adoption_candidates(&self) -> Vec<(ProxyId, serde_json::Value)> {
+    async fn adoption_candidates(&self) -> Vec<(ProxyId, BackendRecord)> {
         // Candidates come from pid files and from the environment of every process that
         // names this agent's socket: an agent killed between a spawn and its pid-file write,
         // or whose write failed, leaves instances that only their environment tells of.
@@ -273,7 +233,7 @@ impl ProxyBackend for OsProcessBackend {
         }
         ids.extend(found.keys().cloned());
         *lock(&self.shared.found) = found;
-        ids.into_iter().map(|id| (id, pid_file_candidate())).collect()
+        ids.into_iter().map(|id| (id, Record::candidate())).collect()
     }
 }
 
@@ -391,7 +351,7 @@ impl OsProxyHandle {
         let current = observed.borrow_and_update().clone();
         let mut state = self.lock();
         let kill = state.proxy.as_deref().map(kill_policy).unwrap_or_default();
-        state.record = current.identity.as_ref().map(|identity| Record::new(identity, kill));
+        state.record = current.identity.clone().map(|identity| Record { identity, kill });
         status.send_replace(translate(&current));
         let forward = tokio::spawn(async move {
             while observed.changed().await.is_ok() {
@@ -410,8 +370,7 @@ impl OsProxyHandle {
         let process = state.process.take();
         if let (Some(process), Some(record)) = (&process, &mut state.record) {
             if let Some(identity) = process.status().identity {
-                let kill = record.kill();
-                *record = Record::new(&identity, kill);
+                record.identity = identity;
             }
         }
         process
@@ -472,8 +431,8 @@ impl ProxyHandle for OsProxyHandle {
         match process.detach().await {
             Ok(identity) => {
                 let mut state = self.lock();
-                let kill = state.record.as_ref().map(Record::kill).unwrap_or_default();
-                state.record = Some(Record::new(&identity, kill));
+                let kill = state.record.as_ref().map(|record| record.kill).unwrap_or_default();
+                state.record = Some(Record { identity, kill });
             }
             Err(err) => tracing::info!(proxy = %self.id, error = %err, "nothing to detach"),
         }
@@ -488,8 +447,7 @@ impl ProxyHandle for OsProxyHandle {
             process.update(update);
         }
         if let Some(record) = &mut state.record {
-            record.kill_signal = kill.signal.name().to_owned();
-            record.kill_timeout_ms = u64::try_from(kill.timeout.as_millis()).unwrap_or(u64::MAX);
+            record.kill = kill;
         }
         state.proxy = Some(proxy);
         Ok(())
@@ -499,16 +457,13 @@ impl ProxyHandle for OsProxyHandle {
         self.status.subscribe()
     }
 
-    fn record(&self) -> serde_json::Value {
+    fn record(&self) -> BackendRecord {
         let mut state = self.lock();
         let live = state.process.as_ref().and_then(|p| p.status().identity);
         if let Some(identity) = live {
             let kill = state.proxy.as_deref().map(kill_policy).unwrap_or_default();
-            state.record = Some(Record::new(&identity, kill));
+            state.record = Some(Record { identity, kill });
         }
-        match &state.record {
-            Some(record) => serde_json::to_value(record).unwrap_or(serde_json::Value::Null),
-            None => serde_json::Value::Null,
-        }
+        state.record.as_ref().map_or_else(BackendRecord::none, Record::encode)
     }
 }

@@ -711,7 +711,7 @@ fn a_full_data_dir_file_system_fails_snapshot_writes_loudly_and_supervision_carr
     let first = wait_running(&socket, "web-proxy", None);
     let snapshot = inside.join("snapshot.json");
     wait_for("the first snapshot", || {
-        std::fs::read_to_string(&snapshot).ok().filter(|text| text.contains(&format!("\"pid\": {first},")))
+        std::fs::read_to_string(&snapshot).ok().filter(|text| text.contains(&format!("\"pid\":{first},")))
     });
     let failures = metric_at(&socket, "tether_snapshot_write_failures_total");
     let writes = metric_at(&socket, "tether_snapshot_writes_total");
@@ -746,8 +746,8 @@ fn a_full_data_dir_file_system_fails_snapshot_writes_loudly_and_supervision_carr
     });
     let intact = std::fs::read_to_string(&snapshot).unwrap();
     serde_json::from_str::<serde_json::Value>(&intact).expect("the previous snapshot is intact");
-    assert!(intact.contains("\"pid\": "), "{intact}");
-    assert!(!intact.contains(&format!("\"pid\": {second},")), "the failed write named {second}: {intact}");
+    assert!(intact.contains("\"pid\":"), "{intact}");
+    assert!(!intact.contains(&format!("\"pid\":{second},")), "the failed write named {second}: {intact}");
     // A registration, which must be persisted first, is refused and changes nothing.
     let refused = put(&socket, "/v1/agent/service/register", Some(r#"{"name": "late", "proxy": {}}"#)).unwrap();
     assert_eq!(refused.status, 500, "{}", refused.body);
@@ -759,14 +759,14 @@ fn a_full_data_dir_file_system_fails_snapshot_writes_loudly_and_supervision_carr
     // without waiting for another change, so the snapshot soon names the running process.
     std::fs::remove_file(&filler).unwrap();
     wait_for("the snapshot to be retried and name the running process", || {
-        std::fs::read_to_string(&snapshot).ok().filter(|text| text.contains(&format!("\"pid\": {second},")))
+        std::fs::read_to_string(&snapshot).ok().filter(|text| text.contains(&format!("\"pid\":{second},")))
     });
     assert!(metric_at(&socket, "tether_snapshot_writes_total") > writes);
     // And the next change is written as usual.
     sigkill(second);
     let third = wait_running(&socket, "web-proxy", Some(second));
     wait_for("a snapshot with the new process", || {
-        std::fs::read_to_string(&snapshot).ok().filter(|text| text.contains(&format!("\"pid\": {third},")))
+        std::fs::read_to_string(&snapshot).ok().filter(|text| text.contains(&format!("\"pid\":{third},")))
     });
     assert!(metric_at(&socket, "tether_snapshot_writes_total") > writes);
     wait_for("the pid file to follow", || {

@@ -321,3 +321,62 @@ fn status_prints_a_table_and_exact_json() {
     let started = entry["started_at"].as_str().unwrap();
     assert!(humantime::parse_rfc3339(started).is_ok(), "{started}");
 }
+
+/// Rewrites the snapshot of `data` as the first snapshot format wrote it: version 1, and the
+/// process backend's record flat (the identity's fields beside the kill policy).
+fn downgrade_snapshot_to_version_1(data: &std::path::Path) {
+    let path = data.join("snapshot.json");
+    let mut snapshot: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    assert_eq!(snapshot["version"], 2, "{snapshot}");
+    snapshot["version"] = 1.into();
+    for record in snapshot["proxies"].as_array_mut().unwrap() {
+        let process = record["backend"]["process"].take();
+        let identity = &process["identity"];
+        record["backend"] = serde_json::json!({
+            "boot_id": identity["boot_id"],
+            "kill_signal": process["kill_signal"],
+            "kill_timeout_ms": process["kill_timeout_ms"],
+            "pgid": identity["pgid"],
+            "pid": identity["pid"],
+            "start_time": identity["start_time"],
+        });
+    }
+    std::fs::write(&path, serde_json::to_string_pretty(&snapshot).unwrap()).unwrap();
+}
+
+#[test]
+fn a_snapshot_of_the_first_format_is_adopted_from_and_written_again_in_the_current_one() {
+    let dirs = Dirs::new();
+    // `gone` tells which signal stopped it: SIGTERM, its kill signal, is known to the next
+    // agent only through its snapshot record (a proxy no longer configured and found by
+    // other means is stopped with the default, SIGINT).
+    let signals = dirs.data.parent().unwrap().join("gone-signals");
+    let script = format!(
+        "trap 'echo term >> {0}; exit 0' TERM; trap 'echo int >> {0}; exit 0' INT; while :; do sleep 1; done",
+        signals.display()
+    );
+    let gone = format!(
+        "[[service]]\nname = \"gone\"\n[service.proxy]\ncommand = [\"/bin/sh\", \"-c\", \"{script}\"]\nkill_signal = \"SIGTERM\"\nkill_timeout = \"30s\"\n"
+    );
+    dirs.write_config("a.toml", &format!("{}{gone}", sleeper("kept")));
+    let mut first = Agent::start(&dirs, &root_flags());
+    let kept = pid_of(&first.wait_state("kept-proxy", "running"));
+    pid_of(&first.wait_state("gone-proxy", "running"));
+    first.signal(Signal::SIGTERM);
+    assert!(first.wait().success());
+    downgrade_snapshot_to_version_1(&dirs.data);
+    dirs.write_config("a.toml", &sleeper("kept"));
+
+    let second = Agent::start(&dirs, &root_flags());
+    let adopted = second.wait_state("kept-proxy", "running");
+    assert_eq!((pid_of(&adopted), &adopted["restarts"]), (kept, &serde_json::json!(0)));
+    second.wait_gone("gone-proxy");
+    let received = wait_for("gone-proxy's signal", || std::fs::read_to_string(&signals).ok().filter(|s| !s.is_empty()));
+    assert_eq!(received, "term\n", "stopped with the kill signal of its first-format record");
+    let snapshot = wait_for("the snapshot in the current format", || {
+        let text = std::fs::read_to_string(dirs.data.join("snapshot.json")).ok()?;
+        text.starts_with("{\n  \"version\": 2,").then_some(text)
+    });
+    assert!(snapshot.contains("\"process\":{\"identity\":{"), "{snapshot}");
+    assert!(!snapshot.contains("gone-proxy"), "{snapshot}");
+}

@@ -10,7 +10,7 @@ use tether_state::{ManagedProxy, ProxyId};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::backend::{BackendError, BackendStatus, ProxyBackend, ProxyHandle, ProxyState};
+use crate::backend::{BackendError, BackendRecord, BackendStatus, ProxyBackend, ProxyHandle, ProxyState};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(super) enum Call {
@@ -194,8 +194,9 @@ impl ProxyHandle for FakeHandle {
         self.status.subscribe()
     }
 
-    fn record(&self) -> serde_json::Value {
-        serde_json::json!({ "proof": self.id.as_str(), "pid": self.status.borrow().pid })
+    fn record(&self) -> BackendRecord {
+        let pid = self.status.borrow().pid;
+        BackendRecord::new(&FakeRecord { proof: self.id.as_str().to_owned(), pid }).expect("a fake record encodes")
     }
 }
 
@@ -208,19 +209,32 @@ impl ProxyBackend for Arc<Fake> {
     async fn restore(
         &self,
         id: ProxyId,
-        record: serde_json::Value,
+        record: BackendRecord,
         _desired: Option<Arc<ManagedProxy>>,
     ) -> Option<Box<dyn ProxyHandle>> {
         self.record(&id, Call::Restore);
+        let record = record.parse::<FakeRecord>().ok()?;
         let state = self.state();
-        let proven = record["proof"] == id.as_str() && state.live.contains_key(&id) && !state.unprovable.contains(&id);
-        let pid = record["pid"].as_u64().and_then(|pid| u32::try_from(pid).ok());
+        let proven = record.proof == id.as_str() && state.live.contains_key(&id) && !state.unprovable.contains(&id);
+        let pid = record.pid;
         drop(state);
         proven.then(|| Box::new(self.handle(id, None, pid)) as Box<dyn ProxyHandle>)
     }
 
-    async fn adoption_candidates(&self) -> Vec<(ProxyId, serde_json::Value)> {
+    async fn adoption_candidates(&self) -> Vec<(ProxyId, BackendRecord)> {
         let ids = self.state().candidates.clone();
-        ids.into_iter().map(|id| (id.clone(), serde_json::json!({ "proof": id.as_str(), "pid": 1 }))).collect()
+        ids.into_iter()
+            .map(|id| {
+                let record = FakeRecord { proof: id.as_str().to_owned(), pid: Some(1) };
+                (id, BackendRecord::new(&record).expect("a fake record encodes"))
+            })
+            .collect()
     }
+}
+
+/// What the fake records of a proxy: its id as the proof, and its pid.
+#[derive(serde::Serialize, serde::Deserialize)]
+pub(super) struct FakeRecord {
+    pub(super) proof: String,
+    pub(super) pid: Option<u32>,
 }

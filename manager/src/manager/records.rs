@@ -7,7 +7,6 @@
 
 use std::collections::BTreeMap;
 
-use tether_state::config::{self, Format};
 use tether_state::{ManagedProxy, ProxyId};
 use tokio::sync::mpsc;
 use tracing::Instrument;
@@ -50,13 +49,11 @@ impl Manager {
     }
 }
 
-/// The service of `proxy` as the snapshot records it.
-pub(super) fn service_value(proxy: &ManagedProxy) -> Option<serde_json::Value> {
-    let text = config::to_service_text(proxy.service(), Format::Json).ok()?;
-    serde_json::from_str(&text).ok()
-}
-
 /// The service of `proxy`, encoded as the snapshot records it.
 pub(super) fn encoded_service(proxy: &ManagedProxy) -> Option<EncodedService> {
-    EncodedService::new(&service_value(proxy)?).ok()
+    EncodedService::new(proxy.service())
+        .inspect_err(
+            |err| tracing::warn!(proxy = %proxy.id(), error = %err, "cannot encode the service for the snapshot"),
+        )
+        .ok()
 }

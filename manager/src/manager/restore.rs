@@ -9,11 +9,10 @@
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
-use tether_state::config::{self, Format};
 use tether_state::{ManagedProxy, ProxyId};
 use tokio_util::sync::CancellationToken;
 
-use super::{Manager, Slot, service_value};
+use super::{Manager, Slot};
 use crate::plan::{Observed, Origin};
 use crate::snapshot::{EncodedRecord, EncodedService, ProxyRecord};
 
@@ -39,6 +38,12 @@ impl Manager {
                 loaded = self.store.load() => loaded,
             };
             let (mut records, saved) = match loaded {
+                Ok(Some(snapshot)) if snapshot.migrated_from.is_some() => {
+                    // Written again in the current format as soon as the writer starts,
+                    // even if no record changes.
+                    tracing::info!(version = snapshot.migrated_from, "snapshot of an older format; migrating it");
+                    (snapshot.proxies, None)
+                }
                 Ok(Some(snapshot)) => {
                     // Kept encoded, as the writer compares it: the records are moved, not copied.
                     let saved: BTreeMap<ProxyId, EncodedRecord> = snapshot
@@ -122,7 +127,7 @@ impl Manager {
                 // wanted proxy runs that proxy, by the backend's contract.
                 if record.service.is_none() && record.token.is_none() {
                     if let Some(proxy) = wanted.get(&id) {
-                        record.service = service_value(proxy);
+                        record.service = Some(proxy.service().clone());
                         record.token = Some(proxy.token().fingerprint());
                         origin = origin_of(&record);
                     }
@@ -160,10 +165,9 @@ fn encode(record: &ProxyRecord) -> Option<EncodedRecord> {
 
 /// What a snapshot record says its process was started from, if it says so readably.
 fn origin_of(record: &ProxyRecord) -> Option<Origin> {
-    let text = record.service.as_ref()?.to_string();
-    let service = config::parse_service(&text, Format::Json, &config::Origin::Body).ok()?;
+    let service = record.service.as_ref()?;
     if service.id.proxy_id() != record.id || service.proxy.is_none() {
         return None;
     }
-    Some(Origin { service: Arc::new(service), token: record.token.clone()? })
+    Some(Origin { service: Arc::new(service.clone()), token: record.token.clone()? })
 }

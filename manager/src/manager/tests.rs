@@ -9,7 +9,7 @@ use tokio::task::JoinHandle;
 use super::fake::{Call, Fake};
 use super::*;
 use crate::snapshot::{MemorySnapshotStore, ProxyRecord, Snapshot};
-use crate::{MockProxyBackend, MockProxyHandle, ProxyEvent};
+use crate::{BackendRecord, MockProxyBackend, MockProxyHandle, ProxyEvent};
 
 const LIMIT: Duration = Duration::from_secs(600);
 const QUIESCENT: Duration = Duration::from_millis(500);
@@ -22,6 +22,11 @@ fn with_user(name: &str) -> Service {
     let mut service = service(name);
     service.proxy.as_mut().unwrap().user = Some("nobody".into());
     service
+}
+
+/// A backend record holding `value`.
+fn record_of(value: serde_json::Value) -> BackendRecord {
+    BackendRecord::new(&value).unwrap()
 }
 
 fn pid(name: &str) -> ProxyId {
@@ -271,7 +276,7 @@ fn mock_handle(start: Result<(), ()>) -> MockProxyHandle {
         let _keep_sender = &status;
         receiver.clone()
     });
-    handle.expect_record().returning(|| serde_json::json!({ "pid": 7 }));
+    handle.expect_record().returning(|| record_of(serde_json::json!({ "pid": 7 })));
     handle.expect_detach().returning(|| ());
     handle
 }
@@ -497,7 +502,7 @@ async fn a_backend_restart_rewrites_the_snapshot_with_the_new_pid() {
     handle.expect_start().returning(|| Ok(()));
     handle.expect_status().returning(move || receiver.clone());
     let reader = status.clone();
-    handle.expect_record().returning(move || serde_json::json!({ "pid": reader.borrow().pid }));
+    handle.expect_record().returning(move || record_of(serde_json::json!({ "pid": reader.borrow().pid })));
     handle.expect_detach().returning(|| ());
     let mut handle = Some(handle);
     let mut backend = MockProxyBackend::new();
@@ -517,7 +522,7 @@ async fn a_backend_restart_rewrites_the_snapshot_with_the_new_pid() {
         s.last_exit = Some(crate::ExitReason::Code(3));
     });
     tokio::time::timeout(LIMIT, saves.wait_for(|n| *n == 2)).await.unwrap().unwrap();
-    assert_eq!(store.snapshot().unwrap().proxies[0].backend, serde_json::json!({ "pid": 11 }));
+    assert_eq!(store.snapshot().unwrap().proxies[0].backend, record_of(serde_json::json!({ "pid": 11 })));
     let shown = view.proxy(&pid("web")).unwrap();
     assert_eq!((shown.pid, shown.restarts, shown.last_exit), (Some(11), 1, Some(crate::ExitReason::Code(3))));
     shutdown.cancel();
@@ -546,8 +551,13 @@ async fn restore_adopts_a_proven_proxy_without_restarting_it() {
 
 #[tokio::test(start_paused = true)]
 async fn restore_drops_a_record_the_backend_cannot_prove() {
-    let ghost = ProxyRecord { id: pid("web"), service: None, token: None, backend: serde_json::json!({ "pid": 4242 }) };
-    let store = Arc::new(MemorySnapshotStore::with_snapshot(Snapshot { proxies: vec![ghost] }));
+    let ghost = ProxyRecord {
+        id: pid("web"),
+        service: None,
+        token: None,
+        backend: record_of(serde_json::json!({ "pid": 4242 })),
+    };
+    let store = Arc::new(MemorySnapshotStore::with_snapshot(Snapshot::new(vec![ghost])));
     let mut backend = MockProxyBackend::new();
     backend.expect_restore().times(1).returning(|_, _, _| None);
     backend.expect_adoption_candidates().returning(Vec::new);
@@ -563,7 +573,7 @@ async fn restore_drops_a_record_the_backend_cannot_prove() {
         .await
         .unwrap()
         .unwrap();
-    assert_eq!(store.snapshot().unwrap().proxies[0].backend, serde_json::json!({ "pid": 7 }));
+    assert_eq!(store.snapshot().unwrap().proxies[0].backend, record_of(serde_json::json!({ "pid": 7 })));
     assert_eq!((view.stats().adopted, view.stats().dropped), (0, 1));
     assert!(view.stats().snapshot_writes >= 1);
     shutdown.cancel();
@@ -772,8 +782,13 @@ mod property {
 
 #[tokio::test(start_paused = true)]
 async fn restore_is_given_the_wanted_proxy_and_nothing_for_an_unwanted_one() {
-    let record = |name: &str| ProxyRecord { id: pid(name), service: None, token: None, backend: serde_json::json!({}) };
-    let store = Arc::new(MemorySnapshotStore::with_snapshot(Snapshot { proxies: vec![record("gone"), record("web")] }));
+    let record = |name: &str| ProxyRecord {
+        id: pid(name),
+        service: None,
+        token: None,
+        backend: record_of(serde_json::json!({})),
+    };
+    let store = Arc::new(MemorySnapshotStore::with_snapshot(Snapshot::new(vec![record("gone"), record("web")])));
     let mut backend = MockProxyBackend::new();
     backend
         .expect_restore()
@@ -816,13 +831,13 @@ async fn a_proxy_started_after_the_last_snapshot_write_is_adopted_from_its_candi
     // agent was killed before the next one. The backend still finds `late` (pid file).
     let web = ProxyRecord {
         id: pid("web"),
-        service: service_value(&proxies[1]),
+        service: Some(proxies[1].service().clone()),
         token: Some(proxies[1].token().fingerprint()),
-        backend: serde_json::json!({ "proof": "web-proxy", "pid": 5 }),
+        backend: record_of(serde_json::json!({ "proof": "web-proxy", "pid": 5 })),
     };
     assert_eq!(proxies[1].id(), &pid("web"));
     fake.state().candidates.extend([pid("late"), pid("web")]);
-    let store = Arc::new(MemorySnapshotStore::with_snapshot(Snapshot { proxies: vec![web] }));
+    let store = Arc::new(MemorySnapshotStore::with_snapshot(Snapshot::new(vec![web])));
     let running = run_with(&state, &fake, &store, ManagerConfig::default());
     running.until_state(&pid("late"), ProxyState::Running).await;
     running.until_state(&pid("web"), ProxyState::Running).await;
@@ -842,11 +857,11 @@ async fn an_unprovable_snapshot_record_falls_back_to_the_candidate_of_its_id() {
     // A stale record (the process was restarted after the last write): it proves nothing.
     let stale = ProxyRecord {
         id: pid("web"),
-        service: service_value(&proxy),
+        service: Some(proxy.service().clone()),
         token: Some(proxy.token().fingerprint()),
-        backend: serde_json::json!({ "proof": "another process", "pid": 4 }),
+        backend: record_of(serde_json::json!({ "proof": "another process", "pid": 4 })),
     };
-    let store = Arc::new(MemorySnapshotStore::with_snapshot(Snapshot { proxies: vec![stale] }));
+    let store = Arc::new(MemorySnapshotStore::with_snapshot(Snapshot::new(vec![stale])));
     let running = run_with(&state, &fake, &store, ManagerConfig::default());
     running.until_state(&pid("web"), ProxyState::Running).await;
     assert!(fake.calls_of(Call::Start).is_empty(), "adopted through its candidate, not started again");
@@ -925,4 +940,41 @@ async fn a_proxy_held_when_the_engine_starts_is_not_started() {
     assert!(running.fake.calls_of(Call::Start).is_empty());
     let manager = running.stop().await;
     tokio::time::timeout(LIMIT, manager.close()).await.unwrap().unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_snapshot_of_an_older_format_is_written_again_after_restore_though_nothing_changed() {
+    for (migrated_from, writes) in [(None, 0), (Some(1), 1)] {
+        let first = run(&[service("web")]);
+        first.until_state(&pid("web"), ProxyState::Running).await;
+        let (state, fake, memory) = (first.state.clone(), first.fake.clone(), first.store.clone());
+        tokio::time::timeout(LIMIT, first.stop().await.close()).await.unwrap().unwrap();
+        let mut snapshot = memory.snapshot().unwrap();
+        snapshot.migrated_from = migrated_from;
+
+        let saves = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let mut store = crate::MockSnapshotStore::new();
+        store.expect_load().returning(move || Ok(Some(snapshot.clone())));
+        let counter = saves.clone();
+        store.expect_save().returning(move |_| {
+            counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Ok(())
+        });
+        let manager = Manager::new(Arc::new(state), Arc::new(fake.clone()), Arc::new(store), ManagerConfig::default());
+        let view = manager.handle();
+        let (shutdown, task) = spawn_run(manager);
+        let mut events = view.subscribe();
+        tokio::time::timeout(LIMIT, async {
+            while view.proxy(&pid("web")).is_none_or(|status| status.state != ProxyState::Running) {
+                let _ = events.recv().await;
+            }
+        })
+        .await
+        .unwrap();
+        shutdown.cancel();
+        let manager = tokio::time::timeout(LIMIT, task).await.unwrap().unwrap();
+        tokio::time::timeout(LIMIT, manager.close()).await.unwrap().unwrap();
+        assert_eq!(fake.calls_of(Call::Start).len(), 1, "adopted, not started again");
+        assert_eq!(saves.load(std::sync::atomic::Ordering::SeqCst), writes, "migrated from {migrated_from:?}");
+    }
 }

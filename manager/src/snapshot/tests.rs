@@ -2,15 +2,25 @@
 
 use std::os::unix::fs::PermissionsExt;
 
+use tether_state::config::{self, Format};
+
 use super::*;
 use crate::status::Published;
+
+fn service(json: &str) -> Service {
+    config::parse_service(json, Format::Json, &config::Origin::Body).unwrap()
+}
+
+fn backend(value: serde_json::Value) -> BackendRecord {
+    BackendRecord::new(&value).unwrap()
+}
 
 fn record(id: &str) -> ProxyRecord {
     ProxyRecord {
         id: ProxyId::parse(id).unwrap(),
-        service: Some(serde_json::json!({ "name": "web", "proxy": {} })),
+        service: Some(service(r#"{ "name": "web", "proxy": {} }"#)),
         token: None,
-        backend: serde_json::json!({ "pid": 12 }),
+        backend: backend(serde_json::json!({ "pid": 12 })),
     }
 }
 
@@ -35,20 +45,22 @@ fn pretty(snapshot: &Snapshot) -> String {
 fn varied_records() -> Vec<ProxyRecord> {
     let full = ProxyRecord {
         id: ProxyId::parse("db-proxy").unwrap(),
-        service: Some(serde_json::json!({
-            "name": "db",
-            "tags": [],
-            "meta": { "team": "edge", "quote": "a \"b\"\nc" },
-            "proxy": { "command": ["/bin/sleep", "3600"], "config": {}, "restart": { "max_delay": "1m" } },
-        })),
+        service: Some(service(
+            r#"{
+                "name": "db",
+                "tags": [],
+                "meta": { "team": "edge", "quote": "a \"b\"\nc" },
+                "proxy": { "command": ["/bin/sleep", "3600"], "config": {}, "restart": { "max_delay": "1m" } }
+            }"#,
+        )),
         token: Some(serde_json::from_value(serde_json::json!("ab".repeat(32))).unwrap()),
-        backend: serde_json::json!({ "pid": 12, "boot_id": "b", "nested": { "list": [1, 2] } }),
+        backend: backend(serde_json::json!({ "pid": 12, "boot_id": "b", "nested": { "list": [1, 2] } })),
     };
     let bare = ProxyRecord {
         id: ProxyId::parse("gone-proxy").unwrap(),
         service: None,
         token: None,
-        backend: serde_json::Value::Null,
+        backend: BackendRecord::none(),
     };
     vec![full, bare, record("web-proxy")]
 }
@@ -56,7 +68,7 @@ fn varied_records() -> Vec<ProxyRecord> {
 #[test]
 fn an_assembled_snapshot_is_the_pretty_encoding_of_the_whole() {
     for proxies in [Vec::new(), vec![record("web-proxy")], varied_records()] {
-        let snapshot = Snapshot { proxies };
+        let snapshot = Snapshot::new(proxies);
         let encoded = EncodedSnapshot::encode(&snapshot).unwrap();
         assert_eq!(String::from_utf8(encoded.to_bytes()).unwrap(), pretty(&snapshot));
         assert_eq!(encoded.decode().unwrap(), snapshot);
@@ -78,11 +90,11 @@ async fn file_store_round_trips_with_a_version_and_mode_0600() {
     let dir = tempfile::tempdir().unwrap();
     let store = FileSnapshotStore::new(dir.path().join("snapshot.json"));
     assert!(store.load().await.unwrap().is_none());
-    let snapshot = Snapshot { proxies: vec![record("web-proxy")] };
+    let snapshot = Snapshot::new(vec![record("web-proxy")]);
     store.save(EncodedSnapshot::encode(&snapshot).unwrap()).await.unwrap();
     assert_eq!(store.load().await.unwrap(), Some(snapshot));
     let text = std::fs::read_to_string(store.path()).unwrap();
-    assert!(text.contains("\"version\": 1"), "{text}");
+    assert!(text.contains("\"version\": 2"), "{text}");
     let mode = std::fs::metadata(store.path()).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode, 0o600);
 }
@@ -103,7 +115,7 @@ async fn corrupt_file_is_moved_aside_and_reported() {
 
 #[tokio::test]
 async fn writer_skips_content_that_did_not_change() {
-    let store = Arc::new(MemorySnapshotStore::with_snapshot(Snapshot { proxies: vec![record("web-proxy")] }));
+    let store = Arc::new(MemorySnapshotStore::with_snapshot(Snapshot::new(vec![record("web-proxy")])));
     let (sender, messages) = mpsc::unbounded_channel();
     let records = encoded(&[record("web-proxy")]);
     let saved = encoded(&store.snapshot().unwrap().proxies);
@@ -192,4 +204,36 @@ async fn a_failed_write_is_retried_on_its_own_with_backoff() {
     assert_eq!((stats.snapshot_failures, stats.snapshot_writes), (2, 1));
     drop(sender);
     task.await.unwrap();
+}
+
+/// `snapshot.json` as the agent wrote it in format version 1: two proxies, `web-proxy` with
+/// SIGTERM and 2 s as its kill policy, and the process backend's flat records.
+const VERSION_1: &str = include_str!("v1.json");
+
+#[tokio::test]
+async fn a_version_1_snapshot_is_read_whole_and_written_again_as_the_current_version() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = FileSnapshotStore::new(dir.path().join("snapshot.json"));
+    std::fs::write(store.path(), VERSION_1).unwrap();
+    let snapshot = store.load().await.unwrap().expect("a snapshot");
+    assert_eq!(snapshot.migrated_from, Some(1));
+    let ids: Vec<&str> = snapshot.proxies.iter().map(|record| record.id.as_str()).collect();
+    assert_eq!(ids, ["api-proxy", "web-proxy"]);
+    let web = &snapshot.proxies[1];
+    let spec = web.service.as_ref().and_then(|service| service.proxy.as_ref()).expect("a typed service");
+    assert_eq!((spec.kill.signal, spec.kill.timeout), (tether_state::KillSignal::Term, Duration::from_secs(2)));
+    assert_eq!(
+        web.token.as_ref().map(ToString::to_string).as_deref(),
+        Some("807203504612427a3b4e41d242418918d6ff9e241e01976390c8a954e83491e1")
+    );
+    // The backend's record reaches it as it was written, for the backend to migrate.
+    let backend: serde_json::Value = web.backend.parse().unwrap();
+    assert_eq!((backend["pid"].as_u64(), backend["kill_signal"].as_str()), (Some(596), Some("SIGTERM")));
+
+    store.save(EncodedSnapshot::encode(&snapshot).unwrap()).await.unwrap();
+    let text = std::fs::read_to_string(store.path()).unwrap();
+    assert!(text.starts_with("{\n  \"version\": 2,"), "{text}");
+    let again = store.load().await.unwrap().unwrap();
+    assert_eq!(again.migrated_from, None);
+    assert_eq!(again.proxies, snapshot.proxies);
 }

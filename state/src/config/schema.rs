@@ -569,3 +569,19 @@ impl<'a> From<&'a ProxySpec> for ProxyOut<'a> {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// `Service` in the schema's own form, for whoever stores services (the snapshot): written
+// as a register body, read back through every check of the schema.
+
+impl Serialize for Service {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        ServiceOut::from(self).serialize(serializer)
+    }
+}
+
+impl<'de> Deserialize<'de> for Service {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        Validated::deserialize(deserializer).map(|validated| validated.0)
+    }
+}

@@ -773,6 +773,15 @@ proptest! {
     }
 
     #[test]
+    fn services_round_trip_through_their_own_serde_in_the_register_schema(service in service()) {
+        let text = serde_json::to_string(&service).unwrap();
+        // The same text as a register body: one schema, written in one place.
+        prop_assert_eq!(serde_json::to_string_pretty(&service).unwrap(), to_service_text(&service, Format::Json).unwrap());
+        let parsed: Service = serde_json::from_str(&text).map_err(|e| TestCaseError::fail(format!("{e}\n{text}")))?;
+        prop_assert_eq!(parsed, service);
+    }
+
+    #[test]
     fn arbitrary_text_never_panics(text in any::<String>()) {
         let _ = parse_file(&text, Format::Toml, &file());
         let _ = parse_file(&text, Format::Json, &file());
