@@ -1,0 +1,139 @@
+//! Round trips: what is written (config files, register bodies, a service's own serde) reads
+//! back to the same services, for arbitrary valid services.
+
+use proptest::prelude::*;
+
+use super::*;
+
+fn word() -> impl Strategy<Value = String> {
+    "[A-Za-z0-9 ._/:=-]{1,12}"
+}
+
+fn duration() -> impl Strategy<Value = Duration> {
+    prop_oneof![
+        (0u64..100_000).prop_map(Duration::from_millis),
+        (0u64..100_000).prop_map(Duration::from_secs),
+        (0u64..1_000_000_000).prop_map(Duration::from_nanos),
+    ]
+}
+
+fn config_value() -> impl Strategy<Value = serde_json::Value> {
+    // No nulls and no floats: TOML has no null, and float formatting is not the point here.
+    let leaf = prop_oneof![
+        any::<bool>().prop_map(serde_json::Value::from),
+        any::<i64>().prop_map(serde_json::Value::from),
+        word().prop_map(serde_json::Value::from),
+    ];
+    leaf.prop_recursive(3, 16, 4, |inner| {
+        prop_oneof![
+            prop::collection::vec(inner.clone(), 0..4).prop_map(serde_json::Value::from),
+            prop::collection::btree_map("[a-z_]{1,8}", inner, 0..4)
+                .prop_map(|map| serde_json::Value::Object(map.into_iter().collect())),
+        ]
+    })
+}
+
+fn proxy_spec() -> impl Strategy<Value = ProxySpec> {
+    (
+        prop::option::of(prop::collection::vec(word(), 1..4)),
+        prop::option::of("/[a-z]{1,8}(/[a-z]{1,8}){0,2}"),
+        prop::collection::btree_map(
+            "[A-Z_][A-Z0-9_]{0,8}".prop_filter("reserved", |k| !k.starts_with("TETHER_")),
+            word(),
+            0..3,
+        ),
+        any::<bool>(),
+        prop::option::of("[a-z][a-z0-9]{0,7}"),
+        (prop::sample::select(KillSignal::ALL.to_vec()), duration()),
+        (0u32..10, duration(), duration()),
+        (4096u64..(1 << 40), 0u32..=1000),
+        prop::collection::btree_map("[a-z_]{1,8}", config_value(), 0..3),
+    )
+        .prop_map(
+            |(command, working_dir, env, inherit_env, user, (signal, timeout), restart, (max_size, keep), config)| {
+                ProxySpec {
+                    exec_mode: ExecMode::Daemon,
+                    command: command
+                        .and_then(CommandLine::from_words)
+                        .map_or(ProxyCommand::BuiltIn, ProxyCommand::Exec),
+                    working_dir: working_dir.map(PathBuf::from),
+                    env,
+                    inherit_env,
+                    user,
+                    kill: KillPolicy { signal, timeout },
+                    restart: RestartPolicy { free_attempts: restart.0, max_delay: restart.1, healthy_after: restart.2 },
+                    log: LogPolicy { max_size, keep },
+                    config: config.into_iter().collect(),
+                }
+            },
+        )
+}
+
+fn service() -> impl Strategy<Value = Service> {
+    (
+        "[A-Za-z0-9][A-Za-z0-9._-]{0,20}",
+        "[A-Za-z0-9 ._-]{1,20}",
+        prop_oneof![Just("127.0.0.1".to_owned()), "[a-z]{1,10}(\\.[a-z]{1,5}){0,2}", Just("::1".to_owned())],
+        prop::option::of(any::<u16>()),
+        prop::collection::vec(word(), 0..3),
+        prop::collection::btree_map("[a-z]{1,6}", word(), 0..3),
+        prop::option::of(proxy_spec()),
+    )
+        .prop_map(|(id, name, address, port, tags, meta, proxy)| Service {
+            id: ServiceId::new(id).unwrap(),
+            name: ServiceName::new(name).unwrap(),
+            address,
+            port,
+            tags,
+            meta,
+            proxy,
+        })
+}
+
+fn distinct_services() -> impl Strategy<Value = Vec<Service>> {
+    prop::collection::vec(service(), 0..4).prop_map(|services| {
+        let mut seen = std::collections::HashSet::new();
+        services.into_iter().filter(|s| seen.insert(s.id.clone())).collect()
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    #[test]
+    fn toml_files_round_trip(services in distinct_services()) {
+        let text = to_file_text(&services, Format::Toml).unwrap();
+        let parsed = parse_file(&text, Format::Toml, &file()).map_err(|e| TestCaseError::fail(format!("{e}\n{text}")))?;
+        prop_assert_eq!(parsed, services);
+    }
+
+    #[test]
+    fn json_files_round_trip(services in distinct_services()) {
+        let text = to_file_text(&services, Format::Json).unwrap();
+        let parsed = parse_file(&text, Format::Json, &file()).map_err(|e| TestCaseError::fail(format!("{e}\n{text}")))?;
+        prop_assert_eq!(parsed, services);
+    }
+
+    #[test]
+    fn register_bodies_round_trip(service in service()) {
+        let text = to_service_text(&service, Format::Json).unwrap();
+        let parsed = parse_service(&text, Format::Json, &Origin::Body).map_err(|e| TestCaseError::fail(format!("{e}\n{text}")))?;
+        prop_assert_eq!(parsed, service);
+    }
+
+    #[test]
+    fn services_round_trip_through_their_own_serde_in_the_register_schema(service in service()) {
+        let text = serde_json::to_string(&service).unwrap();
+        // The same text as a register body: one schema, written in one place.
+        prop_assert_eq!(serde_json::to_string_pretty(&service).unwrap(), to_service_text(&service, Format::Json).unwrap());
+        let parsed: Service = serde_json::from_str(&text).map_err(|e| TestCaseError::fail(format!("{e}\n{text}")))?;
+        prop_assert_eq!(parsed, service);
+    }
+
+    #[test]
+    fn arbitrary_text_never_panics(text in any::<String>()) {
+        let _ = parse_file(&text, Format::Toml, &file());
+        let _ = parse_file(&text, Format::Json, &file());
+        let _ = parse_service(&text, Format::Json, &Origin::Body);
+    }
+}
