@@ -18,6 +18,7 @@ use std::time::Duration;
 use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, Visitor};
 use serde::{Deserialize, Serialize, Serializer};
 
+use crate::health::{HttpTarget, LinePattern, Liveness, Probe, Readiness, TcpTarget};
 use crate::id::ServiceId;
 use crate::service::{
     CommandLine, ExecMode, KillPolicy, KillSignal, LogPolicy, ProxyCommand, ProxyConfigMap, ProxySpec, RestartPolicy,

@@ -58,6 +58,7 @@
 mod catalog;
 pub mod config;
 mod exit;
+mod health;
 mod id;
 pub mod persist;
 mod service;
@@ -70,6 +71,7 @@ pub use catalog::{
     SourceKind, Subscription,
 };
 pub use exit::ExitReason;
+pub use health::{HttpTarget, LinePattern, Liveness, Probe, Readiness, TcpTarget};
 pub use id::{
     IdError, MAX_PROXY_ID_LEN, MAX_SERVICE_ID_LEN, PROXY_SUFFIX, ProxyId, SERVICE_ID_RULE, ServiceId,
     check_process_name, check_service_id,

@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::health::{Liveness, Readiness};
 use crate::id::{ProxyId, ServiceId};
 use crate::token::ProxyToken;
 
@@ -341,6 +342,10 @@ pub struct ProxySpec {
     pub log: LogPolicy,
     /// Opaque configuration served to the proxy.
     pub config: ProxyConfigMap,
+    /// When a started instance counts as ready; without one, once it runs.
+    pub readiness: Option<Readiness>,
+    /// When a running instance is restarted because it stopped answering.
+    pub liveness: Option<Liveness>,
 }
 
 /// A service's managed proxy as the engine sees it: its id, its service, its spec and its
@@ -492,6 +497,8 @@ mod tests {
         assert_eq!(change(|s| s.tags.push("v2".into())), ProxyChange::InPlace);
         assert_eq!(change(|s| drop(s.meta.insert("k".into(), "v".into()))), ProxyChange::InPlace);
         assert_eq!(change(|s| s.name = ServiceName::new("Web").unwrap()), ProxyChange::InPlace);
+        assert_eq!(change(|s| spec(s).readiness = Some(Readiness::new(crate::Probe::Notify))), ProxyChange::InPlace);
+        assert_eq!(change(|s| spec(s).liveness = Some(Liveness::new(crate::Probe::Notify))), ProxyChange::InPlace);
     }
 
     #[test]

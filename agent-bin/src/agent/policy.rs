@@ -13,7 +13,7 @@ use std::fmt;
 use serde::Deserialize;
 use serde::de::IgnoredAny;
 use tether_manager::UserLookup;
-use tether_state::{ProxyCommand, Service, ServiceId};
+use tether_state::{Probe, ProxyCommand, Service, ServiceId};
 
 /// A proxy setting that the register API may not make without `--allow-api-commands`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -28,6 +28,9 @@ pub(crate) enum ApiSetting {
     InheritEnv,
     /// An `env` variable that the dynamic loader or libc reads ([`is_loader_variable`]).
     Env(String),
+    /// An `exec` probe of `readiness` (`false`) or `liveness` (`true`): a program the agent
+    /// runs, like `command`.
+    ExecProbe { liveness: bool },
 }
 
 impl ApiSetting {
@@ -51,6 +54,8 @@ impl fmt::Display for ApiSetting {
             // Not yet validated when it comes from a body: escaped, so that it cannot forge
             // log lines.
             Self::Env(name) => write!(f, "proxy.env.{}", name.escape_default()),
+            Self::ExecProbe { liveness: false } => f.write_str("proxy.readiness.exec"),
+            Self::ExecProbe { liveness: true } => f.write_str("proxy.liveness.exec"),
         }
     }
 }
@@ -87,6 +92,8 @@ struct Settings<'a> {
     working_dir: bool,
     inherit_env: bool,
     env: Vec<&'a str>,
+    /// An `exec` probe in `readiness`, in `liveness`.
+    exec_probes: [bool; 2],
 }
 
 impl Settings<'_> {
@@ -101,8 +108,11 @@ impl Settings<'_> {
         if let Some((_, setting)) = fixed.into_iter().find(|(set, _)| *set) {
             return Some(setting);
         }
-        let name = self.env.iter().find(|name| is_loader_variable(name))?;
-        Some(ApiSetting::Env((*name).to_owned()))
+        if let Some(name) = self.env.iter().find(|name| is_loader_variable(name)) {
+            return Some(ApiSetting::Env((*name).to_owned()));
+        }
+        let liveness = self.exec_probes.iter().position(|&set| set)? == 1;
+        Some(ApiSetting::ExecProbe { liveness })
     }
 }
 
@@ -115,6 +125,10 @@ pub(crate) fn refused_setting(service: &Service) -> Option<ApiSetting> {
         working_dir: proxy.working_dir.is_some(),
         inherit_env: proxy.inherit_env,
         env: proxy.env.keys().map(String::as_str).collect(),
+        exec_probes: [
+            proxy.readiness.as_ref().is_some_and(|check| matches!(check.probe, Probe::Exec(_))),
+            proxy.liveness.as_ref().is_some_and(|check| matches!(check.probe, Probe::Exec(_))),
+        ],
     }
     .first_refused()
 }
@@ -142,6 +156,13 @@ pub(crate) fn refused_in_body(text: &str) -> Option<(Option<ServiceId>, ApiSetti
         working_dir: Option<IgnoredAny>,
         inherit_env: Option<serde_json::Value>,
         env: Option<BTreeMap<String, IgnoredAny>>,
+        readiness: Option<CheckProbe>,
+        liveness: Option<CheckProbe>,
+    }
+
+    #[derive(Deserialize)]
+    struct CheckProbe {
+        exec: Option<IgnoredAny>,
     }
 
     let body: BodyProbe = serde_json::from_str(text).ok()?;
@@ -153,6 +174,10 @@ pub(crate) fn refused_in_body(text: &str) -> Option<(Option<ServiceId>, ApiSetti
         // `false` is the default, which `tether register` writes out: it sets nothing.
         inherit_env: proxy.inherit_env.is_some_and(|value| value != serde_json::Value::Bool(false)),
         env: proxy.env.as_ref().map(|env| env.keys().map(String::as_str).collect()).unwrap_or_default(),
+        exec_probes: [
+            proxy.readiness.is_some_and(|check| check.exec.is_some()),
+            proxy.liveness.is_some_and(|check| check.exec.is_some()),
+        ],
     };
     let setting = settings.first_refused()?;
     let id = [body.id, body.name]
@@ -230,6 +255,8 @@ mod tests {
             (r#"{"name": "a", "proxy": {"inherit_env": true}}"#, "proxy.inherit_env"),
             (r#"{"name": "a", "proxy": {"env": {"A": "1", "LD_PRELOAD": "/tmp/x.so"}}}"#, "proxy.env.LD_PRELOAD"),
             (r#"{"name": "a", "proxy": {"env": {"GCONV_PATH": "/tmp"}}}"#, "proxy.env.GCONV_PATH"),
+            (r#"{"name": "a", "proxy": {"readiness": {"exec": ["/bin/true"]}}}"#, "proxy.readiness.exec"),
+            (r#"{"name": "a", "proxy": {"liveness": {"exec": ["/bin/true"]}}}"#, "proxy.liveness.exec"),
         ];
         for (body, key) in cases {
             assert_eq!(refused(body), (Some(key.to_owned()), Some(key.to_owned())), "{body}");
@@ -244,6 +271,7 @@ mod tests {
             (r#"{"name": "a", "proxy": {"working_dir": "relative"}}"#, "proxy.working_dir"),
             (r#"{"name": "a", "proxy": {"inherit_env": "yes"}}"#, "proxy.inherit_env"),
             (r#"{"name": "a", "proxy": {"env": {"LD_\u001b[31m": 1}}}"#, "proxy.env.LD_\\u{1b}[31m"),
+            (r#"{"name": "a", "proxy": {"liveness": {"exec": [], "tcp": "x"}}}"#, "proxy.liveness.exec"),
         ] {
             assert_eq!(refused(body), (Some(key.to_owned()), None), "{body}");
         }
@@ -261,6 +289,7 @@ mod tests {
             r#"{"name": "a", "proxy": {"command": null, "user": null, "working_dir": null, "env": null}}"#,
             r#"{"name": "a", "proxy": {"inherit_env": false, "env": {"LOG_LEVEL": "info", "ld_preload": "x"}}}"#,
             r#"{"name": "a", "proxy": {"config": {"user": "root", "env": {"LD_PRELOAD": "x"}}}}"#,
+            r#"{"name": "a", "proxy": {"readiness": {"tcp": "127.0.0.1:1"}, "liveness": {"notify": true}}}"#,
         ] {
             assert_eq!(refused(body), (None, None), "{body}");
         }

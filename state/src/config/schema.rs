@@ -47,6 +47,168 @@ pub(super) struct ProxyDef {
     log_keep: Option<LogKeep>,
     config: Option<ConfigDef>,
     restart: Option<RestartDef>,
+    readiness: Option<ReadinessDef>,
+    liveness: Option<LivenessDef>,
+}
+
+/// A `readiness` or `liveness` table as written: exactly one probe kind, its timing, and
+/// (liveness only) its failure threshold. The checks that involve several keys run in
+/// `TryFrom`, so that their errors name the table.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct ProbeDef {
+    tcp: Option<TcpDef>,
+    http: Option<HttpDef>,
+    exec: Option<CommandDef>,
+    notify: Option<bool>,
+    log_line: Option<PatternDef>,
+    fd: Option<NotifyFd>,
+    interval: Option<PositiveDuration>,
+    timeout: Option<PositiveDuration>,
+    failures: Option<u32>,
+}
+
+impl ProbeDef {
+    /// The one probe the table names.
+    fn probe(&mut self) -> Result<Probe, String> {
+        let mut probes = Vec::new();
+        if let Some(tcp) = self.tcp.take() {
+            probes.push(Probe::Tcp(tcp.0));
+        }
+        if let Some(http) = self.http.take() {
+            probes.push(Probe::Http(http.0));
+        }
+        if let Some(exec) = self.exec.take() {
+            probes.push(Probe::Exec(exec.0));
+        }
+        if self.notify == Some(true) {
+            probes.push(Probe::Notify);
+        }
+        if let Some(pattern) = self.log_line.take() {
+            probes.push(Probe::LogLine(pattern.0));
+        }
+        if let Some(fd) = self.fd.take() {
+            probes.push(Probe::Fd(fd.0));
+        }
+        match probes.len() {
+            1 => Ok(probes.remove(0)),
+            0 => Err("no probe: give exactly one of tcp, http, exec, notify = true, log_line, fd".to_owned()),
+            _ => {
+                let kinds: Vec<&str> = probes.iter().map(Probe::kind).collect();
+                Err(format!("{} probes ({}): give exactly one", kinds.len(), kinds.join(", ")))
+            }
+        }
+    }
+}
+
+/// A `readiness` table, checked.
+pub(super) struct ReadinessDef(Readiness);
+
+impl<'de> Deserialize<'de> for ReadinessDef {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let mut def = ProbeDef::deserialize(deserializer)?;
+        if def.failures.is_some() {
+            return Err(de::Error::custom("`failures` applies to liveness only: readiness is probed until it passes"));
+        }
+        let mut readiness = Readiness::new(def.probe().map_err(de::Error::custom)?);
+        if let Some(interval) = def.interval {
+            readiness.interval = interval.0;
+        }
+        if let Some(timeout) = def.timeout {
+            readiness.timeout = timeout.0;
+        }
+        Ok(Self(readiness))
+    }
+}
+
+/// A `liveness` table, checked.
+pub(super) struct LivenessDef(Liveness);
+
+impl<'de> Deserialize<'de> for LivenessDef {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let mut def = ProbeDef::deserialize(deserializer)?;
+        let probe = def.probe().map_err(de::Error::custom)?;
+        if !probe.checks_liveness() {
+            return Err(de::Error::custom(format!(
+                "a `{}` probe tells only readiness; liveness takes tcp, http, exec or notify = true",
+                probe.kind()
+            )));
+        }
+        let mut liveness = Liveness::new(probe);
+        if let Some(interval) = def.interval {
+            liveness.interval = interval.0;
+        }
+        if let Some(timeout) = def.timeout {
+            liveness.timeout = timeout.0;
+        }
+        match def.failures {
+            Some(0) => return Err(de::Error::custom("`failures` must be at least 1")),
+            Some(failures) => liveness.failures = failures,
+            None => {}
+        }
+        Ok(Self(liveness))
+    }
+}
+
+/// A `tcp` probe's `HOST:PORT`.
+pub(super) struct TcpDef(TcpTarget);
+
+impl<'de> Deserialize<'de> for TcpDef {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let raw = String::deserialize(deserializer)?;
+        TcpTarget::parse(&raw).map(Self).map_err(de::Error::custom)
+    }
+}
+
+/// An `http` probe's URL.
+pub(super) struct HttpDef(HttpTarget);
+
+impl<'de> Deserialize<'de> for HttpDef {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let raw = String::deserialize(deserializer)?;
+        HttpTarget::parse(&raw).map(Self).map_err(de::Error::custom)
+    }
+}
+
+/// A `log_line` probe's regular expression.
+pub(super) struct PatternDef(LinePattern);
+
+impl<'de> Deserialize<'de> for PatternDef {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let raw = String::deserialize(deserializer)?;
+        LinePattern::new(&raw).map(Self).map_err(de::Error::custom)
+    }
+}
+
+/// The descriptor of an `fd` probe: 3 or more (0 to 2 are the standard streams).
+pub(super) struct NotifyFd(u32);
+
+/// The highest notification descriptor: below the usual soft limit of open files.
+const MAX_NOTIFY_FD: u32 = 1023;
+
+impl<'de> Deserialize<'de> for NotifyFd {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let fd = u32::deserialize(deserializer)?;
+        if !(3..=MAX_NOTIFY_FD).contains(&fd) {
+            return Err(de::Error::custom(format!(
+                "invalid descriptor {fd}: must be 3 to {MAX_NOTIFY_FD} (0 to 2 are the standard streams)"
+            )));
+        }
+        Ok(Self(fd))
+    }
+}
+
+/// A duration that is not zero: an interval or a timeout.
+pub(super) struct PositiveDuration(Duration);
+
+impl<'de> Deserialize<'de> for PositiveDuration {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let HumanDuration(duration) = HumanDuration::deserialize(deserializer)?;
+        if duration.is_zero() {
+            return Err(de::Error::custom("must be more than zero"));
+        }
+        Ok(Self(duration))
+    }
 }
 
 #[derive(Deserialize)]
@@ -113,6 +275,8 @@ impl From<ProxyDef> for ProxySpec {
                 keep: def.log_keep.map_or(log_default.keep, |k| k.0),
             },
             config: def.config.map(|c| c.0).unwrap_or_default(),
+            readiness: def.readiness.map(|r| r.0),
+            liveness: def.liveness.map(|l| l.0),
         }
     }
 }
@@ -518,6 +682,46 @@ pub(super) struct ProxyOut<'a> {
     log_keep: u32,
     config: &'a ProxyConfigMap,
     restart: RestartOut,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    readiness: Option<ProbeOut>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    liveness: Option<ProbeOut>,
+}
+
+#[derive(Serialize, Default)]
+pub(super) struct ProbeOut {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tcp: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    http: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    exec: Option<Vec<String>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    notify: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    log_line: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    fd: Option<u32>,
+    interval: String,
+    timeout: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    failures: Option<u32>,
+}
+
+impl ProbeOut {
+    fn new(probe: &Probe, interval: Duration, timeout: Duration, failures: Option<u32>) -> Self {
+        let duration = |d: Duration| humantime::format_duration(d).to_string();
+        let mut out = Self { interval: duration(interval), timeout: duration(timeout), failures, ..Self::default() };
+        match probe {
+            Probe::Tcp(target) => out.tcp = Some(target.as_str().to_owned()),
+            Probe::Http(target) => out.http = Some(target.as_str().to_owned()),
+            Probe::Exec(command) => out.exec = Some(command.to_words()),
+            Probe::Notify => out.notify = Some(true),
+            Probe::LogLine(pattern) => out.log_line = Some(pattern.as_str().to_owned()),
+            Probe::Fd(fd) => out.fd = Some(*fd),
+        }
+        out
+    }
 }
 
 #[derive(Serialize)]
@@ -566,6 +770,8 @@ impl<'a> From<&'a ProxySpec> for ProxyOut<'a> {
                 max_delay: duration(spec.restart.max_delay),
                 healthy_after: duration(spec.restart.healthy_after),
             },
+            readiness: spec.readiness.as_ref().map(|r| ProbeOut::new(&r.probe, r.interval, r.timeout, None)),
+            liveness: spec.liveness.as_ref().map(|l| ProbeOut::new(&l.probe, l.interval, l.timeout, Some(l.failures))),
         }
     }
 }

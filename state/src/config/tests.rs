@@ -651,4 +651,64 @@ fn floats_in_config_read_back_exactly_as_written() {
     assert_eq!(parse_service(&body, Format::Json, &Origin::Body).unwrap(), services[0], "{body}");
 }
 
+#[test]
+fn health_checks_are_read_with_their_defaults() {
+    let text = "[[service]]\nname = \"web\"\n[service.proxy.readiness]\ntcp = \"127.0.0.1:21000\"\n\
+                [service.proxy.liveness]\nhttp = \"http://127.0.0.1:19000/ready\"\nfailures = 5\ntimeout = \"3s\"\n";
+    let spec = one(text).proxy.unwrap();
+    let readiness = spec.readiness.unwrap();
+    assert_eq!(readiness.probe, Probe::Tcp(TcpTarget::parse("127.0.0.1:21000").unwrap()));
+    assert_eq!((readiness.interval, readiness.timeout), (Duration::from_secs(1), Duration::from_secs(1)));
+    let liveness = spec.liveness.unwrap();
+    assert_eq!(liveness.probe.to_string(), "http http://127.0.0.1:19000/ready");
+    assert_eq!(
+        (liveness.interval, liveness.timeout, liveness.failures),
+        (Duration::from_secs(10), Duration::from_secs(3), 5)
+    );
+    for (table, kind) in [
+        ("notify = true", "notify"),
+        ("exec = [\"/bin/check\", \"-q\"]", "exec"),
+        ("log_line = \"listening on .*\"", "log_line"),
+        ("fd = 3", "fd"),
+    ] {
+        let spec = one(&format!("[[service]]\nname = \"web\"\n[service.proxy.readiness]\n{table}\n")).proxy.unwrap();
+        assert_eq!(spec.readiness.unwrap().probe.kind(), kind);
+    }
+}
+
+#[test]
+fn bad_health_checks_name_file_line_and_field() {
+    let readiness = |lines: &str| proxy_error(&format!("[service.proxy.readiness]\n{lines}"));
+    let liveness = |lines: &str| proxy_error(&format!("[service.proxy.liveness]\n{lines}"));
+    let two = readiness("tcp = \"127.0.0.1:1\"\nhttp = \"http://127.0.0.1:1/\"");
+    assert!(two.starts_with("conf.d/web.toml:"), "{two}");
+    assert!(two.contains("field `service[0].proxy.readiness`: 2 probes (tcp, http): give exactly one"), "{two}");
+    assert!(readiness("interval = \"1s\"").contains("no probe: give exactly one of"));
+    let https = readiness("http = \"https://127.0.0.1/\"");
+    assert!(
+        https.contains(
+            "field `service[0].proxy.readiness.http`: invalid URL \"https://127.0.0.1/\": must start with http://"
+        ),
+        "{https}"
+    );
+    let zero = readiness("tcp = \"127.0.0.1:1\"\ninterval = \"0s\"");
+    assert!(zero.contains("field `service[0].proxy.readiness.interval`: must be more than zero"), "{zero}");
+    assert!(
+        readiness("tcp = \"localhost\"")
+            .contains("field `service[0].proxy.readiness.tcp`: invalid address \"localhost\": no port")
+    );
+    assert!(
+        readiness("log_line = \"(\"")
+            .contains("field `service[0].proxy.readiness.log_line`: invalid regular expression")
+    );
+    assert!(
+        readiness("fd = 1").contains("field `service[0].proxy.readiness.fd`: invalid descriptor 1: must be 3 to 1023")
+    );
+    assert!(readiness("tcp = \"h:1\"\nfailures = 2").contains("`failures` applies to liveness only"));
+    let log = liveness("log_line = \"ready\"");
+    assert!(log.contains("field `service[0].proxy.liveness`: a `log_line` probe tells only readiness"), "{log}");
+    assert!(liveness("notify = true\nfailures = 0").contains("`failures` must be at least 1"));
+    assert!(liveness("grpc = \"h:1\"").contains("unknown field `grpc`"));
+}
+
 mod round_trip;

@@ -33,7 +33,42 @@ fn config_value() -> impl Strategy<Value = serde_json::Value> {
     })
 }
 
+fn probe(for_liveness: bool) -> impl Strategy<Value = Probe> {
+    let any_kind = prop_oneof![
+        (1u16..).prop_map(|port| Probe::Tcp(TcpTarget::parse(&format!("127.0.0.1:{port}")).unwrap())),
+        ("[a-z]{1,8}", "(/[a-z0-9]{1,6}){0,3}")
+            .prop_map(|(host, path)| Probe::Http(HttpTarget::parse(&format!("http://{host}:8080{path}")).unwrap())),
+        prop::collection::vec(word(), 1..3).prop_map(|words| Probe::Exec(CommandLine::from_words(words).unwrap())),
+        Just(Probe::Notify),
+        "[a-z][a-z .*]{0,11}".prop_map(|pattern| Probe::LogLine(LinePattern::new(&pattern).unwrap())),
+        (3u32..=1023).prop_map(Probe::Fd),
+    ];
+    any_kind.prop_filter("a liveness probe", move |probe| !for_liveness || probe.checks_liveness())
+}
+
+fn health() -> impl Strategy<Value = (Option<Readiness>, Option<Liveness>)> {
+    let positive = || (1u64..100_000).prop_map(Duration::from_millis);
+    (
+        prop::option::of((probe(false), positive(), positive())),
+        prop::option::of((probe(true), positive(), positive(), 1u32..10)),
+    )
+        .prop_map(|(readiness, liveness)| {
+            (
+                readiness.map(|(probe, interval, timeout)| Readiness { probe, interval, timeout }),
+                liveness.map(|(probe, interval, timeout, failures)| Liveness { probe, interval, timeout, failures }),
+            )
+        })
+}
+
 fn proxy_spec() -> impl Strategy<Value = ProxySpec> {
+    (proxy_spec_without_health(), health()).prop_map(|(mut spec, (readiness, liveness))| {
+        spec.readiness = readiness;
+        spec.liveness = liveness;
+        spec
+    })
+}
+
+fn proxy_spec_without_health() -> impl Strategy<Value = ProxySpec> {
     (
         prop::option::of(prop::collection::vec(word(), 1..4)),
         prop::option::of("/[a-z]{1,8}(/[a-z]{1,8}){0,2}"),
@@ -64,6 +99,8 @@ fn proxy_spec() -> impl Strategy<Value = ProxySpec> {
                     restart: RestartPolicy { free_attempts: restart.0, max_delay: restart.1, healthy_after: restart.2 },
                     log: LogPolicy { max_size, keep },
                     config: config.into_iter().collect(),
+                    readiness: None,
+                    liveness: None,
                 }
             },
         )
