@@ -41,8 +41,9 @@ pub(crate) async fn status(socket: &Path, json: bool) -> anyhow::Result<ExitCode
 
 /// The human-readable `status` table.
 pub(crate) fn table(proxies: &[ProxyStatusDto], now: SystemTime) -> String {
-    let header = ["ID", "SERVICE", "STATE", "PID", "RESTARTS", "UPTIME", "LAST EXIT", "ERROR"].map(str::to_owned);
-    let rows: Vec<[String; 8]> = proxies
+    let header =
+        ["ID", "SERVICE", "STATE", "READY", "PID", "RESTARTS", "UPTIME", "LAST EXIT", "ERROR"].map(str::to_owned);
+    let rows: Vec<[String; 9]> = proxies
         .iter()
         .map(|p| {
             let uptime = p
@@ -61,6 +62,7 @@ pub(crate) fn table(proxies: &[ProxyStatusDto], now: SystemTime) -> String {
                 p.id.clone(),
                 p.service.clone(),
                 p.state.clone(),
+                if p.ready { "yes" } else { "no" }.to_owned(),
                 p.pid.map_or_else(|| "-".to_owned(), |pid| pid.to_string()),
                 p.restarts.to_string(),
                 uptime.unwrap_or_else(|| "-".to_owned()),
@@ -287,6 +289,9 @@ mod tests {
                 started_at: Some("2026-01-01T00:00:00Z".into()),
                 last_exit: Some(ExitReason::Code(3)),
                 error: None,
+                ready: true,
+                status_text: None,
+                resources: None,
             },
             ProxyStatusDto {
                 id: "db-proxy".into(),
@@ -297,14 +302,17 @@ mod tests {
                 started_at: None,
                 last_exit: None,
                 error: Some("refusing to run as root".into()),
+                ready: false,
+                status_text: None,
+                resources: None,
             },
         ];
         assert_eq!(
             table(&proxies, now),
             "\
-ID         SERVICE  STATE    PID   RESTARTS  UPTIME    LAST EXIT  ERROR
-web-proxy  web      running  4242  2         1h 2m 5s  code 3     -
-db-proxy   db       blocked  -     0         -         -          refusing to run as root
+ID         SERVICE  STATE    READY  PID   RESTARTS  UPTIME    LAST EXIT  ERROR
+web-proxy  web      running  yes    4242  2         1h 2m 5s  code 3     -
+db-proxy   db       blocked  no     -     0         -         -          refusing to run as root
 "
         );
     }

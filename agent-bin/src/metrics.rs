@@ -82,6 +82,17 @@ impl Collector for ManagerCollector {
             ConstCounter::new(status.restarts).encode(family.encode_family(&labels)?)?;
         }
 
+        let mut family = encoder.encode_descriptor(
+            "tether_proxy_ready",
+            "Whether a proxy is ready: 1 while running (its readiness check, if any, passed), else 0",
+            None,
+            gauge.metric_type(),
+        )?;
+        for status in &statuses {
+            let labels = [("proxy", status.id.as_str()), ("service", status.service.as_str())];
+            ConstGauge::new(i64::from(status.ready())).encode(family.encode_family(&labels)?)?;
+        }
+
         {
             let histogram_type = prometheus_client::metrics::MetricType::Histogram;
             let mut metric = encoder.encode_descriptor(

@@ -27,9 +27,9 @@ pub enum ProxyState {
     /// Wanted, not started yet.
     #[default]
     Pending,
-    /// Being started.
+    /// Being started, or started and not ready yet (its readiness check has not passed).
     Starting,
-    /// Running.
+    /// Running, and ready: a backend that checks readiness reports `Starting` until then.
     Running,
     /// Exited, waiting to be restarted by the backend.
     Backoff,
@@ -78,8 +78,11 @@ pub struct BackendStatus {
     pub started_at: Option<SystemTime>,
     /// How the previous process ended.
     pub last_exit: Option<ExitReason>,
-    /// Why the backend gave up or is backing off, for display.
+    /// Why the backend gave up or is backing off, or why the proxy's checks fail, for
+    /// display.
     pub error: Option<String>,
+    /// The proxy's own account of itself (sd_notify's `STATUS=`), for display.
+    pub status_text: Option<String>,
 }
 
 /// A backend's own record of one proxy in the snapshot: JSON text that the engine stores

@@ -588,6 +588,7 @@ impl Manager {
             started_at: process.started_at,
             last_exit: process.last_exit,
             error,
+            status_text: process.pid.and(process.status_text),
         });
     }
 }

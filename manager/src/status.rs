@@ -30,8 +30,17 @@ pub struct ProxyStatus {
     pub started_at: Option<SystemTime>,
     /// How its previous process ended.
     pub last_exit: Option<ExitReason>,
-    /// Why it is blocked, failed or backing off.
+    /// Why it is blocked, failed or backing off, or why its checks fail.
     pub error: Option<String>,
+    /// Its own account of itself (sd_notify's `STATUS=`), while it runs.
+    pub status_text: Option<String>,
+}
+
+impl ProxyStatus {
+    /// Whether it is ready: `running` means started and ready (SPEC's states).
+    pub fn ready(&self) -> bool {
+        self.state == ProxyState::Running
+    }
 }
 
 /// A change in what the engine reports.
@@ -303,6 +312,7 @@ mod tests {
             started_at: None,
             last_exit,
             error: None,
+            status_text: None,
         }
     }
 

@@ -19,7 +19,7 @@ use tether_state::{ManagedProxy, ProxyCommand, ProxyId};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::spec::{KillPolicy, LogFile, LogSpec, ProcessName, ProcessSpec, ProcessUpdate};
+use crate::spec::{HealthChecks, KillPolicy, LogFile, LogSpec, ProcessName, ProcessSpec, ProcessUpdate};
 use crate::status::{ProcessState, ProcessStatus};
 use crate::supervisor::{ProcessHandle, Supervisor};
 use record::{Read, Record};
@@ -120,9 +120,14 @@ impl Shared {
             restart_on_exit: true,
             logs: LogSpec { stdout, stderr, limits: spec.log },
             pid_file: self.data.pid_file(id),
+            health: health_checks(spec),
             identity_env,
         }
     }
+}
+
+fn health_checks(spec: &tether_state::ProxySpec) -> HealthChecks {
+    HealthChecks { readiness: spec.readiness.clone(), liveness: spec.liveness.clone() }
 }
 
 /// A process name for a proxy id; both follow the same rule.
@@ -393,6 +398,7 @@ fn translate(status: &ProcessStatus) -> tether_manager::BackendStatus {
         started_at: status.started_at,
         last_exit: status.last_exit,
         error: status.error.clone(),
+        status_text: status.status_text.clone(),
     }
 }
 
@@ -441,7 +447,12 @@ impl ProxyHandle for OsProxyHandle {
     async fn update(&self, proxy: Arc<ManagedProxy>) -> Result<(), BackendError> {
         let spec = proxy.spec();
         let kill = kill_policy(&proxy);
-        let update = ProcessUpdate { kill: Some(kill), restart: Some(spec.restart), log_limits: Some(spec.log) };
+        let update = ProcessUpdate {
+            kill: Some(kill),
+            restart: Some(spec.restart),
+            log_limits: Some(spec.log),
+            health: Some(health_checks(spec)),
+        };
         let mut state = self.lock();
         if let Some(process) = &state.process {
             process.update(update);

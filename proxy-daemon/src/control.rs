@@ -102,11 +102,12 @@ impl Sender {
     /// Asks the task to apply `update` in place.
     pub(crate) fn update(&self, update: ProcessUpdate) -> bool {
         self.send(|commands| {
-            let earlier = commands.update.unwrap_or_default();
+            let earlier = commands.update.take().unwrap_or_default();
             commands.update = Some(ProcessUpdate {
                 kill: update.kill.or(earlier.kill),
                 restart: update.restart.or(earlier.restart),
                 log_limits: update.log_limits.or(earlier.log_limits),
+                health: update.health.or(earlier.health),
             });
         })
     }
@@ -174,7 +175,10 @@ mod tests {
         assert!(sender.update(ProcessUpdate { log_limits: Some(limits), ..ProcessUpdate::default() }));
         assert!(sender.stop());
         let taken = tokio::time::timeout(Duration::from_secs(10), receiver.recv()).await.unwrap();
-        assert_eq!(taken.update, Some(ProcessUpdate { kill: Some(kill), restart: None, log_limits: Some(limits) }));
+        assert_eq!(
+            taken.update,
+            Some(ProcessUpdate { kill: Some(kill), restart: None, log_limits: Some(limits), health: None })
+        );
         assert!(taken.stop && taken.detach.is_none() && !taken.handle_gone);
     }
 

@@ -44,6 +44,7 @@ mod backoff;
 mod control;
 mod error;
 mod pidfile;
+mod probe;
 mod proc;
 mod rotate;
 mod spawn;
@@ -56,7 +57,8 @@ pub use backend::{AgentEnvironment, BUILT_IN_PROXY_ARG, OsProcessBackend};
 pub use error::{DetachError, InvalidName, SpawnError};
 pub use proc::Identity;
 pub use spec::{
-    KillPolicy, KillSignal, LogFile, LogPolicy, LogSpec, ProcessName, ProcessSpec, ProcessUpdate, RestartPolicy,
+    HealthChecks, KillPolicy, KillSignal, LogFile, LogPolicy, LogSpec, ProcessName, ProcessSpec, ProcessUpdate,
+    RestartPolicy,
 };
 pub use status::{ExitReason, ProcessState, ProcessStatus};
 pub use supervisor::{ProcessHandle, Supervisor};

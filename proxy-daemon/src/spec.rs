@@ -72,6 +72,17 @@ impl fmt::Debug for ProcessName {
 /// Their defaults are SPEC.md's, written once there.
 pub use tether_state::{KillPolicy, KillSignal, LogPolicy, RestartPolicy};
 
+/// When an instance counts as ready, and when it is restarted because it stopped answering
+/// (tether-state's [`Readiness`](tether_state::Readiness) and
+/// [`Liveness`](tether_state::Liveness)). The supervisor probes `tcp`, `http` and `exec`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HealthChecks {
+    /// Until it first passes, a new instance is `starting`; `None`: ready once it runs.
+    pub readiness: Option<tether_state::Readiness>,
+    /// Probed while the instance is ready; `failures` in a row restart it.
+    pub liveness: Option<tether_state::Liveness>,
+}
+
 /// A log file: a name in a directory opened once without following links (the data dir's
 /// `logs/`), so that a link planted at the name or in place of the directory never
 /// redirects the output.
@@ -149,6 +160,8 @@ pub struct ProcessSpec {
     pub restart_on_exit: bool,
     /// Where its output goes.
     pub logs: LogSpec,
+    /// Its readiness and liveness checks (default none).
+    pub health: HealthChecks,
     /// The pid file, written atomically (0600) on every start, removed on stop.
     pub pid_file: PathBuf,
     /// Environment entries that prove a process found through `pid_file` is this one:
@@ -181,6 +194,7 @@ impl ProcessSpec {
                 limits: LogPolicy::default(),
             },
             pid_file: data.pid_file(&name),
+            health: HealthChecks::default(),
             identity_env: Vec::new(),
             name,
         }
@@ -202,6 +216,7 @@ impl fmt::Debug for ProcessSpec {
             .field("restart", &self.restart)
             .field("restart_on_exit", &self.restart_on_exit)
             .field("logs", &self.logs)
+            .field("health", &self.health)
             .field("pid_file", &self.pid_file)
             .field("identity_env", &identity_names)
             .finish()
@@ -211,7 +226,7 @@ impl fmt::Debug for ProcessSpec {
 /// Changes applied to a running process in place, without restarting it.
 ///
 /// `None` leaves a setting as it is.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ProcessUpdate {
     /// A new kill policy, used by the next stop.
     pub kill: Option<KillPolicy>,
@@ -219,6 +234,8 @@ pub struct ProcessUpdate {
     pub restart: Option<RestartPolicy>,
     /// New log limits, used from the next write on.
     pub log_limits: Option<LogPolicy>,
+    /// New checks: a readiness that passed is not asked again; liveness starts over.
+    pub health: Option<HealthChecks>,
 }
 
 #[cfg(test)]

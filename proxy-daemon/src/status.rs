@@ -13,9 +13,10 @@ use crate::proc::Identity;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum ProcessState {
-    /// A new instance is being spawned.
+    /// A new instance is being spawned, or runs and is not ready yet (its readiness check
+    /// has not passed).
     Starting,
-    /// The process exists.
+    /// The process exists, and is ready.
     Running,
     /// The process exited, or its restart failed (`error` says why), and it waits for its
     /// restart delay.
@@ -72,14 +73,23 @@ pub struct ProcessStatus {
     /// How the previous instance ended. `None` before the first exit, and for adopted
     /// processes, whose exit status belongs to their real parent.
     pub last_exit: Option<ExitReason>,
-    /// The last error, if the latest operation on this process failed.
+    /// The last error, if the latest operation on this process failed, or why its checks
+    /// fail (a readiness probe while it starts, liveness probes that failed or restarted it).
     pub error: Option<String>,
+    /// Whether the current instance counts as ready: it runs, and its readiness check (if
+    /// any) passed. `starting` with a pid means "runs, not ready yet".
+    pub ready: bool,
+    /// The instance's own account of itself (sd_notify's `STATUS=`), if it gives one.
+    pub status_text: Option<String>,
 }
 
 impl ProcessStatus {
-    pub(crate) fn running(pid: u32, started_at: SystemTime, identity: Option<Identity>) -> Self {
+    /// A new instance: `running` and ready, or `starting` until its readiness passes.
+    pub(crate) fn running(pid: u32, started_at: SystemTime, identity: Option<Identity>, ready: bool) -> Self {
         Self {
-            state: ProcessState::Running,
+            state: if ready { ProcessState::Running } else { ProcessState::Starting },
+            ready,
+            status_text: None,
             pid: Some(pid),
             identity,
             restarts: 0,

@@ -29,6 +29,9 @@ use crate::spec::{ProcessName, ProcessSpec, ProcessUpdate};
 use crate::status::{ExitReason, ProcessState, ProcessStatus};
 
 mod adopt;
+mod checks;
+
+use checks::{Checked, Checks};
 
 /// The shortest wait before a failed start is tried again, free attempts included: a
 /// program that cannot start at all must not spin the agent.
@@ -100,7 +103,8 @@ impl Supervisor {
         let identity = self.shared.identity(pid, pid, start_time);
         let instance =
             Instance { kind: InstanceKind::Child(child), pidfd, pid, pgid: pid, start_time, started: Instant::now() };
-        Ok(self.supervise(spec, instance, ProcessStatus::running(pid, SystemTime::now(), identity), true))
+        let ready = checks::starts_ready(&spec);
+        Ok(self.supervise(spec, instance, ProcessStatus::running(pid, SystemTime::now(), identity, ready), true))
     }
 
     fn supervise(
@@ -115,6 +119,7 @@ impl Supervisor {
             self.shared.pid_files.write(&spec.pid_file, instance.pid);
         }
         self.shared.rotator.watch(key, &spec.logs.stdout, &spec.logs.stderr, spec.logs.limits);
+        let ready = status.ready;
         let (status_sender, status) = watch::channel(status);
         let (commands, receiver) = control::link();
         let name = spec.name.clone();
@@ -127,8 +132,9 @@ impl Supervisor {
             commands: receiver,
             attempt: 0,
             last_pid: write_pid_file.then_some(instance.pid),
+            health_error: None,
         };
-        let task = tokio::spawn(task.run(instance).instrument(span));
+        let task = tokio::spawn(task.run(instance, ready).instrument(span));
         ProcessHandle { name, commands, status, task }
     }
 }
@@ -314,25 +320,60 @@ struct Task {
     attempt: u32,
     /// The pid of the latest instance: the one its pid file names, if any.
     last_pid: Option<u32>,
+    /// Which check the status's `error` comes from, if one does: a passing check clears it.
+    health_error: Option<HealthError>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum HealthError {
+    /// A readiness probe failed; cleared when the instance turns ready.
+    Readiness,
+    /// Liveness probes failed, or restarted the instance; cleared when one passes.
+    Liveness,
 }
 
 enum Event {
-    Commands(Commands),
+    Commands(Box<Commands>),
     Exited(io::Result<()>),
+    Checked(Checked),
 }
 
 impl Task {
-    async fn run(mut self, mut instance: Instance) {
+    /// Supervises `instance` (`ready` when it needs no readiness check, or was adopted) and
+    /// every instance after it, until a stop, a detach or a dropped handle.
+    async fn run(mut self, mut instance: Instance, ready: bool) {
+        let mut checks = Checks::new(&self.spec, ready, instance.pid);
         loop {
             let event = tokio::select! {
-                // Both branches are cancel-safe: `recv` loses no command and a pidfd stays
-                // readable once its process exited.
-                commands = self.commands.recv() => Event::Commands(commands),
+                // Every branch is cancel-safe: `recv` loses no command, a pidfd stays
+                // readable once its process exited, and a dropped check changes nothing.
+                commands = self.commands.recv() => Event::Commands(Box::new(commands)),
                 exited = instance.pidfd.exited() => Event::Exited(exited),
+                checked = checks.next(&self.spec) => Event::Checked(checked),
             };
             match event {
+                Event::Checked(checked) => {
+                    if let Checked::Dead(message) = checked {
+                        // Stopped as on a stop (its kill signal, then SIGKILL after the
+                        // timeout), then restarted on the backoff like any exit.
+                        tracing::warn!(pid = instance.pid, error = %message, "process unhealthy; restarting it");
+                        let _unsignalled = self.terminate(&instance).await;
+                        match Box::pin(self.restart_after_exit(instance, Some(message))).await {
+                            Some(next) => {
+                                checks = Checks::new(&self.spec, checks::starts_ready(&self.spec), next.pid);
+                                instance = next;
+                            }
+                            None => return,
+                        }
+                    } else {
+                        self.checked(checked);
+                    }
+                }
                 Event::Commands(commands) => {
                     if let Some(update) = commands.update {
+                        if let Some(health) = &update.health {
+                            checks.update(health.readiness.clone(), health.liveness.clone());
+                        }
                         self.apply(update);
                     }
                     if commands.stop {
@@ -357,13 +398,59 @@ impl Task {
                         self.finish(ProcessState::Failed, None, Some(format!("cannot watch process: {error}"))).await;
                         return;
                     }
-                    match Box::pin(self.restart_after_exit(instance)).await {
-                        Some(next) => instance = next,
+                    match Box::pin(self.restart_after_exit(instance, None)).await {
+                        Some(next) => {
+                            checks = Checks::new(&self.spec, checks::starts_ready(&self.spec), next.pid);
+                            instance = next;
+                        }
                         None => return,
                     }
                 }
             }
         }
+    }
+
+    /// Shows what a check found.
+    fn checked(&mut self, checked: Checked) {
+        match checked {
+            Checked::Ready => {
+                tracing::info!("process ready");
+                let clear = self.health_error.take_if(|from| *from == HealthError::Readiness).is_some();
+                self.status.send_modify(|status| {
+                    status.state = ProcessState::Running;
+                    status.ready = true;
+                    if clear {
+                        status.error = None;
+                    }
+                });
+            }
+            Checked::NotReady(message) => {
+                tracing::debug!(error = %message, "process not ready yet");
+                self.show_health_error(HealthError::Readiness, message);
+            }
+            Checked::Alive { recovered } => {
+                if recovered {
+                    tracing::info!("process answers its liveness probe again");
+                }
+                if self.health_error.take().is_some() {
+                    self.status.send_modify(|status| status.error = None);
+                }
+            }
+            Checked::Unhealthy { failures, message } => {
+                tracing::warn!(error = %message, failures, "liveness probe failed");
+                self.show_health_error(HealthError::Liveness, message);
+            }
+            Checked::Dead(message) => self.show_health_error(HealthError::Liveness, message),
+        }
+    }
+
+    fn show_health_error(&mut self, from: HealthError, message: String) {
+        self.health_error = Some(from);
+        self.status.send_if_modified(|status| {
+            let changed = status.error.as_deref() != Some(message.as_str());
+            status.error = Some(message);
+            changed
+        });
     }
 
     fn apply(&mut self, update: ProcessUpdate) {
@@ -378,6 +465,9 @@ impl Task {
             self.shared.rotator.set_limits(self.key, limits);
         }
         tracing::debug!(?update, "applied in-place update");
+        if let Some(health) = update.health {
+            self.spec.health = health;
+        }
     }
 
     fn detach(&self, instance: &mut Instance) -> Result<Identity, DetachError> {
@@ -406,7 +496,20 @@ impl Task {
     async fn stop(mut self, instance: Instance) {
         let pid = instance.pid;
         self.status.send_modify(|status| status.state = ProcessState::Stopping);
-        let kill = self.spec.kill;
+        let error = self.terminate(&instance).await;
+        // Grandchildren that outlived the leader; the unreaped leader still holds the id.
+        let _empty = proc::signal_group(instance.pgid, Signal::SIGKILL);
+        let last_exit = instance.reap().await;
+        self.commands.close();
+        tracing::info!(pid, ?last_exit, "process stopped");
+        self.finish(ProcessState::Stopped, last_exit, error).await;
+    }
+
+    /// Ends the instance's main process: its kill signal to the group, then SIGKILL after
+    /// the kill timeout. Returns once it exited (not reaped), with what went wrong, if
+    /// anything did.
+    async fn terminate(&self, instance: &Instance) -> Option<String> {
+        let (pid, kill) = (instance.pid, self.spec.kill);
         // The leader is alive or an unreaped zombie while its pidfd is not readable or it
         // is our child, so the group id cannot have been reused.
         let leader_known =
@@ -430,12 +533,7 @@ impl Task {
                 }
             }
         }
-        // Grandchildren that outlived the leader; the unreaped leader still holds the id.
-        let _empty = proc::signal_group(instance.pgid, Signal::SIGKILL);
-        let last_exit = instance.reap().await;
-        self.commands.close();
-        tracing::info!(pid, ?last_exit, "process stopped");
-        self.finish(ProcessState::Stopped, last_exit, error).await;
+        error
     }
 
     /// Publishes a final state after removing the pid file and forgetting the logs.
@@ -462,7 +560,9 @@ impl Task {
     /// Handles an exit: sweeps the group, reaps, waits out the backoff, starts anew, and
     /// keeps trying on the backoff while starts fail. `None` when supervision ended instead
     /// (a stop or a detach).
-    async fn restart_after_exit(&mut self, instance: Instance) -> Option<Instance> {
+    /// `cause` is why the instance was ended, when it did not exit by itself (its liveness
+    /// failed): it stays the status's `error` until a check of a later instance passes.
+    async fn restart_after_exit(&mut self, instance: Instance, cause: Option<String>) -> Option<Instance> {
         let (pid, run) = (instance.pid, instance.started.elapsed());
         // Sweep before reaping: until the leader is reaped its pgid cannot be reused, and a
         // forked worker must not keep the port the next instance binds.
@@ -491,11 +591,17 @@ impl Task {
             "process exited; restarting"
         );
         let state = if delay.is_zero() { ProcessState::Starting } else { ProcessState::Backoff };
+        self.health_error = cause.is_some().then_some(HealthError::Liveness);
         self.status.send_modify(|status| {
             status.state = state;
             status.pid = None;
             status.identity = None;
             status.last_exit = last_exit;
+            status.ready = false;
+            status.status_text = None;
+            if cause.is_some() {
+                status.error.clone_from(&cause);
+            }
         });
 
         let mut failed_attempts = 0_u32;
@@ -512,7 +618,7 @@ impl Task {
             }
             self.status.send_modify(|status| status.state = ProcessState::Starting);
             match spawn::spawn(&self.spec) {
-                Ok(spawned) => return Some(self.restarted(spawned)),
+                Ok(spawned) => return Some(self.restarted(spawned, cause)),
                 Err(error) => {
                     // A failed start is not final: a descriptor, memory or the program
                     // itself may be back by the next attempt, so it waits on the backoff.
@@ -536,21 +642,24 @@ impl Task {
     }
 
     /// Takes over a freshly restarted instance: pid file, log watch, status.
-    fn restarted(&mut self, Spawned { child, pid, pidfd }: Spawned) -> Instance {
+    fn restarted(&mut self, Spawned { child, pid, pidfd }: Spawned, cause: Option<String>) -> Instance {
         self.shared.pid_files.write(&self.spec.pid_file, pid);
         self.last_pid = Some(pid);
         self.shared.rotator.watch(self.key, &self.spec.logs.stdout, &self.spec.logs.stderr, self.spec.logs.limits);
         tracing::info!(pid, attempt = self.attempt, "process restarted");
         let start_time = proc::read_stat(pid).ok().map(|stat| stat.start_time);
         let identity = self.shared.identity(pid, pid, start_time);
+        let ready = checks::starts_ready(&self.spec);
+        self.health_error = cause.is_some().then_some(HealthError::Liveness);
         self.status.send_modify(|status| {
-            status.state = ProcessState::Running;
+            status.state = if ready { ProcessState::Running } else { ProcessState::Starting };
+            status.ready = ready;
             status.pid = Some(pid);
             status.identity = identity;
             // Restarts that ran: the exits they followed are counted from this.
             status.restarts += 1;
             status.started_at = Some(SystemTime::now());
-            status.error = None;
+            status.error = cause;
         });
         Instance { kind: InstanceKind::Child(child), pidfd, pid, pgid: pid, start_time, started: Instant::now() }
     }

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use tether_state::ExitReason;
 
 /// One proxy, as `GET /v1/agent/proxies` and `tether status --json` show it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub(crate) struct ProxyStatusDto {
     pub(crate) id: String,
     pub(crate) service: String,
@@ -22,6 +22,24 @@ pub(crate) struct ProxyStatusDto {
     /// form the tests below pin.
     pub(crate) last_exit: Option<ExitReason>,
     pub(crate) error: Option<String>,
+    /// Whether it is ready (`running`); older agents did not send it.
+    #[serde(default)]
+    pub(crate) ready: bool,
+    /// Its own account of itself (sd_notify's `STATUS=`).
+    #[serde(default)]
+    pub(crate) status_text: Option<String>,
+    /// What it uses, read from its cgroup; `null` without cgroups (SPEC), which this agent
+    /// does not place proxies in yet.
+    #[serde(default)]
+    pub(crate) resources: Option<ResourcesDto>,
+}
+
+/// `{"cpu_seconds": f, "memory_bytes": n or null, "tasks": n or null}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct ResourcesDto {
+    pub(crate) cpu_seconds: f64,
+    pub(crate) memory_bytes: Option<u64>,
+    pub(crate) tasks: Option<u64>,
 }
 
 /// `{"error": "..."}`.
@@ -56,10 +74,13 @@ mod tests {
             started_at: Some(rfc3339(SystemTime::UNIX_EPOCH)),
             last_exit: Some(ExitReason::Signal(9)),
             error: None,
+            ready: true,
+            status_text: Some("serving".into()),
+            resources: None,
         };
         assert_eq!(
             serde_json::to_string(&dto).unwrap(),
-            r#"{"id":"web-proxy","service":"web","state":"running","pid":42,"restarts":1,"started_at":"1970-01-01T00:00:00Z","last_exit":{"signal":9},"error":null}"#
+            r#"{"id":"web-proxy","service":"web","state":"running","pid":42,"restarts":1,"started_at":"1970-01-01T00:00:00Z","last_exit":{"signal":9},"error":null,"ready":true,"status_text":"serving","resources":null}"#
         );
         assert_eq!(serde_json::to_string(&ExitReason::Code(3)).unwrap(), r#"{"code":3}"#);
     }

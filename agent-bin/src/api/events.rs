@@ -143,6 +143,16 @@ pub(crate) fn diff(before: Option<&ProxyStatus>, after: &ProxyStatus, now: Syste
         let name = if before.is_some() && after.restarts > was_restarts { "restarted" } else { "started" };
         found.push(event(now, id, name, Some(new), None));
     }
+    let same_instance = after.pid.is_some() && was_pid == after.pid;
+    if same_instance && was_state == Some(ProxyState::Starting) && after.state == ProxyState::Running {
+        // Its readiness check passed (without one, a proxy is running once it runs).
+        found.push(event(now, id, "ready", after.pid, None));
+    }
+    let was_error = before.and_then(|before| before.error.as_ref());
+    if after.state == ProxyState::Running && after.error.is_some() && after.error.as_ref() != was_error {
+        // A running proxy shows an error only when its liveness check fails.
+        found.push(event(now, id, "unhealthy", after.pid, after.error.clone()));
+    }
     if was_state != Some(after.state) {
         let name = match after.state {
             ProxyState::Backoff => Some("backoff"),
@@ -173,6 +183,7 @@ mod tests {
             started_at: None,
             last_exit: None,
             error: None,
+            status_text: None,
         }
     }
 
@@ -208,5 +219,21 @@ mod tests {
         let failed = status(ProxyState::Failed, None, 0);
         assert_eq!(names(None, &failed), [("failed", None)]);
         assert_eq!(names(Some(&failed), &failed), []);
+    }
+
+    #[test]
+    fn readiness_and_failing_liveness_are_named() {
+        let starting = status(ProxyState::Starting, Some(10), 0);
+        assert_eq!(names(None, &starting), [("started", Some(10))]);
+        let running = status(ProxyState::Running, Some(10), 0);
+        assert_eq!(names(Some(&starting), &running), [("ready", Some(10))]);
+        let mut unhealthy = running.clone();
+        unhealthy.error = Some("liveness probe tcp 127.0.0.1:1: connect: refused".into());
+        let events = diff(Some(&running), &unhealthy, SystemTime::UNIX_EPOCH);
+        assert_eq!((events.len(), events[0].event), (1, "unhealthy"));
+        assert_eq!(events[0].detail, unhealthy.error);
+        assert_eq!(names(Some(&unhealthy), &unhealthy), []);
+        // Without a readiness check a proxy is running once it runs: started, not ready.
+        assert_eq!(names(Some(&status(ProxyState::Starting, None, 0)), &running), [("started", Some(10))]);
     }
 }

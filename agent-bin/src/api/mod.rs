@@ -186,6 +186,9 @@ pub(crate) fn status_dto(status: &ProxyStatus) -> ProxyStatusDto {
         started_at: status.started_at.map(dto::rfc3339),
         last_exit: status.last_exit,
         error: status.error.clone(),
+        ready: status.ready(),
+        status_text: status.status_text.clone(),
+        resources: None,
     }
 }
 

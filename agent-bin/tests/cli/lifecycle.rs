@@ -309,15 +309,31 @@ fn status_prints_a_table_and_exact_json() {
         .arg(&dirs.data)
         .assert()
         .code(0)
-        .stdout(predicate::str::starts_with("ID         SERVICE  STATE    PID"))
+        .stdout(predicate::str::starts_with("ID         SERVICE  STATE    READY  PID"))
         .stdout(predicate::str::contains("web-proxy  web      running"));
     let output = tether().args(["status", "--json", "--data-dir"]).arg(&dirs.data).output().unwrap();
     let json: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
     let entry = json.as_array().unwrap()[0].as_object().unwrap();
     let mut keys: Vec<&str> = entry.keys().map(String::as_str).collect();
     keys.sort_unstable();
-    assert_eq!(keys, ["error", "id", "last_exit", "pid", "restarts", "service", "started_at", "state"]);
+    assert_eq!(
+        keys,
+        [
+            "error",
+            "id",
+            "last_exit",
+            "pid",
+            "ready",
+            "resources",
+            "restarts",
+            "service",
+            "started_at",
+            "state",
+            "status_text"
+        ]
+    );
     assert!(entry["pid"].is_number() && entry["error"].is_null() && entry["last_exit"].is_null());
+    assert!(entry["ready"] == true && entry["status_text"].is_null() && entry["resources"].is_null());
     let started = entry["started_at"].as_str().unwrap();
     assert!(humantime::parse_rfc3339(started).is_ok(), "{started}");
 }

@@ -8,6 +8,7 @@ mod builtin;
 mod datadir;
 mod faults;
 mod fleet;
+mod health;
 mod lifecycle;
 mod limits;
 mod operations;

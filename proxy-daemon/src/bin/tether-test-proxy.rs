@@ -12,6 +12,9 @@
 //! - `--print-cwd`: print the working directory to stdout.
 //! - `--write-bytes N`: write N bytes of output (lines of `x`) to stdout.
 //! - `--exit N`: exit with code N.
+//! - `--delay MS`: sleep MS milliseconds.
+//! - `--serve-http ADDR`: listen on the TCP address ADDR and answer every request with
+//!   `200 OK`, from a thread, while the flags after it go on.
 //! - `--sleep` (also the default at the end): sleep until killed.
 
 #![deny(unsafe_code)]
@@ -39,6 +42,10 @@ fn main() {
                 let _ = std::io::stdout().flush();
                 std::process::exit(value().parse().unwrap_or_else(|_| fail("bad exit code")));
             }
+            "--delay" => {
+                std::thread::sleep(Duration::from_millis(value().parse().unwrap_or_else(|_| fail("bad delay"))));
+            }
+            "--serve-http" => serve_http(&value()),
             "--sleep" => sleep_forever(),
             other => fail(&format!("unknown flag {other}")),
         }
@@ -56,6 +63,20 @@ fn sleep_forever() -> ! {
     loop {
         std::thread::sleep(Duration::from_secs(3600));
     }
+}
+
+fn serve_http(address: &str) {
+    use std::io::Read;
+    let listener =
+        std::net::TcpListener::bind(address).unwrap_or_else(|e| fail(&format!("cannot listen on {address}: {e}")));
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            let mut request = [0_u8; 1024];
+            let _ = stream.read(&mut request);
+            let _ = stream.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nConnection: close\r\n\r\nok\n");
+        }
+    });
 }
 
 fn ignore_sigint() {

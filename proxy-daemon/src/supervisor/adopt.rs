@@ -157,7 +157,7 @@ impl Supervisor {
         };
         tracing::info!("process adopted");
         let identity = self.shared.identity(pid, stat.pgid, Some(stat.start_time));
-        Some(self.supervise(spec, instance, ProcessStatus::running(pid, started_at, identity), write_pid_file))
+        Some(self.supervise(spec, instance, ProcessStatus::running(pid, started_at, identity, true), write_pid_file))
     }
 }
 

@@ -1,0 +1,137 @@
+//! Running one health probe against an instance: `tcp`, `http` and `exec` (SPEC.md's
+//! "Health"), each bounded by its timeout.
+//!
+//! This module owns probe I/O and nothing else: when to probe, and what a result means for
+//! the process, is `supervisor/checks.rs`'s. An `exec` probe starts through the one spawn
+//! path, like the proxy, and leaves nothing running however it ends: a probe that outlives
+//! its timeout, or whose future is dropped, has its process group killed.
+
+use std::ffi::OsString;
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use tether_state::{CommandLine, HttpTarget, Probe, TcpTarget};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use crate::proc::{self, Pidfd};
+use crate::spawn::{self, Spawned};
+use crate::spec::ProcessSpec;
+
+/// How a probe went: `Err` says what it saw, for the proxy's `error`.
+pub(crate) type Outcome = Result<(), String>;
+
+/// The variable that proves a process to be a proxy's instance; a probe does not get it, so
+/// that a probe's process is never taken for an instance of the proxy.
+const TOKEN_VAR: &str = "TETHER_PROXY_TOKEN";
+
+/// Runs `probe` once against the instance of `spec`, within `timeout`.
+///
+/// `notify`, `log_line` and `fd` are not probed here: they are told by the instance itself.
+pub(crate) async fn run(probe: &Probe, timeout: Duration, spec: &ProcessSpec) -> Outcome {
+    let probing = async {
+        match probe {
+            Probe::Tcp(target) => tcp(target).await,
+            Probe::Http(target) => http(target).await,
+            Probe::Exec(command) => exec(command, spec).await,
+            other => Err(format!("a {} probe is not run by the agent", other.kind())),
+        }
+    };
+    match tokio::time::timeout(timeout, probing).await {
+        Ok(outcome) => outcome,
+        Err(_elapsed) => Err(format!("no answer within {}", humantime::format_duration(timeout))),
+    }
+}
+
+async fn tcp(target: &TcpTarget) -> Outcome {
+    TcpStream::connect(target.as_str()).await.map(drop).map_err(|err| format!("connect: {err}"))
+}
+
+/// The longest status line read: `HTTP/1.1 200 OK` and a generous reason phrase.
+const MAX_STATUS_LINE: usize = 256;
+
+/// A `GET` over HTTP/1.1 with `Connection: close`; 2xx passes. Only the status line is read:
+/// a probe needs no HTTP client, and a full one in the supervisor would cost more than the
+/// probe.
+async fn http(target: &HttpTarget) -> Outcome {
+    let mut stream = TcpStream::connect(target.authority().as_str()).await.map_err(|err| format!("connect: {err}"))?;
+    let request = format!(
+        "GET {} HTTP/1.1\r\nHost: {}\r\nUser-Agent: tether-probe\r\nAccept: */*\r\nConnection: close\r\n\r\n",
+        target.path(),
+        target.authority()
+    );
+    stream.write_all(request.as_bytes()).await.map_err(|err| format!("send: {err}"))?;
+    let mut head = Vec::with_capacity(64);
+    let mut buffer = [0_u8; 128];
+    while !head.contains(&b'\n') && head.len() < MAX_STATUS_LINE {
+        let read = stream.read(&mut buffer).await.map_err(|err| format!("receive: {err}"))?;
+        if read == 0 {
+            break;
+        }
+        head.extend_from_slice(&buffer[..read]);
+    }
+    let line = String::from_utf8_lossy(&head);
+    let line = line.lines().next().unwrap_or_default();
+    let mut words = line.split(' ');
+    let status = match (words.next(), words.next()) {
+        (Some(version), Some(code)) if version.starts_with("HTTP/1.") && code.len() == 3 => code.parse::<u16>().ok(),
+        _ => None,
+    };
+    match status {
+        Some(200..=299) => Ok(()),
+        Some(code) => Err(format!("HTTP status {code}")),
+        None => Err(format!("not an HTTP answer: {:?}", line.chars().take(64).collect::<String>())),
+    }
+}
+
+/// The probe's process: killed with its group, and reaped, however the probe ends.
+struct ProbeProcess {
+    spawned: Option<Spawned>,
+}
+
+impl Drop for ProbeProcess {
+    fn drop(&mut self) {
+        let Some(Spawned { mut child, pid, pidfd }) = self.spawned.take() else { return };
+        // Not reaped yet, so the group id is still this process's.
+        let _gone = proc::signal_group(pid, Signal::SIGKILL);
+        reap_later(child.try_wait().ok().flatten().is_none().then_some((child, pidfd)));
+    }
+}
+
+/// Reaps a killed probe once its pidfd says it exited, off the caller's path.
+fn reap_later(pending: Option<(std::process::Child, Pidfd)>) {
+    let Some((mut child, pidfd)) = pending else { return };
+    tokio::spawn(async move {
+        if pidfd.exited().await.is_ok() {
+            let _status = child.try_wait();
+        }
+    });
+}
+
+async fn exec(command: &CommandLine, spec: &ProcessSpec) -> Outcome {
+    let mut probe = spec.clone();
+    probe.program = command.program().to_owned();
+    probe.args = command.args().iter().map(OsString::from).collect();
+    probe.env.retain(|(key, _)| key != TOKEN_VAR);
+    let spawned = spawn::spawn(&probe).map_err(|err| format!("cannot start: {}", tether_state::error_chain(&err)))?;
+    let mut process = ProbeProcess { spawned: Some(spawned) };
+    let exited = match &process.spawned {
+        Some(spawned) => spawned.pidfd.exited().await,
+        None => return Err("the probe vanished".to_owned()),
+    };
+    exited.map_err(|err| format!("cannot watch the probe: {err}"))?;
+    let Some(Spawned { mut child, pid, .. }) = process.spawned.take() else {
+        return Err("the probe vanished".to_owned());
+    };
+    // Whatever it left in its group goes with it.
+    let _empty = proc::signal_group(pid, Signal::SIGKILL);
+    match child.try_wait() {
+        Ok(Some(status)) if status.success() => Ok(()),
+        Ok(Some(status)) => match tether_state::ExitReason::from_status(status) {
+            Some(reason) => Err(reason.to_string()),
+            None => Err(format!("ended with {status}")),
+        },
+        Ok(None) => Err("cannot read the probe's exit status".to_owned()),
+        Err(err) => Err(format!("cannot reap the probe: {err}")),
+    }
+}

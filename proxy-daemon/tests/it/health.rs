@@ -1,0 +1,125 @@
+//! Health checks with real processes: readiness gating `running`, liveness restarting an
+//! instance that stops answering, and exec probes bounded by their timeout.
+
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use tether_proxy_daemon::{HealthChecks, ProcessState};
+use tether_state::{CommandLine, HttpTarget, Liveness, Probe, Readiness, TcpTarget};
+
+use crate::support::*;
+
+/// A loopback address with a port that nothing listens on now.
+fn free_address() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap().to_string()
+}
+
+fn cmdline(pid: u32) -> String {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|raw| String::from_utf8_lossy(&raw).replace('\0', " "))
+        .unwrap_or_default()
+}
+
+#[tokio::test]
+async fn an_instance_is_starting_until_its_readiness_probe_passes() {
+    let fx = Fixture::new();
+    let address = free_address();
+    let mut spec = fx.spec("late-proxy", &["--delay", "1500", "--serve-http", &address]);
+    let mut readiness = Readiness::new(Probe::Tcp(TcpTarget::parse(&address).unwrap()));
+    readiness.interval = Duration::from_millis(100);
+    spec.health = HealthChecks { readiness: Some(readiness), liveness: None };
+    let handle = fx.supervisor.spawn(spec).unwrap();
+    let first = handle.status();
+    assert_eq!((first.state, first.ready, first.pid.is_some()), (ProcessState::Starting, false, true));
+
+    let refused = status_where(&handle, "a failed readiness probe", |status| status.error.is_some()).await;
+    assert_eq!(refused.state, ProcessState::Starting);
+    let error = refused.error.unwrap();
+    assert!(error.starts_with(&format!("readiness probe tcp {address}: connect: ")), "{error}");
+    assert!(std::net::TcpStream::connect(&address).is_err(), "it does not listen yet, so it cannot be ready");
+
+    let ready = status_where(&handle, "readiness", |status| status.state == ProcessState::Running).await;
+    assert!(ready.ready);
+    assert_eq!(ready.error, None, "a passed readiness clears its probe's error");
+    assert_eq!(ready.pid, first.pid);
+    std::net::TcpStream::connect(&address).expect("ready means it listens");
+    within("stop", handle.stop()).await;
+}
+
+#[tokio::test]
+async fn an_instance_that_stops_answering_is_restarted_after_its_liveness_failures() {
+    let fx = Fixture::new();
+    let address = free_address();
+    let mut spec = fx.spec("stuck-proxy", &["--serve-http", &address]);
+    let mut liveness = Liveness::new(Probe::Http(HttpTarget::parse(&format!("http://{address}/health")).unwrap()));
+    (liveness.interval, liveness.timeout, liveness.failures) = (Duration::from_secs(1), Duration::from_millis(200), 2);
+    // Ready once it listens, so that the stop below finds it serving.
+    let mut readiness = Readiness::new(Probe::Tcp(TcpTarget::parse(&address).unwrap()));
+    readiness.interval = Duration::from_millis(50);
+    spec.health = HealthChecks { readiness: Some(readiness), liveness: Some(liveness) };
+    spec.kill.timeout = Duration::from_millis(300);
+    let handle = fx.supervisor.spawn(spec).unwrap();
+    let first = status_where(&handle, "running", |status| status.state == ProcessState::Running).await.pid.unwrap();
+
+    // Stopped, it keeps its socket (connects succeed) but answers nothing.
+    send(first, Signal::SIGSTOP);
+    let second = restarted(&handle, first).await;
+    let status = handle.status();
+    assert_eq!(status.restarts, 1);
+    let error = status.error.expect("the restart says why");
+    assert_eq!(
+        error,
+        format!("liveness probe http http://{address}/health failed 2 times in a row: no answer within 200ms")
+    );
+    eventually("the stuck instance to be gone", || is_dead(first)).await;
+
+    // The new instance answers: its first passing probe clears the error.
+    let healthy = status_where(&handle, "a passing liveness probe", |status| status.error.is_none()).await;
+    assert_eq!((healthy.pid, healthy.state), (Some(second), ProcessState::Running));
+    within("stop", handle.stop()).await;
+}
+
+#[tokio::test]
+async fn an_exec_probe_that_hangs_is_killed_at_its_timeout() {
+    let fx = Fixture::new();
+    let mut spec = fx.spec("slow-check-proxy", &["--sleep"]);
+    let probe = Probe::Exec(CommandLine::from_words(vec!["/bin/sleep".into(), "30".into()]).unwrap());
+    let mut readiness = Readiness::new(probe);
+    (readiness.interval, readiness.timeout) = (Duration::from_millis(400), Duration::from_millis(300));
+    spec.health = HealthChecks { readiness: Some(readiness), liveness: None };
+    let handle = fx.supervisor.spawn(spec).unwrap();
+    let proxy = handle.status().pid.unwrap();
+
+    let mut probe_pid = None;
+    eventually("a probe process", || {
+        probe_pid =
+            fx.marked_processes().into_iter().find(|&pid| pid != proxy && cmdline(pid).starts_with("/bin/sleep 30"));
+        probe_pid.is_some()
+    })
+    .await;
+    let status = status_where(&handle, "the probe's timeout", |status| status.error.is_some()).await;
+    assert_eq!(status.error.as_deref(), Some("readiness probe exec /bin/sleep: no answer within 300ms"));
+    assert_eq!(status.state, ProcessState::Starting);
+    eventually("the hung probe to be killed", || is_dead(probe_pid.unwrap())).await;
+
+    // A stop ends a probe in flight too.
+    within("stop", handle.stop()).await;
+    eventually("no process left", || fx.marked_processes().iter().all(|&pid| is_dead(pid))).await;
+}
+
+#[tokio::test]
+async fn an_exec_probe_runs_like_the_proxy_and_passes_on_exit_zero() {
+    let fx = Fixture::new();
+    let mut spec = fx.spec("checked-proxy", &["--sleep"]);
+    // The probe sees the proxy's environment, but not its token.
+    let check = "test -n \"$TETHER_PROXY_ID\" && test -z \"$TETHER_PROXY_TOKEN\"";
+    let probe = Probe::Exec(CommandLine::from_words(vec!["/bin/sh".into(), "-c".into(), check.into()]).unwrap());
+    let mut readiness = Readiness::new(probe);
+    readiness.interval = Duration::from_millis(100);
+    spec.health = HealthChecks { readiness: Some(readiness), liveness: None };
+    let handle = fx.supervisor.spawn(spec).unwrap();
+    let ready = status_where(&handle, "readiness", |status| status.ready).await;
+    assert_eq!((ready.state, ready.error), (ProcessState::Running, None));
+    within("stop", handle.stop()).await;
+}
