@@ -182,6 +182,26 @@ async fn follow_config(
     Ok(())
 }
 
+/// Tells the agent, through systemd's notification protocol, that the proxy is ready and
+/// where it listens, if `NOTIFY_SOCKET` names a socket (its readiness check is `notify`).
+fn notify_ready(bind: &str) {
+    use std::os::linux::net::SocketAddrExt;
+    use std::os::unix::net::{SocketAddr, UnixDatagram};
+    let Some(target) = std::env::var_os("NOTIFY_SOCKET") else { return };
+    let target = target.to_string_lossy();
+    let address = match target.strip_prefix('@') {
+        Some(name) => SocketAddr::from_abstract_name(name.as_bytes()),
+        None => SocketAddr::from_pathname(target.as_ref()),
+    };
+    let sent = address.and_then(|address| {
+        let socket = UnixDatagram::unbound()?;
+        socket.send_to_addr(format!("READY=1\nSTATUS=listening on {bind}").as_bytes(), &address)
+    });
+    if let Err(error) = sent {
+        tracing::warn!(socket = %target, %error, "cannot notify readiness");
+    }
+}
+
 /// Listens on the route's bind address and forwards every connection to its upstream.
 async fn serve(mut route: watch::Receiver<Option<Route>>, stop: CancellationToken) -> anyhow::Result<()> {
     let mut connections = JoinSet::new();
@@ -193,6 +213,10 @@ async fn serve(mut route: watch::Receiver<Option<Route>>, stop: CancellationToke
                 match TcpListener::bind(&wanted.bind).await {
                     Ok(bound) => {
                         tracing::info!(bind = %wanted.bind, "listening");
+                        if listener.is_none() {
+                            // Ready once it listens (readiness `notify = true`).
+                            notify_ready(&wanted.bind);
+                        }
                         listener = Some((wanted.bind.clone(), bound));
                     }
                     Err(err) => {

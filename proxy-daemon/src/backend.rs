@@ -66,7 +66,8 @@ impl OsProcessBackend {
     /// When called outside a tokio runtime.
     pub fn new(data: DataDir, environment: AgentEnvironment) -> std::io::Result<Self> {
         let found = Mutex::default();
-        Ok(Self { shared: Arc::new(Shared { supervisor: Supervisor::new()?, data, environment, found }) })
+        let supervisor = Supervisor::with_notify_socket(data.notify_address())?;
+        Ok(Self { shared: Arc::new(Shared { supervisor, data, environment, found }) })
     }
 
     /// The process spec that runs `proxy`, as SPEC describes it: own environment (agent's

@@ -43,6 +43,7 @@ mod backend;
 mod backoff;
 mod control;
 mod error;
+mod notify;
 mod pidfile;
 mod probe;
 mod proc;

@@ -21,6 +21,7 @@ use tracing::Instrument;
 use crate::backoff;
 use crate::control::{self, Commands};
 use crate::error::{DetachError, SpawnError};
+use crate::notify::NotifyHub;
 use crate::pidfile::PidFiles;
 use crate::proc::{self, Identity, Pidfd};
 use crate::rotate::Rotator;
@@ -54,6 +55,8 @@ struct Shared {
     pid_files: PidFiles,
     rotator: Rotator,
     next_key: AtomicU64,
+    /// The notification socket of every supervised process (bound on first use).
+    notify: Arc<NotifyHub>,
 }
 
 impl std::fmt::Debug for Supervisor {
@@ -74,14 +77,43 @@ impl Supervisor {
     ///
     /// When called outside a tokio runtime.
     pub fn new() -> io::Result<Self> {
+        let nonce = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().subsec_nanos();
+        Self::with_notify_socket(format!("@tether-notify-{}-{nonce:08x}", std::process::id()))
+    }
+
+    /// [`Supervisor::new`], with the notification socket at `address`: an abstract socket
+    /// name, `@` and up to 107 bytes. A caller that adopts processes after a restart gives
+    /// the same address each time, so that adopted processes still reach it.
+    ///
+    /// # Errors
+    ///
+    /// As [`Supervisor::new`].
+    ///
+    /// # Panics
+    ///
+    /// When called outside a tokio runtime.
+    pub fn with_notify_socket(address: impl Into<String>) -> io::Result<Self> {
         let shared = Shared {
             boot_id: proc::read_boot_id()?,
             boot_time: read_boot_time(),
             pid_files: PidFiles::start()?,
             rotator: Rotator::start()?,
             next_key: AtomicU64::new(0),
+            notify: Arc::new(NotifyHub::new(address.into())),
         };
         Ok(Self { shared: Arc::new(shared) })
+    }
+
+    /// The notification socket's address, as `NOTIFY_SOCKET` tells it to processes whose
+    /// checks use `notify`.
+    pub fn notify_socket(&self) -> &str {
+        self.shared.notify.address()
+    }
+
+    /// Notifications ignored so far because their sender was no supervised instance (nor in
+    /// one's process group).
+    pub fn foreign_notifications(&self) -> u64 {
+        self.shared.notify.foreign()
     }
 
     /// Starts `spec` and supervises it. Returns once the process exists.
@@ -95,7 +127,15 @@ impl Supervisor {
     /// # Panics
     ///
     /// When called outside a tokio runtime.
-    pub fn spawn(&self, spec: ProcessSpec) -> Result<ProcessHandle, SpawnError> {
+    pub fn spawn(&self, mut spec: ProcessSpec) -> Result<ProcessHandle, SpawnError> {
+        checks::set_notify_env(&mut spec, self.shared.notify.address());
+        if checks::uses_notify(&spec.health) {
+            // Bound before the process exists, so that its first notice finds the socket.
+            // Should it fail, the instance's checks report it.
+            if let Err(error) = self.shared.notify.ensure_bound() {
+                tracing::warn!(%error, address = %self.shared.notify.address(), "cannot bind the notification socket");
+            }
+        }
         let Spawned { child, pid, pidfd } = spawn::spawn(&spec)?;
         tracing::info!(proxy = %spec.name, pid, program = %spec.program.display(), "process started");
         // Our child is not reaped until we wait for it, so its /proc entry is its own.
@@ -109,11 +149,14 @@ impl Supervisor {
 
     fn supervise(
         &self,
-        spec: ProcessSpec,
+        mut spec: ProcessSpec,
         instance: Instance,
         status: ProcessStatus,
         write_pid_file: bool,
     ) -> ProcessHandle {
+        // The instances it restarts are told the notification socket (an adopted one was
+        // told by whoever started it).
+        checks::set_notify_env(&mut spec, self.shared.notify.address());
         let key = self.shared.next_key.fetch_add(1, Ordering::Relaxed);
         if write_pid_file {
             self.shared.pid_files.write(&spec.pid_file, instance.pid);
@@ -342,7 +385,7 @@ impl Task {
     /// Supervises `instance` (`ready` when it needs no readiness check, or was adopted) and
     /// every instance after it, until a stop, a detach or a dropped handle.
     async fn run(mut self, mut instance: Instance, ready: bool) {
-        let mut checks = Checks::new(&self.spec, ready, instance.pid);
+        let mut checks = Checks::new(&self.spec, ready, instance.pid, instance.pgid, &self.shared.notify);
         loop {
             let event = tokio::select! {
                 // Every branch is cancel-safe: `recv` loses no command, a pidfd stays
@@ -360,7 +403,13 @@ impl Task {
                         let _unsignalled = self.terminate(&instance).await;
                         match Box::pin(self.restart_after_exit(instance, Some(message))).await {
                             Some(next) => {
-                                checks = Checks::new(&self.spec, checks::starts_ready(&self.spec), next.pid);
+                                checks = Checks::new(
+                                    &self.spec,
+                                    checks::starts_ready(&self.spec),
+                                    next.pid,
+                                    next.pgid,
+                                    &self.shared.notify,
+                                );
                                 instance = next;
                             }
                             None => return,
@@ -400,7 +449,13 @@ impl Task {
                     }
                     match Box::pin(self.restart_after_exit(instance, None)).await {
                         Some(next) => {
-                            checks = Checks::new(&self.spec, checks::starts_ready(&self.spec), next.pid);
+                            checks = Checks::new(
+                                &self.spec,
+                                checks::starts_ready(&self.spec),
+                                next.pid,
+                                next.pgid,
+                                &self.shared.notify,
+                            );
                             instance = next;
                         }
                         None => return,
@@ -441,6 +496,13 @@ impl Task {
                 self.show_health_error(HealthError::Liveness, message);
             }
             Checked::Dead(message) => self.show_health_error(HealthError::Liveness, message),
+            Checked::StatusText(text) => {
+                self.status.send_if_modified(|status| {
+                    let changed = status.status_text.as_deref() != Some(text.as_str());
+                    status.status_text = Some(text);
+                    changed
+                });
+            }
         }
     }
 
@@ -467,6 +529,8 @@ impl Task {
         tracing::debug!(?update, "applied in-place update");
         if let Some(health) = update.health {
             self.spec.health = health;
+            // For the next instance: the running one keeps the environment it started with.
+            checks::set_notify_env(&mut self.spec, self.shared.notify.address());
         }
     }
 

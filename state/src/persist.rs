@@ -186,6 +186,17 @@ impl DataDir {
         (logs.join(stdout), logs.join(stderr))
     }
 
+    /// The abstract address of the supervisor's notification socket (`NOTIFY_SOCKET`):
+    /// `@tether-notify-` and a digest of the data dir's path, so that it is the same for
+    /// every agent on this data dir (proxies they adopt still reach it) and differs between
+    /// data dirs.
+    pub fn notify_address(&self) -> String {
+        use sha2::{Digest, Sha256};
+        let digest = Sha256::digest(self.root().as_os_str().as_encoded_bytes());
+        let hex: String = digest.iter().take(12).map(|byte| format!("{byte:02x}")).collect();
+        format!("@tether-notify-{hex}")
+    }
+
     /// `agent.sock`: the control socket.
     pub fn socket_path(&self) -> PathBuf {
         self.root().join("agent.sock")

@@ -35,7 +35,9 @@ pub(crate) async fn run(
     let demo = format!(
         "# The embedded demo of `tether agent --dev`.\n\
          [[service]]\nname = \"demo\"\naddress = \"127.0.0.1\"\nport = {upstream_port}\ntags = [\"dev\"]\n\n\
-         [service.proxy]\nconfig = {{ bind_port = {proxy_port} }}\n"
+         [service.proxy]\nconfig = {{ bind_port = {proxy_port} }}\n\n\
+         # Running means ready: the built-in proxy says so once it listens.\n\
+         [service.proxy.readiness]\nnotify = true\n"
     );
     std::fs::write(config_dir.join("demo.toml"), demo).context("writing the demo config")?;
 

@@ -297,6 +297,13 @@ fn dev_mode_serves_the_demo_through_the_built_in_proxy_and_leaves_nothing_behind
     });
     assert!(answer.starts_with("HTTP/1.1 200 OK"), "{answer}");
     assert!(answer.contains("hello from the tether demo upstream"), "{answer}");
+    // The demo's readiness is `notify`: the built-in proxy said READY=1 once it listened.
+    let socket = data_dir.join("agent.sock");
+    let demo = wait_for("the demo proxy ready", || {
+        get(&socket, "/v1/agent/proxy/demo-proxy").ok().map(|r| r.json()).filter(|p| p["ready"] == true)
+    });
+    assert_eq!(demo["state"], "running", "{demo}");
+    assert_eq!(demo["status_text"], format!("listening on 127.0.0.1:{port}"), "{demo}");
 
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(guard.0.id() as i32), Signal::SIGINT).unwrap();
     let status = wait_for("the dev agent to exit", || guard.0.try_wait().unwrap());

@@ -13,6 +13,9 @@
 //! - `--write-bytes N`: write N bytes of output (lines of `x`) to stdout.
 //! - `--exit N`: exit with code N.
 //! - `--delay MS`: sleep MS milliseconds.
+//! - `--notify TEXT`: send TEXT as one datagram to `NOTIFY_SOCKET` (sd_notify).
+//! - `--watchdog MS COUNT`: send `WATCHDOG=1` every MS milliseconds, COUNT times, from a
+//!   thread, while the flags after it go on.
 //! - `--serve-http ADDR`: listen on the TCP address ADDR and answer every request with
 //!   `200 OK`, from a thread, while the flags after it go on.
 //! - `--sleep` (also the default at the end): sleep until killed.
@@ -46,6 +49,17 @@ fn main() {
                 std::thread::sleep(Duration::from_millis(value().parse().unwrap_or_else(|_| fail("bad delay"))));
             }
             "--serve-http" => serve_http(&value()),
+            "--notify" => notify(&value()),
+            "--watchdog" => {
+                let every = Duration::from_millis(value().parse().unwrap_or_else(|_| fail("bad watchdog interval")));
+                let count: u32 = value().parse().unwrap_or_else(|_| fail("bad watchdog count"));
+                std::thread::spawn(move || {
+                    for _ in 0..count {
+                        notify("WATCHDOG=1");
+                        std::thread::sleep(every);
+                    }
+                });
+            }
             "--sleep" => sleep_forever(),
             other => fail(&format!("unknown flag {other}")),
         }
@@ -63,6 +77,19 @@ fn sleep_forever() -> ! {
     loop {
         std::thread::sleep(Duration::from_secs(3600));
     }
+}
+
+fn notify(text: &str) {
+    use std::os::linux::net::SocketAddrExt;
+    use std::os::unix::net::{SocketAddr, UnixDatagram};
+    let target = std::env::var("NOTIFY_SOCKET").unwrap_or_else(|_| fail("no NOTIFY_SOCKET"));
+    let address = match target.strip_prefix('@') {
+        Some(name) => SocketAddr::from_abstract_name(name.as_bytes()),
+        None => SocketAddr::from_pathname(&target),
+    }
+    .unwrap_or_else(|e| fail(&format!("bad NOTIFY_SOCKET {target}: {e}")));
+    let socket = UnixDatagram::unbound().unwrap_or_else(|e| fail(&format!("socket: {e}")));
+    socket.send_to_addr(text.as_bytes(), &address).unwrap_or_else(|e| fail(&format!("notify {target}: {e}")));
 }
 
 fn serve_http(address: &str) {

@@ -1,32 +1,38 @@
 //! When to probe an instance, and what the results mean: its readiness until the first
-//! pass, then its liveness, with a failure count (SPEC.md's "Health").
+//! pass, then its liveness, with a failure count (SPEC.md's "Health"). Polled probes
+//! (`tcp`, `http`, `exec`) run on a timer; `notify` checks wait for the instance's own
+//! notices (`READY=1`, and `WATCHDOG=1` at least once per interval).
 //!
 //! This module owns the schedule of one instance's checks and nothing else: the supervising
 //! task turns a [`Checked`] into a status or a restart. An instance without checks costs
 //! nothing: [`Checks::next`] then never wakes.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use tether_state::{Liveness, Probe, Readiness};
 use tokio::time::Instant;
 
+use crate::notify::{Notice, NotifyHub, Route};
 use crate::probe;
 use crate::spec::ProcessSpec;
 
 /// What a check found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum Checked {
-    /// The readiness probe passed: the instance is ready.
+    /// The readiness check passed: the instance is ready.
     Ready,
-    /// A readiness probe failed; probing goes on.
+    /// A readiness probe failed; checking goes on.
     NotReady(String),
-    /// A liveness probe passed; `recovered` when failures preceded it.
+    /// A liveness check passed; `recovered` when failures preceded it.
     Alive { recovered: bool },
-    /// A liveness probe failed, `failures` in a row, fewer than the threshold.
+    /// A liveness check failed, `failures` in a row, fewer than the threshold.
     Unhealthy { failures: u32, message: String },
     /// Liveness failed `failures` times in a row: the instance must be restarted. The
-    /// message says which probe and what it saw.
+    /// message says which check and what it saw.
     Dead(String),
+    /// The instance says this of itself (`STATUS=`).
+    StatusText(String),
 }
 
 /// The checks of one instance.
@@ -34,37 +40,53 @@ pub(super) struct Checks {
     /// Still to pass; `None` once ready (or when there is none).
     readiness: Option<Readiness>,
     liveness: Option<Liveness>,
-    /// Failed liveness probes in a row.
+    /// Failed liveness checks in a row.
     failures: u32,
-    /// When the next probe runs; `None` when nothing is probed.
+    /// When the next probe runs, or the watchdog expires; `None` when nothing is timed.
     next: Option<Instant>,
+    /// The instance's notices, when a check listens to them.
+    notices: Option<Route>,
+    /// What to report first: the notices cannot be received.
+    broken: Option<String>,
     /// Spreads the probes of many instances over their interval.
     seed: u64,
 }
 
 impl Checks {
-    /// The checks of a new instance of `spec`: readiness first, unless `ready` (an adopted
-    /// instance is not asked again), then liveness. `seed` (its pid) places its probes in
-    /// their interval.
-    pub(super) fn new(spec: &ProcessSpec, ready: bool, seed: u32) -> Self {
-        let readiness = if ready { None } else { spec.health.readiness.clone().filter(|r| is_polled(&r.probe)) };
+    /// The checks of a new instance of `spec` in the process group `pgid`: readiness first,
+    /// unless `ready` (an adopted instance is not asked again), then liveness. `seed` (its
+    /// pid) places its probes in their interval. Notices are routed from `hub` when a check
+    /// listens to them.
+    pub(super) fn new(spec: &ProcessSpec, ready: bool, seed: u32, pgid: u32, hub: &Arc<NotifyHub>) -> Self {
+        let readiness = if ready { None } else { spec.health.readiness.clone().filter(|r| is_checked(&r.probe)) };
         let mut checks = Self {
             readiness,
             liveness: None,
             failures: 0,
             next: None,
+            notices: None,
+            broken: None,
             seed: u64::from(seed).wrapping_mul(0x9E37_79B9),
         };
         checks.set_liveness(spec.health.liveness.clone());
+        if uses_notify(&spec.health) {
+            match hub.register(pgid) {
+                Ok(route) => checks.notices = Some(route),
+                Err(error) => {
+                    checks.broken = Some(format!("cannot receive notifications on {}: {error}", hub.address()))
+                }
+            }
+        }
         checks.schedule_first();
         checks
     }
 
     /// Applies changed checks to the running instance: a readiness that already passed is
-    /// not asked again; liveness starts over.
+    /// not asked again; liveness starts over. (Whether the instance's notices are received
+    /// was settled when it started, with its environment.)
     pub(super) fn update(&mut self, readiness: Option<Readiness>, liveness: Option<Liveness>) {
         if self.readiness.is_some() {
-            self.readiness = readiness.filter(|r| is_polled(&r.probe));
+            self.readiness = readiness.filter(|r| is_checked(&r.probe));
         }
         self.set_liveness(liveness);
         self.failures = 0;
@@ -72,10 +94,10 @@ impl Checks {
     }
 
     fn set_liveness(&mut self, liveness: Option<Liveness>) {
-        self.liveness = liveness.filter(|l| is_polled(&l.probe));
+        self.liveness = liveness.filter(|l| l.probe.checks_liveness());
     }
 
-    /// The interval and timeout of the probe that runs next.
+    /// The check that runs now: readiness until it passed, then liveness.
     fn current(&self) -> Option<(&Probe, Duration, Duration)> {
         match (&self.readiness, &self.liveness) {
             (Some(r), _) => Some((&r.probe, r.interval, r.timeout)),
@@ -84,15 +106,18 @@ impl Checks {
         }
     }
 
-    /// The first probe: readiness at once plus a jitter of up to a tenth of its interval (a
-    /// new instance is rarely ready at once, and its starter waits for it); liveness after
-    /// a whole interval plus a jitter of up to a quarter.
+    /// The first timer: a polled readiness probe at once plus a jitter of up to a tenth of
+    /// its interval (a new instance is rarely ready at once, and its starter waits for it);
+    /// liveness after a whole interval plus a jitter of up to a quarter (a watchdog, after
+    /// exactly one interval). A `notify` readiness has no timer: the instance says when.
     fn schedule_first(&mut self) {
-        self.next = self.current().map(|(_, interval, _)| {
-            let (base, spread) =
-                if self.readiness.is_some() { (Duration::ZERO, interval / 10) } else { (interval, interval / 4) };
-            Instant::now() + base + self.jitter(spread)
-        });
+        self.next = match self.current() {
+            None => None,
+            Some((Probe::Notify, _, _)) if self.readiness.is_some() => None,
+            Some((Probe::Notify, interval, _)) => Some(Instant::now() + interval),
+            Some((_, interval, _)) if self.readiness.is_some() => Some(Instant::now() + self.jitter(interval / 10)),
+            Some((_, interval, _)) => Some(Instant::now() + interval + self.jitter(interval / 4)),
+        };
     }
 
     fn jitter(&self, spread: Duration) -> Duration {
@@ -100,21 +125,78 @@ impl Checks {
         if spread_ns == 0 { Duration::ZERO } else { Duration::from_nanos(self.seed % spread_ns) }
     }
 
-    /// Waits for the next probe, runs it against the instance of `spec`, and says what it
-    /// found. Never returns when nothing is probed.
+    /// Waits for the next probe or notice, and says what it found. Never returns when
+    /// nothing is checked.
     ///
     /// # Cancel safety
     ///
-    /// Cancel-safe: a dropped call changes nothing (a probe process it started is killed),
-    /// and the next call probes at once if the time has come.
+    /// Cancel-safe: a dropped call changes nothing (a probe process it started is killed,
+    /// a notice stays queued), and the next call probes at once if the time has come.
     pub(super) async fn next(&mut self, spec: &ProcessSpec) -> Checked {
-        let Some(at) = self.next else { return std::future::pending().await };
-        tokio::time::sleep_until(at).await;
+        if let Some(broken) = self.broken.take() {
+            return if self.readiness.is_some() {
+                Checked::NotReady(broken)
+            } else {
+                Checked::Unhealthy { failures: 0, message: broken }
+            };
+        }
+        loop {
+            let timer = self.next;
+            let notice = async {
+                match self.notices.as_mut() {
+                    Some(route) => route.notices.recv().await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                notice = notice => match notice {
+                    Some(notice) => {
+                        if let Some(checked) = self.noticed(notice) {
+                            return checked;
+                        }
+                    }
+                    None => self.notices = None,
+                },
+                () = sleep_until(timer) => return self.timed(spec).await,
+            }
+        }
+    }
+
+    /// What `notice` means for the checks, if anything.
+    fn noticed(&mut self, notice: Notice) -> Option<Checked> {
+        let readiness_notify = matches!(&self.readiness, Some(r) if r.probe == Probe::Notify);
+        let liveness_notify = self.readiness.is_none() && matches!(&self.liveness, Some(l) if l.probe == Probe::Notify);
+        match notice {
+            Notice::Status(text) => Some(Checked::StatusText(text)),
+            Notice::Ready if readiness_notify => {
+                self.readiness = None;
+                self.schedule_first();
+                Some(Checked::Ready)
+            }
+            Notice::Watchdog if liveness_notify => {
+                self.next = self.liveness.as_ref().map(|l| Instant::now() + l.interval);
+                let recovered = std::mem::take(&mut self.failures) > 0;
+                recovered.then_some(Checked::Alive { recovered })
+            }
+            Notice::WatchdogTrigger if liveness_notify => {
+                self.failures = 0;
+                Some(Checked::Dead("liveness: the process asked for a restart (WATCHDOG=trigger)".to_owned()))
+            }
+            _ => None,
+        }
+    }
+
+    /// The timer fired: a polled probe runs, or a watchdog expired.
+    async fn timed(&mut self, spec: &ProcessSpec) -> Checked {
         let Some((probe, interval, timeout)) = self.current().map(|(p, i, t)| (p.clone(), i, t)) else {
+            self.next = None;
             return std::future::pending().await;
         };
         let started = Instant::now();
-        let outcome = probe::run(&probe, timeout, spec).await;
+        let outcome = match probe {
+            Probe::Notify => Err(format!("no WATCHDOG=1 within {}", humantime::format_duration(interval))),
+            _ => probe::run(&probe, timeout, spec).await,
+        };
         // The next probe an interval after this one began: a slow probe does not shift the
         // schedule by its own duration.
         self.next = Some(started + interval);
@@ -146,14 +228,39 @@ impl Checks {
     }
 }
 
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
 /// Whether a new instance of `spec` is ready once it runs: it has no readiness check that
 /// the supervisor runs.
 pub(super) fn starts_ready(spec: &ProcessSpec) -> bool {
-    spec.health.readiness.as_ref().is_none_or(|readiness| !is_polled(&readiness.probe))
+    spec.health.readiness.as_ref().is_none_or(|readiness| !is_checked(&readiness.probe))
 }
 
-/// Whether the agent polls `probe` (`tcp`, `http`, `exec`); the other kinds are told by the
-/// instance itself.
-fn is_polled(probe: &Probe) -> bool {
-    matches!(probe, Probe::Tcp(_) | Probe::Http(_) | Probe::Exec(_))
+/// Whether the supervisor checks readiness through `probe`: polled probes and `notify`.
+fn is_checked(probe: &Probe) -> bool {
+    matches!(probe, Probe::Tcp(_) | Probe::Http(_) | Probe::Exec(_) | Probe::Notify)
+}
+
+/// Whether an instance with `health` is told `NOTIFY_SOCKET`.
+pub(crate) fn uses_notify(health: &crate::spec::HealthChecks) -> bool {
+    health.readiness.as_ref().is_some_and(|r| r.probe == Probe::Notify)
+        || health.liveness.as_ref().is_some_and(|l| l.probe == Probe::Notify)
+}
+
+/// Sets `NOTIFY_SOCKET` (and, for a watchdog, `WATCHDOG_USEC`) in `spec`'s environment when
+/// its checks use notices, and removes them when they do not.
+pub(crate) fn set_notify_env(spec: &mut ProcessSpec, address: &str) {
+    spec.env.retain(|(key, _)| key != "NOTIFY_SOCKET" && key != "WATCHDOG_USEC");
+    if !uses_notify(&spec.health) {
+        return;
+    }
+    spec.env.push(("NOTIFY_SOCKET".into(), address.into()));
+    if let Some(liveness) = spec.health.liveness.as_ref().filter(|l| l.probe == Probe::Notify) {
+        spec.env.push(("WATCHDOG_USEC".into(), liveness.interval.as_micros().to_string().into()));
+    }
 }

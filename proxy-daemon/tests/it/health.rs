@@ -123,3 +123,74 @@ async fn an_exec_probe_runs_like_the_proxy_and_passes_on_exit_zero() {
     assert_eq!((ready.state, ready.error), (ProcessState::Running, None));
     within("stop", handle.stop()).await;
 }
+
+fn notify_checks(readiness: bool, liveness: Option<(u64, u32)>) -> HealthChecks {
+    HealthChecks {
+        readiness: readiness.then(|| Readiness::new(Probe::Notify)),
+        liveness: liveness.map(|(interval_ms, failures)| {
+            let mut liveness = Liveness::new(Probe::Notify);
+            (liveness.interval, liveness.failures) = (Duration::from_millis(interval_ms), failures);
+            liveness
+        }),
+    }
+}
+
+#[tokio::test]
+async fn a_notify_instance_is_ready_on_ready_1_and_shows_its_status_text() {
+    let fx = Fixture::new();
+    let mut spec = fx.spec(
+        "notify-proxy",
+        &["--print-env", "--delay", "300", "--notify", "STATUS=warming up", "--notify", "READY=1\nSTATUS=serving"],
+    );
+    spec.health = notify_checks(true, None);
+    let stdout = spec.logs.stdout.path();
+    let handle = fx.supervisor.spawn(spec).unwrap();
+    assert_eq!(handle.status().state, ProcessState::Starting);
+    let ready = status_where(&handle, "READY=1", |status| status.ready).await;
+    assert_eq!((ready.state, ready.status_text.as_deref()), (ProcessState::Running, Some("serving")));
+    let environment = std::fs::read_to_string(stdout).unwrap();
+    assert!(environment.contains(&format!("NOTIFY_SOCKET={}\n", fx.supervisor.notify_socket())), "{environment}");
+    assert!(!environment.contains("WATCHDOG_USEC="), "no watchdog without a notify liveness check");
+    within("stop", handle.stop()).await;
+}
+
+#[tokio::test]
+async fn a_notify_instance_whose_watchdog_pings_stop_is_restarted() {
+    let fx = Fixture::new();
+    // Pings every 100 ms for 1 s, then silence; the watchdog interval is 400 ms.
+    let mut spec = fx.spec("watchdog-proxy", &["--print-env", "--watchdog", "100", "10"]);
+    spec.health = notify_checks(false, Some((400, 2)));
+    spec.kill.timeout = Duration::from_millis(500);
+    let stdout = spec.logs.stdout.path();
+    let handle = fx.supervisor.spawn(spec).unwrap();
+    let first = handle.status().pid.unwrap();
+    let second = restarted(&handle, first).await;
+    let status = handle.status();
+    assert_eq!(
+        status.error.as_deref(),
+        Some("liveness probe notify failed 2 times in a row: no WATCHDOG=1 within 400ms")
+    );
+    assert_ne!(second, first);
+    let environment = std::fs::read_to_string(stdout).unwrap();
+    assert!(environment.contains("WATCHDOG_USEC=400000\n"), "{environment}");
+    within("stop", handle.stop()).await;
+}
+
+#[tokio::test]
+async fn a_notification_from_a_foreign_process_changes_nothing_and_is_counted() {
+    use std::os::linux::net::SocketAddrExt;
+    let fx = Fixture::new();
+    let mut spec = fx.spec("guarded-proxy", &["--sleep"]);
+    spec.health = notify_checks(true, None);
+    let handle = fx.supervisor.spawn(spec).unwrap();
+    let name = fx.supervisor.notify_socket().strip_prefix('@').unwrap().to_owned();
+    let address = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+    let before = fx.supervisor.foreign_notifications();
+    // This test's process is no instance: its READY=1 must not make the proxy ready.
+    let socket = std::os::unix::net::UnixDatagram::unbound().unwrap();
+    socket.send_to_addr(b"READY=1", &address).unwrap();
+    eventually("the foreign datagram counted", || fx.supervisor.foreign_notifications() > before).await;
+    let status = handle.status();
+    assert_eq!((status.state, status.ready), (ProcessState::Starting, false));
+    within("stop", handle.stop()).await;
+}
