@@ -62,3 +62,46 @@ fn running_means_ready_and_a_proxy_whose_readiness_fails_stays_starting_with_the
     assert!(metrics.contains("tether_proxy_ready{proxy=\"web-proxy\",service=\"web\"} 1"), "{metrics}");
     assert!(metrics.contains("tether_proxy_ready{proxy=\"late-proxy\",service=\"late\"} 0"), "{metrics}");
 }
+
+/// Debian's HAProxy, when installed.
+fn haproxy() -> Option<&'static str> {
+    ["/usr/sbin/haproxy", "/usr/bin/haproxy", "/usr/local/sbin/haproxy"]
+        .into_iter()
+        .find(|path| std::path::Path::new(path).exists())
+}
+
+#[test]
+fn haproxy_in_master_worker_mode_turns_ready_through_notify_socket() {
+    let Some(haproxy) = haproxy() else {
+        eprintln!("skipped: haproxy is not installed (CI installs Debian's haproxy)");
+        return;
+    };
+    let dirs = Dirs::new();
+    let port = free_port();
+    let config = dirs.data.parent().unwrap().join("haproxy.cfg");
+    std::fs::write(
+        &config,
+        format!(
+            "global\n    maxconn 64\ndefaults\n    mode tcp\n    timeout connect 1s\n    timeout client 5s\n    timeout server 5s\n\
+             frontend front\n    bind 127.0.0.1:{port}\n    default_backend none\nbackend none\n"
+        ),
+    )
+    .unwrap();
+    // -Ws: master-worker mode with systemd's notification protocol; the master says READY=1
+    // once its workers run. Nothing in it knows about tether.
+    dirs.write_config(
+        "h.toml",
+        &format!(
+            "[[service]]\nname = \"edge\"\n[service.proxy]\ncommand = [\"{haproxy}\", \"-Ws\", \"-f\", \"{}\"]\n\
+             kill_signal = \"SIGTERM\"\nkill_timeout = \"5s\"\n[service.proxy.readiness]\nnotify = true\n",
+            config.display()
+        ),
+    );
+    let agent = Agent::start(&dirs, &root_flags());
+    let started = wait_for("haproxy started", || agent.proxy("edge-proxy").filter(|p| p["pid"].is_number()));
+    let ready = agent.wait_state("edge-proxy", "running");
+    assert_eq!(ready["ready"], true, "{ready}");
+    assert_eq!(ready["pid"], started["pid"], "the master, not a restart, became ready: {ready}");
+    TcpStream::connect(("127.0.0.1", port)).expect("ready haproxy listens");
+    assert!(!agent.logs().contains("no supervised instance"), "{}", agent.logs());
+}
