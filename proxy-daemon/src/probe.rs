@@ -91,7 +91,7 @@ struct ProbeProcess {
 
 impl Drop for ProbeProcess {
     fn drop(&mut self) {
-        let Some(Spawned { mut child, pid, pidfd }) = self.spawned.take() else { return };
+        let Some(Spawned { mut child, pid, pidfd, .. }) = self.spawned.take() else { return };
         // Not reaped yet, so the group id is still this process's.
         let _gone = proc::signal_group(pid, Signal::SIGKILL);
         reap_later(child.try_wait().ok().flatten().is_none().then_some((child, pidfd)));

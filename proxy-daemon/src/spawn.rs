@@ -9,10 +9,13 @@
 use std::ffi::CString;
 use std::fs::{self, File};
 use std::io;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::process::Stdio;
 
+use nix::fcntl::OFlag;
 use tether_state::persist::PersistError;
+use tether_state::{Probe, Readiness};
 
 use crate::error::SpawnError;
 use crate::proc::{self, Pidfd};
@@ -25,6 +28,8 @@ pub(crate) struct Spawned {
     pub(crate) child: std::process::Child,
     pub(crate) pid: u32,
     pub(crate) pidfd: Pidfd,
+    /// The read end of the notification pipe, when its readiness check is `fd`.
+    pub(crate) notification: Option<OwnedFd>,
 }
 
 /// The ids a process switches to before exec.
@@ -71,6 +76,15 @@ pub(crate) fn spawn(spec: &ProcessSpec) -> Result<Spawned, SpawnError> {
     if let Some(credentials) = credentials {
         switch_user_before_exec(&mut command, credentials);
     }
+    let notification = match &spec.health.readiness {
+        Some(Readiness { probe: Probe::Fd(fd), .. }) => {
+            let (read, write) = nix::unistd::pipe2(OFlag::O_CLOEXEC | OFlag::O_NONBLOCK)
+                .map_err(|errno| SpawnError::Exec { program: spec.program.clone(), source: errno.into() })?;
+            give_fd_before_exec(&mut command, write.as_raw_fd(), *fd);
+            Some((read, write))
+        }
+        _ => None,
+    };
     let child = command.spawn().map_err(|source| SpawnError::Exec { program: spec.program.clone(), source })?;
     let pid = child.id();
     // The child is not reaped until we wait for it, so its pid cannot have been reused yet.
@@ -85,7 +99,9 @@ pub(crate) fn spawn(spec: &ProcessSpec) -> Result<Spawned, SpawnError> {
             return Err(SpawnError::Watch { pid, source });
         }
     };
-    Ok(Spawned { child, pid, pidfd })
+    // The child has its copy of the write end; ours would hide its end of file.
+    let notification = notification.map(|(read, _write)| read);
+    Ok(Spawned { child, pid, pidfd, notification })
 }
 
 /// Opens a log file for appending, creating it (0600), relative to its directory's handle:
@@ -113,6 +129,27 @@ fn resolve_user(user: &str) -> Result<Credentials, SpawnError> {
         gid: entry.gid.as_raw(),
         groups: groups.into_iter().map(|gid| gid.as_raw()).collect(),
     })
+}
+
+/// Makes the child hold `source` (a descriptor of the parent, close-on-exec) as descriptor
+/// `target`, open across exec: s6's notification-fd.
+fn give_fd_before_exec(command: &mut std::process::Command, source: RawFd, target: u32) {
+    let target = RawFd::try_from(target).unwrap_or(RawFd::MAX);
+    #[allow(unsafe_code)]
+    // SAFETY: the hook runs in the forked child, where only async-signal-safe calls are
+    // allowed: it makes two raw system calls (dup2 or fcntl) on plain integers, and builds
+    // its error from errno without allocating.
+    unsafe {
+        command.pre_exec(move || {
+            let done = if source == target {
+                // dup2 onto itself keeps close-on-exec: clear it instead.
+                libc::fcntl(target, libc::F_SETFD, 0)
+            } else {
+                libc::dup2(source, target)
+            };
+            if done < 0 { Err(io::Error::last_os_error()) } else { Ok(()) }
+        });
+    }
 }
 
 /// Makes the child drop to `credentials` between fork and exec.

@@ -136,13 +136,20 @@ impl Supervisor {
                 tracing::warn!(%error, address = %self.shared.notify.address(), "cannot bind the notification socket");
             }
         }
-        let Spawned { child, pid, pidfd } = spawn::spawn(&spec)?;
+        let Spawned { child, pid, pidfd, notification } = spawn::spawn(&spec)?;
         tracing::info!(proxy = %spec.name, pid, program = %spec.program.display(), "process started");
         // Our child is not reaped until we wait for it, so its /proc entry is its own.
         let start_time = proc::read_stat(pid).ok().map(|stat| stat.start_time);
         let identity = self.shared.identity(pid, pid, start_time);
-        let instance =
-            Instance { kind: InstanceKind::Child(child), pidfd, pid, pgid: pid, start_time, started: Instant::now() };
+        let instance = Instance {
+            kind: InstanceKind::Child(child),
+            pidfd,
+            pid,
+            pgid: pid,
+            start_time,
+            started: Instant::now(),
+            notification,
+        };
         let ready = checks::starts_ready(&spec);
         Ok(self.supervise(spec, instance, ProcessStatus::running(pid, SystemTime::now(), identity, ready), true))
     }
@@ -306,6 +313,8 @@ struct Instance {
     /// Known for adopted processes; read from `/proc` on demand for our children.
     start_time: Option<u64>,
     started: Instant,
+    /// The read end of its notification pipe (readiness `fd`), until its checks take it.
+    notification: Option<std::os::fd::OwnedFd>,
 }
 
 enum InstanceKind {
@@ -385,7 +394,7 @@ impl Task {
     /// Supervises `instance` (`ready` when it needs no readiness check, or was adopted) and
     /// every instance after it, until a stop, a detach or a dropped handle.
     async fn run(mut self, mut instance: Instance, ready: bool) {
-        let mut checks = Checks::new(&self.spec, ready, instance.pid, instance.pgid, &self.shared.notify);
+        let mut checks = Checks::new(&self.spec, ready, &mut instance, &self.shared.notify);
         loop {
             let event = tokio::select! {
                 // Every branch is cancel-safe: `recv` loses no command, a pidfd stays
@@ -403,14 +412,13 @@ impl Task {
                         let _unsignalled = self.terminate(&instance).await;
                         match Box::pin(self.restart_after_exit(instance, Some(message))).await {
                             Some(next) => {
+                                instance = next;
                                 checks = Checks::new(
                                     &self.spec,
                                     checks::starts_ready(&self.spec),
-                                    next.pid,
-                                    next.pgid,
+                                    &mut instance,
                                     &self.shared.notify,
                                 );
-                                instance = next;
                             }
                             None => return,
                         }
@@ -449,14 +457,13 @@ impl Task {
                     }
                     match Box::pin(self.restart_after_exit(instance, None)).await {
                         Some(next) => {
+                            instance = next;
                             checks = Checks::new(
                                 &self.spec,
                                 checks::starts_ready(&self.spec),
-                                next.pid,
-                                next.pgid,
+                                &mut instance,
                                 &self.shared.notify,
                             );
-                            instance = next;
                         }
                         None => return,
                     }
@@ -706,7 +713,7 @@ impl Task {
     }
 
     /// Takes over a freshly restarted instance: pid file, log watch, status.
-    fn restarted(&mut self, Spawned { child, pid, pidfd }: Spawned, cause: Option<String>) -> Instance {
+    fn restarted(&mut self, Spawned { child, pid, pidfd, notification }: Spawned, cause: Option<String>) -> Instance {
         self.shared.pid_files.write(&self.spec.pid_file, pid);
         self.last_pid = Some(pid);
         self.shared.rotator.watch(self.key, &self.spec.logs.stdout, &self.spec.logs.stderr, self.spec.logs.limits);
@@ -725,7 +732,15 @@ impl Task {
             status.started_at = Some(SystemTime::now());
             status.error = cause;
         });
-        Instance { kind: InstanceKind::Child(child), pidfd, pid, pgid: pid, start_time, started: Instant::now() }
+        Instance {
+            kind: InstanceKind::Child(child),
+            pidfd,
+            pid,
+            pgid: pid,
+            start_time,
+            started: Instant::now(),
+            notification,
+        }
     }
 
     /// Waits `delay` while answering commands. `false` when supervision ended meanwhile.

@@ -16,6 +16,7 @@
 //! - `--notify TEXT`: send TEXT as one datagram to `NOTIFY_SOCKET` (sd_notify).
 //! - `--watchdog MS COUNT`: send `WATCHDOG=1` every MS milliseconds, COUNT times, from a
 //!   thread, while the flags after it go on.
+//! - `--write-fd N TEXT`: write TEXT to descriptor N (s6's notification-fd).
 //! - `--serve-http ADDR`: listen on the TCP address ADDR and answer every request with
 //!   `200 OK`, from a thread, while the flags after it go on.
 //! - `--sleep` (also the default at the end): sleep until killed.
@@ -50,6 +51,16 @@ fn main() {
             }
             "--serve-http" => serve_http(&value()),
             "--notify" => notify(&value()),
+            "--write-fd" => {
+                let fd = value();
+                let text = value().replace("\\n", "\n");
+                // Opened again through /proc, which needs no unsafe code for a raw descriptor.
+                let mut file = std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(format!("/proc/self/fd/{fd}"))
+                    .unwrap_or_else(|e| fail(&format!("descriptor {fd}: {e}")));
+                file.write_all(text.as_bytes()).unwrap_or_else(|e| fail(&format!("write to {fd}: {e}")));
+            }
             "--watchdog" => {
                 let every = Duration::from_millis(value().parse().unwrap_or_else(|_| fail("bad watchdog interval")));
                 let count: u32 = value().parse().unwrap_or_else(|_| fail("bad watchdog count"));

@@ -154,6 +154,7 @@ impl Supervisor {
             pgid: stat.pgid,
             start_time: Some(stat.start_time),
             started: now.checked_sub(age).unwrap_or(now),
+            notification: None,
         };
         tracing::info!("process adopted");
         let identity = self.shared.identity(pid, stat.pgid, Some(stat.start_time));

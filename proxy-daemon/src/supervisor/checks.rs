@@ -13,6 +13,11 @@ use std::time::Duration;
 use tether_state::{Liveness, Probe, Readiness};
 use tokio::time::Instant;
 
+use std::os::fd::OwnedFd;
+
+use tokio::io::unix::AsyncFd;
+
+use super::Instance;
 use crate::notify::{Notice, NotifyHub, Route};
 use crate::probe;
 use crate::spec::ProcessSpec;
@@ -48,6 +53,8 @@ pub(super) struct Checks {
     notices: Option<Route>,
     /// What to report first: the notices cannot be received.
     broken: Option<String>,
+    /// The read end of the notification pipe (readiness `fd`), until a newline or its end.
+    pipe: Option<AsyncFd<OwnedFd>>,
     /// Spreads the probes of many instances over their interval.
     seed: u64,
 }
@@ -57,8 +64,11 @@ impl Checks {
     /// unless `ready` (an adopted instance is not asked again), then liveness. `seed` (its
     /// pid) places its probes in their interval. Notices are routed from `hub` when a check
     /// listens to them.
-    pub(super) fn new(spec: &ProcessSpec, ready: bool, seed: u32, pgid: u32, hub: &Arc<NotifyHub>) -> Self {
+    pub(super) fn new(spec: &ProcessSpec, ready: bool, instance: &mut Instance, hub: &Arc<NotifyHub>) -> Self {
+        let (seed, pgid) = (instance.pid, instance.pgid);
         let readiness = if ready { None } else { spec.health.readiness.clone().filter(|r| is_checked(&r.probe)) };
+        let pipe =
+            instance.notification.take().filter(|_| matches!(&readiness, Some(r) if matches!(r.probe, Probe::Fd(_))));
         let mut checks = Self {
             readiness,
             liveness: None,
@@ -66,9 +76,19 @@ impl Checks {
             next: None,
             notices: None,
             broken: None,
+            pipe: None,
             seed: u64::from(seed).wrapping_mul(0x9E37_79B9),
         };
         checks.set_liveness(spec.health.liveness.clone());
+        if let Some(pipe) = pipe {
+            #[allow(unsafe_code)]
+            // SAFETY: the `AsyncFd` owns the `OwnedFd`, so the fd stays open and refers to the
+            // same pipe until the `AsyncFd` is dropped, and `as_raw_fd` always returns it.
+            match unsafe { AsyncFd::register_with_interest(pipe, tokio::io::Interest::READABLE) } {
+                Ok(pipe) => checks.pipe = Some(pipe),
+                Err(error) => checks.broken = Some(format!("cannot watch the notification descriptor: {error}")),
+            }
+        }
         if uses_notify(&spec.health) {
             match hub.register(pgid) {
                 Ok(route) => checks.notices = Some(route),
@@ -113,7 +133,7 @@ impl Checks {
     fn schedule_first(&mut self) {
         self.next = match self.current() {
             None => None,
-            Some((Probe::Notify, _, _)) if self.readiness.is_some() => None,
+            Some((Probe::Notify | Probe::Fd(_), _, _)) if self.readiness.is_some() => None,
             Some((Probe::Notify, interval, _)) => Some(Instant::now() + interval),
             Some((_, interval, _)) if self.readiness.is_some() => Some(Instant::now() + self.jitter(interval / 10)),
             Some((_, interval, _)) => Some(Instant::now() + interval + self.jitter(interval / 4)),
@@ -148,7 +168,31 @@ impl Checks {
                     None => std::future::pending().await,
                 }
             };
+            let written = async {
+                match self.pipe.as_ref() {
+                    Some(pipe) => read_pipe(pipe).await,
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
+                written = written => match written {
+                    Ok(Some(true)) if self.readiness.is_some() => {
+                        self.pipe = None;
+                        self.readiness = None;
+                        self.schedule_first();
+                        return Checked::Ready;
+                    }
+                    Ok(Some(_)) => {}
+                    Ok(None) => {
+                        self.pipe = None;
+                        let fd = self.readiness.as_ref().map(|r| r.probe.to_string()).unwrap_or_default();
+                        return Checked::NotReady(format!("readiness {fd}: closed without writing a newline"));
+                    }
+                    Err(error) => {
+                        self.pipe = None;
+                        return Checked::NotReady(format!("readiness: cannot read the notification descriptor: {error}"));
+                    }
+                },
                 notice = notice => match notice {
                     Some(notice) => {
                         if let Some(checked) = self.noticed(notice) {
@@ -228,6 +272,16 @@ impl Checks {
     }
 }
 
+/// Reads what the instance wrote to its notification pipe: `Some(true)` once a newline came,
+/// `Some(false)` for other bytes, `None` at its end.
+async fn read_pipe(pipe: &AsyncFd<OwnedFd>) -> std::io::Result<Option<bool>> {
+    let mut buffer = [0_u8; 512];
+    let read = pipe
+        .async_io(tokio::io::Interest::READABLE, |fd| nix::unistd::read(fd, &mut buffer).map_err(std::io::Error::from))
+        .await?;
+    Ok((read > 0).then(|| buffer[..read].contains(&b'\n')))
+}
+
 async fn sleep_until(at: Option<Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
@@ -241,9 +295,10 @@ pub(super) fn starts_ready(spec: &ProcessSpec) -> bool {
     spec.health.readiness.as_ref().is_none_or(|readiness| !is_checked(&readiness.probe))
 }
 
-/// Whether the supervisor checks readiness through `probe`: polled probes and `notify`.
+/// Whether the supervisor checks readiness through `probe`: polled probes, `notify` and
+/// `fd`.
 fn is_checked(probe: &Probe) -> bool {
-    matches!(probe, Probe::Tcp(_) | Probe::Http(_) | Probe::Exec(_) | Probe::Notify)
+    matches!(probe, Probe::Tcp(_) | Probe::Http(_) | Probe::Exec(_) | Probe::Notify | Probe::Fd(_))
 }
 
 /// Whether an instance with `health` is told `NOTIFY_SOCKET`.

@@ -194,3 +194,30 @@ async fn a_notification_from_a_foreign_process_changes_nothing_and_is_counted() 
     assert_eq!((status.state, status.ready), (ProcessState::Starting, false));
     within("stop", handle.stop()).await;
 }
+
+#[tokio::test]
+async fn an_fd_instance_is_ready_when_it_writes_a_newline_to_its_descriptor() {
+    let fx = Fixture::new();
+    let mut spec = fx
+        .spec("fd-proxy", &["--delay", "300", "--write-fd", "5", "almost", "--delay", "200", "--write-fd", "5", "\\n"]);
+    spec.health = HealthChecks { readiness: Some(Readiness::new(Probe::Fd(5))), liveness: None };
+    let handle = fx.supervisor.spawn(spec).unwrap();
+    assert_eq!(handle.status().state, ProcessState::Starting);
+    let ready = status_where(&handle, "the newline", |status| status.ready).await;
+    assert_eq!((ready.state, ready.error), (ProcessState::Running, None));
+    within("stop", handle.stop()).await;
+}
+
+#[tokio::test]
+async fn an_fd_instance_that_closes_its_descriptor_without_a_newline_is_not_ready() {
+    let fx = Fixture::new();
+    // It exits after writing, which closes the descriptor; its restart writes nothing.
+    let mut spec = fx.spec("closing-proxy", &["--write-fd", "4", "no newline", "--exit", "0"]);
+    spec.health = HealthChecks { readiness: Some(Readiness::new(Probe::Fd(4))), liveness: None };
+    spec.restart.free_attempts = 0;
+    let handle = fx.supervisor.spawn(spec).unwrap();
+    let closed = Some("readiness fd 4: closed without writing a newline");
+    let status = status_where(&handle, "the closed descriptor", |status| status.error.as_deref() == closed).await;
+    assert!(!status.ready, "{status:?}");
+    within("stop", handle.stop()).await;
+}
