@@ -31,6 +31,7 @@ use crate::status::{ExitReason, ProcessState, ProcessStatus};
 
 mod adopt;
 mod checks;
+mod lines;
 
 use checks::{Checked, Checks};
 
@@ -136,6 +137,7 @@ impl Supervisor {
                 tracing::warn!(%error, address = %self.shared.notify.address(), "cannot bind the notification socket");
             }
         }
+        let log_offsets = checks::watches_lines(&spec).then(|| lines::offsets(&spec));
         let Spawned { child, pid, pidfd, notification } = spawn::spawn(&spec)?;
         tracing::info!(proxy = %spec.name, pid, program = %spec.program.display(), "process started");
         // Our child is not reaped until we wait for it, so its /proc entry is its own.
@@ -149,6 +151,7 @@ impl Supervisor {
             start_time,
             started: Instant::now(),
             notification,
+            log_offsets,
         };
         let ready = checks::starts_ready(&spec);
         Ok(self.supervise(spec, instance, ProcessStatus::running(pid, SystemTime::now(), identity, ready), true))
@@ -315,6 +318,8 @@ struct Instance {
     started: Instant,
     /// The read end of its notification pipe (readiness `fd`), until its checks take it.
     notification: Option<std::os::fd::OwnedFd>,
+    /// Where its output starts in its log files (readiness `log_line`).
+    log_offsets: Option<[lines::Start; 2]>,
 }
 
 enum InstanceKind {
@@ -688,8 +693,13 @@ impl Task {
                 }
             }
             self.status.send_modify(|status| status.state = ProcessState::Starting);
+            let log_offsets = checks::watches_lines(&self.spec).then(|| lines::offsets(&self.spec));
             match spawn::spawn(&self.spec) {
-                Ok(spawned) => return Some(self.restarted(spawned, cause)),
+                Ok(spawned) => {
+                    let mut instance = self.restarted(spawned, cause);
+                    instance.log_offsets = log_offsets;
+                    return Some(instance);
+                }
                 Err(error) => {
                     // A failed start is not final: a descriptor, memory or the program
                     // itself may be back by the next attempt, so it waits on the backoff.
@@ -740,6 +750,7 @@ impl Task {
             start_time,
             started: Instant::now(),
             notification,
+            log_offsets: None,
         }
     }
 

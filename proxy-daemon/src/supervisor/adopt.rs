@@ -155,6 +155,7 @@ impl Supervisor {
             start_time: Some(stat.start_time),
             started: now.checked_sub(age).unwrap_or(now),
             notification: None,
+            log_offsets: None,
         };
         tracing::info!("process adopted");
         let identity = self.shared.identity(pid, stat.pgid, Some(stat.start_time));

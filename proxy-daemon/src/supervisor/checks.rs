@@ -18,6 +18,7 @@ use std::os::fd::OwnedFd;
 use tokio::io::unix::AsyncFd;
 
 use super::Instance;
+use super::lines::LineWatch;
 use crate::notify::{Notice, NotifyHub, Route};
 use crate::probe;
 use crate::spec::ProcessSpec;
@@ -55,6 +56,8 @@ pub(super) struct Checks {
     broken: Option<String>,
     /// The read end of the notification pipe (readiness `fd`), until a newline or its end.
     pipe: Option<AsyncFd<OwnedFd>>,
+    /// The instance's output, for readiness `log_line`.
+    lines: Option<LineWatch>,
     /// Spreads the probes of many instances over their interval.
     seed: u64,
 }
@@ -77,9 +80,15 @@ impl Checks {
             notices: None,
             broken: None,
             pipe: None,
+            lines: None,
             seed: u64::from(seed).wrapping_mul(0x9E37_79B9),
         };
         checks.set_liveness(spec.health.liveness.clone());
+        if let (Some(Readiness { probe: Probe::LogLine(pattern), .. }), Some(offsets)) =
+            (&checks.readiness, instance.log_offsets.take())
+        {
+            checks.lines = Some(LineWatch::new(spec, pattern.clone(), offsets));
+        }
         if let Some(pipe) = pipe {
             #[allow(unsafe_code)]
             // SAFETY: the `AsyncFd` owns the `OwnedFd`, so the fd stays open and refers to the
@@ -239,6 +248,12 @@ impl Checks {
         let started = Instant::now();
         let outcome = match probe {
             Probe::Notify => Err(format!("no WATCHDOG=1 within {}", humantime::format_duration(interval))),
+            Probe::LogLine(_) => match self.lines.as_mut().map(LineWatch::matched) {
+                Some(Ok(true)) => Ok(()),
+                Some(Ok(false)) => Err("no line of its output matches yet".to_owned()),
+                Some(Err(error)) => Err(format!("cannot read its output: {error}")),
+                None => Err("its output was not followed from its start".to_owned()),
+            },
             _ => probe::run(&probe, timeout, spec).await,
         };
         // The next probe an interval after this one began: a slow probe does not shift the
@@ -295,10 +310,15 @@ pub(super) fn starts_ready(spec: &ProcessSpec) -> bool {
     spec.health.readiness.as_ref().is_none_or(|readiness| !is_checked(&readiness.probe))
 }
 
-/// Whether the supervisor checks readiness through `probe`: polled probes, `notify` and
-/// `fd`.
+/// Whether the supervisor checks readiness through `probe`: every kind.
 fn is_checked(probe: &Probe) -> bool {
-    matches!(probe, Probe::Tcp(_) | Probe::Http(_) | Probe::Exec(_) | Probe::Notify | Probe::Fd(_))
+    matches!(probe, Probe::Tcp(_) | Probe::Http(_) | Probe::Exec(_) | Probe::Notify | Probe::Fd(_) | Probe::LogLine(_))
+}
+
+/// Whether a new instance of `spec` has its output followed from its start (readiness
+/// `log_line`).
+pub(super) fn watches_lines(spec: &ProcessSpec) -> bool {
+    spec.health.readiness.as_ref().is_some_and(|r| matches!(r.probe, Probe::LogLine(_)))
 }
 
 /// Whether an instance with `health` is told `NOTIFY_SOCKET`.

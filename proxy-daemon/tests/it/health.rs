@@ -221,3 +221,30 @@ async fn an_fd_instance_that_closes_its_descriptor_without_a_newline_is_not_read
     assert!(!status.ready, "{status:?}");
     within("stop", handle.stop()).await;
 }
+
+#[tokio::test]
+async fn a_log_line_instance_is_ready_when_its_line_appears_even_in_a_rotated_log() {
+    let fx = Fixture::new();
+    // Its first look finds nothing; then the line, then enough output to rotate the file
+    // before the next look: the line is in the rotated copy by then.
+    let mut spec = fx.spec(
+        "log-proxy",
+        &["--print", "booting", "--delay", "300", "--print", "ready: listening", "--write-bytes", "20000"],
+    );
+    spec.logs.limits = tether_proxy_daemon::LogPolicy { max_size: 4096, keep: 1 };
+    let mut readiness = Readiness::new(Probe::LogLine(tether_state::LinePattern::new("^ready: ").unwrap()));
+    readiness.interval = Duration::from_millis(1500);
+    spec.health = HealthChecks { readiness: Some(readiness), liveness: None };
+    let rotated = fx.data_dir().join("logs/log-proxy-stdout.log.1");
+    let handle = fx.supervisor.spawn(spec).unwrap();
+    let not_yet = status_where(&handle, "a look without the line", |status| status.error.is_some()).await;
+    assert_eq!(not_yet.state, ProcessState::Starting);
+    assert_eq!(
+        not_yet.error.as_deref(),
+        Some("readiness probe log_line \"^ready: \": no line of its output matches yet")
+    );
+    eventually("the log rotated", || rotated.exists()).await;
+    let ready = status_where(&handle, "the ready line", |status| status.ready).await;
+    assert_eq!((ready.state, ready.error), (ProcessState::Running, None));
+    within("stop", handle.stop()).await;
+}
