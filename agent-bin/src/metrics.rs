@@ -38,6 +38,40 @@ impl Metrics {
     }
 }
 
+/// The process backend's own figures: probe durations and ignored notifications.
+#[derive(Debug)]
+pub(crate) struct BackendCollector(pub(crate) std::sync::Arc<tether_proxy_daemon::OsProcessBackend>);
+
+impl Collector for BackendCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let durations = self.0.probe_durations();
+        let histogram_type = prometheus_client::metrics::MetricType::Histogram;
+        let mut metric = encoder.encode_descriptor(
+            "tether_probe_duration_seconds",
+            "Readiness and liveness probes (tcp, http, exec) by duration",
+            None,
+            histogram_type,
+        )?;
+        // Counts per bucket; the encoder makes them cumulative.
+        let buckets: Vec<(f64, u64)> = tether_proxy_daemon::PROBE_BUCKETS
+            .iter()
+            .copied()
+            .chain(std::iter::once(f64::INFINITY))
+            .zip(durations.buckets)
+            .collect();
+        metric.encode_histogram::<NoLabels>(durations.sum_seconds, durations.count, &buckets, None)?;
+
+        let counter = ConstCounter::new(self.0.foreign_notifications());
+        let metric = encoder.encode_descriptor(
+            "tether_notify_foreign",
+            "sd_notify datagrams ignored because their sender was no proxy's instance",
+            None,
+            counter.metric_type(),
+        )?;
+        counter.encode(metric)
+    }
+}
+
 /// The states a proxy can be in, all reported (zero included) so that dashboards and
 /// alerts see every series.
 const STATES: [ProxyState; 8] = [
@@ -80,6 +114,17 @@ impl Collector for ManagerCollector {
         for status in &statuses {
             let labels = [("proxy", status.id.as_str()), ("service", status.service.as_str())];
             ConstCounter::new(status.restarts).encode(family.encode_family(&labels)?)?;
+        }
+
+        let mut family = encoder.encode_descriptor(
+            "tether_proxy_probe_failures",
+            "Failed readiness and liveness checks of a proxy",
+            None,
+            counter.metric_type(),
+        )?;
+        for status in &statuses {
+            let labels = [("proxy", status.id.as_str()), ("service", status.service.as_str())];
+            ConstCounter::new(status.probe_failures).encode(family.encode_family(&labels)?)?;
         }
 
         let mut family = encoder.encode_descriptor(

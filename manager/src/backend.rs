@@ -83,6 +83,8 @@ pub struct BackendStatus {
     pub error: Option<String>,
     /// The proxy's own account of itself (sd_notify's `STATUS=`), for display.
     pub status_text: Option<String>,
+    /// Failed readiness and liveness checks, for metrics.
+    pub probe_failures: u64,
 }
 
 /// A backend's own record of one proxy in the snapshot: JSON text that the engine stores

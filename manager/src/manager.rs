@@ -589,6 +589,7 @@ impl Manager {
             last_exit: process.last_exit,
             error,
             status_text: process.pid.and(process.status_text),
+            probe_failures: process.probe_failures,
         });
     }
 }

@@ -34,6 +34,8 @@ pub struct ProxyStatus {
     pub error: Option<String>,
     /// Its own account of itself (sd_notify's `STATUS=`), while it runs.
     pub status_text: Option<String>,
+    /// Failed readiness and liveness checks.
+    pub probe_failures: u64,
 }
 
 impl ProxyStatus {
@@ -313,6 +315,7 @@ mod tests {
             last_exit,
             error: None,
             status_text: None,
+            probe_failures: 0,
         }
     }
 

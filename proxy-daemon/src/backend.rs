@@ -70,6 +70,16 @@ impl OsProcessBackend {
         Ok(Self { shared: Arc::new(Shared { supervisor, data, environment, found }) })
     }
 
+    /// How long the readiness and liveness probes of every proxy took.
+    pub fn probe_durations(&self) -> crate::ProbeDurations {
+        self.shared.supervisor.probe_durations()
+    }
+
+    /// Notifications ignored because their sender was no proxy's instance.
+    pub fn foreign_notifications(&self) -> u64 {
+        self.shared.supervisor.foreign_notifications()
+    }
+
     /// The process spec that runs `proxy`, as SPEC describes it: own environment (agent's
     /// `PATH` and `HOME`, then `TETHER_*`, then the proxy's `env`; or the agent's whole
     /// environment with `inherit_env`), log and pid files under the data dir.
@@ -400,6 +410,7 @@ fn translate(status: &ProcessStatus) -> tether_manager::BackendStatus {
         last_exit: status.last_exit,
         error: status.error.clone(),
         status_text: status.status_text.clone(),
+        probe_failures: status.probe_failures,
     }
 }
 

@@ -46,6 +46,7 @@ mod error;
 mod notify;
 mod pidfile;
 mod probe;
+pub use probe::{PROBE_BUCKETS, ProbeDurations};
 mod proc;
 mod rotate;
 mod spawn;

@@ -7,6 +7,7 @@
 //! its timeout, or whose future is dropped, has its process group killed.
 
 use std::ffi::OsString;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
@@ -17,6 +18,46 @@ use tokio::net::TcpStream;
 use crate::proc::{self, Pidfd};
 use crate::spawn::{self, Spawned};
 use crate::spec::ProcessSpec;
+
+/// The upper bounds, in seconds, of the buckets of [`ProbeDurations`].
+pub const PROBE_BUCKETS: [f64; 8] = [0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0];
+
+/// How long the probes the supervisor ran took, as a histogram: counts per bucket of
+/// [`PROBE_BUCKETS`] (and one past the last), their sum and their count.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ProbeDurations {
+    /// Probes per bucket, not cumulative; the last counts those over the last bound.
+    pub buckets: [u64; PROBE_BUCKETS.len() + 1],
+    /// Their total duration, in seconds.
+    pub sum_seconds: f64,
+    /// How many ran.
+    pub count: u64,
+}
+
+/// The supervisor's probe-duration histogram, updated without a lock.
+#[derive(Debug, Default)]
+pub(crate) struct ProbeStats {
+    buckets: [AtomicU64; PROBE_BUCKETS.len() + 1],
+    sum_nanos: AtomicU64,
+}
+
+impl ProbeStats {
+    pub(crate) fn record(&self, took: Duration) {
+        let seconds = took.as_secs_f64();
+        let bucket = PROBE_BUCKETS.iter().position(|bound| seconds <= *bound).unwrap_or(PROBE_BUCKETS.len());
+        self.buckets[bucket].fetch_add(1, Ordering::Relaxed);
+        self.sum_nanos.fetch_add(u64::try_from(took.as_nanos()).unwrap_or(u64::MAX), Ordering::Relaxed);
+    }
+
+    pub(crate) fn snapshot(&self) -> ProbeDurations {
+        let buckets = std::array::from_fn(|index| self.buckets[index].load(Ordering::Relaxed));
+        ProbeDurations {
+            count: buckets.iter().sum(),
+            buckets,
+            sum_seconds: Duration::from_nanos(self.sum_nanos.load(Ordering::Relaxed)).as_secs_f64(),
+        }
+    }
+}
 
 /// How a probe went: `Err` says what it saw, for the proxy's `error`.
 pub(crate) type Outcome = Result<(), String>;

@@ -81,6 +81,8 @@ pub struct ProcessStatus {
     pub ready: bool,
     /// The instance's own account of itself (sd_notify's `STATUS=`), if it gives one.
     pub status_text: Option<String>,
+    /// Failed readiness and liveness checks since supervision began.
+    pub probe_failures: u64,
 }
 
 impl ProcessStatus {
@@ -90,6 +92,7 @@ impl ProcessStatus {
             state: if ready { ProcessState::Running } else { ProcessState::Starting },
             ready,
             status_text: None,
+            probe_failures: 0,
             pid: Some(pid),
             identity,
             restarts: 0,

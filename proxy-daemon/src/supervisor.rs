@@ -23,6 +23,7 @@ use crate::control::{self, Commands};
 use crate::error::{DetachError, SpawnError};
 use crate::notify::NotifyHub;
 use crate::pidfile::PidFiles;
+use crate::probe::{ProbeDurations, ProbeStats};
 use crate::proc::{self, Identity, Pidfd};
 use crate::rotate::Rotator;
 use crate::spawn::{self, Spawned};
@@ -58,6 +59,8 @@ struct Shared {
     next_key: AtomicU64,
     /// The notification socket of every supervised process (bound on first use).
     notify: Arc<NotifyHub>,
+    /// How long probes took.
+    probes: Arc<ProbeStats>,
 }
 
 impl std::fmt::Debug for Supervisor {
@@ -101,6 +104,7 @@ impl Supervisor {
             rotator: Rotator::start()?,
             next_key: AtomicU64::new(0),
             notify: Arc::new(NotifyHub::new(address.into())),
+            probes: Arc::default(),
         };
         Ok(Self { shared: Arc::new(shared) })
     }
@@ -109,6 +113,11 @@ impl Supervisor {
     /// checks use `notify`.
     pub fn notify_socket(&self) -> &str {
         self.shared.notify.address()
+    }
+
+    /// How long the readiness and liveness probes it ran took (`tcp`, `http`, `exec`).
+    pub fn probe_durations(&self) -> ProbeDurations {
+        self.shared.probes.snapshot()
     }
 
     /// Notifications ignored so far because their sender was no supervised instance (nor in
@@ -399,7 +408,7 @@ impl Task {
     /// Supervises `instance` (`ready` when it needs no readiness check, or was adopted) and
     /// every instance after it, until a stop, a detach or a dropped handle.
     async fn run(mut self, mut instance: Instance, ready: bool) {
-        let mut checks = Checks::new(&self.spec, ready, &mut instance, &self.shared.notify);
+        let mut checks = Checks::new(&self.spec, ready, &mut instance, &self.shared);
         loop {
             let event = tokio::select! {
                 // Every branch is cancel-safe: `recv` loses no command, a pidfd stays
@@ -410,6 +419,9 @@ impl Task {
             };
             match event {
                 Event::Checked(checked) => {
+                    if matches!(checked, Checked::NotReady(_) | Checked::Unhealthy { .. } | Checked::Dead(_)) {
+                        self.status.send_modify(|status| status.probe_failures += 1);
+                    }
                     if let Checked::Dead(message) = checked {
                         // Stopped as on a stop (its kill signal, then SIGKILL after the
                         // timeout), then restarted on the backoff like any exit.
@@ -422,7 +434,7 @@ impl Task {
                                     &self.spec,
                                     checks::starts_ready(&self.spec),
                                     &mut instance,
-                                    &self.shared.notify,
+                                    &self.shared,
                                 );
                             }
                             None => return,
@@ -463,12 +475,8 @@ impl Task {
                     match Box::pin(self.restart_after_exit(instance, None)).await {
                         Some(next) => {
                             instance = next;
-                            checks = Checks::new(
-                                &self.spec,
-                                checks::starts_ready(&self.spec),
-                                &mut instance,
-                                &self.shared.notify,
-                            );
+                            checks =
+                                Checks::new(&self.spec, checks::starts_ready(&self.spec), &mut instance, &self.shared);
                         }
                         None => return,
                     }

@@ -128,10 +128,11 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
         ..ManagerConfig::default()
     };
     let catalog = Arc::new(sources.state().clone());
-    let mut manager = Manager::new(catalog, backend, store, config);
+    let mut manager = Manager::new(catalog, backend.clone(), store, config);
     let handle = manager.handle();
 
     let mut metrics = Metrics::new(handle.clone());
+    metrics.register(Box::new(crate::metrics::BackendCollector(Arc::clone(&backend))));
     if let Some(status) = &fleet_status {
         metrics.register(Box::new(FleetCollector(status.clone())));
     }

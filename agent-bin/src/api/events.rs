@@ -184,6 +184,7 @@ mod tests {
             last_exit: None,
             error: None,
             status_text: None,
+            probe_failures: 0,
         }
     }
 

@@ -61,6 +61,14 @@ fn running_means_ready_and_a_proxy_whose_readiness_fails_stays_starting_with_the
     let metrics = get(&agent.socket, "/metrics").unwrap().body;
     assert!(metrics.contains("tether_proxy_ready{proxy=\"web-proxy\",service=\"web\"} 1"), "{metrics}");
     assert!(metrics.contains("tether_proxy_ready{proxy=\"late-proxy\",service=\"late\"} 0"), "{metrics}");
+    let value = |prefix: &str| -> f64 {
+        let line =
+            metrics.lines().find(|line| line.starts_with(prefix)).unwrap_or_else(|| panic!("no {prefix}: {metrics}"));
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    assert!(value("tether_proxy_probe_failures_total{proxy=\"late-proxy\"") >= 1.0, "{metrics}");
+    assert!(value("tether_probe_duration_seconds_count") >= 2.0, "{metrics}");
+    assert_eq!(value("tether_notify_foreign_total"), 0.0, "{metrics}");
 }
 
 /// Debian's HAProxy, when installed.

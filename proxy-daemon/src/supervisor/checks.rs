@@ -17,10 +17,11 @@ use std::os::fd::OwnedFd;
 
 use tokio::io::unix::AsyncFd;
 
-use super::Instance;
 use super::lines::LineWatch;
-use crate::notify::{Notice, NotifyHub, Route};
+use super::{Instance, Shared};
+use crate::notify::{Notice, Route};
 use crate::probe;
+use crate::probe::ProbeStats;
 use crate::spec::ProcessSpec;
 
 /// What a check found.
@@ -58,6 +59,8 @@ pub(super) struct Checks {
     pipe: Option<AsyncFd<OwnedFd>>,
     /// The instance's output, for readiness `log_line`.
     lines: Option<LineWatch>,
+    /// Where probe durations are recorded.
+    stats: Arc<ProbeStats>,
     /// Spreads the probes of many instances over their interval.
     seed: u64,
 }
@@ -67,7 +70,8 @@ impl Checks {
     /// unless `ready` (an adopted instance is not asked again), then liveness. `seed` (its
     /// pid) places its probes in their interval. Notices are routed from `hub` when a check
     /// listens to them.
-    pub(super) fn new(spec: &ProcessSpec, ready: bool, instance: &mut Instance, hub: &Arc<NotifyHub>) -> Self {
+    pub(super) fn new(spec: &ProcessSpec, ready: bool, instance: &mut Instance, shared: &Shared) -> Self {
+        let hub = &shared.notify;
         let (seed, pgid) = (instance.pid, instance.pgid);
         let readiness = if ready { None } else { spec.health.readiness.clone().filter(|r| is_checked(&r.probe)) };
         let pipe =
@@ -81,6 +85,7 @@ impl Checks {
             broken: None,
             pipe: None,
             lines: None,
+            stats: Arc::clone(&shared.probes),
             seed: u64::from(seed).wrapping_mul(0x9E37_79B9),
         };
         checks.set_liveness(spec.health.liveness.clone());
@@ -254,7 +259,11 @@ impl Checks {
                 Some(Err(error)) => Err(format!("cannot read its output: {error}")),
                 None => Err("its output was not followed from its start".to_owned()),
             },
-            _ => probe::run(&probe, timeout, spec).await,
+            _ => {
+                let outcome = probe::run(&probe, timeout, spec).await;
+                self.stats.record(started.elapsed());
+                outcome
+            }
         };
         // The next probe an interval after this one began: a slow probe does not shift the
         // schedule by its own duration.
