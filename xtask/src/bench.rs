@@ -7,13 +7,14 @@
 //! under /tmp, and leaves no process behind, even when it fails.
 //!
 //! For work on one figure, `XTASK_BENCH_ONLY` narrows the run: `e2e` skips the crate
-//! benchmarks; a comma-separated list of sections (`many`, `some`, `builtin-proxy`,
-//! `fleet`) runs only those end-to-end sections and prints their table without rewriting
+//! benchmarks; a comma-separated list of sections (`many`, `some`, `health`,
+//! `builtin-proxy`, `fleet`) runs only those end-to-end sections and prints their table without rewriting
 //! `BENCHMARKS.md`, which always holds a whole run.
 
 mod builtin_proxy;
 mod e2e;
 mod fleet;
+mod health;
 mod lab;
 mod report;
 mod sys;
@@ -25,7 +26,7 @@ use std::time::{Duration, Instant};
 use report::{Machine, Row};
 
 /// The end-to-end sections that `XTASK_BENCH_ONLY` can name.
-const SECTIONS: &[&str] = &["many", "some", "builtin-proxy", "fleet"];
+const SECTIONS: &[&str] = &["many", "some", "health", "builtin-proxy", "fleet"];
 
 /// What `XTASK_BENCH_ONLY` asks for: `None` for a whole run.
 struct Only {
@@ -114,6 +115,13 @@ fn end_to_end(
             && let Err(err) = e2e::run(&lab, &mut rows, only.wants("many"), only.wants("some"))
         {
             lab.keep();
+            errors.push(err);
+        }
+        if only.wants("health")
+            && let Err(err) = health::run(&lab, &mut rows)
+        {
+            lab.keep();
+            rows.push(Row::failed("health-check figures", &err));
             errors.push(err);
         }
         if only.wants("builtin-proxy")
