@@ -248,3 +248,34 @@ async fn a_log_line_instance_is_ready_when_its_line_appears_even_in_a_rotated_lo
     assert_eq!((ready.state, ready.error), (ProcessState::Running, None));
     within("stop", handle.stop()).await;
 }
+
+#[tokio::test]
+async fn an_adopted_instance_is_not_asked_for_readiness_again_and_its_liveness_resumes() {
+    let fx = Fixture::new();
+    let address = free_address();
+    let mut spec = fx.spec("adopted-checked-proxy", &["--serve-http", &address]);
+    let mut readiness = Readiness::new(Probe::Tcp(TcpTarget::parse(&address).unwrap()));
+    readiness.interval = Duration::from_millis(50);
+    let mut liveness = Liveness::new(Probe::Http(HttpTarget::parse(&format!("http://{address}/")).unwrap()));
+    (liveness.interval, liveness.timeout, liveness.failures) =
+        (Duration::from_millis(500), Duration::from_millis(200), 2);
+    spec.health = HealthChecks { readiness: Some(readiness), liveness: Some(liveness) };
+    spec.kill.timeout = Duration::from_millis(300);
+    let handle = fx.supervisor.spawn(spec.clone()).unwrap();
+    let pid = status_where(&handle, "ready", |status| status.ready).await.pid.unwrap();
+    pid_in_file(&spec.pid_file).await;
+    let identity = within("detach", handle.detach()).await.unwrap();
+
+    // After a restart of the supervising side: ready at once, not `starting`.
+    let next = tether_proxy_daemon::Supervisor::new().unwrap();
+    let adopted = next.adopt(spec, &identity).expect("adopted");
+    let status = adopted.status();
+    assert_eq!((status.state, status.ready, status.pid), (ProcessState::Running, true, Some(pid)));
+    // Its liveness is probed again: stopped, it is restarted.
+    send(pid, Signal::SIGSTOP);
+    let second = restarted(&adopted, pid).await;
+    assert_ne!(second, pid);
+    let error = adopted.status().error.unwrap_or_default();
+    assert!(error.starts_with("liveness probe http"), "{error}");
+    within("stop", adopted.stop()).await;
+}
