@@ -7,7 +7,7 @@
 //! under /tmp, and leaves no process behind, even when it fails.
 //!
 //! For work on one figure, `XTASK_BENCH_ONLY` narrows the run: `e2e` skips the crate
-//! benchmarks; a comma-separated list of sections (`many`, `some`, `health`,
+//! benchmarks; a comma-separated list of sections (`many`, `scale`, `some`, `health`,
 //! `builtin-proxy`, `fleet`) runs only those end-to-end sections and prints their table without rewriting
 //! `BENCHMARKS.md`, which always holds a whole run.
 
@@ -17,6 +17,7 @@ mod fleet;
 mod health;
 mod lab;
 mod report;
+mod scale;
 mod sys;
 
 use std::path::{Path, PathBuf};
@@ -26,7 +27,7 @@ use std::time::{Duration, Instant};
 use report::{Machine, Row};
 
 /// The end-to-end sections that `XTASK_BENCH_ONLY` can name.
-const SECTIONS: &[&str] = &["many", "some", "health", "builtin-proxy", "fleet"];
+const SECTIONS: &[&str] = &["many", "scale", "some", "health", "builtin-proxy", "fleet"];
 
 /// What `XTASK_BENCH_ONLY` asks for: `None` for a whole run.
 struct Only {
@@ -111,8 +112,8 @@ fn end_to_end(
     {
         let lab = lab::Lab::new(tether)?;
         eprintln!("xtask: bench: end-to-end in {}", lab.dir.display());
-        if (only.wants("many") || only.wants("some"))
-            && let Err(err) = e2e::run(&lab, &mut rows, only.wants("many"), only.wants("some"))
+        if (only.wants("many") || only.wants("scale") || only.wants("some"))
+            && let Err(err) = e2e::run(&lab, &mut rows, only.wants("many"), only.wants("some"), only.wants("scale"))
         {
             lab.keep();
             errors.push(err);

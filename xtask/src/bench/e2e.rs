@@ -39,7 +39,13 @@ const DEAF: &[&str] = &["/bin/sh", "-c", "trap '' INT; exec /bin/sleep 3600"];
 
 /// Runs the figures of the 1 000-proxy section (`many`) and of the 100-proxy section
 /// (`some`), appending rows; returns the errors of the parts that failed.
-pub(crate) fn run(lab: &Lab, rows: &mut Vec<Row>, with_many: bool, with_some: bool) -> Result<(), String> {
+pub(crate) fn run(
+    lab: &Lab,
+    rows: &mut Vec<Row>,
+    with_many: bool,
+    with_some: bool,
+    with_scale: bool,
+) -> Result<(), String> {
     let empty = lab.subdir("b-config")?;
     let mut idle_agent = lab.agent("b", &empty, &lab.dir.join("b-data"), &[])?;
     idle_agent.wait_healthy(Duration::from_secs(30))?;
@@ -48,6 +54,10 @@ pub(crate) fn run(lab: &Lab, rows: &mut Vec<Row>, with_many: bool, with_some: bo
     let mut errors = Vec::new();
     if with_many && let Err(err) = many(lab, &idle_agent, empty_rss, rows) {
         rows.push(Row::failed("1 000-proxy figures", &err));
+        errors.push(err);
+    }
+    if with_scale && let Err(err) = super::scale::run(lab, empty_rss, rows) {
+        rows.push(Row::failed("bring-up at 100, 1 000 and 10 000 proxies", &err));
         errors.push(err);
     }
     if with_some && let Err(err) = some(lab, &idle_agent, rows) {
