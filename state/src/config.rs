@@ -39,10 +39,12 @@ pub const MAX_CONFIG_DEPTH: usize = 32;
 mod error;
 mod loader;
 mod schema;
+mod written;
 
 pub use error::*;
 pub use loader::*;
 use schema::*;
+use written::*;
 
 /// A service read from a config file, with the file it came from.
 #[derive(Debug, Clone, PartialEq)]

@@ -1,0 +1,515 @@
+//! The supervising task of one process: its instances, its exits and restarts, its
+//! checks, and the commands of its handle.
+
+use std::io;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use nix::sys::signal::Signal;
+use tether_state::error_chain;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use super::checks::{self, Checked, Checks};
+use super::{Shared, lines};
+use crate::backoff;
+use crate::control::{self, Commands};
+use crate::error::DetachError;
+use crate::proc::{self, Identity, Pidfd};
+use crate::spawn::{self, Spawned};
+use crate::spec::{ProcessSpec, ProcessUpdate};
+use crate::status::{ExitReason, ProcessState, ProcessStatus};
+/// The shortest wait before a failed start is tried again, free attempts included: a
+/// program that cannot start at all must not spin the agent.
+const MIN_RETRY_DELAY: Duration = Duration::from_millis(100);
+
+/// One running instance of a supervised process.
+pub(super) struct Instance {
+    pub(super) kind: InstanceKind,
+    /// Opened while the process could not have been reaped, so it is the right one.
+    pub(super) pidfd: Pidfd,
+    pub(super) pid: u32,
+    pub(super) pgid: u32,
+    /// Known for adopted processes; read from `/proc` on demand for our children.
+    pub(super) start_time: Option<u64>,
+    pub(super) started: Instant,
+    /// The read end of its notification pipe (readiness `fd`), until its checks take it.
+    pub(super) notification: Option<std::os::fd::OwnedFd>,
+    /// Where its output starts in its log files (readiness `log_line`).
+    pub(super) log_offsets: Option<[lines::Start; 2]>,
+}
+
+pub(super) enum InstanceKind {
+    /// Our child: we reap it, once its pidfd says that it exited. A `std` child holds no
+    /// descriptor, so the pidfd is the only one a supervised process costs.
+    Child(std::process::Child),
+    /// Adopted: its parent (init or a subreaper) reaps it.
+    Adopted,
+}
+
+impl Instance {
+    /// Reaps the exited main process, if it is ours, and reads how it ended.
+    async fn reap(self) -> Option<ExitReason> {
+        let InstanceKind::Child(mut child) = self.kind else { return None };
+        // The pidfd said it exited, so the wait does not block; should it ever, it blocks a
+        // thread of the blocking pool, not the runtime.
+        let waited = match child.try_wait() {
+            Ok(Some(status)) => Ok(status),
+            Ok(None) => match tokio::task::spawn_blocking(move || child.wait()).await {
+                Ok(waited) => waited,
+                Err(join) => Err(std::io::Error::other(join)),
+            },
+            Err(error) => Err(error),
+        };
+        match waited {
+            Ok(status) => ExitReason::from_status(status),
+            Err(error) => {
+                tracing::warn!(pid = self.pid, %error, "failed to reap process");
+                None
+            }
+        }
+    }
+
+    /// Leaves the process running, unsupervised. Our child is still reaped when it exits,
+    /// so that it does not stay a zombie for the rest of the agent's life.
+    fn release(self) {
+        let InstanceKind::Child(mut child) = self.kind else { return };
+        let pidfd = self.pidfd;
+        tokio::spawn(async move {
+            if pidfd.exited().await.is_ok() {
+                let _status = child.try_wait();
+            }
+        });
+    }
+}
+
+/// The supervising task of one process.
+pub(super) struct Task {
+    key: u64,
+    spec: ProcessSpec,
+    shared: Arc<Shared>,
+    status: watch::Sender<ProcessStatus>,
+    commands: control::Receiver,
+    /// The attempt number of the restart that began the current run (0: first start).
+    attempt: u32,
+    /// The pid of the latest instance: the one its pid file names, if any.
+    last_pid: Option<u32>,
+    /// Which check the status's `error` comes from, if one does: a passing check clears it.
+    health_error: Option<HealthError>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum HealthError {
+    /// A readiness probe failed; cleared when the instance turns ready.
+    Readiness,
+    /// Liveness probes failed, or restarted the instance; cleared when one passes.
+    Liveness,
+}
+
+enum Event {
+    Commands(Box<Commands>),
+    Exited(io::Result<()>),
+    Checked(Checked),
+}
+
+impl Task {
+    pub(super) fn new(
+        key: u64,
+        spec: ProcessSpec,
+        shared: Arc<Shared>,
+        status: watch::Sender<ProcessStatus>,
+        commands: control::Receiver,
+        last_pid: Option<u32>,
+    ) -> Self {
+        Task { key, spec, shared, status, commands, attempt: 0, last_pid, health_error: None }
+    }
+
+    /// Supervises `instance` (`ready` when it needs no readiness check, or was adopted) and
+    /// every instance after it, until a stop, a detach or a dropped handle.
+    pub(super) async fn run(mut self, mut instance: Instance, ready: bool) {
+        let mut checks = Checks::new(&self.spec, ready, &mut instance, &self.shared);
+        loop {
+            let event = tokio::select! {
+                // Every branch is cancel-safe: `recv` loses no command, a pidfd stays
+                // readable once its process exited, and a dropped check changes nothing.
+                commands = self.commands.recv() => Event::Commands(Box::new(commands)),
+                exited = instance.pidfd.exited() => Event::Exited(exited),
+                checked = checks.next(&self.spec) => Event::Checked(checked),
+            };
+            match event {
+                Event::Checked(checked) => {
+                    if matches!(checked, Checked::NotReady(_) | Checked::Unhealthy { .. } | Checked::Dead(_)) {
+                        self.status.send_modify(|status| status.probe_failures += 1);
+                    }
+                    if let Checked::Dead(message) = checked {
+                        // Stopped as on a stop (its kill signal, then SIGKILL after the
+                        // timeout), then restarted on the backoff like any exit.
+                        tracing::warn!(pid = instance.pid, error = %message, "process unhealthy; restarting it");
+                        let _unsignalled = self.terminate(&instance).await;
+                        match Box::pin(self.restart_after_exit(instance, Some(message))).await {
+                            Some(next) => {
+                                instance = next;
+                                checks = Checks::new(
+                                    &self.spec,
+                                    checks::starts_ready(&self.spec),
+                                    &mut instance,
+                                    &self.shared,
+                                );
+                            }
+                            None => return,
+                        }
+                    } else {
+                        self.checked(checked);
+                    }
+                }
+                Event::Commands(commands) => {
+                    if let Some(update) = commands.update {
+                        if let Some(health) = &update.health {
+                            checks.update(health.readiness.clone(), health.liveness.clone());
+                        }
+                        self.apply(update);
+                    }
+                    if commands.stop {
+                        return Box::pin(self.stop(instance)).await;
+                    }
+                    if let Some(reply) = commands.detach {
+                        let _caller_gone = reply.send(self.detach(&mut instance));
+                        instance.release();
+                        return;
+                    }
+                    if commands.handle_gone {
+                        self.shared.rotator.forget(self.key);
+                        tracing::info!(pid = instance.pid, "handle dropped; process left running unsupervised");
+                        instance.release();
+                        return;
+                    }
+                }
+                Event::Exited(result) => {
+                    if let Err(error) = result {
+                        // The reactor failed us; the process may be alive, so leave it be.
+                        tracing::error!(pid = instance.pid, %error, "cannot watch process; supervision ended");
+                        self.finish(ProcessState::Failed, None, Some(format!("cannot watch process: {error}"))).await;
+                        return;
+                    }
+                    match Box::pin(self.restart_after_exit(instance, None)).await {
+                        Some(next) => {
+                            instance = next;
+                            checks =
+                                Checks::new(&self.spec, checks::starts_ready(&self.spec), &mut instance, &self.shared);
+                        }
+                        None => return,
+                    }
+                }
+            }
+        }
+    }
+
+    /// Shows what a check found.
+    fn checked(&mut self, checked: Checked) {
+        match checked {
+            Checked::Ready => {
+                tracing::info!("process ready");
+                let clear = self.health_error.take_if(|from| *from == HealthError::Readiness).is_some();
+                self.status.send_modify(|status| {
+                    status.state = ProcessState::Running;
+                    status.ready = true;
+                    if clear {
+                        status.error = None;
+                    }
+                });
+            }
+            Checked::NotReady(message) => {
+                tracing::debug!(error = %message, "process not ready yet");
+                self.show_health_error(HealthError::Readiness, message);
+            }
+            Checked::Alive { recovered } => {
+                if recovered {
+                    tracing::info!("process answers its liveness probe again");
+                }
+                if self.health_error.take().is_some() {
+                    self.status.send_modify(|status| status.error = None);
+                }
+            }
+            Checked::Unhealthy { failures, message } => {
+                tracing::warn!(error = %message, failures, "liveness probe failed");
+                self.show_health_error(HealthError::Liveness, message);
+            }
+            Checked::Dead(message) => self.show_health_error(HealthError::Liveness, message),
+            Checked::StatusText(text) => {
+                self.status.send_if_modified(|status| {
+                    let changed = status.status_text.as_deref() != Some(text.as_str());
+                    status.status_text = Some(text);
+                    changed
+                });
+            }
+        }
+    }
+
+    fn show_health_error(&mut self, from: HealthError, message: String) {
+        self.health_error = Some(from);
+        self.status.send_if_modified(|status| {
+            let changed = status.error.as_deref() != Some(message.as_str());
+            status.error = Some(message);
+            changed
+        });
+    }
+
+    fn apply(&mut self, update: ProcessUpdate) {
+        if let Some(kill) = update.kill {
+            self.spec.kill = kill;
+        }
+        if let Some(restart) = update.restart {
+            self.spec.restart = restart;
+        }
+        if let Some(limits) = update.log_limits {
+            self.spec.logs.limits = limits;
+            self.shared.rotator.set_limits(self.key, limits);
+        }
+        tracing::debug!(?update, "applied in-place update");
+        if let Some(health) = update.health {
+            self.spec.health = health;
+            // For the next instance: the running one keeps the environment it started with.
+            checks::set_notify_env(&mut self.spec, self.shared.notify.address());
+        }
+    }
+
+    fn detach(&self, instance: &mut Instance) -> Result<Identity, DetachError> {
+        self.shared.rotator.forget(self.key);
+        let identity = self.identity(instance)?;
+        tracing::info!(pid = instance.pid, "process detached; left running");
+        Ok(identity)
+    }
+
+    fn identity(&self, instance: &mut Instance) -> Result<Identity, DetachError> {
+        // Our child is not reaped until we wait for it, so its pid is still its own.
+        let start_time = match instance.start_time {
+            Some(start_time) => start_time,
+            None => {
+                let start_time = proc::read_stat(instance.pid)
+                    .map_err(|source| DetachError::Identity { pid: instance.pid, source })?
+                    .start_time;
+                instance.start_time = Some(start_time);
+                start_time
+            }
+        };
+        Ok(Identity { pid: instance.pid, pgid: instance.pgid, start_time, boot_id: self.shared.boot_id.clone() })
+    }
+
+    /// Stops the running instance and ends supervision.
+    async fn stop(mut self, instance: Instance) {
+        let pid = instance.pid;
+        self.status.send_modify(|status| status.state = ProcessState::Stopping);
+        let error = self.terminate(&instance).await;
+        // Grandchildren that outlived the leader; the unreaped leader still holds the id.
+        let _empty = proc::signal_group(instance.pgid, Signal::SIGKILL);
+        let last_exit = instance.reap().await;
+        self.commands.close();
+        tracing::info!(pid, ?last_exit, "process stopped");
+        self.finish(ProcessState::Stopped, last_exit, error).await;
+    }
+
+    /// Ends the instance's main process: its kill signal to the group, then SIGKILL after
+    /// the kill timeout. Returns once it exited (not reaped), with what went wrong, if
+    /// anything did.
+    async fn terminate(&self, instance: &Instance) -> Option<String> {
+        let (pid, kill) = (instance.pid, self.spec.kill);
+        // The leader is alive or an unreaped zombie while its pidfd is not readable or it
+        // is our child, so the group id cannot have been reused.
+        let leader_known =
+            matches!(instance.kind, InstanceKind::Child(_)) || matches!(instance.pidfd.has_exited(), Ok(false));
+        let mut error = None;
+        if leader_known {
+            if let Err(cause) = proc::signal_group(instance.pgid, kill.signal.into()) {
+                error = Some(format!("failed to signal process group {}: {cause}", instance.pgid));
+            }
+            if tokio::time::timeout(kill.timeout, instance.pidfd.exited()).await.is_err() {
+                tracing::warn!(
+                    pid,
+                    timeout_ms = kill.timeout.as_millis() as u64,
+                    "process ignored its kill signal; sending SIGKILL"
+                );
+                if let Err(cause) = proc::signal_group(instance.pgid, Signal::SIGKILL) {
+                    error = Some(format!("failed to kill process group {}: {cause}", instance.pgid));
+                }
+                if let Err(cause) = instance.pidfd.exited().await {
+                    error = Some(format!("cannot watch process: {cause}"));
+                }
+            }
+        }
+        error
+    }
+
+    /// Publishes a final state after removing the pid file and forgetting the logs.
+    async fn finish(&mut self, state: ProcessState, last_exit: Option<ExitReason>, error: Option<String>) {
+        self.shared.rotator.forget(self.key);
+        let removed = match self.last_pid {
+            Some(pid) => self.shared.pid_files.remove(&self.spec.pid_file, pid).await,
+            None => Ok(()),
+        };
+        let error = error.or_else(|| removed.err().map(|cause| format!("failed to remove pid file: {cause}")));
+        self.status.send_modify(|status| {
+            status.state = state;
+            status.pid = None;
+            status.identity = None;
+            if last_exit.is_some() {
+                status.last_exit = last_exit;
+            }
+            if error.is_some() {
+                status.error = error;
+            }
+        });
+    }
+
+    /// Handles an exit: sweeps the group, reaps, waits out the backoff, starts anew, and
+    /// keeps trying on the backoff while starts fail. `None` when supervision ended instead
+    /// (a stop or a detach).
+    /// `cause` is why the instance was ended, when it did not exit by itself (its liveness
+    /// failed): it stays the status's `error` until a check of a later instance passes.
+    async fn restart_after_exit(&mut self, instance: Instance, cause: Option<String>) -> Option<Instance> {
+        let (pid, run) = (instance.pid, instance.started.elapsed());
+        // Sweep before reaping: until the leader is reaped its pgid cannot be reused, and a
+        // forked worker must not keep the port the next instance binds.
+        let _empty = proc::signal_group(instance.pgid, Signal::SIGKILL);
+        let last_exit = instance.reap().await;
+        if !self.spec.restart_on_exit {
+            tracing::info!(pid, ?last_exit, "process exited; not restarted");
+            self.commands.close();
+            self.finish(ProcessState::Stopped, last_exit, None).await;
+            return None;
+        }
+
+        self.attempt = backoff::next_attempt(&self.spec.restart, self.attempt, run);
+        let mut delay = self.spec.restart.delay_before(self.attempt);
+        let (code, signal) = match last_exit {
+            Some(ExitReason::Code(code)) => (Some(code), None),
+            Some(ExitReason::Signal(signal)) => (None, Some(signal)),
+            None => (None, None),
+        };
+        tracing::warn!(
+            pid,
+            code,
+            signal,
+            attempt = self.attempt,
+            backoff_ms = delay.as_millis() as u64,
+            "process exited; restarting"
+        );
+        let state = if delay.is_zero() { ProcessState::Starting } else { ProcessState::Backoff };
+        self.health_error = cause.is_some().then_some(HealthError::Liveness);
+        self.status.send_modify(|status| {
+            status.state = state;
+            status.pid = None;
+            status.identity = None;
+            status.last_exit = last_exit;
+            status.ready = false;
+            status.status_text = None;
+            if cause.is_some() {
+                status.error.clone_from(&cause);
+            }
+        });
+
+        let mut failed_attempts = 0_u32;
+        loop {
+            if !delay.is_zero() {
+                // No pid file names a process that does not exist while the next one waits.
+                // (An immediate restart replaces the file instead.)
+                if let Some(pid) = self.last_pid {
+                    self.shared.pid_files.forget(&self.spec.pid_file, pid);
+                }
+                if !self.wait_backoff(delay).await {
+                    return None;
+                }
+            }
+            self.status.send_modify(|status| status.state = ProcessState::Starting);
+            let log_offsets = checks::watches_lines(&self.spec).then(|| lines::offsets(&self.spec));
+            match spawn::spawn(&self.spec) {
+                Ok(spawned) => {
+                    let mut instance = self.restarted(spawned, cause);
+                    instance.log_offsets = log_offsets;
+                    return Some(instance);
+                }
+                Err(error) => {
+                    // A failed start is not final: a descriptor, memory or the program
+                    // itself may be back by the next attempt, so it waits on the backoff.
+                    let message = error_chain(&error);
+                    self.attempt = self.attempt.saturating_add(1);
+                    delay = self.spec.restart.delay_before(self.attempt).max(MIN_RETRY_DELAY);
+                    tracing::warn!(
+                        error = %message,
+                        attempt = self.attempt,
+                        backoff_ms = delay.as_millis() as u64,
+                        "process cannot be restarted; retrying"
+                    );
+                    failed_attempts += 1;
+                    self.status.send_modify(|status| {
+                        status.state = ProcessState::Backoff;
+                        status.error = Some(format!("cannot restart (failed attempts: {failed_attempts}): {message}"));
+                    });
+                }
+            }
+        }
+    }
+
+    /// Takes over a freshly restarted instance: pid file, log watch, status.
+    fn restarted(&mut self, Spawned { child, pid, pidfd, notification }: Spawned, cause: Option<String>) -> Instance {
+        self.shared.pid_files.write(&self.spec.pid_file, pid);
+        self.last_pid = Some(pid);
+        self.shared.rotator.watch(self.key, &self.spec.logs.stdout, &self.spec.logs.stderr, self.spec.logs.limits);
+        tracing::info!(pid, attempt = self.attempt, "process restarted");
+        let start_time = proc::read_stat(pid).ok().map(|stat| stat.start_time);
+        let identity = self.shared.identity(pid, pid, start_time);
+        let ready = checks::starts_ready(&self.spec);
+        self.health_error = cause.is_some().then_some(HealthError::Liveness);
+        self.status.send_modify(|status| {
+            status.state = if ready { ProcessState::Running } else { ProcessState::Starting };
+            status.ready = ready;
+            status.pid = Some(pid);
+            status.identity = identity;
+            // Restarts that ran: the exits they followed are counted from this.
+            status.restarts += 1;
+            status.started_at = Some(SystemTime::now());
+            status.error = cause;
+        });
+        Instance {
+            kind: InstanceKind::Child(child),
+            pidfd,
+            pid,
+            pgid: pid,
+            start_time,
+            started: Instant::now(),
+            notification,
+            log_offsets: None,
+        }
+    }
+
+    /// Waits `delay` while answering commands. `false` when supervision ended meanwhile.
+    async fn wait_backoff(&mut self, delay: Duration) -> bool {
+        let deadline = tokio::time::sleep(delay);
+        tokio::pin!(deadline);
+        loop {
+            tokio::select! {
+                // The sleep is pinned outside the loop, so updates do not restart it.
+                () = &mut deadline => return true,
+                commands = self.commands.recv() => {
+                    if let Some(update) = commands.update {
+                        self.apply(update);
+                    }
+                    if commands.stop {
+                        self.commands.close();
+                        tracing::info!("process stopped during backoff");
+                        self.finish(ProcessState::Stopped, None, None).await;
+                        return false;
+                    }
+                    if let Some(reply) = commands.detach {
+                        let _caller_gone = reply.send(Err(DetachError::NotRunning { state: ProcessState::Backoff }));
+                        self.finish(ProcessState::Stopped, None, None).await;
+                        return false;
+                    }
+                    if commands.handle_gone {
+                        self.finish(ProcessState::Stopped, None, None).await;
+                        return false;
+                    }
+                }
+            }
+        }
+    }
+}

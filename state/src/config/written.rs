@@ -1,0 +1,149 @@
+//! The schema as written: every field explicit, so that a round trip is exact; and
+//! `Service`'s serde in the schema's own form.
+
+use super::*;
+
+#[derive(Serialize)]
+pub(super) struct FileOut<'a> {
+    pub(super) service: Vec<ServiceOut<'a>>,
+}
+
+#[derive(Serialize)]
+pub(super) struct ServiceOut<'a> {
+    name: &'a ServiceName,
+    id: &'a ServiceId,
+    address: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    port: Option<u16>,
+    tags: &'a [String],
+    meta: &'a BTreeMap<String, String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    proxy: Option<ProxyOut<'a>>,
+}
+
+#[derive(Serialize)]
+pub(super) struct ProxyOut<'a> {
+    exec_mode: ExecModeDef,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    command: Option<Vec<String>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    working_dir: Option<&'a Path>,
+    env: &'a BTreeMap<String, String>,
+    inherit_env: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    user: Option<&'a str>,
+    kill_signal: KillSignal,
+    kill_timeout: String,
+    log_max_size: u64,
+    log_keep: u32,
+    config: &'a ProxyConfigMap,
+    restart: RestartOut,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    readiness: Option<ProbeOut>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    liveness: Option<ProbeOut>,
+}
+
+#[derive(Serialize, Default)]
+pub(super) struct ProbeOut {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tcp: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    http: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    exec: Option<Vec<String>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    notify: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    log_line: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    fd: Option<u32>,
+    interval: String,
+    timeout: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    failures: Option<u32>,
+}
+
+impl ProbeOut {
+    fn new(probe: &Probe, interval: Duration, timeout: Duration, failures: Option<u32>) -> Self {
+        let duration = |d: Duration| humantime::format_duration(d).to_string();
+        let mut out = Self { interval: duration(interval), timeout: duration(timeout), failures, ..Self::default() };
+        match probe {
+            Probe::Tcp(target) => out.tcp = Some(target.as_str().to_owned()),
+            Probe::Http(target) => out.http = Some(target.as_str().to_owned()),
+            Probe::Exec(command) => out.exec = Some(command.to_words()),
+            Probe::Notify => out.notify = Some(true),
+            Probe::LogLine(pattern) => out.log_line = Some(pattern.as_str().to_owned()),
+            Probe::Fd(fd) => out.fd = Some(*fd),
+        }
+        out
+    }
+}
+
+#[derive(Serialize)]
+pub(super) struct RestartOut {
+    free_attempts: u32,
+    max_delay: String,
+    healthy_after: String,
+}
+
+impl<'a> From<&'a Service> for ServiceOut<'a> {
+    fn from(service: &'a Service) -> Self {
+        Self {
+            name: &service.name,
+            id: &service.id,
+            address: &service.address,
+            port: service.port,
+            tags: &service.tags,
+            meta: &service.meta,
+            proxy: service.proxy.as_ref().map(ProxyOut::from),
+        }
+    }
+}
+
+impl<'a> From<&'a ProxySpec> for ProxyOut<'a> {
+    fn from(spec: &'a ProxySpec) -> Self {
+        let duration = |d: Duration| humantime::format_duration(d).to_string();
+        Self {
+            exec_mode: match spec.exec_mode {
+                ExecMode::Daemon => ExecModeDef::Daemon,
+            },
+            command: match &spec.command {
+                ProxyCommand::BuiltIn => None,
+                ProxyCommand::Exec(line) => Some(line.to_words()),
+            },
+            working_dir: spec.working_dir.as_deref(),
+            env: &spec.env,
+            inherit_env: spec.inherit_env,
+            user: spec.user.as_deref(),
+            kill_signal: spec.kill.signal,
+            kill_timeout: duration(spec.kill.timeout),
+            log_max_size: spec.log.max_size,
+            log_keep: spec.log.keep,
+            config: &spec.config,
+            restart: RestartOut {
+                free_attempts: spec.restart.free_attempts,
+                max_delay: duration(spec.restart.max_delay),
+                healthy_after: duration(spec.restart.healthy_after),
+            },
+            readiness: spec.readiness.as_ref().map(|r| ProbeOut::new(&r.probe, r.interval, r.timeout, None)),
+            liveness: spec.liveness.as_ref().map(|l| ProbeOut::new(&l.probe, l.interval, l.timeout, Some(l.failures))),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// `Service` in the schema's own form, for whoever stores services (the snapshot): written
+// as a register body, read back through every check of the schema.
+
+impl Serialize for Service {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        ServiceOut::from(self).serialize(serializer)
+    }
+}
+
+impl<'de> Deserialize<'de> for Service {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        Validated::deserialize(deserializer).map(|validated| validated.0)
+    }
+}
