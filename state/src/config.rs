@@ -20,6 +20,7 @@ use serde::{Deserialize, Serialize, Serializer};
 
 use crate::health::{HttpTarget, LinePattern, Liveness, Probe, Readiness, TcpTarget};
 use crate::id::ServiceId;
+use crate::listener::{ListenAddress, Listener, ListenerName, UpdatePolicy, UpdateStrategy};
 use crate::service::{
     CommandLine, ExecMode, KillPolicy, KillSignal, LogPolicy, ProxyCommand, ProxyConfigMap, ProxySpec, RestartPolicy,
     Service, ServiceName,

@@ -60,6 +60,7 @@ pub mod config;
 mod exit;
 mod health;
 mod id;
+mod listener;
 pub mod persist;
 mod service;
 mod token;
@@ -76,6 +77,7 @@ pub use id::{
     IdError, MAX_PROXY_ID_LEN, MAX_SERVICE_ID_LEN, PROXY_SUFFIX, ProxyId, SERVICE_ID_RULE, ServiceId,
     check_process_name, check_service_id,
 };
+pub use listener::{LISTENER_NAME_RULE, ListenAddress, Listener, ListenerName, UpdatePolicy, UpdateStrategy};
 pub use service::{
     CommandLine, ExecMode, KillPolicy, KillSignal, LogPolicy, ManagedProxy, NameError, ProxyChange, ProxyCommand,
     ProxyConfigMap, ProxySpec, RestartPolicy, Service, ServiceName,

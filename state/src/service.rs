@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use crate::health::{Liveness, Readiness};
 use crate::id::{ProxyId, ServiceId};
+use crate::listener::{Listener, UpdatePolicy};
 use crate::token::ProxyToken;
 
 /// The opaque `config` table of a proxy, served to the proxy as JSON.
@@ -346,6 +347,10 @@ pub struct ProxySpec {
     pub readiness: Option<Readiness>,
     /// When a running instance is restarted because it stopped answering.
     pub liveness: Option<Liveness>,
+    /// Sockets the agent binds and hands to every instance, in descriptor order from 3.
+    pub listeners: Vec<Listener>,
+    /// How a restart-requiring change replaces the running instance.
+    pub update: UpdatePolicy,
 }
 
 /// A service's managed proxy as the engine sees it: its id, its service, its spec and its
@@ -365,7 +370,8 @@ pub enum ProxyChange {
     /// Only what can be applied to the running process differs: `config`, the kill,
     /// restart and log policies, or the service's name, address, port, tags or meta.
     InPlace,
-    /// The command, working directory, environment, `inherit_env`, user or token differs:
+    /// The command, working directory, environment, `inherit_env`, user, listeners or
+    /// token differs:
     /// the process must be stopped and started again.
     Restart,
 }
@@ -432,7 +438,8 @@ impl ManagedProxy {
             || old_spec.working_dir != new_spec.working_dir
             || old_spec.env != new_spec.env
             || old_spec.inherit_env != new_spec.inherit_env
-            || old_spec.user != new_spec.user;
+            || old_spec.user != new_spec.user
+            || old_spec.listeners != new_spec.listeners;
         if restart {
             ProxyChange::Restart
         } else if self.service != new.service {
@@ -475,6 +482,11 @@ mod tests {
         assert_eq!(change(|s| drop(spec(s).env.insert("A".into(), "1".into()))), ProxyChange::Restart);
         assert_eq!(change(|s| spec(s).inherit_env = true), ProxyChange::Restart);
         assert_eq!(change(|s| spec(s).user = Some("nobody".into())), ProxyChange::Restart);
+        let listener = crate::Listener {
+            name: crate::ListenerName::new("public").unwrap(),
+            address: crate::ListenAddress::parse("127.0.0.1:21000").unwrap(),
+        };
+        assert_eq!(change(|s| spec(s).listeners.push(listener)), ProxyChange::Restart);
     }
 
     #[test]
@@ -499,6 +511,8 @@ mod tests {
         assert_eq!(change(|s| s.name = ServiceName::new("Web").unwrap()), ProxyChange::InPlace);
         assert_eq!(change(|s| spec(s).readiness = Some(Readiness::new(crate::Probe::Notify))), ProxyChange::InPlace);
         assert_eq!(change(|s| spec(s).liveness = Some(Liveness::new(crate::Probe::Notify))), ProxyChange::InPlace);
+        assert_eq!(change(|s| spec(s).update.strategy = crate::UpdateStrategy::Overlap), ProxyChange::InPlace);
+        assert_eq!(change(|s| spec(s).update.timeout = Duration::from_secs(1)), ProxyChange::InPlace);
     }
 
     #[test]

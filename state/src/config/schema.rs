@@ -49,6 +49,9 @@ pub(super) struct ProxyDef {
     restart: Option<RestartDef>,
     readiness: Option<ReadinessDef>,
     liveness: Option<LivenessDef>,
+    listener: Option<ListenersDef>,
+    update: Option<UpdateDef>,
+    update_timeout: Option<PositiveDuration>,
 }
 
 /// A `readiness` or `liveness` table as written: exactly one probe kind, its timing, and
@@ -198,6 +201,64 @@ impl<'de> Deserialize<'de> for NotifyFd {
     }
 }
 
+/// The `[[service.proxy.listener]]` array: names unique, addresses distinct.
+pub(super) struct ListenersDef(Vec<Listener>);
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ListenerDef {
+    name: ListenerNameDef,
+    address: ListenAddressDef,
+}
+
+struct ListenerNameDef(ListenerName);
+
+impl<'de> Deserialize<'de> for ListenerNameDef {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let raw = String::deserialize(deserializer)?;
+        ListenerName::new(&raw).map(Self).map_err(de::Error::custom)
+    }
+}
+
+struct ListenAddressDef(ListenAddress);
+
+impl<'de> Deserialize<'de> for ListenAddressDef {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let raw = String::deserialize(deserializer)?;
+        ListenAddress::parse(&raw).map(Self).map_err(de::Error::custom)
+    }
+}
+
+impl<'de> Deserialize<'de> for ListenersDef {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let defs = Vec::<ListenerDef>::deserialize(deserializer)?;
+        let mut listeners: Vec<Listener> = Vec::with_capacity(defs.len());
+        for def in defs {
+            let listener = Listener { name: def.name.0, address: def.address.0 };
+            if let Some(twin) = listeners.iter().find(|l| l.name == listener.name) {
+                return Err(de::Error::custom(format!("two listeners are named {:?}", twin.name.as_str())));
+            }
+            if let Some(twin) = listeners.iter().find(|l| l.address == listener.address) {
+                return Err(de::Error::custom(format!(
+                    "listeners {:?} and {:?} have the same address {}",
+                    twin.name.as_str(),
+                    listener.name.as_str(),
+                    listener.address
+                )));
+            }
+            listeners.push(listener);
+        }
+        Ok(Self(listeners))
+    }
+}
+
+#[derive(Deserialize, Serialize, Clone, Copy)]
+#[serde(rename_all = "lowercase")]
+pub(super) enum UpdateDef {
+    Restart,
+    Overlap,
+}
+
 /// A duration that is not zero: an interval or a timeout.
 pub(super) struct PositiveDuration(Duration);
 
@@ -242,8 +303,27 @@ impl TryFrom<ServiceDef> for Validated {
         service.tags = def.tags.unwrap_or_default().into_iter().map(|t| t.0).collect();
         service.meta = def.meta.unwrap_or_default().into_iter().map(|(k, v)| (k.0, v.0)).collect();
         service.proxy = def.proxy.map(ProxySpec::from);
+        if let Some(proxy) = &service.proxy {
+            check_descriptors(proxy)?;
+        }
         Ok(Self(service))
     }
+}
+
+/// Listeners take descriptors 3, 4, … of every instance: a readiness `fd` may not be one.
+fn check_descriptors(proxy: &ProxySpec) -> Result<(), String> {
+    if let Some(Readiness { probe: Probe::Fd(fd), .. }) = &proxy.readiness {
+        let taken = 3..3 + proxy.listeners.len() as u64;
+        if taken.contains(&u64::from(*fd)) {
+            let listener = &proxy.listeners[(u64::from(*fd) - 3) as usize];
+            return Err(format!(
+                "proxy.readiness.fd {fd} is the descriptor of listener {:?} (listeners take 3, 4, …): choose {} or more",
+                listener.name.as_str(),
+                taken.end
+            ));
+        }
+    }
+    Ok(())
 }
 
 impl From<ProxyDef> for ProxySpec {
@@ -277,6 +357,14 @@ impl From<ProxyDef> for ProxySpec {
             config: def.config.map(|c| c.0).unwrap_or_default(),
             readiness: def.readiness.map(|r| r.0),
             liveness: def.liveness.map(|l| l.0),
+            listeners: def.listener.map(|l| l.0).unwrap_or_default(),
+            update: UpdatePolicy {
+                strategy: match def.update {
+                    Some(UpdateDef::Overlap) => UpdateStrategy::Overlap,
+                    Some(UpdateDef::Restart) | None => UpdateStrategy::Restart,
+                },
+                timeout: def.update_timeout.map_or(UpdatePolicy::default().timeout, |d| d.0),
+            },
         }
     }
 }

@@ -467,5 +467,55 @@ fn bad_health_checks_name_file_line_and_field() {
     assert!(liveness("grpc = \"h:1\"").contains("unknown field `grpc`"));
 }
 
+#[test]
+fn listeners_and_update_are_read_with_their_defaults() {
+    let service = one("[[service]]\nname = \"web\"\n[service.proxy]\nupdate = \"overlap\"\n\
+         [[service.proxy.listener]]\nname = \"public\"\naddress = \"127.0.0.1:21000\"\n\
+         [[service.proxy.listener]]\nname = \"admin\"\naddress = \"/run/web/admin.sock\"\n");
+    let proxy = service.proxy.unwrap();
+    let listed: Vec<(&str, String)> =
+        proxy.listeners.iter().map(|l| (l.name.as_str(), l.address.to_string())).collect();
+    assert_eq!(listed, [("public", "127.0.0.1:21000".to_owned()), ("admin", "/run/web/admin.sock".to_owned())]);
+    assert_eq!(proxy.update, UpdatePolicy { strategy: UpdateStrategy::Overlap, timeout: Duration::from_secs(30) });
+    let plain = one("[[service]]\nname = \"web\"\n[service.proxy]\n").proxy.unwrap();
+    assert!(plain.listeners.is_empty());
+    assert_eq!(plain.update, UpdatePolicy::default());
+}
+
+#[test]
+fn bad_listeners_and_updates_name_file_line_and_field() {
+    let listener = |lines: &str| proxy_error(&format!("[[service.proxy.listener]]\n{lines}"));
+    let error = listener("name = \"a:b\"\naddress = \"127.0.0.1:1\"");
+    assert!(
+        error.contains("web.toml") && error.contains("listener") && error.contains(crate::LISTENER_NAME_RULE),
+        "{error}"
+    );
+    let error = listener("name = \"a\"\naddress = \"relative.sock\"");
+    assert!(error.contains("absolute path") && error.contains("address"), "{error}");
+    let error = listener("name = \"a\"");
+    assert!(error.contains("missing field `address`"), "{error}");
+    let error = listener("name = \"a\"\naddress = \"127.0.0.1:1\"\nport = 2");
+    assert!(error.contains("unknown field `port`"), "{error}");
+    let error = listener(
+        "name = \"a\"\naddress = \"127.0.0.1:1\"\n[[service.proxy.listener]]\nname = \"a\"\naddress = \"127.0.0.1:2\"",
+    );
+    assert!(error.contains("two listeners are named \"a\""), "{error}");
+    let error = listener(
+        "name = \"a\"\naddress = \"127.0.0.1:1\"\n[[service.proxy.listener]]\nname = \"b\"\naddress = \"127.0.0.1:1\"",
+    );
+    assert!(error.contains("the same address 127.0.0.1:1"), "{error}");
+    let error = proxy_error("update = \"blue-green\"");
+    assert!(error.contains("update") && error.contains("overlap"), "{error}");
+    let error = proxy_error("update_timeout = \"0s\"");
+    assert!(error.contains("update_timeout") && error.contains("more than zero"), "{error}");
+    let error = proxy_error(
+        "[service.proxy.readiness]\nfd = 3\n[[service.proxy.listener]]\nname = \"public\"\naddress = \"127.0.0.1:1\"",
+    );
+    assert!(
+        error.contains("readiness.fd 3 is the descriptor of listener \"public\"") && error.contains("4 or more"),
+        "{error}"
+    );
+}
+
 mod loader;
 mod round_trip;

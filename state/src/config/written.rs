@@ -42,6 +42,16 @@ pub(super) struct ProxyOut<'a> {
     readiness: Option<ProbeOut>,
     #[serde(skip_serializing_if = "Option::is_none")]
     liveness: Option<ProbeOut>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    listener: Vec<ListenerOut<'a>>,
+    update: UpdateDef,
+    update_timeout: String,
+}
+
+#[derive(Serialize)]
+pub(super) struct ListenerOut<'a> {
+    name: &'a str,
+    address: String,
 }
 
 #[derive(Serialize, Default)]
@@ -128,6 +138,16 @@ impl<'a> From<&'a ProxySpec> for ProxyOut<'a> {
             },
             readiness: spec.readiness.as_ref().map(|r| ProbeOut::new(&r.probe, r.interval, r.timeout, None)),
             liveness: spec.liveness.as_ref().map(|l| ProbeOut::new(&l.probe, l.interval, l.timeout, Some(l.failures))),
+            listener: spec
+                .listeners
+                .iter()
+                .map(|l| ListenerOut { name: l.name.as_str(), address: l.address.to_string() })
+                .collect(),
+            update: match spec.update.strategy {
+                UpdateStrategy::Restart => UpdateDef::Restart,
+                UpdateStrategy::Overlap => UpdateDef::Overlap,
+            },
+            update_timeout: duration(spec.update.timeout),
         }
     }
 }

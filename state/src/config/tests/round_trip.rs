@@ -41,7 +41,7 @@ fn probe(for_liveness: bool) -> impl Strategy<Value = Probe> {
         prop::collection::vec(word(), 1..3).prop_map(|words| Probe::Exec(CommandLine::from_words(words).unwrap())),
         Just(Probe::Notify),
         "[a-z][a-z .*]{0,11}".prop_map(|pattern| Probe::LogLine(LinePattern::new(&pattern).unwrap())),
-        (3u32..=1023).prop_map(Probe::Fd),
+        (3u32..=1020).prop_map(Probe::Fd),
     ];
     any_kind.prop_filter("a liveness probe", move |probe| !for_liveness || probe.checks_liveness())
 }
@@ -60,12 +60,41 @@ fn health() -> impl Strategy<Value = (Option<Readiness>, Option<Liveness>)> {
         })
 }
 
-fn proxy_spec() -> impl Strategy<Value = ProxySpec> {
-    (proxy_spec_without_health(), health()).prop_map(|(mut spec, (readiness, liveness))| {
-        spec.readiness = readiness;
-        spec.liveness = liveness;
-        spec
+fn listeners() -> impl Strategy<Value = Vec<Listener>> {
+    let address =
+        prop_oneof![(1u16..).prop_map(|port| format!("127.0.0.1:{port}")), "/[a-z]{1,8}(/[a-z]{1,8}){0,2}\\.sock",];
+    prop::collection::vec(("[A-Za-z0-9_.-]{1,10}", address), 0..3).prop_map(|pairs| {
+        let mut listeners: Vec<Listener> = Vec::new();
+        for (name, address) in pairs {
+            let listener =
+                Listener { name: ListenerName::new(&name).unwrap(), address: ListenAddress::parse(&address).unwrap() };
+            if listeners.iter().all(|l| l.name != listener.name && l.address != listener.address) {
+                listeners.push(listener);
+            }
+        }
+        listeners
     })
+}
+
+fn update() -> impl Strategy<Value = UpdatePolicy> {
+    (prop::sample::select(vec![UpdateStrategy::Restart, UpdateStrategy::Overlap]), 1u64..100_000)
+        .prop_map(|(strategy, ms)| UpdatePolicy { strategy, timeout: Duration::from_millis(ms) })
+}
+
+fn proxy_spec() -> impl Strategy<Value = ProxySpec> {
+    (proxy_spec_without_health(), health(), listeners(), update()).prop_map(
+        |(mut spec, (readiness, liveness), listeners, update)| {
+            spec.readiness = readiness;
+            spec.liveness = liveness;
+            // Listeners take descriptors from 3: a readiness `fd` moves above them.
+            if let Some(Readiness { probe: Probe::Fd(fd), .. }) = &mut spec.readiness {
+                *fd += listeners.len() as u32;
+            }
+            spec.listeners = listeners;
+            spec.update = update;
+            spec
+        },
+    )
 }
 
 fn proxy_spec_without_health() -> impl Strategy<Value = ProxySpec> {
@@ -101,6 +130,8 @@ fn proxy_spec_without_health() -> impl Strategy<Value = ProxySpec> {
                     config: config.into_iter().collect(),
                     readiness: None,
                     liveness: None,
+                    listeners: Vec::new(),
+                    update: UpdatePolicy::default(),
                 }
             },
         )
