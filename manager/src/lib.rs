@@ -102,7 +102,9 @@ pub use snapshot::{
     BoxedCause, EncodedSnapshot, FileSnapshotStore, MemorySnapshotStore, OLDEST_SNAPSHOT_VERSION, ProxyRecord,
     SNAPSHOT_VERSION, Snapshot, SnapshotError, SnapshotStore, UnknownVersion,
 };
-pub use status::{ActionKind, ManagerHandle, PASS_BUCKETS, ProxyEvent, ProxyStatus, ReconcileStats, RequestError};
+pub use status::{
+    ActionKind, ManagerHandle, PASS_BUCKETS, ProxyEvent, ProxyStatus, ReconcileStats, RequestError, UpdateStatus,
+};
 pub use users::UserLookup;
 
 pub(crate) use tether_state::error_chain;

@@ -21,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 use crate::backend::{BackendError, BackendStatus, ProxyBackend, ProxyHandle, ProxyState};
 use crate::plan::{Action, Observed, Policy, decide};
 use crate::snapshot::{EncodedService, SnapshotError, SnapshotStore, WriterMessage, WriterSender};
-use crate::status::{ManagerHandle, ProxyStatus, Published, Request, RequestError};
+use crate::status::{ManagerHandle, ProxyStatus, Published, Request, RequestError, UpdateStatus};
 use crate::users::UserLookup;
 
 /// How the engine behaves. `Default` gives SPEC's defaults.
@@ -114,6 +114,12 @@ struct Slot {
     /// A restart asked through a handle, answered when its action is done, with the
     /// restart count to keep.
     requested: Option<(oneshot::Sender<Result<(), RequestError>>, u64)>,
+    /// The new instance of the overlapping update in flight, and the task that publishes
+    /// its changes.
+    overlap: Option<(watch::Receiver<Option<BackendStatus>>, AbortHandle)>,
+    /// The last overlapping update was abandoned, and the instance it would have replaced
+    /// still serves: shown as it runs, with the error.
+    old_serves: bool,
 }
 
 impl Slot {
@@ -128,6 +134,8 @@ impl Slot {
             retry_at: None,
             restarts_base: 0,
             requested: None,
+            overlap: None,
+            old_serves: false,
         }
     }
 }
@@ -138,12 +146,27 @@ const MIN_RETRY_DELAY: Duration = Duration::from_millis(100);
 
 /// What an action task reports back.
 enum Outcome {
-    Started { proxy: Arc<ManagedProxy>, handle: Box<dyn ProxyHandle> },
-    StartFailed { error: BackendError },
+    Started {
+        proxy: Arc<ManagedProxy>,
+        handle: Box<dyn ProxyHandle>,
+    },
+    StartFailed {
+        error: BackendError,
+    },
     Stopped,
-    StopFailed { error: BackendError },
-    Updated { proxy: Arc<ManagedProxy> },
-    UpdateFailed { error: BackendError },
+    StopFailed {
+        error: BackendError,
+    },
+    Updated {
+        proxy: Arc<ManagedProxy>,
+    },
+    UpdateFailed {
+        error: BackendError,
+    },
+    /// An overlapping update was abandoned: the old instance serves on.
+    OverlapFailed {
+        reason: String,
+    },
 }
 
 /// A catalog change the engine has not synced yet.
@@ -569,10 +592,20 @@ impl Manager {
         let Some(slot) = self.slots.get(id) else { return };
         let process = slot.installed.as_ref().map(|installed| installed.status.borrow().clone()).unwrap_or_default();
         let queued = self.in_backlog.contains(id);
+        let update = slot.overlap.as_ref().and_then(|(next, _)| next.borrow().clone()).map(|next| UpdateStatus {
+            state: next.state,
+            pid: next.pid,
+            started_at: next.started_at,
+        });
         let (state, error) = match (&slot.busy, &slot.observed) {
+            // The old instance serves while the new one starts beside it.
+            (Some(Action::Restart), _) if slot.overlap.is_some() => (process.state, process.error.clone()),
             (Some(Action::Start), _) => (ProxyState::Starting, None),
             (Some(Action::Stop | Action::Restart), _) => (ProxyState::Stopping, None),
             (_, Observed::Blocked { .. }) => (ProxyState::Blocked, slot.error.clone()),
+            (_, Observed::Failed { .. }) if slot.old_serves && slot.installed.is_some() => {
+                (process.state, slot.error.clone())
+            }
             (_, Observed::Failed { .. }) => (ProxyState::Failed, slot.error.clone()),
             (_, Observed::Idle) if slot.installed.is_none() && self.held.contains(id) => (ProxyState::Stopped, None),
             (_, Observed::Idle) => (ProxyState::Pending, None),
@@ -590,6 +623,7 @@ impl Manager {
             error,
             status_text: process.pid.and(process.status_text),
             probe_failures: process.probe_failures,
+            update,
         });
     }
 }

@@ -36,6 +36,20 @@ pub struct ProxyStatus {
     pub status_text: Option<String>,
     /// Failed readiness and liveness checks.
     pub probe_failures: u64,
+    /// The new instance of an overlapping update (`update = "overlap"`), while it starts
+    /// beside the instance described above, which serves until it is ready.
+    pub update: Option<UpdateStatus>,
+}
+
+/// The new instance of an overlapping update, as the backend observes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UpdateStatus {
+    /// `starting` until it is ready; anything else ends the update.
+    pub state: ProxyState,
+    /// Its process id, once it has one.
+    pub pid: Option<u32>,
+    /// When it started.
+    pub started_at: Option<SystemTime>,
 }
 
 impl ProxyStatus {
@@ -306,6 +320,7 @@ mod tests {
 
     fn status(pid: Option<u32>, last_exit: Option<ExitReason>) -> ProxyStatus {
         ProxyStatus {
+            update: None,
             id: ServiceId::new("web").unwrap().proxy_id(),
             service: ServiceId::new("web").unwrap(),
             state: ProxyState::Running,

@@ -9,17 +9,21 @@ mod record;
 
 use std::collections::{BTreeSet, HashMap};
 use std::ffi::OsString;
+use std::os::fd::OwnedFd;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use async_trait::async_trait;
 use tether_manager::{BackendError, BackendRecord, ProxyBackend, ProxyHandle, ProxyState};
 use tether_state::persist::DataDir;
-use tether_state::{ManagedProxy, ProxyCommand, ProxyId};
+use tether_state::{ListenAddress, ManagedProxy, ProxyCommand, ProxyId};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::spec::{HealthChecks, KillPolicy, LogFile, LogSpec, ProcessName, ProcessSpec, ProcessUpdate};
+use crate::listen::ListenError;
+use crate::spec::{
+    HealthChecks, InheritedSocket, KillPolicy, LogFile, LogSpec, ProcessName, ProcessSpec, ProcessUpdate,
+};
 use crate::status::{ProcessState, ProcessStatus};
 use crate::supervisor::{ProcessHandle, Supervisor};
 use record::{Read, Record};
@@ -52,7 +56,14 @@ struct Shared {
     /// The processes found by their environment at the last look for adoption
     /// candidates, by proxy id; each id's are taken by its `restore`.
     found: Mutex<HashMap<ProxyId, Vec<u32>>>,
+    /// The open listening sockets of each proxy, held by its handles' specs: a socket is
+    /// closed once no handle holds it, and shared by every handle of its proxy meanwhile
+    /// (the old and the new instance of an update).
+    listeners: Mutex<HashMap<ProxyId, Vec<OpenListener>>>,
 }
+
+/// A listener's address and its socket, while some handle holds it.
+type OpenListener = (ListenAddress, Weak<OwnedFd>);
 
 impl OsProcessBackend {
     /// A backend that lays out pid and log files in `data`.
@@ -66,8 +77,9 @@ impl OsProcessBackend {
     /// When called outside a tokio runtime.
     pub fn new(data: DataDir, environment: AgentEnvironment) -> std::io::Result<Self> {
         let found = Mutex::default();
+        let listeners = Mutex::default();
         let supervisor = Supervisor::with_notify_socket(data.notify_address())?;
-        Ok(Self { shared: Arc::new(Shared { supervisor, data, environment, found }) })
+        Ok(Self { shared: Arc::new(Shared { supervisor, data, environment, found, listeners }) })
     }
 
     /// How long the readiness and liveness probes of every proxy took.
@@ -132,9 +144,59 @@ impl Shared {
             logs: LogSpec { stdout, stderr, limits: spec.log },
             pid_file: self.data.pid_file(id),
             health: health_checks(spec),
+            listeners: Vec::new(),
             identity_env,
         }
     }
+}
+
+impl Shared {
+    /// The sockets of `proxy`'s listeners, in its order: those its other handles hold, then
+    /// those `taken` from an instance an earlier agent started, else bound now.
+    fn listeners(&self, proxy: &ManagedProxy, mut taken: Vec<OwnedFd>) -> Result<Vec<InheritedSocket>, ListenError> {
+        let wanted = &proxy.spec().listeners;
+        let mut open = lock(&self.listeners);
+        open.retain(|_, sockets| {
+            sockets.retain(|(_, socket)| socket.strong_count() > 0);
+            !sockets.is_empty()
+        });
+        if wanted.is_empty() {
+            return Ok(Vec::new());
+        }
+        let held = open.entry(proxy.id().clone()).or_default();
+        let mut sockets = Vec::with_capacity(wanted.len());
+        for listener in wanted {
+            let existing = held.iter().find(|(address, _)| *address == listener.address).and_then(|(_, s)| s.upgrade());
+            let socket = match existing {
+                Some(socket) => socket,
+                None => {
+                    let fd = match taken.iter().position(|fd| crate::listen::listens_on(fd, &listener.address)) {
+                        Some(at) => taken.swap_remove(at),
+                        None => crate::listen::bind(&listener.address)?,
+                    };
+                    let socket = Arc::new(fd);
+                    held.push((listener.address.clone(), Arc::downgrade(&socket)));
+                    socket
+                }
+            };
+            sockets.push(InheritedSocket { name: listener.name.as_str().to_owned(), socket });
+        }
+        Ok(sockets)
+    }
+}
+
+/// Copies of the listening sockets of process `pid`, an instance started by an earlier
+/// agent, so that the sockets outlive it too; none when it cannot be read (it is gone, or
+/// the agent may not take descriptors from it: it then binds them again when it can).
+fn take_listening(pid: u32, proxy: Option<&ManagedProxy>) -> Vec<OwnedFd> {
+    if proxy.is_none_or(|proxy| proxy.spec().listeners.is_empty()) {
+        return Vec::new();
+    }
+    let taken = crate::proc::Pidfd::open(pid).and_then(|pidfd| crate::listen::take_listening(&pidfd, pid));
+    taken.unwrap_or_else(|error| {
+        tracing::warn!(pid, %error, "cannot take the listening sockets of the running instance");
+        Vec::new()
+    })
 }
 
 fn health_checks(spec: &tether_state::ProxySpec) -> HealthChecks {
@@ -163,7 +225,12 @@ fn kill_policy(proxy: &ManagedProxy) -> KillPolicy {
 #[async_trait]
 impl ProxyBackend for OsProcessBackend {
     fn create(&self, proxy: Arc<ManagedProxy>) -> Box<dyn ProxyHandle> {
-        Box::new(OsProxyHandle::new(self.shared.clone(), proxy.id().clone(), Some(proxy)))
+        // The listeners are taken now, before the engine stops the instance this one
+        // replaces: held by both handles, they stay open in between.
+        let listeners = self.shared.listeners(&proxy, Vec::new());
+        let handle = OsProxyHandle::new(self.shared.clone(), proxy.id().clone(), Some(proxy));
+        handle.lock().listeners = Some(listeners);
+        Box::new(handle)
     }
 
     async fn restore(
@@ -181,7 +248,8 @@ impl ProxyBackend for OsProcessBackend {
             }
         };
         let process = if let Read::Process(record) = record {
-            let spec = self.adoption_spec(&id, desired_proxy, record.kill);
+            let mut spec = self.adoption_spec(&id, desired_proxy, record.kill);
+            spec.listeners = self.adopted_listeners(desired_proxy, record.identity.pid);
             let process = self.shared.supervisor.adopt(spec, &record.identity)?;
             // Any other instance of the proxy was started by an agent that crashed before
             // it could record it: it must not run beside the adopted one.
@@ -295,10 +363,29 @@ impl OsProcessBackend {
     /// that it can be stopped.
     fn adopt_candidate(&self, id: &ProxyId, desired: Option<&ManagedProxy>, pid: u32) -> Option<ProcessHandle> {
         let spec = match desired {
-            Some(proxy) => self.shared.process_spec(proxy),
+            Some(proxy) => {
+                let mut spec = self.shared.process_spec(proxy);
+                spec.listeners = self.adopted_listeners(desired, pid);
+                spec
+            }
             None => self.stop_spec(id, None),
         };
         self.shared.supervisor.adopt_by_environment(spec, pid)
+    }
+
+    /// The listeners of `desired` for adopting `pid`: taken from it when they are not open
+    /// here. Copies taken from a process that then fails its proof are closed unused; the
+    /// process keeps its own.
+    fn adopted_listeners(&self, desired: Option<&ManagedProxy>, pid: u32) -> Vec<InheritedSocket> {
+        let Some(proxy) = desired else { return Vec::new() };
+        match self.shared.listeners(proxy, take_listening(pid, desired)) {
+            Ok(sockets) => sockets,
+            Err(error) => {
+                // The instance serves on; its next restart fails to start and says why.
+                tracing::warn!(proxy = %proxy.id(), pid, %error, "cannot keep the listeners of the adopted instance");
+                Vec::new()
+            }
+        }
     }
 
     /// Stops `pid` if it proves to be an instance of `id` started from this data dir: a
@@ -335,6 +422,8 @@ struct HandleState {
     forward: Option<JoinHandle<()>>,
     /// The last identity seen, kept after a detach for the final snapshot.
     record: Option<Record>,
+    /// The listeners its start hands over, taken when it was created.
+    listeners: Option<Result<Vec<InheritedSocket>, ListenError>>,
 }
 
 impl Drop for HandleState {
@@ -351,7 +440,7 @@ impl OsProxyHandle {
         Self {
             shared,
             id,
-            state: Mutex::new(HandleState { proxy, process: None, forward: None, record: None }),
+            state: Mutex::new(HandleState { proxy, process: None, forward: None, record: None, listeners: None }),
             status,
         }
     }
@@ -420,7 +509,16 @@ impl ProxyHandle for OsProxyHandle {
         let Some(proxy) = self.lock().proxy.clone() else {
             return Err(BackendError::Start { id: self.id.clone(), source: "no spec to start the proxy from".into() });
         };
-        let spec = self.shared.process_spec(&proxy);
+        let mut spec = self.shared.process_spec(&proxy);
+        let listeners = self.lock().listeners.take();
+        spec.listeners = match listeners {
+            Some(Ok(sockets)) => sockets,
+            Some(Err(error)) => return Err(BackendError::Start { id: self.id.clone(), source: Box::new(error) }),
+            None => self
+                .shared
+                .listeners(&proxy, Vec::new())
+                .map_err(|error| BackendError::Start { id: self.id.clone(), source: Box::new(error) })?,
+        };
         let process = self
             .shared
             .supervisor

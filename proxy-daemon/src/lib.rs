@@ -43,6 +43,7 @@ mod backend;
 mod backoff;
 mod control;
 mod error;
+mod listen;
 mod notify;
 mod pidfile;
 mod probe;
@@ -57,10 +58,11 @@ mod supervisor;
 #[cfg(feature = "manager")]
 pub use backend::{AgentEnvironment, BUILT_IN_PROXY_ARG, OsProcessBackend};
 pub use error::{DetachError, InvalidName, SpawnError};
+pub use listen::{ListenError, bind as bind_listener, listens_on};
 pub use proc::Identity;
 pub use spec::{
-    HealthChecks, KillPolicy, KillSignal, LogFile, LogPolicy, LogSpec, ProcessName, ProcessSpec, ProcessUpdate,
-    RestartPolicy,
+    HealthChecks, InheritedSocket, KillPolicy, KillSignal, LogFile, LogPolicy, LogSpec, ProcessName, ProcessSpec,
+    ProcessUpdate, RestartPolicy,
 };
 pub use status::{ExitReason, ProcessState, ProcessStatus};
 pub use supervisor::{ProcessHandle, Supervisor};

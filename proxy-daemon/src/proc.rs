@@ -8,7 +8,7 @@
 use std::fmt::Write as _;
 use std::fs;
 use std::io;
-use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
@@ -160,6 +160,11 @@ impl Pidfd {
         // same pidfd until the `AsyncFd` is dropped, and `as_raw_fd` always returns it.
         let fd = unsafe { AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) }?;
         Ok(Self(fd))
+    }
+
+    /// The pidfd's descriptor, for system calls that take one.
+    pub(crate) fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.0.as_raw_fd()
     }
 
     /// Whether the process has exited, without waiting.

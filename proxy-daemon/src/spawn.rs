@@ -76,15 +76,29 @@ pub(crate) fn spawn(spec: &ProcessSpec) -> Result<Spawned, SpawnError> {
     if let Some(credentials) = credentials {
         switch_user_before_exec(&mut command, credentials);
     }
+    // Descriptors the child holds at fixed numbers: the listeners from 3, then the
+    // write end of its notification pipe.
+    let mut handed: Vec<(RawFd, RawFd)> =
+        spec.listeners.iter().zip(3..).map(|(listener, target)| (listener.socket.as_raw_fd(), target)).collect();
     let notification = match &spec.health.readiness {
         Some(Readiness { probe: Probe::Fd(fd), .. }) => {
             let (read, write) = nix::unistd::pipe2(OFlag::O_CLOEXEC | OFlag::O_NONBLOCK)
                 .map_err(|errno| SpawnError::Exec { program: spec.program.clone(), source: errno.into() })?;
-            give_fd_before_exec(&mut command, write.as_raw_fd(), *fd);
+            handed.push((write.as_raw_fd(), RawFd::try_from(*fd).unwrap_or(RawFd::MAX)));
             Some((read, write))
         }
         _ => None,
     };
+    if !handed.is_empty() {
+        give_fds_before_exec(&mut command, handed);
+    }
+    if !spec.listeners.is_empty() {
+        // `LISTEN_PID` must be the child's own pid, known only after the fork: the child
+        // execs itself, with the pid written into its environment.
+        let exec =
+            ListenExec::new(spec).map_err(|source| SpawnError::Exec { program: spec.program.clone(), source })?;
+        exec_with_listen_pid(&mut command, exec);
+    }
     let child = command.spawn().map_err(|source| SpawnError::Exec { program: spec.program.clone(), source })?;
     let pid = child.id();
     // The child is not reaped until we wait for it, so its pid cannot have been reused yet.
@@ -131,23 +145,123 @@ fn resolve_user(user: &str) -> Result<Credentials, SpawnError> {
     })
 }
 
-/// Makes the child hold `source` (a descriptor of the parent, close-on-exec) as descriptor
-/// `target`, open across exec: s6's notification-fd.
-fn give_fd_before_exec(command: &mut std::process::Command, source: RawFd, target: u32) {
-    let target = RawFd::try_from(target).unwrap_or(RawFd::MAX);
+/// Makes the child hold each `source` (a descriptor of the parent, close-on-exec) as its
+/// `target`, open across exec: the listeners, and s6's notification-fd.
+///
+/// Every source is first copied above every target, so that no placement overwrites a
+/// source still to be placed; the copies are close-on-exec and vanish at the exec.
+fn give_fds_before_exec(command: &mut std::process::Command, handed: Vec<(RawFd, RawFd)>) {
+    let above = handed.iter().map(|&(_, target)| target).max().unwrap_or(2).saturating_add(1);
+    let mut copies: Vec<RawFd> = vec![-1; handed.len()];
     #[allow(unsafe_code)]
     // SAFETY: the hook runs in the forked child, where only async-signal-safe calls are
-    // allowed: it makes two raw system calls (dup2 or fcntl) on plain integers, and builds
-    // its error from errno without allocating.
+    // allowed: it makes raw system calls (fcntl, dup2) on integers, writes into a vector
+    // allocated in the parent (never grown), and builds its error from errno without
+    // allocating.
     unsafe {
         command.pre_exec(move || {
-            let done = if source == target {
-                // dup2 onto itself keeps close-on-exec: clear it instead.
-                libc::fcntl(target, libc::F_SETFD, 0)
-            } else {
-                libc::dup2(source, target)
-            };
-            if done < 0 { Err(io::Error::last_os_error()) } else { Ok(()) }
+            for (copy, &(source, _)) in copies.iter_mut().zip(&handed) {
+                *copy = libc::fcntl(source, libc::F_DUPFD_CLOEXEC, above);
+                if *copy < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
+            for (&copy, &(_, target)) in copies.iter().zip(&handed) {
+                // dup2 clears close-on-exec on the target.
+                if libc::dup2(copy, target) < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
+            Ok(())
+        });
+    }
+}
+
+/// What the child execs when it inherits listeners: the program, its arguments and its
+/// environment with `LISTEN_FDS`, `LISTEN_FDNAMES` and a slot for `LISTEN_PID`, all
+/// prepared in the parent, so that the child only writes its pid and execs.
+struct ListenExec {
+    program: CString,
+    /// Owns what `argv` and `envp` point to.
+    _strings: Vec<CString>,
+    /// Addresses of NUL-terminated strings, then 0: `char *const argv[]`.
+    argv: Vec<usize>,
+    envp: Vec<usize>,
+    /// `LISTEN_PID=` and room for any pid, NUL-terminated once written.
+    listen_pid: Box<[u8; 32]>,
+    /// Where in `envp` the `LISTEN_PID` entry goes.
+    listen_pid_slot: usize,
+}
+
+const LISTEN_PID_PREFIX: &[u8] = b"LISTEN_PID=";
+
+impl ListenExec {
+    fn new(spec: &ProcessSpec) -> io::Result<Self> {
+        use std::os::unix::ffi::OsStrExt;
+        let c_string = |bytes: &[u8]| {
+            CString::new(bytes).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a NUL byte in the command"))
+        };
+        let program = c_string(spec.program.as_os_str().as_bytes())?;
+        let mut strings = vec![program.clone()];
+        strings.extend(spec.args.iter().map(|arg| c_string(arg.as_bytes())).collect::<io::Result<Vec<_>>>()?);
+        let arg_count = strings.len();
+        let reserved = |key: &[u8]| matches!(key, b"LISTEN_FDS" | b"LISTEN_PID" | b"LISTEN_FDNAMES");
+        for (key, value) in &spec.env {
+            if !reserved(key.as_bytes()) {
+                strings.push(c_string(&[key.as_bytes(), b"=", value.as_bytes()].concat())?);
+            }
+        }
+        strings.push(c_string(format!("LISTEN_FDS={}", spec.listeners.len()).as_bytes())?);
+        let names: Vec<&str> = spec.listeners.iter().map(|listener| listener.name.as_str()).collect();
+        strings.push(c_string(format!("LISTEN_FDNAMES={}", names.join(":")).as_bytes())?);
+        let pointers = |strings: &[CString]| {
+            let mut pointers: Vec<usize> = strings.iter().map(|s| s.as_ptr() as usize).collect();
+            pointers.push(0);
+            pointers
+        };
+        let argv = pointers(&strings[..arg_count]);
+        let mut envp = pointers(&strings[arg_count..]);
+        // The slot for LISTEN_PID, before the terminating null.
+        let listen_pid_slot = envp.len() - 1;
+        envp.insert(listen_pid_slot, 0);
+        let mut listen_pid = Box::new([0u8; 32]);
+        listen_pid[..LISTEN_PID_PREFIX.len()].copy_from_slice(LISTEN_PID_PREFIX);
+        Ok(Self { program, _strings: strings, argv, envp, listen_pid, listen_pid_slot })
+    }
+}
+
+/// Makes the child exec itself, with `LISTEN_PID` its own pid; registered last, after
+/// every other hook.
+fn exec_with_listen_pid(command: &mut std::process::Command, mut exec: ListenExec) {
+    #[allow(unsafe_code)]
+    // SAFETY: the hook runs in the forked child, where only async-signal-safe calls are
+    // allowed: getpid and execve, digits written into a buffer allocated in the parent,
+    // pointers (prepared in the parent to strings it owns) stored into a vector that is
+    // never grown. execve returns only on failure, with errno.
+    unsafe {
+        command.pre_exec(move || {
+            let mut digits = [0u8; 20];
+            let mut pid = libc::getpid().unsigned_abs();
+            let mut start = digits.len();
+            loop {
+                start -= 1;
+                digits[start] = b'0' + (pid % 10) as u8;
+                pid /= 10;
+                if pid == 0 {
+                    break;
+                }
+            }
+            let written = &digits[start..];
+            let end = LISTEN_PID_PREFIX.len() + written.len();
+            exec.listen_pid[LISTEN_PID_PREFIX.len()..end].copy_from_slice(written);
+            exec.listen_pid[end] = 0;
+            exec.envp[exec.listen_pid_slot] = exec.listen_pid.as_ptr() as usize;
+            libc::execve(
+                exec.program.as_ptr(),
+                exec.argv.as_ptr().cast::<*const libc::c_char>(),
+                exec.envp.as_ptr().cast::<*const libc::c_char>(),
+            );
+            Err(io::Error::last_os_error())
         });
     }
 }

@@ -6,7 +6,9 @@
 
 use std::ffi::OsString;
 use std::fmt;
+use std::os::fd::OwnedFd;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use tether_state::persist::{DataDir, PrivateDir};
 
@@ -162,6 +164,11 @@ pub struct ProcessSpec {
     pub logs: LogSpec,
     /// Its readiness and liveness checks (default none).
     pub health: HealthChecks,
+    /// Listening sockets handed to every instance with systemd's socket-activation
+    /// protocol: descriptors 3, 4, … in this order, `LISTEN_FDS`, `LISTEN_PID` (the
+    /// instance's own pid) and `LISTEN_FDNAMES` (default none). They are shared, not
+    /// owned: whoever bound them keeps them open between instances.
+    pub listeners: Vec<InheritedSocket>,
     /// The pid file, written atomically (0600) on every start, removed on stop.
     pub pid_file: PathBuf,
     /// Environment entries that prove a process found through `pid_file` is this one:
@@ -195,6 +202,7 @@ impl ProcessSpec {
             },
             pid_file: data.pid_file(&name),
             health: HealthChecks::default(),
+            listeners: Vec::new(),
             identity_env: Vec::new(),
             name,
         }
@@ -217,11 +225,31 @@ impl fmt::Debug for ProcessSpec {
             .field("restart_on_exit", &self.restart_on_exit)
             .field("logs", &self.logs)
             .field("health", &self.health)
+            .field("listeners", &self.listeners)
             .field("pid_file", &self.pid_file)
             .field("identity_env", &identity_names)
             .finish()
     }
 }
+
+/// A listening socket that every instance of a process inherits, under a name (a
+/// `LISTEN_FDNAMES` entry: no `:`).
+#[derive(Debug, Clone)]
+pub struct InheritedSocket {
+    /// Its name.
+    pub name: String,
+    /// The socket, bound and listening; shared with whoever keeps it between instances.
+    pub socket: Arc<OwnedFd>,
+}
+
+impl PartialEq for InheritedSocket {
+    /// The same name and the same open socket.
+    fn eq(&self, other: &Self) -> bool {
+        self.name == other.name && Arc::ptr_eq(&self.socket, &other.socket)
+    }
+}
+
+impl Eq for InheritedSocket {}
 
 /// Changes applied to a running process in place, without restarting it.
 ///

@@ -175,6 +175,7 @@ mod tests {
     fn status(state: ProxyState, pid: Option<u32>, restarts: u64) -> ProxyStatus {
         let id = ProxyId::parse("web-proxy").unwrap();
         ProxyStatus {
+            update: None,
             service: id.service_id(),
             id,
             state,

@@ -8,13 +8,14 @@ use std::cmp::Reverse;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tether_state::{ManagedProxy, ProxyId};
+use tether_state::{ManagedProxy, ProxyId, UpdateStrategy};
+use tokio::sync::watch;
 use tokio::task::JoinError;
 use tokio::time::Instant;
 use tracing::Instrument;
 
 use super::{MIN_RETRY_DELAY, Manager, Outcome, encoded_service};
-use crate::backend::{BackendError, ProxyBackend};
+use crate::backend::{BackendError, BackendStatus, ProxyBackend, ProxyHandle, ProxyState};
 use crate::plan::{Action, Observed};
 use crate::status::{ActionKind, Request, RequestError};
 
@@ -22,16 +23,47 @@ impl Manager {
     pub(super) fn launch(&mut self, id: &ProxyId, action: Action) {
         let wanted = self.desired.get(id).map(|d| d.proxy.clone());
         let Some(slot) = self.slots.get_mut(id) else { return };
-        let handle = slot.installed.as_ref().map(|installed| installed.handle.clone());
+        let installed = slot.installed.as_ref().map(|installed| (installed.handle.clone(), installed.generation));
+        let handle = installed.as_ref().map(|(handle, _)| handle.clone());
         slot.busy = Some(action);
         slot.launched_for = wanted.clone();
+        slot.old_serves = false;
+        // An overlapping update publishes its new instance while the old one serves.
+        let overlap = match (action, &wanted, &installed) {
+            (Action::Restart, Some(proxy), Some((_, generation)))
+                if proxy.spec().update.strategy == UpdateStrategy::Overlap =>
+            {
+                let (progress, next) = watch::channel(None);
+                let mut changes = next.clone();
+                let notify = self.status_tx.clone();
+                let (watched, generation) = (id.clone(), *generation);
+                let watcher = self.background.spawn(async move {
+                    while changes.changed().await.is_ok() {
+                        if notify.send((watched.clone(), generation)).is_err() {
+                            break;
+                        }
+                    }
+                });
+                slot.overlap = Some((next, watcher));
+                Some(progress)
+            }
+            _ => None,
+        };
         let backend = self.backend.clone();
         let task = async move {
             match (action, wanted, handle) {
                 (Action::Start, Some(proxy), _) => start(&*backend, proxy).await,
-                (Action::Restart, Some(proxy), Some(handle)) => match handle.stop().await {
-                    Ok(()) => start(&*backend, proxy).await,
-                    Err(error) => Outcome::StopFailed { error },
+                (Action::Restart, Some(proxy), Some(old)) => match overlap {
+                    Some(progress) => overlap_update(&*backend, &*old, proxy, progress).await,
+                    None => {
+                        // Created before the stop: what the new handle holds (its
+                        // listeners) stays open in between.
+                        let new = backend.create(proxy.clone());
+                        match old.stop().await {
+                            Ok(()) => start_created(new, proxy).await,
+                            Err(error) => Outcome::StopFailed { error },
+                        }
+                    }
                 },
                 (Action::Restart, Some(proxy), None) => start(&*backend, proxy).await,
                 (Action::Update, Some(proxy), Some(handle)) => match handle.update(proxy.clone()).await {
@@ -63,6 +95,9 @@ impl Manager {
         let Some(id) = self.action_ids.remove(&task) else { return };
         let Some(slot) = self.slots.get_mut(&id) else { return };
         let action = slot.busy.take();
+        if let Some((_, watcher)) = slot.overlap.take() {
+            watcher.abort();
+        }
         let wanted = slot.launched_for.take();
         let mut failed = None;
         let succeeded = matches!(outcome, Ok(Outcome::Started { .. } | Outcome::Stopped | Outcome::Updated { .. }));
@@ -130,6 +165,15 @@ impl Manager {
             Ok(Outcome::UpdateFailed { error }) => {
                 slot.observed = Observed::Failed { wanted, has_process: true };
                 failed = Some(error);
+            }
+            Ok(Outcome::OverlapFailed { reason }) => {
+                // Not tried again until the next change (or `tether restart`): a new instance
+                // that cannot get ready would otherwise be started every `update_timeout`.
+                tracing::warn!(proxy = %id, %reason, "overlapping update abandoned; the old instance serves on");
+                slot.observed = Observed::Failed { wanted, has_process: true };
+                slot.old_serves = true;
+                slot.error = Some(reason);
+                self.published.lock().stats.failures += 1;
             }
             Err(join) => {
                 // In tests, a panic in an action is most often a mock's unmet expectation:
@@ -269,11 +313,79 @@ impl Manager {
 }
 
 async fn start(backend: &dyn ProxyBackend, proxy: Arc<ManagedProxy>) -> Outcome {
-    let handle = backend.create(proxy.clone());
+    start_created(backend.create(proxy.clone()), proxy).await
+}
+
+async fn start_created(handle: Box<dyn ProxyHandle>, proxy: Arc<ManagedProxy>) -> Outcome {
     match handle.start().await {
         Ok(()) => Outcome::Started { proxy, handle },
         Err(error) => Outcome::StartFailed { error },
     }
+}
+
+/// `update = "overlap"`: starts the new instance beside `old`, and stops `old` once the new
+/// one is ready; abandons the new one, and leaves `old` serving, when it cannot start,
+/// exits or is not ready within `update_timeout`. `progress` follows the new instance.
+async fn overlap_update(
+    backend: &dyn ProxyBackend,
+    old: &dyn ProxyHandle,
+    proxy: Arc<ManagedProxy>,
+    progress: watch::Sender<Option<BackendStatus>>,
+) -> Outcome {
+    let timeout = proxy.spec().update.timeout;
+    let new = backend.create(proxy.clone());
+    if let Err(error) = new.start().await {
+        return Outcome::OverlapFailed {
+            reason: format!("the new instance did not start: {}", crate::error_chain(&error)),
+        };
+    }
+    let mut status = new.status();
+    let ready = tokio::time::timeout(timeout, async {
+        loop {
+            let current = status.borrow_and_update().clone();
+            let state = current.state;
+            progress.send_replace(Some(current.clone()));
+            match state {
+                ProxyState::Running => return Ok(()),
+                ProxyState::Pending | ProxyState::Starting => {}
+                _ => return Err(not_ready(&current)),
+            }
+            if status.changed().await.is_err() {
+                return Err("the new instance is no longer observed".to_owned());
+            }
+        }
+    })
+    .await;
+    let reason = match ready {
+        Ok(Ok(())) => {
+            progress.send_replace(None);
+            if let Err(error) = old.stop().await {
+                // The new instance is ready and kept; the old one may still run beside it.
+                tracing::error!(proxy = %proxy.id(), error = %crate::error_chain(&error), "the replaced instance did not stop");
+            }
+            return Outcome::Started { proxy, handle: new };
+        }
+        Ok(Err(reason)) => reason,
+        Err(_elapsed) => {
+            format!("the new instance was not ready within update_timeout ({})", humantime::format_duration(timeout))
+        }
+    };
+    if let Err(error) = new.stop().await {
+        tracing::error!(proxy = %proxy.id(), error = %crate::error_chain(&error), "the abandoned new instance did not stop");
+    }
+    Outcome::OverlapFailed { reason: format!("update abandoned, the old instance serves on: {reason}") }
+}
+
+/// Why a new instance that left `starting` is not ready, from what the backend saw.
+fn not_ready(status: &BackendStatus) -> String {
+    let mut reason = format!("the new instance is {} before it was ready", status.state);
+    if let Some(exit) = status.last_exit {
+        reason.push_str(&format!(" (it exited: {exit})"));
+    }
+    if let Some(error) = &status.error {
+        reason.push_str(&format!(": {error}"));
+    }
+    reason
 }
 
 /// The kind of a backend action, for counting; `None` for decisions that are not actions.

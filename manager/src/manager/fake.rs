@@ -37,6 +37,12 @@ pub(super) struct FakeState {
     pub(super) script: VecDeque<(bool, u64)>,
     pub(super) unprovable: HashSet<ProxyId>,
     pub(super) candidates: Vec<ProxyId>,
+    /// Proxies whose instances stay `starting`: never ready.
+    pub(super) never_ready: HashSet<ProxyId>,
+    /// The pid of the instance that runs, by proxy: a stop removes only its own.
+    live_pid: HashMap<ProxyId, u32>,
+    /// The instance an overlapping start ran beside, until one of the two stops.
+    previous: HashMap<ProxyId, (u32, Arc<ManagedProxy>)>,
     next_pid: u32,
 }
 
@@ -139,15 +145,23 @@ impl ProxyHandle for FakeHandle {
         } else {
             let proxy = self.proxy.lock().unwrap().clone().expect("a created handle has its proxy");
             let mut state = self.fake.state();
-            if state.live.insert(self.id.clone(), proxy).is_some() {
+            // An overlapping update runs two instances on purpose, until the old one stops.
+            let overlaps = proxy.spec().update.strategy == tether_state::UpdateStrategy::Overlap;
+            let replaced = state.live.insert(self.id.clone(), proxy);
+            if replaced.is_some() && !overlaps {
                 state.ran_twice.push(self.id.clone());
             }
             state.started.insert(self.id.clone());
             state.next_pid += 1;
             let pid = state.next_pid;
+            let replaced_pid = state.live_pid.insert(self.id.clone(), pid);
+            if let (Some(proxy), Some(old_pid)) = (replaced, replaced_pid) {
+                state.previous.insert(self.id.clone(), (old_pid, proxy));
+            }
+            let ready = !state.never_ready.contains(&self.id);
             drop(state);
             self.status.send_modify(|s| {
-                s.state = ProxyState::Running;
+                s.state = if ready { ProxyState::Running } else { ProxyState::Starting };
                 s.pid = Some(pid);
             });
             Ok(())
@@ -164,7 +178,25 @@ impl ProxyHandle for FakeHandle {
         let result = if fails {
             Err(BackendError::Stop { id: self.id.clone(), source: failure("stop") })
         } else {
-            self.fake.state().live.remove(&self.id);
+            let mut state = self.fake.state();
+            let own = self.status.borrow().pid;
+            // Not another instance's: restored handles of tests have no recorded pid.
+            if state.previous.get(&self.id).is_some_and(|(pid, _)| Some(*pid) == own) {
+                state.previous.remove(&self.id);
+            } else if state.live_pid.get(&self.id).is_none_or(|live| Some(*live) == own) {
+                state.live.remove(&self.id);
+                state.live_pid.remove(&self.id);
+                // An abandoned overlap: the instance it ran beside is the one that runs.
+                if let Some((pid, proxy)) = state.previous.remove(&self.id) {
+                    state.live.insert(self.id.clone(), proxy);
+                    state.live_pid.insert(self.id.clone(), pid);
+                }
+            }
+            drop(state);
+            self.status.send_modify(|s| {
+                s.state = ProxyState::Stopping;
+                s.pid = None;
+            });
             Ok(())
         };
         self.fake.leave(&self.id);

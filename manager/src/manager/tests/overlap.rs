@@ -1,0 +1,118 @@
+//! `update = "overlap"`: the new instance starts beside the old one, which stops only once
+//! the new one is ready; an update whose new instance never gets ready leaves the old one
+//! serving, with the error, until the next change.
+
+use tether_state::{UpdatePolicy, UpdateStrategy};
+
+use super::*;
+
+fn overlapping(name: &str, timeout: Duration) -> Service {
+    let mut service = service(name);
+    service.proxy.as_mut().unwrap().update = UpdatePolicy { strategy: UpdateStrategy::Overlap, timeout };
+    service
+}
+
+fn changed(mut service: Service, level: &str) -> Service {
+    service.proxy.as_mut().unwrap().env.insert("LOG_LEVEL".into(), level.into());
+    service
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_restart_requiring_change_starts_the_new_instance_before_stopping_the_old() {
+    let web = overlapping("web", Duration::from_secs(30));
+    let running = run(std::slice::from_ref(&web));
+    let first = running.until_state(&pid("web"), ProxyState::Running).await;
+    running.state.upsert(changed(web, "debug"), Source::Api).unwrap();
+    running.fake.wait_calls(Call::Stop, 1).await;
+    let calls: Vec<Call> = running.fake.state().calls.iter().map(|(_, _, call)| *call).collect();
+    assert_eq!(calls, [Call::Start, Call::Start, Call::Stop], "the new instance starts first");
+    let second = running.until_state(&pid("web"), ProxyState::Running).await;
+    assert_ne!(first.pid, second.pid);
+    assert_eq!(running.fake.state().live[&pid("web")].spec().env["LOG_LEVEL"], "debug");
+    assert!(second.update.is_none() && second.error.is_none(), "{second:?}");
+    running.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_old_instance_serves_while_the_new_one_starts_and_status_shows_both() {
+    let web = overlapping("web", Duration::from_secs(30));
+    let running = run(std::slice::from_ref(&web));
+    let first = running.until_state(&pid("web"), ProxyState::Running).await;
+    running.fake.state().never_ready.insert(pid("web"));
+    running.state.upsert(changed(web, "debug"), Source::Api).unwrap();
+    running.fake.wait_calls(Call::Start, 2).await;
+    let mut events = running.handle.subscribe();
+    let during = tokio::time::timeout(LIMIT, async {
+        loop {
+            if let Some(status) = running.handle.proxy(&pid("web")).filter(|s| s.update.is_some()) {
+                return status;
+            }
+            let _ = events.recv().await;
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(during.state, ProxyState::Running, "the old instance serves: {during:?}");
+    assert_eq!(during.pid, first.pid);
+    let update = during.update.unwrap();
+    assert_eq!(update.state, ProxyState::Starting);
+    assert!(update.pid.is_some() && update.pid != first.pid);
+    running.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_new_instance_that_never_gets_ready_is_abandoned_and_the_old_one_serves_on() {
+    let web = overlapping("web", Duration::from_secs(5));
+    let running = run(std::slice::from_ref(&web));
+    let first = running.until_state(&pid("web"), ProxyState::Running).await;
+    running.fake.state().never_ready.insert(pid("web"));
+    let t0 = Instant::now();
+    running.state.upsert(changed(web.clone(), "debug"), Source::Api).unwrap();
+    let stops = running.fake.wait_calls(Call::Stop, 1).await;
+    assert!(stops[0].0 - t0 >= Duration::from_secs(5), "stopped at {:?}", stops[0].0 - t0);
+    let mut events = running.handle.subscribe();
+    let after = tokio::time::timeout(LIMIT, async {
+        loop {
+            if let Some(status) = running.handle.proxy(&pid("web")).filter(|s| s.error.is_some()) {
+                return status;
+            }
+            let _ = events.recv().await;
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(after.state, ProxyState::Running);
+    assert_eq!(after.pid, first.pid, "the old instance serves on");
+    assert!(after.update.is_none());
+    let error = after.error.unwrap();
+    assert!(
+        error.contains("not ready within update_timeout (5s)") && error.contains("old instance serves on"),
+        "{error}"
+    );
+    assert_eq!(running.fake.state().live[&pid("web")].spec().env.get("LOG_LEVEL"), None);
+
+    // Not tried again on its own: only the next change starts another new instance.
+    tokio::time::sleep(Duration::from_secs(120)).await;
+    assert_eq!(running.fake.calls_of(Call::Start).len(), 2);
+    running.fake.state().never_ready.clear();
+    running.state.upsert(changed(web, "info"), Source::Api).unwrap();
+    running.fake.wait_calls(Call::Stop, 2).await;
+    let last = running.until_state(&pid("web"), ProxyState::Running).await;
+    assert_eq!(running.fake.state().live[&pid("web")].spec().env["LOG_LEVEL"], "info");
+    assert!(last.error.is_none(), "{last:?}");
+    running.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_restart_asked_through_the_handle_overlaps_too() {
+    let running = run(&[overlapping("web", Duration::from_secs(30))]);
+    let before = running.until_state(&pid("web"), ProxyState::Running).await;
+    tokio::time::timeout(LIMIT, running.handle.restart(&pid("web"))).await.unwrap().unwrap();
+    let calls: Vec<Call> = running.fake.state().calls.iter().map(|(_, _, call)| *call).collect();
+    assert_eq!(calls, [Call::Start, Call::Start, Call::Stop]);
+    let after = running.handle.proxy(&pid("web")).unwrap();
+    assert_eq!(after.state, ProxyState::Running);
+    assert_ne!(after.pid, before.pid);
+    assert_eq!(running.fake.live_ids(), ["web-proxy"]);
+    running.stop().await;
+}
