@@ -58,12 +58,19 @@ pub(crate) fn table(proxies: &[ProxyStatusDto], now: SystemTime) -> String {
                 Some(ExitReason::Signal(signal)) => format!("signal {signal}"),
                 None => "-".to_owned(),
             };
+            let mut state = p.state.clone();
+            let mut pid = p.pid.map_or_else(|| "-".to_owned(), |pid| pid.to_string());
+            // An overlapping update: the new instance beside the one that serves.
+            if let Some(update) = &p.update {
+                state.push_str(&format!(" (new: {})", update.state));
+                pid.push_str(&format!(" (new: {})", update.pid.map_or_else(|| "-".to_owned(), |pid| pid.to_string())));
+            }
             [
                 p.id.clone(),
                 p.service.clone(),
-                p.state.clone(),
+                state,
                 if p.ready { "yes" } else { "no" }.to_owned(),
-                p.pid.map_or_else(|| "-".to_owned(), |pid| pid.to_string()),
+                pid,
                 p.restarts.to_string(),
                 uptime.unwrap_or_else(|| "-".to_owned()),
                 last_exit,
@@ -292,6 +299,7 @@ mod tests {
                 ready: true,
                 status_text: None,
                 resources: None,
+                update: None,
             },
             ProxyStatusDto {
                 id: "db-proxy".into(),
@@ -305,6 +313,7 @@ mod tests {
                 ready: false,
                 status_text: None,
                 resources: None,
+                update: None,
             },
         ];
         assert_eq!(

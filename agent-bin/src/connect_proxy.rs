@@ -4,15 +4,20 @@
 //! changes through blocking queries: a new bind address gets a new listener (the old one
 //! closes; established connections keep flowing), a new upstream applies to new
 //! connections. It keeps forwarding while the agent is away, and reconnects with backoff.
+//!
+//! Handed a listener by the agent (socket activation: `LISTEN_FDS`, `LISTEN_PID`), it
+//! serves that one, TCP or Unix, instead of binding. On SIGINT or SIGTERM it stops
+//! accepting and lets the connections in flight finish (a second signal ends them): the
+//! next instance accepts what waits in the agent's listener meanwhile.
 
-use std::net::SocketAddr;
+use std::io;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context;
 use hyper::StatusCode;
-use tokio::net::{TcpListener, TcpStream, lookup_host};
+use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream, lookup_host};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
@@ -43,22 +48,29 @@ const QUERY_WAIT: Duration = Duration::from_secs(300);
 /// Where to listen and where to forward, from the proxy's config.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Route {
-    pub(crate) bind: String,
+    /// Where to listen; `None` when the agent handed a listener over.
+    pub(crate) bind: Option<String>,
     pub(crate) upstream: String,
 }
 
 impl Route {
     /// The route a config describes: `bind_address` (default 127.0.0.1) and `bind_port`
-    /// (required); `local_service_address` or else the service's address and port.
-    pub(crate) fn from_config(config: &ProxyConfigDto) -> Result<Self, String> {
+    /// (required unless `handed` a listener); `local_service_address` or else the
+    /// service's address and port.
+    pub(crate) fn from_config(config: &ProxyConfigDto, handed: bool) -> Result<Self, String> {
         let get_str = |key: &str| config.config.get(key).and_then(|v| v.as_str());
         let bind_address = get_str("bind_address").unwrap_or("127.0.0.1");
-        let bind_port = config
-            .config
-            .get("bind_port")
-            .and_then(serde_json::Value::as_u64)
-            .and_then(|p| u16::try_from(p).ok())
-            .ok_or("config.bind_port is required: the port the built-in proxy listens on (1-65535)")?;
+        let bind_port =
+            config.config.get("bind_port").and_then(serde_json::Value::as_u64).and_then(|p| u16::try_from(p).ok());
+        let bind = match (handed, bind_port) {
+            (true, _) => None,
+            (false, Some(port)) => Some(join_host_port(bind_address, port)),
+            (false, None) => {
+                return Err("config.bind_port is required: the port the built-in proxy listens on (1-65535), \
+                     unless the proxy has a listener"
+                    .to_owned());
+            }
+        };
         let upstream = match get_str("local_service_address") {
             Some(address) => address.to_owned(),
             None => {
@@ -67,7 +79,7 @@ impl Route {
                 join_host_port(&config.service.address, port)
             }
         };
-        Ok(Self { bind: join_host_port(bind_address, bind_port), upstream })
+        Ok(Self { bind, upstream })
     }
 }
 
@@ -97,24 +109,32 @@ fn identity() -> Result<Identity, UsageError> {
 /// Runs the proxy until SIGINT or SIGTERM.
 pub(crate) async fn run() -> anyhow::Result<ExitCode> {
     let identity = identity()?;
+    let handed = handed_listener().context("taking the listener the agent handed over")?;
     let mut sigint = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
     let mut sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     let stop = CancellationToken::new();
     let (routes, route) = watch::channel(None::<Route>);
     let mut tasks = JoinSet::new();
-    tasks.spawn(follow_config(identity, routes, stop.clone()));
-    tasks.spawn(serve(route, stop.clone()));
+    tasks.spawn(follow_config(identity, routes, handed.is_some(), stop.clone()));
+    tasks.spawn(serve(route, handed, stop.clone()));
     tokio::select! {
-        _ = sigint.recv() => tracing::info!("SIGINT: closing listeners"),
-        _ = sigterm.recv() => tracing::info!("SIGTERM: closing listeners"),
+        _ = sigint.recv() => tracing::info!("SIGINT: no longer accepting; finishing the connections in flight"),
+        _ = sigterm.recv() => tracing::info!("SIGTERM: no longer accepting; finishing the connections in flight"),
         Some(ended) = tasks.join_next() => {
             stop.cancel();
             ended.context("a proxy task failed")??;
         }
     }
     stop.cancel();
-    while let Some(ended) = tasks.join_next().await {
-        ended.context("a proxy task failed")??;
+    loop {
+        tokio::select! {
+            ended = tasks.join_next() => match ended {
+                Some(ended) => ended.context("a proxy task failed")??,
+                None => break,
+            },
+            _ = sigint.recv() => break,
+            _ = sigterm.recv() => break,
+        }
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -123,6 +143,7 @@ pub(crate) async fn run() -> anyhow::Result<ExitCode> {
 async fn follow_config(
     identity: Identity,
     routes: watch::Sender<Option<Route>>,
+    handed: bool,
     stop: CancellationToken,
 ) -> anyhow::Result<()> {
     let mut index: Option<u64> = None;
@@ -152,12 +173,13 @@ async fn follow_config(
             Ok(config) => {
                 retry = Duration::from_millis(100);
                 index = Some(config.index);
-                match Route::from_config(&config) {
+                match Route::from_config(&config, handed) {
                     Ok(route) => {
                         routes.send_if_modified(|current| {
                             let changed = current.as_ref() != Some(&route);
                             if changed {
-                                tracing::info!(bind = %route.bind, upstream = %route.upstream, "route");
+                                let bind = route.bind.as_deref().unwrap_or("the handed listener");
+                                tracing::info!(%bind, upstream = %route.upstream, "route");
                                 *current = Some(route);
                             }
                             changed
@@ -202,33 +224,96 @@ fn notify_ready(bind: &str) {
     }
 }
 
-/// Listens on the route's bind address and forwards every connection to its upstream.
-async fn serve(mut route: watch::Receiver<Option<Route>>, stop: CancellationToken) -> anyhow::Result<()> {
+/// A listener: bound here for the route, or handed over by the agent.
+enum Listener {
+    Tcp(TcpListener),
+    Unix(UnixListener),
+}
+
+/// An accepted connection.
+enum Client {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+impl Listener {
+    async fn accept(&self) -> io::Result<(Client, String)> {
+        match self {
+            Self::Tcp(listener) => {
+                listener.accept().await.map(|(stream, peer)| (Client::Tcp(stream), peer.to_string()))
+            }
+            Self::Unix(listener) => {
+                listener.accept().await.map(|(stream, _)| (Client::Unix(stream), "unix".to_owned()))
+            }
+        }
+    }
+}
+
+/// The listener the agent handed over (descriptor 3, when `LISTEN_PID` is this process and
+/// `LISTEN_FDS` at least 1), with its address for display.
+fn handed_listener() -> anyhow::Result<Option<(Listener, String)>> {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    let ours = std::env::var("LISTEN_PID").ok().and_then(|pid| pid.parse::<u32>().ok()) == Some(std::process::id());
+    let count = std::env::var("LISTEN_FDS").ok().and_then(|n| n.parse::<u32>().ok()).unwrap_or(0);
+    if !ours || count == 0 {
+        return Ok(None);
+    }
+    // SAFETY: socket activation hands descriptor 3 to this process, open and owned by
+    // nobody else in it; it is taken once, here.
+    #[allow(unsafe_code)]
+    let fd = unsafe { OwnedFd::from_raw_fd(3) };
+    let address = nix::sys::socket::getsockname::<nix::sys::socket::SockaddrStorage>(3)
+        .context("descriptor 3 is not a socket")?;
+    let listener = if let Some(unix) = address.as_unix_addr() {
+        let listener = std::os::unix::net::UnixListener::from(fd);
+        listener.set_nonblocking(true)?;
+        let shown = unix.path().map_or_else(|| "an unnamed socket".to_owned(), |path| path.display().to_string());
+        (Listener::Unix(UnixListener::from_std(listener)?), shown)
+    } else {
+        let listener = std::net::TcpListener::from(fd);
+        listener.set_nonblocking(true)?;
+        let shown = listener.local_addr()?.to_string();
+        (Listener::Tcp(TcpListener::from_std(listener)?), shown)
+    };
+    Ok(Some(listener))
+}
+
+/// Listens on the route's bind address, or the handed listener, and forwards every
+/// connection to the route's upstream. Once stopped, it accepts no more and waits for the
+/// connections in flight.
+async fn serve(
+    mut route: watch::Receiver<Option<Route>>,
+    handed: Option<(Listener, String)>,
+    stop: CancellationToken,
+) -> anyhow::Result<()> {
     let mut connections = JoinSet::new();
-    let mut listener: Option<(String, TcpListener)> = None;
+    let fixed = handed.is_some();
+    let mut listener: Option<(String, Listener)> = handed.map(|(listener, shown)| (shown, listener));
+    let mut announced = false;
     loop {
         let current = route.borrow_and_update().clone();
-        if let Some(wanted) = &current {
-            if listener.as_ref().map(|(bind, _)| bind) != Some(&wanted.bind) {
-                match TcpListener::bind(&wanted.bind).await {
+        if let Some(wanted) = current.as_ref().and_then(|route| route.bind.as_ref()).filter(|_| !fixed) {
+            if listener.as_ref().map(|(bind, _)| bind) != Some(wanted) {
+                match TcpListener::bind(wanted).await {
                     Ok(bound) => {
-                        tracing::info!(bind = %wanted.bind, "listening");
-                        if listener.is_none() {
-                            // Ready once it listens (readiness `notify = true`).
-                            notify_ready(&wanted.bind);
-                        }
-                        listener = Some((wanted.bind.clone(), bound));
+                        tracing::info!(bind = %wanted, "listening");
+                        listener = Some((wanted.clone(), Listener::Tcp(bound)));
                     }
                     Err(err) => {
-                        tracing::error!(bind = %wanted.bind, error = %err, "cannot listen; keeping the previous listener")
+                        tracing::error!(bind = %wanted, error = %err, "cannot listen; keeping the previous listener")
                     }
                 }
             }
         }
+        if let (false, Some(_), Some((shown, _))) = (announced, &current, &listener) {
+            // Ready once it listens with somewhere to forward (readiness `notify = true`).
+            notify_ready(shown);
+            announced = true;
+        }
         let accept = async {
-            match &listener {
-                Some((_, listener)) => listener.accept().await,
-                None => std::future::pending().await,
+            match (&listener, &current) {
+                (Some((_, listener)), Some(_)) => listener.accept().await,
+                _ => std::future::pending().await,
             }
         };
         tokio::select! {
@@ -249,13 +334,13 @@ async fn serve(mut route: watch::Receiver<Option<Route>>, stop: CancellationToke
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
         }
     }
-    // Listeners close here; established connections end with the process.
+    // No more accepts: what waits in a handed listener is the next instance's.
     drop(listener);
-    connections.abort_all();
+    while connections.join_next().await.is_some() {}
     Ok(())
 }
 
-async fn forward(mut client: TcpStream, peer: SocketAddr, upstream: String) {
+async fn forward(client: Client, peer: String, upstream: String) {
     let target = match lookup_host(&upstream).await.map(|mut addrs| addrs.next()) {
         Ok(Some(target)) => target,
         Ok(None) | Err(_) => {
@@ -270,8 +355,19 @@ async fn forward(mut client: TcpStream, peer: SocketAddr, upstream: String) {
             return;
         }
     };
-    let _ = client.set_nodelay(true);
     let _ = server.set_nodelay(true);
+    let mut client = match client {
+        Client::Tcp(client) => client,
+        Client::Unix(mut client) => {
+            let copied =
+                tokio::io::copy_bidirectional_with_sizes(&mut client, &mut server, COPY_BUFFER, COPY_BUFFER).await;
+            if let Err(err) = copied {
+                tracing::debug!(%peer, error = %err, "connection ended with an error");
+            }
+            return;
+        }
+    };
+    let _ = client.set_nodelay(true);
     let forwarded = match (splice::Pipe::new(), splice::Pipe::new()) {
         (Ok(up), Ok(down)) => splice::both_ways(&client, &server, &up, &down).await,
         (Err(err), _) | (_, Err(err)) => {

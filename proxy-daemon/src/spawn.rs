@@ -1,9 +1,10 @@
 //! The one place where processes are created.
 //!
 //! This module owns process creation: the environment, the process group, the log
-//! files, the working directory and the user switch. It never waits for, signals or
-//! restarts a process (that is `supervisor`'s job), never runs a shell, and never
-//! starts a thread per spawn. Without a user switch it adds no `pre_exec` hook, so the
+//! files, the working directory, the user switch and the descriptors handed over
+//! (listeners, a notification pipe). It never waits for, signals or restarts a process
+//! (that is `supervisor`'s job), never runs a shell, and never starts a thread per spawn.
+//! Without a user switch or a handed descriptor it adds no `pre_exec` hook, so the
 //! standard library keeps its `posix_spawn` fast path.
 
 use std::ffi::CString;
@@ -240,6 +241,9 @@ fn exec_with_listen_pid(command: &mut std::process::Command, mut exec: ListenExe
     // never grown. execve returns only on failure, with errno.
     unsafe {
         command.pre_exec(move || {
+            // The whole struct, not only the fields used below: `_strings` must live as
+            // long as the pointers to it (a closure would capture fields one by one).
+            let exec = &mut exec;
             let mut digits = [0u8; 20];
             let mut pid = libc::getpid().unsigned_abs();
             let mut start = digits.len();

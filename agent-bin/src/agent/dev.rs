@@ -35,7 +35,10 @@ pub(crate) async fn run(
     let demo = format!(
         "# The embedded demo of `tether agent --dev`.\n\
          [[service]]\nname = \"demo\"\naddress = \"127.0.0.1\"\nport = {upstream_port}\ntags = [\"dev\"]\n\n\
-         [service.proxy]\nconfig = {{ bind_port = {proxy_port} }}\n\n\
+         # The new instance starts beside the old one on a change (or `tether restart`),\n\
+         # and the agent holds the listener: no connection is refused meanwhile.\n\
+         [service.proxy]\nupdate = \"overlap\"\n\n\
+         [[service.proxy.listener]]\nname = \"demo\"\naddress = \"127.0.0.1:{proxy_port}\"\n\n\
          # Running means ready: the built-in proxy says so once it listens.\n\
          [service.proxy.readiness]\nnotify = true\n"
     );
@@ -50,7 +53,10 @@ pub(crate) async fn run(
     writeln!(out, "tether dev agent")?;
     writeln!(out, "  data dir:       {} (removed on exit)", data_dir.display())?;
     writeln!(out, "  demo upstream:  127.0.0.1:{upstream_port}, served by the agent")?;
-    writeln!(out, "  demo proxy:     127.0.0.1:{proxy_port} -> 127.0.0.1:{upstream_port} (built-in proxy)")?;
+    writeln!(
+        out,
+        "  demo proxy:     127.0.0.1:{proxy_port} -> 127.0.0.1:{upstream_port} (built-in proxy, on a listener the agent holds)"
+    )?;
     writeln!(out, "try, once the proxy runs (about a second):")?;
     writeln!(out, "  curl http://127.0.0.1:{proxy_port}/")?;
     writeln!(out, "  {tether} status --data-dir {}", data_dir.display())?;

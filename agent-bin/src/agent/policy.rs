@@ -31,6 +31,16 @@ pub(crate) enum ApiSetting {
     /// An `exec` probe of `readiness` (`false`) or `liveness` (`true`): a program the agent
     /// runs, like `command`.
     ExecProbe { liveness: bool },
+    /// A listener the agent would bind with its own rights: a Unix socket file (created,
+    /// or a stale one replaced, at any path) or a TCP port below 1024.
+    Listener,
+}
+
+/// Whether binding `address` (a listener's, as written) uses the agent's own rights: a
+/// path, or a port below 1024.
+fn privileged_listener(address: &str) -> bool {
+    address.starts_with('/')
+        || address.rsplit_once(':').and_then(|(_, port)| port.parse::<u16>().ok()).is_some_and(|port| port < 1024)
 }
 
 impl ApiSetting {
@@ -38,6 +48,7 @@ impl ApiSetting {
     pub(crate) fn note(&self) -> &'static str {
         match self {
             Self::Env(_) => " (the dynamic loader or libc reads it)",
+            Self::Listener => " (the agent binds it with its own rights: a socket file, or a port below 1024)",
             _ => "",
         }
     }
@@ -56,6 +67,7 @@ impl fmt::Display for ApiSetting {
             Self::Env(name) => write!(f, "proxy.env.{}", name.escape_default()),
             Self::ExecProbe { liveness: false } => f.write_str("proxy.readiness.exec"),
             Self::ExecProbe { liveness: true } => f.write_str("proxy.liveness.exec"),
+            Self::Listener => f.write_str("proxy.listener.address"),
         }
     }
 }
@@ -94,6 +106,8 @@ struct Settings<'a> {
     env: Vec<&'a str>,
     /// An `exec` probe in `readiness`, in `liveness`.
     exec_probes: [bool; 2],
+    /// A listener that [`privileged_listener`] says binds with the agent's rights.
+    privileged_listener: bool,
 }
 
 impl Settings<'_> {
@@ -111,8 +125,10 @@ impl Settings<'_> {
         if let Some(name) = self.env.iter().find(|name| is_loader_variable(name)) {
             return Some(ApiSetting::Env((*name).to_owned()));
         }
-        let liveness = self.exec_probes.iter().position(|&set| set)? == 1;
-        Some(ApiSetting::ExecProbe { liveness })
+        if let Some(at) = self.exec_probes.iter().position(|&set| set) {
+            return Some(ApiSetting::ExecProbe { liveness: at == 1 });
+        }
+        self.privileged_listener.then_some(ApiSetting::Listener)
     }
 }
 
@@ -129,6 +145,7 @@ pub(crate) fn refused_setting(service: &Service) -> Option<ApiSetting> {
             proxy.readiness.as_ref().is_some_and(|check| matches!(check.probe, Probe::Exec(_))),
             proxy.liveness.as_ref().is_some_and(|check| matches!(check.probe, Probe::Exec(_))),
         ],
+        privileged_listener: proxy.listeners.iter().any(|l| privileged_listener(&l.address.to_string())),
     }
     .first_refused()
 }
@@ -158,11 +175,17 @@ pub(crate) fn refused_in_body(text: &str) -> Option<(Option<ServiceId>, ApiSetti
         env: Option<BTreeMap<String, IgnoredAny>>,
         readiness: Option<CheckProbe>,
         liveness: Option<CheckProbe>,
+        listener: Option<Vec<ListenerProbe>>,
     }
 
     #[derive(Deserialize)]
     struct CheckProbe {
         exec: Option<IgnoredAny>,
+    }
+
+    #[derive(Deserialize)]
+    struct ListenerProbe {
+        address: Option<serde_json::Value>,
     }
 
     let body: BodyProbe = serde_json::from_str(text).ok()?;
@@ -178,6 +201,9 @@ pub(crate) fn refused_in_body(text: &str) -> Option<(Option<ServiceId>, ApiSetti
             proxy.readiness.is_some_and(|check| check.exec.is_some()),
             proxy.liveness.is_some_and(|check| check.exec.is_some()),
         ],
+        privileged_listener: proxy.listener.unwrap_or_default().iter().any(|listener| {
+            listener.address.as_ref().and_then(serde_json::Value::as_str).is_some_and(privileged_listener)
+        }),
     };
     let setting = settings.first_refused()?;
     let id = [body.id, body.name]
@@ -257,6 +283,14 @@ mod tests {
             (r#"{"name": "a", "proxy": {"env": {"GCONV_PATH": "/tmp"}}}"#, "proxy.env.GCONV_PATH"),
             (r#"{"name": "a", "proxy": {"readiness": {"exec": ["/bin/true"]}}}"#, "proxy.readiness.exec"),
             (r#"{"name": "a", "proxy": {"liveness": {"exec": ["/bin/true"]}}}"#, "proxy.liveness.exec"),
+            (
+                r#"{"name": "a", "proxy": {"listener": [{"name": "l", "address": "/etc/cron.d/x"}]}}"#,
+                "proxy.listener.address",
+            ),
+            (
+                r#"{"name": "a", "proxy": {"listener": [{"name": "l", "address": "0.0.0.0:80"}]}}"#,
+                "proxy.listener.address",
+            ),
         ];
         for (body, key) in cases {
             assert_eq!(refused(body), (Some(key.to_owned()), Some(key.to_owned())), "{body}");
@@ -290,6 +324,7 @@ mod tests {
             r#"{"name": "a", "proxy": {"inherit_env": false, "env": {"LOG_LEVEL": "info", "ld_preload": "x"}}}"#,
             r#"{"name": "a", "proxy": {"config": {"user": "root", "env": {"LD_PRELOAD": "x"}}}}"#,
             r#"{"name": "a", "proxy": {"readiness": {"tcp": "127.0.0.1:1"}, "liveness": {"notify": true}}}"#,
+            r#"{"name": "a", "proxy": {"listener": [{"name": "l", "address": "127.0.0.1:21000"}]}}"#,
         ] {
             assert_eq!(refused(body), (None, None), "{body}");
         }

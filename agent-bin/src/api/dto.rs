@@ -32,6 +32,18 @@ pub(crate) struct ProxyStatusDto {
     /// does not place proxies in yet.
     #[serde(default)]
     pub(crate) resources: Option<ResourcesDto>,
+    /// The new instance of an overlapping update while it starts beside the one above;
+    /// `null` otherwise.
+    #[serde(default)]
+    pub(crate) update: Option<UpdateDto>,
+}
+
+/// `{"state": "starting", "pid": n or null, "started_at": RFC 3339 or null}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct UpdateDto {
+    pub(crate) state: String,
+    pub(crate) pid: Option<u32>,
+    pub(crate) started_at: Option<String>,
 }
 
 /// `{"cpu_seconds": f, "memory_bytes": n or null, "tasks": n or null}`.
@@ -77,10 +89,11 @@ mod tests {
             ready: true,
             status_text: Some("serving".into()),
             resources: None,
+            update: Some(UpdateDto { state: "starting".into(), pid: Some(43), started_at: None }),
         };
         assert_eq!(
             serde_json::to_string(&dto).unwrap(),
-            r#"{"id":"web-proxy","service":"web","state":"running","pid":42,"restarts":1,"started_at":"1970-01-01T00:00:00Z","last_exit":{"signal":9},"error":null,"ready":true,"status_text":"serving","resources":null}"#
+            r#"{"id":"web-proxy","service":"web","state":"running","pid":42,"restarts":1,"started_at":"1970-01-01T00:00:00Z","last_exit":{"signal":9},"error":null,"ready":true,"status_text":"serving","resources":null,"update":{"state":"starting","pid":43,"started_at":null}}"#
         );
         assert_eq!(serde_json::to_string(&ExitReason::Code(3)).unwrap(), r#"{"code":3}"#);
     }

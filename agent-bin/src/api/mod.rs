@@ -189,6 +189,11 @@ pub(crate) fn status_dto(status: &ProxyStatus) -> ProxyStatusDto {
         ready: status.ready(),
         status_text: status.status_text.clone(),
         resources: None,
+        update: status.update.as_ref().map(|update| dto::UpdateDto {
+            state: update.state.as_str().to_owned(),
+            pid: update.pid,
+            started_at: update.started_at.map(dto::rfc3339),
+        }),
     }
 }
 

@@ -6,6 +6,7 @@
 
 mod adopt;
 mod health;
+mod listen;
 mod logs;
 mod restart;
 mod root;
