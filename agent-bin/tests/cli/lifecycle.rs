@@ -329,11 +329,13 @@ fn status_prints_a_table_and_exact_json() {
             "service",
             "started_at",
             "state",
-            "status_text"
+            "status_text",
+            "update"
         ]
     );
     assert!(entry["pid"].is_number() && entry["error"].is_null() && entry["last_exit"].is_null());
     assert!(entry["ready"] == true && entry["status_text"].is_null() && entry["resources"].is_null());
+    assert!(entry["update"].is_null(), "no overlapping update in flight");
     let started = entry["started_at"].as_str().unwrap();
     assert!(humantime::parse_rfc3339(started).is_ok(), "{started}");
 }

@@ -18,3 +18,4 @@ mod policy;
 mod scale;
 mod support;
 mod validate;
+mod zero_downtime;
