@@ -71,13 +71,6 @@ fn running_means_ready_and_a_proxy_whose_readiness_fails_stays_starting_with_the
     assert_eq!(value("tether_notify_foreign_total"), 0.0, "{metrics}");
 }
 
-/// Debian's HAProxy, when installed.
-fn haproxy() -> Option<&'static str> {
-    ["/usr/sbin/haproxy", "/usr/bin/haproxy", "/usr/local/sbin/haproxy"]
-        .into_iter()
-        .find(|path| std::path::Path::new(path).exists())
-}
-
 #[test]
 fn haproxy_in_master_worker_mode_turns_ready_through_notify_socket() {
     let Some(haproxy) = haproxy() else {

@@ -435,3 +435,10 @@ impl Drop for SweepOnDrop {
         }
     }
 }
+
+/// Debian's HAProxy, when installed.
+pub fn haproxy() -> Option<&'static str> {
+    ["/usr/sbin/haproxy", "/usr/bin/haproxy", "/usr/local/sbin/haproxy"]
+        .into_iter()
+        .find(|path| std::path::Path::new(path).exists())
+}

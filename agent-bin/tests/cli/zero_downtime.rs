@@ -262,3 +262,46 @@ fn an_overlap_whose_new_instance_never_gets_ready_leaves_the_old_one_serving() {
     let table = tether().arg("status").arg("--data-dir").arg(&dirs.data).output().unwrap();
     assert!(String::from_utf8_lossy(&table.stdout).contains("update_timeout"));
 }
+
+#[test]
+fn haproxy_on_a_handed_listener_refuses_no_connection_across_command_changes() {
+    let Some(haproxy) = haproxy() else {
+        eprintln!("skipped: haproxy is not installed (CI installs Debian's haproxy)");
+        return;
+    };
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    let (listen, upstream) = (free_loopback_addr(), upstream());
+    let haproxy_config = dirs.temp.path().join("haproxy.cfg");
+    // `bind fd@3`: HAProxy serves the listener the agent hands over; nothing in it knows
+    // about tether.
+    std::fs::write(
+        &haproxy_config,
+        format!(
+            "global\n    maxconn 1000\ndefaults\n    mode tcp\n    timeout connect 1s\n    timeout client 10s\n    timeout server 10s\n\
+             frontend front\n    bind fd@3\n    default_backend up\nbackend up\n    server up {upstream}\n"
+        ),
+    )
+    .unwrap();
+    // -Ws: master-worker mode, ready through NOTIFY_SOCKET; SIGUSR1 is its soft stop (stop
+    // accepting, finish what is in flight). Each change is a new command line (`-L`, its
+    // local peer name).
+    let make = |generation: u32| {
+        format!(
+            "[[service]]\nname = \"web\"\n[service.proxy]\n\
+             command = [\"{haproxy}\", \"-Ws\", \"-L\", \"g{generation}\", \"-f\", \"{}\"]\n\
+             update = \"overlap\"\nkill_signal = \"SIGUSR1\"\nkill_timeout = \"10s\"\n\
+             [service.proxy.readiness]\nnotify = true\n\
+             [[service.proxy.listener]]\nname = \"public\"\naddress = \"{listen}\"\n",
+            haproxy_config.display()
+        )
+    };
+    dirs.write_config("web.toml", &make(0));
+    let agent = Agent::start(&dirs, &root_flags());
+    let pid = agent.wait_state("web-proxy", "running")["pid"].as_i64().unwrap();
+    let load = Load::start(&listen);
+    change(&agent, &dirs, make, 1, 20, pid);
+    let (requests, refused, failed) = load.counts();
+    assert!(requests > 20, "the client made {requests} requests");
+    assert_eq!((refused, failed), (0, 0), "20 command changes of HAProxy, {requests} requests");
+}
