@@ -7,7 +7,7 @@
 //! under /tmp, and leaves no process behind, even when it fails.
 //!
 //! For work on one figure, `XTASK_BENCH_ONLY` narrows the run: `e2e` skips the crate
-//! benchmarks; a comma-separated list of sections (`many`, `scale`, `some`, `health`, `peers`,
+//! benchmarks; a comma-separated list of sections (`many`, `scale`, `some`, `health`, `updates`, `peers`,
 //! `builtin-proxy`, `fleet`) runs only those end-to-end sections and prints their table without rewriting
 //! `BENCHMARKS.md`, which always holds a whole run.
 
@@ -20,6 +20,7 @@ mod peers;
 mod report;
 mod scale;
 mod sys;
+mod updates;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -28,7 +29,7 @@ use std::time::{Duration, Instant};
 use report::{Machine, Row};
 
 /// The end-to-end sections that `XTASK_BENCH_ONLY` can name.
-const SECTIONS: &[&str] = &["many", "scale", "some", "health", "peers", "builtin-proxy", "fleet"];
+const SECTIONS: &[&str] = &["many", "scale", "some", "health", "updates", "peers", "builtin-proxy", "fleet"];
 
 /// What `XTASK_BENCH_ONLY` asks for: `None` for a whole run.
 struct Only {
@@ -124,6 +125,13 @@ fn end_to_end(
         {
             lab.keep();
             rows.push(Row::failed("health-check figures", &err));
+            errors.push(err);
+        }
+        if only.wants("updates")
+            && let Err(err) = updates::run(&lab, &mut rows)
+        {
+            lab.keep();
+            rows.push(Row::failed("zero-downtime updates", &err));
             errors.push(err);
         }
         if only.wants("peers")

@@ -140,6 +140,8 @@ pub(crate) struct ProxyRow {
     pub(crate) id: String,
     pub(crate) state: String,
     pub(crate) pid: Option<u32>,
+    /// An overlapping update is in flight: its new instance starts beside this one.
+    pub(crate) updating: bool,
 }
 
 /// A running `tether agent`, left and killed when dropped.
@@ -300,6 +302,7 @@ fn proxy_row(row: &serde_json::Value) -> ProxyRow {
         id: row["id"].as_str().unwrap_or_default().to_owned(),
         state: row["state"].as_str().unwrap_or_default().to_owned(),
         pid: row["pid"].as_u64().and_then(|pid| u32::try_from(pid).ok()),
+        updating: row.get("update").is_some_and(|update| !update.is_null()),
     }
 }
 
