@@ -305,3 +305,40 @@ fn haproxy_on_a_handed_listener_refuses_no_connection_across_command_changes() {
     assert!(requests > 20, "the client made {requests} requests");
     assert_eq!((refused, failed), (0, 0), "20 command changes of HAProxy, {requests} requests");
 }
+
+#[test]
+fn a_listener_closes_when_its_address_changes_and_when_its_proxy_goes() {
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    let (first, second, upstream) = (free_loopback_addr(), free_loopback_addr(), upstream());
+    dirs.write_config("web.toml", &config(&first, &upstream, "overlap", true, 0));
+    let agent = Agent::start(&dirs, &root_flags());
+    let pid = agent.wait_state("web-proxy", "running")["pid"].as_i64().unwrap();
+    request(&first, 1).expect("served on the first address");
+
+    dirs.write_config("web.toml", &config(&second, &upstream, "overlap", true, 0));
+    reload(&dirs);
+    replaced(&agent, pid);
+    request(&second, 2).expect("served on the new address");
+    let refused = TcpStream::connect(&first).map(drop).unwrap_err();
+    assert_eq!(refused.kind(), std::io::ErrorKind::ConnectionRefused, "the old address is closed");
+
+    std::fs::remove_file(dirs.config.join("web.toml")).unwrap();
+    reload(&dirs);
+    agent.wait_gone("web-proxy");
+    let refused = TcpStream::connect(&second).map(drop).unwrap_err();
+    assert_eq!(refused.kind(), std::io::ErrorKind::ConnectionRefused, "a deregistered proxy's listener is closed");
+}
+
+#[test]
+fn a_listener_whose_address_is_taken_fails_the_proxy_with_the_address() {
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    let taken = TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = taken.local_addr().unwrap().to_string();
+    dirs.write_config("web.toml", &config(&address, &upstream(), "restart", true, 0));
+    let agent = Agent::start(&dirs, &root_flags());
+    let failed = agent.wait_state("web-proxy", "failed");
+    let error = failed["error"].as_str().unwrap();
+    assert!(error.contains(&format!("cannot listen on {address}: the address is in use")), "{error}");
+}
