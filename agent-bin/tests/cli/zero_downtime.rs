@@ -342,3 +342,25 @@ fn a_listener_whose_address_is_taken_fails_the_proxy_with_the_address() {
     let error = failed["error"].as_str().unwrap();
     assert!(error.contains(&format!("cannot listen on {address}: the address is in use")), "{error}");
 }
+
+#[test]
+fn the_built_in_proxy_serves_a_unix_listener() {
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    let path = dirs.temp.path().join("web.sock");
+    let text = format!(
+        "[[service]]\nname = \"web\"\n[service.proxy]\nconfig = {{ local_service_address = \"{}\" }}\n\
+         [service.proxy.readiness]\nnotify = true\n\
+         [[service.proxy.listener]]\nname = \"public\"\naddress = \"{}\"\n",
+        upstream(),
+        path.display()
+    );
+    dirs.write_config("web.toml", &text);
+    let agent = Agent::start(&dirs, &root_flags());
+    agent.wait_state("web-proxy", "running");
+    let mut stream = std::os::unix::net::UnixStream::connect(&path).unwrap();
+    stream.write_all(b"over unix\n").unwrap();
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).unwrap();
+    assert_eq!(answer, "ok: over unix\n");
+}
