@@ -82,6 +82,15 @@ impl OsProcessBackend {
         Ok(Self { shared: Arc::new(Shared { supervisor, data, environment, found, listeners }) })
     }
 
+    /// Makes every proxy hold a copy of `fd` until its exec ([`Supervisor::hold_until_exec`]).
+    ///
+    /// # Errors
+    ///
+    /// As [`Supervisor::hold_until_exec`].
+    pub fn hold_until_exec(&self, fd: std::os::fd::BorrowedFd<'_>) -> std::io::Result<()> {
+        self.shared.supervisor.hold_until_exec(fd)
+    }
+
     /// How long the readiness and liveness probes of every proxy took.
     pub fn probe_durations(&self) -> crate::ProbeDurations {
         self.shared.supervisor.probe_durations()

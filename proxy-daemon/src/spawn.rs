@@ -10,7 +10,7 @@
 use std::ffi::CString;
 use std::fs::{self, File};
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::process::Stdio;
 
@@ -21,6 +21,10 @@ use tether_state::{Probe, Readiness};
 use crate::error::SpawnError;
 use crate::proc::{self, Pidfd};
 use crate::spec::{LogFile, ProcessSpec};
+
+mod thread;
+
+pub(crate) use thread::hold_until_exec;
 
 /// A freshly spawned process, not yet reaped, with a pidfd that proves which one it is.
 #[derive(Debug)]
@@ -63,44 +67,63 @@ pub(crate) fn spawn(spec: &ProcessSpec) -> Result<Spawned, SpawnError> {
     }
     let stdout = open_log(&spec.logs.stdout)?;
     let stderr = open_log(&spec.logs.stderr)?;
+    let exec_error = |source| SpawnError::Exec { program: spec.program.clone(), source };
 
-    let mut command = std::process::Command::new(&spec.program); // std, for `process_group`
-    command
-        .args(&spec.args)
-        .env_clear() // proxies get only what the spec says, never the agent's secrets
-        .envs(spec.env.iter().map(|(key, value)| (key, value)))
-        .current_dir(&spec.working_dir)
-        .stdin(Stdio::null())
-        .stdout(stdout) // O_APPEND files opened by us: they outlive an agent restart,
-        .stderr(stderr) // where a pipe would hand the proxy a SIGPIPE when the agent dies
-        .process_group(0); // own group: terminal Ctrl-C skips it, one killpg reaches its children
-    if let Some(credentials) = credentials {
-        switch_user_before_exec(&mut command, credentials);
-    }
-    // Descriptors the child holds at fixed numbers: the listeners from 3, then the
-    // write end of its notification pipe.
-    let mut handed: Vec<(RawFd, RawFd)> =
-        spec.listeners.iter().zip(3..).map(|(listener, target)| (listener.socket.as_raw_fd(), target)).collect();
-    let notification = match &spec.health.readiness {
+    // Descriptors the child holds at fixed numbers: the listeners from 3, then the write
+    // end of its notification pipe.
+    let mut handed: Vec<(BorrowedFd<'_>, RawFd)> =
+        spec.listeners.iter().zip(3..).map(|(listener, target)| (listener.socket.as_fd(), target)).collect();
+    let pipe = match &spec.health.readiness {
         Some(Readiness { probe: Probe::Fd(fd), .. }) => {
-            let (read, write) = nix::unistd::pipe2(OFlag::O_CLOEXEC | OFlag::O_NONBLOCK)
-                .map_err(|errno| SpawnError::Exec { program: spec.program.clone(), source: errno.into() })?;
-            handed.push((write.as_raw_fd(), RawFd::try_from(*fd).unwrap_or(RawFd::MAX)));
-            Some((read, write))
+            Some((nix::unistd::pipe2(OFlag::O_CLOEXEC | OFlag::O_NONBLOCK).map_err(|e| exec_error(e.into()))?, *fd))
         }
         _ => None,
     };
-    if !handed.is_empty() {
-        give_fds_before_exec(&mut command, handed);
+    if let Some(((_, write), fd)) = &pipe {
+        handed.push((write.as_fd(), RawFd::try_from(*fd).unwrap_or(RawFd::MAX)));
     }
-    if !spec.listeners.is_empty() {
-        // `LISTEN_PID` must be the child's own pid, known only after the fork: the child
-        // execs itself, with the pid written into its environment.
-        let exec =
-            ListenExec::new(spec).map_err(|source| SpawnError::Exec { program: spec.program.clone(), source })?;
-        exec_with_listen_pid(&mut command, exec);
-    }
-    let child = command.spawn().map_err(|source| SpawnError::Exec { program: spec.program.clone(), source })?;
+    // `LISTEN_PID` must be the child's own pid, known only after the fork: the child execs
+    // itself, with the pid written into an environment prepared here.
+    let listen_exec = (!spec.listeners.is_empty()).then(|| ListenExec::new(spec)).transpose().map_err(exec_error)?;
+
+    // Created on the spawn thread, from copies of these descriptors in its small table.
+    let mut passed = vec![stdout.as_fd(), stderr.as_fd()];
+    passed.extend(handed.iter().map(|(fd, _)| *fd));
+    let targets: Vec<RawFd> = handed.iter().map(|(_, target)| *target).collect();
+    let (program, args, env, dir) =
+        (spec.program.clone(), spec.args.clone(), spec.env.clone(), spec.working_dir.clone());
+    let child = thread::run(&passed, move |fds| {
+        let mut fds = fds.into_iter();
+        let (Some(stdout), Some(stderr)) = (fds.next(), fds.next()) else {
+            return Err(io::Error::other("the log files did not reach the spawn thread"));
+        };
+        let handed: Vec<OwnedFd> = fds.collect();
+        let mut command = std::process::Command::new(&program); // std, for `process_group`
+        command
+            .args(&args)
+            .env_clear() // proxies get only what the spec says, never the agent's secrets
+            .envs(env.iter().map(|(key, value)| (key, value)))
+            .current_dir(&dir)
+            .stdin(Stdio::null())
+            .stdout(File::from(stdout)) // O_APPEND files opened by us: they outlive an agent
+            .stderr(File::from(stderr)) // restart, where a pipe would hand the proxy a SIGPIPE
+            .process_group(0); // own group: terminal Ctrl-C skips it, one killpg reaches its children
+        if let Some(credentials) = credentials {
+            switch_user_before_exec(&mut command, credentials);
+        }
+        if !handed.is_empty() {
+            let pairs = handed.iter().map(AsRawFd::as_raw_fd).zip(targets).collect();
+            give_fds_before_exec(&mut command, pairs);
+        }
+        if let Some(exec) = listen_exec {
+            exec_with_listen_pid(&mut command, exec);
+        }
+        // `handed` lives until the child has its copies.
+        let child = command.spawn();
+        drop(handed);
+        child
+    })
+    .map_err(exec_error)?;
     let pid = child.id();
     // The child is not reaped until we wait for it, so its pid cannot have been reused yet.
     let pidfd = match Pidfd::open(pid) {
@@ -115,7 +138,7 @@ pub(crate) fn spawn(spec: &ProcessSpec) -> Result<Spawned, SpawnError> {
         }
     };
     // The child has its copy of the write end; ours would hide its end of file.
-    let notification = notification.map(|(read, _write)| read);
+    let notification = pipe.map(|((read, _write), _)| read);
     Ok(Spawned { child, pid, pidfd, notification })
 }
 

@@ -103,6 +103,23 @@ impl Supervisor {
         Ok(Self { shared: Arc::new(shared) })
     }
 
+    /// Makes every process spawned in this process from now on (by any supervisor) hold a
+    /// copy of `fd` from its creation to its exec, where it is closed (it stays
+    /// close-on-exec). A lock held through an open file description, such as an agent's
+    /// `flock` of its data dir, is thus held by a child until the exec that gives it its
+    /// environment, even if this process dies before.
+    ///
+    /// Processes are created by one thread with a descriptor table of its own, so that a
+    /// spawn costs the same with 10 descriptors open or 10 000; this is how a descriptor of
+    /// the process reaches that table.
+    ///
+    /// # Errors
+    ///
+    /// When that thread cannot start, or `fd` cannot be passed to it.
+    pub fn hold_until_exec(&self, fd: std::os::fd::BorrowedFd<'_>) -> io::Result<()> {
+        spawn::hold_until_exec(fd)
+    }
+
     /// The notification socket's address, as `NOTIFY_SOCKET` tells it to processes whose
     /// checks use `notify`.
     pub fn notify_socket(&self) -> &str {

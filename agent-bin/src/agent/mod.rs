@@ -62,7 +62,13 @@ enum Ending {
 /// Holds the data dir's lock for the agent's lifetime, so that two agents never manage the
 /// same proxies.
 struct DataDirLock {
-    _file: nix::fcntl::Flock<std::fs::File>,
+    file: nix::fcntl::Flock<std::fs::File>,
+}
+
+impl std::os::fd::AsFd for DataDirLock {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.file.as_fd()
+    }
 }
 
 /// How long the lock may stay taken before the agent gives up: a proxy that a crashed agent
@@ -75,7 +81,7 @@ async fn lock_data_dir(data: &DataDir) -> anyhow::Result<DataDirLock> {
     let deadline = tokio::time::Instant::now() + LOCK_WAIT;
     loop {
         match nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock) {
-            Ok(lock) => return Ok(DataDirLock { _file: lock }),
+            Ok(lock) => return Ok(DataDirLock { file: lock }),
             Err((unlocked, nix::errno::Errno::EWOULDBLOCK)) if tokio::time::Instant::now() < deadline => {
                 file = unlocked;
                 tokio::time::sleep(Duration::from_millis(10)).await;
@@ -99,7 +105,7 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
     let caps = serve::ConnectionCaps::for_limit(nofile);
     tracing::info!(nofile, unix_connections = caps.unix, tcp_connections = caps.tcp, "descriptor limit");
     let data = DataDir::open(&options.data_dir).context("preparing the data dir")?;
-    let _lock = lock_data_dir(&data).await?;
+    let lock = lock_data_dir(&data).await?;
     let sources = match Sources::open(data.clone(), options.config_dirs.clone(), options.allow_api_commands) {
         Ok(sources) => Arc::new(sources),
         Err(errors) => {
@@ -115,6 +121,11 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
     let environment =
         AgentEnvironment { socket: socket_path.clone(), http_addr: options.http_addr.map(|addr| addr.to_string()) };
     let backend = Arc::new(OsProcessBackend::new(data.clone(), environment).context("starting the process backend")?);
+    // A proxy being spawned holds the data dir's lock until its exec, which gives it the
+    // identity that the next agent looks for: that agent cannot look too early.
+    backend
+        .hold_until_exec(std::os::fd::AsFd::as_fd(&lock))
+        .context("handing the data dir's lock to the spawn thread")?;
     let store = Arc::new(FileSnapshotStore::in_data_dir(&data));
     // Proxies held down by `tether stop` stay stopped across agent restarts.
     let held = Arc::new(held::Held::load(&data));
