@@ -132,13 +132,20 @@ impl Receiver {
     /// Cancel safe: commands are taken only in the poll that returns them.
     pub(crate) async fn recv(&self) -> Commands {
         loop {
-            let taken = std::mem::take(&mut self.0.lock().commands);
-            if !taken.is_empty() {
+            if let Some(taken) = self.take() {
                 return taken;
             }
             // A command sent after the check left a wake-up that ends this wait at once.
             self.0.wake.notified().await;
         }
+    }
+
+    /// The pending commands, if any. Not inlined into `recv`, whose future would otherwise
+    /// keep room for them across its wait.
+    #[inline(never)]
+    fn take(&self) -> Option<Commands> {
+        let taken = std::mem::take(&mut self.0.lock().commands);
+        (!taken.is_empty()).then_some(taken)
     }
 
     /// Takes no more commands; later sends fail, and pending ones are dropped.

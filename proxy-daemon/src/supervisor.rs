@@ -196,7 +196,9 @@ impl Supervisor {
         let (status_sender, status) = watch::channel(status);
         let (commands, receiver) = control::link();
         let name = spec.name.clone();
-        let span = tracing::info_span!("proxy", proxy = %name);
+        // A root span: not a child of whatever action started it, which would then live as
+        // long as the process.
+        let span = tracing::info_span!(parent: None, "proxy", proxy = %name);
         let last_pid = write_pid_file.then_some(instance.pid);
         let task = Task::new(key, spec, Arc::clone(&self.shared), status_sender, receiver, last_pid);
         let task = tokio::spawn(task.run(instance, ready).instrument(span));

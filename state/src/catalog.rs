@@ -331,12 +331,13 @@ impl LocalState {
     ///
     /// [`CatalogError::Conflict`] if another kind of source owns the id;
     /// [`CatalogError::Token`] if a token cannot be made.
-    pub fn upsert(&self, service: Service, source: Source) -> Result<Revision, CatalogError> {
+    pub fn upsert(&self, service: impl Into<Arc<Service>>, source: Source) -> Result<Revision, CatalogError> {
+        let service: Arc<Service> = service.into();
         let mut inner = self.lock();
         if let Some(existing) = inner.entries.get(&service.id) {
             if existing.source.kind() != source.kind() {
                 return Err(CatalogError::Conflict {
-                    id: service.id,
+                    id: service.id.clone(),
                     owner: existing.source.clone(),
                     requested: source.kind(),
                 });
@@ -387,11 +388,13 @@ impl LocalState {
     /// [`CatalogError::Conflict`] if a service id is owned by another kind of source,
     /// [`CatalogError::Duplicate`] if an id appears twice, [`CatalogError::Token`] if a
     /// token cannot be made.
-    pub fn replace_source(
+    pub fn replace_source<S: Into<Arc<Service>>>(
         &self,
         kind: &SourceKind,
-        services: Vec<(Service, Source)>,
+        services: Vec<(S, Source)>,
     ) -> Result<ReplaceReport, CatalogError> {
+        let services: Vec<(Arc<Service>, Source)> =
+            services.into_iter().map(|(s, source)| (s.into(), source)).collect();
         let mut inner = self.lock();
         let wanted: BTreeSet<&ServiceId> = services.iter().map(|(service, _)| &service.id).collect();
         let gone: Vec<ServiceId> = inner
@@ -411,12 +414,13 @@ impl LocalState {
     /// # Errors
     ///
     /// As [`LocalState::replace_source`].
-    pub fn change_source(
+    pub fn change_source<S: Into<Arc<Service>>>(
         &self,
         kind: &SourceKind,
-        upserts: Vec<(Service, Source)>,
+        upserts: Vec<(S, Source)>,
         removals: &[ServiceId],
     ) -> Result<ReplaceReport, CatalogError> {
+        let upserts: Vec<(Arc<Service>, Source)> = upserts.into_iter().map(|(s, source)| (s.into(), source)).collect();
         let mut inner = self.lock();
         let gone = removals
             .iter()
@@ -432,7 +436,7 @@ impl LocalState {
         &self,
         inner: &mut Inner,
         kind: &SourceKind,
-        services: Vec<(Service, Source)>,
+        services: Vec<(Arc<Service>, Source)>,
         gone: Vec<ServiceId>,
     ) -> Result<ReplaceReport, CatalogError> {
         let mut seen = BTreeSet::new();
@@ -573,10 +577,10 @@ struct Prepared {
 impl Inner {
     /// Checks `service` against the current entry and makes its proxy, with its token.
     /// Returns `None` when nothing would change.
-    fn prepare(&self, service: Service, source: Source) -> Result<Option<Prepared>, CatalogError> {
+    fn prepare(&self, service: Arc<Service>, source: Source) -> Result<Option<Prepared>, CatalogError> {
         let existing = self.entries.get(&service.id);
         if let Some(existing) = existing {
-            if *existing.service == service {
+            if *existing.service == *service {
                 if existing.source == source {
                     return Ok(None);
                 }
@@ -588,7 +592,7 @@ impl Inner {
                 }));
             }
         }
-        let service = Arc::new(service);
+        // Shared with whoever gave it (a config loader keeps the same services).
         let proxy = if service.proxy.is_some() {
             let proxy_id = service.id.proxy_id();
             let token = match existing.and_then(|e| e.proxy.as_ref()) {

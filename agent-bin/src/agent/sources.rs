@@ -13,7 +13,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use tether_state::config::{ConfigErrors, ConfigFile, ConfigLoader, DisplayPath, LoadStats};
 use tether_state::persist::{DataDir, PersistError};
@@ -103,15 +103,15 @@ struct ConfigState {
 /// to put in place (new, changed, or moved to another file) and the ids gone from every
 /// file.
 struct ConfigDelta<'a> {
-    upserts: Vec<(&'a Service, &'a Path)>,
+    upserts: Vec<(&'a Arc<Service>, &'a Path)>,
     removals: Vec<ServiceId>,
 }
 
 /// Compares `files` with the files behind the catalog's config services. Files that were
 /// not read again are skipped without looking at their services.
 fn config_delta<'a>(applied: &'a HashMap<PathBuf, ConfigFile>, files: &'a [ConfigFile]) -> ConfigDelta<'a> {
-    let mut before: HashMap<&ServiceId, (&Service, &Path)> = HashMap::new();
-    let mut after: HashMap<&ServiceId, (&Service, &Path)> = HashMap::new();
+    let mut before: HashMap<&ServiceId, (&Arc<Service>, &Path)> = HashMap::new();
+    let mut after: HashMap<&ServiceId, (&Arc<Service>, &Path)> = HashMap::new();
     let mut present = HashSet::new();
     for file in files {
         present.insert(file.path());
@@ -244,7 +244,8 @@ impl Sources {
         let upserts = delta
             .upserts
             .into_iter()
-            .map(|(service, file)| (service.clone(), Source::Config { file: file.to_owned() }))
+            // The loader's own services, shared: the catalog keeps the same values.
+            .map(|(service, file)| (Arc::clone(service), Source::Config { file: file.to_owned() }))
             .collect();
         let report = self.state.change_source(&SourceKind::Config, upserts, &delta.removals)?;
         *applied = files.into_iter().map(|file| (file.path().to_owned(), file)).collect();

@@ -115,6 +115,12 @@ impl Checks {
         checks
     }
 
+    /// Whether nothing can come of the checks until they change: no timer, nothing to listen
+    /// to, nothing to report.
+    pub(super) fn idle(&self) -> bool {
+        self.next.is_none() && self.notices.is_none() && self.pipe.is_none() && self.broken.is_none()
+    }
+
     /// Applies changed checks to the running instance: a readiness that already passed is
     /// not asked again; liveness starts over. (Whether the instance's notices are received
     /// was settled when it started, with its environment.)
@@ -215,7 +221,9 @@ impl Checks {
                     }
                     None => self.notices = None,
                 },
-                () = sleep_until(timer) => return self.timed(spec).await,
+                // Boxed: a probe's future is large, and allocated only while one runs, so
+                // that waiting checks keep the supervising task small.
+                () = sleep_until(timer) => return Box::pin(self.timed(spec)).await,
             }
         }
     }

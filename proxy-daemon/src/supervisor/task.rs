@@ -134,7 +134,16 @@ impl Task {
                 // readable once its process exited, and a dropped check changes nothing.
                 commands = self.commands.recv() => Event::Commands(Box::new(commands)),
                 exited = instance.pidfd.exited() => Event::Exited(exited),
-                checked = checks.next(&self.spec) => Event::Checked(checked),
+                // Checks, and the rarer paths below, are boxed: the task's future, one
+                // allocation per supervised process for as long as it runs, keeps room only
+                // for its waits, and a process without checks costs nothing for them.
+                checked = async {
+                    if checks.idle() {
+                        std::future::pending().await
+                    } else {
+                        Box::pin(checks.next(&self.spec)).await
+                    }
+                } => Event::Checked(checked),
             };
             match event {
                 Event::Checked(checked) => {
@@ -145,7 +154,7 @@ impl Task {
                         // Stopped as on a stop (its kill signal, then SIGKILL after the
                         // timeout), then restarted on the backoff like any exit.
                         tracing::warn!(pid = instance.pid, error = %message, "process unhealthy; restarting it");
-                        let _unsignalled = self.terminate(&instance).await;
+                        let _unsignalled = Box::pin(self.terminate(&instance)).await;
                         match Box::pin(self.restart_after_exit(instance, Some(message))).await {
                             Some(next) => {
                                 instance = next;
@@ -188,7 +197,8 @@ impl Task {
                     if let Err(error) = result {
                         // The reactor failed us; the process may be alive, so leave it be.
                         tracing::error!(pid = instance.pid, %error, "cannot watch process; supervision ended");
-                        self.finish(ProcessState::Failed, None, Some(format!("cannot watch process: {error}"))).await;
+                        let error = Some(format!("cannot watch process: {error}"));
+                        Box::pin(self.finish(ProcessState::Failed, None, error)).await;
                         return;
                     }
                     match Box::pin(self.restart_after_exit(instance, None)).await {

@@ -20,7 +20,11 @@ pub fn load_dirs<P: AsRef<Path>>(dirs: &[P]) -> Result<Vec<ConfigEntry>, ConfigE
         // Nothing else holds the file: move its services out rather than clone them.
         let file = Arc::try_unwrap(file).unwrap_or_else(|shared| (*shared).clone());
         let path = file.path;
-        entries.extend(file.services.into_iter().map(|service| ConfigEntry { service, file: path.clone() }));
+        entries.extend(
+            file.services
+                .into_iter()
+                .map(|service| ConfigEntry { service: Arc::unwrap_or_clone(service), file: path.clone() }),
+        );
     }
     Ok(entries)
 }
@@ -110,7 +114,7 @@ impl ConfigLoader {
             entries.extend(
                 file.services()
                     .iter()
-                    .map(|service| ConfigEntry { service: service.clone(), file: file.0.path.clone() }),
+                    .map(|service| ConfigEntry { service: (**service).clone(), file: file.0.path.clone() }),
             );
         }
         Ok(entries)
@@ -152,8 +156,9 @@ impl ConfigFile {
         &self.0.path
     }
 
-    /// Its services, in the file's order.
-    pub fn services(&self) -> &[Service] {
+    /// Its services, in the file's order; shared, so that a catalog can keep the same
+    /// values ([`crate::LocalState::change_source`] takes them as they are).
+    pub fn services(&self) -> &[Arc<Service>] {
         &self.0.services
     }
 
@@ -272,7 +277,7 @@ pub(super) struct LoadedFile {
     path: PathBuf,
     text: String,
     format: Format,
-    services: Vec<Service>,
+    services: Vec<Arc<Service>>,
     /// The metadata of the file as it was read.
     fingerprint: Fingerprint,
     /// The wall clock just before the file was looked at, if known.
@@ -353,5 +358,6 @@ pub(super) fn load_file(path: &Path) -> Result<LoadedFile, ConfigError> {
     };
     let services = parse_file(&text, format, &location.origin)?;
     let fingerprint = Fingerprint::of(&metadata);
+    let services = services.into_iter().map(Arc::new).collect();
     Ok(LoadedFile { path: path.to_owned(), text, format, services, fingerprint, read_at })
 }
