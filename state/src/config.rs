@@ -38,11 +38,13 @@ pub const MAX_FILE_SIZE: u64 = 16 * 1024 * 1024;
 pub const MAX_CONFIG_DEPTH: usize = 32;
 
 mod error;
+mod listeners;
 mod loader;
 mod schema;
 mod written;
 
 pub use error::*;
+use listeners::*;
 pub use loader::*;
 use schema::*;
 use written::*;
