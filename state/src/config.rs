@@ -44,6 +44,7 @@ mod schema;
 mod written;
 
 pub use error::*;
+pub use listeners::MAX_LISTENERS;
 use listeners::*;
 pub use loader::*;
 use schema::*;

@@ -20,8 +20,8 @@ use std::sync::{Mutex, OnceLock, mpsc};
 use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, sendmsg};
 
 /// The most descriptors one job receives: two log files, a notification pipe and the
-/// listeners (the schema allows 64).
-pub(crate) const MAX_FDS: usize = 72;
+/// listeners.
+pub(crate) const MAX_FDS: usize = tether_state::config::MAX_LISTENERS + 3;
 
 type Job = Box<dyn FnOnce(io::Result<Vec<OwnedFd>>) + Send>;
 

@@ -3,7 +3,12 @@
 
 use super::*;
 
-/// The `[[service.proxy.listener]]` array: names unique, addresses distinct.
+/// The most listeners of one proxy: descriptors 3 to 66 of each instance, passed to it
+/// in one message.
+pub const MAX_LISTENERS: usize = 64;
+
+/// The `[[service.proxy.listener]]` array: names unique, addresses distinct, at most
+/// [`MAX_LISTENERS`].
 pub(super) struct ListenersDef(pub(super) Vec<Listener>);
 
 #[derive(Deserialize)]
@@ -34,6 +39,9 @@ impl<'de> Deserialize<'de> for ListenAddressDef {
 impl<'de> Deserialize<'de> for ListenersDef {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         let defs = Vec::<ListenerDef>::deserialize(deserializer)?;
+        if defs.len() > MAX_LISTENERS {
+            return Err(de::Error::custom(format!("{} listeners: a proxy has at most {MAX_LISTENERS}", defs.len())));
+        }
         let mut listeners: Vec<Listener> = Vec::with_capacity(defs.len());
         for def in defs {
             let listener = Listener { name: def.name.0, address: def.address.0 };

@@ -504,6 +504,11 @@ fn bad_listeners_and_updates_name_file_line_and_field() {
         "name = \"a\"\naddress = \"127.0.0.1:1\"\n[[service.proxy.listener]]\nname = \"b\"\naddress = \"127.0.0.1:1\"",
     );
     assert!(error.contains("the same address 127.0.0.1:1"), "{error}");
+    let many: String = (0..65)
+        .map(|n| format!("[[service.proxy.listener]]\nname = \"l{n}\"\naddress = \"127.0.0.1:{}\"\n", n + 1))
+        .collect();
+    let error = proxy_error(&many);
+    assert!(error.contains("65 listeners: a proxy has at most 64"), "{error}");
     let error = proxy_error("update = \"blue-green\"");
     assert!(error.contains("update") && error.contains("overlap"), "{error}");
     let error = proxy_error("update_timeout = \"0s\"");
