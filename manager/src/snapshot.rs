@@ -25,7 +25,8 @@ use tokio::sync::{mpsc, oneshot, watch};
 /// earlier one ([`OLDEST_SNAPSHOT_VERSION`] on), migrating them.
 ///
 /// Version 2 (this one) holds each service in the schema's own form, in the schema's field
-/// order, and each backend record compact, as the backend wrote it. Version 1 held services
+/// order, and each backend record as the backend wrote it, both compact (JSON whitespace
+/// aside, a record reads the same either way). Version 1 held services
 /// as generic JSON values (keys sorted) and backend records re-encoded by the engine; its
 /// services read through the same schema, and its backend records go to the backend
 /// unchanged, which migrates its own.
@@ -235,12 +236,12 @@ const FIELD_INDENT: &str = "      ";
 impl EncodedRecord {
     /// The encoding of `record`.
     pub(crate) fn from_record(record: &ProxyRecord) -> Result<Self, serde_json::Error> {
-        let text = indent(&serde_json::to_string_pretty(record)?, RECORD_INDENT, true);
-        Ok(Self { head: text.into(), service: None, tail: Arc::from("") })
+        let service = record.service.as_ref().map(EncodedService::new).transpose()?;
+        Self::new(&record.id, service.as_ref(), record.token.as_ref(), &record.backend)
     }
 
     /// The encoding of `ProxyRecord { id, service, token, backend }`, from a service that
-    /// is already encoded: byte for byte what the derived encoding of the record gives.
+    /// is already encoded: the record pretty-printed, its service and backend record compact.
     pub(crate) fn new(
         id: &ProxyId,
         service: Option<&EncodedService>,
@@ -293,33 +294,17 @@ impl PartialEq for EncodedRecord {
 
 impl Eq for EncodedRecord {}
 
-/// The service of a record, encoded once (pretty-printed, and indented for its place in a
-/// record), so that the record can be encoded again, when its process changes, without the
-/// service's value. Shared by the engine and the snapshot's records.
+/// The service of a record, encoded once (compact: every field of the schema is written
+/// out, and indentation would double its size), so that the record can be encoded again,
+/// when its process changes, without the service's value. Shared by the engine and the
+/// snapshot's records: one copy per proxy.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct EncodedService(Arc<str>);
 
 impl EncodedService {
     pub(crate) fn new(service: &Service) -> Result<Self, serde_json::Error> {
-        Ok(Self(indent(&serde_json::to_string_pretty(service)?, FIELD_INDENT, false).into()))
+        Ok(Self(serde_json::to_string(service)?.into()))
     }
-}
-
-/// `text` with `prefix` before every line but the first, and before the first too when
-/// `first` is set. Pretty-printed JSON holds no line break inside a string, so this nests
-/// it one level deeper.
-fn indent(text: &str, prefix: &str, first: bool) -> String {
-    let mut nested = String::with_capacity(text.len() + prefix.len() * (text.matches('\n').count() + 1));
-    for (index, line) in text.split('\n').enumerate() {
-        if index > 0 {
-            nested.push('\n');
-        }
-        if index > 0 || first {
-            nested.push_str(prefix);
-        }
-        nested.push_str(line);
-    }
-    nested
 }
 
 /// Reads the text of a snapshot file.

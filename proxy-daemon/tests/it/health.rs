@@ -211,10 +211,11 @@ async fn an_fd_instance_is_ready_when_it_writes_a_newline_to_its_descriptor() {
 #[tokio::test]
 async fn an_fd_instance_that_closes_its_descriptor_without_a_newline_is_not_ready() {
     let fx = Fixture::new();
-    // It exits after writing, which closes the descriptor; its restart writes nothing.
-    let mut spec = fx.spec("closing-proxy", &["--write-fd", "4", "no newline", "--exit", "0"]);
+    // It writes, closes the descriptor and runs on: no exit races the end of the pipe.
+    let mut spec = fx.spec("closing-proxy", &[]);
+    spec.program = "/bin/sh".into();
+    spec.args = vec!["-c".into(), "printf 'no newline' >&4; exec 4>&-; exec sleep 3600".into()];
     spec.health = HealthChecks { readiness: Some(Readiness::new(Probe::Fd(4))), liveness: None };
-    spec.restart.free_attempts = 0;
     let handle = fx.supervisor.spawn(spec).unwrap();
     let closed = Some("readiness fd 4: closed without writing a newline");
     let status = status_where(&handle, "the closed descriptor", |status| status.error.as_deref() == closed).await;
