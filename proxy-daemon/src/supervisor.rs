@@ -13,7 +13,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
 
 use tokio::sync::{oneshot, watch};
-use tokio::time::Instant;
 use tracing::Instrument;
 
 use crate::control;
@@ -23,7 +22,7 @@ use crate::pidfile::PidFiles;
 use crate::probe::{ProbeDurations, ProbeStats};
 use crate::proc::{self, Identity};
 use crate::rotate::Rotator;
-use crate::spawn::{self, Spawned};
+use crate::spawn;
 use crate::spec::{ProcessName, ProcessSpec, ProcessUpdate};
 use crate::status::ProcessStatus;
 
@@ -157,22 +156,10 @@ impl Supervisor {
                 tracing::warn!(%error, address = %self.shared.notify.address(), "cannot bind the notification socket");
             }
         }
-        let log_offsets = checks::watches_lines(&spec).then(|| lines::offsets(&spec));
-        let Spawned { child, pid, pidfd, notification } = spawn::spawn(&spec)?;
+        let instance = Instance::spawn(&spec)?;
+        let pid = instance.pid;
         tracing::info!(proxy = %spec.name, pid, program = %spec.program.display(), "process started");
-        // Our child is not reaped until we wait for it, so its /proc entry is its own.
-        let start_time = proc::read_stat(pid).ok().map(|stat| stat.start_time);
-        let identity = self.shared.identity(pid, pid, start_time);
-        let instance = Instance {
-            kind: InstanceKind::Child(child),
-            pidfd,
-            pid,
-            pgid: pid,
-            start_time,
-            started: Instant::now(),
-            notification,
-            log_offsets,
-        };
+        let identity = self.shared.identity(pid, instance.pgid, instance.start_time);
         let ready = checks::starts_ready(&spec);
         Ok(self.supervise(spec, instance, ProcessStatus::running(pid, SystemTime::now(), identity, ready), true))
     }

@@ -109,7 +109,9 @@ fn start() -> io::Result<SpawnThread> {
         }
         for (job, count) in queue {
             let received = if count == 0 { Ok(Vec::new()) } else { receive(&theirs, count) };
-            job(received);
+            // A job that panics fails its own spawn (its caller sees the reply dropped), never
+            // the thread that every later spawn needs.
+            let _panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(received)));
         }
     })?;
     started.recv().map_err(|_| io::Error::other("the spawn thread died at its start"))??;

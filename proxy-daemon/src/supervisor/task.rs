@@ -14,7 +14,7 @@ use super::checks::{self, Checked, Checks};
 use super::{Shared, lines};
 use crate::backoff;
 use crate::control::{self, Commands};
-use crate::error::DetachError;
+use crate::error::{DetachError, SpawnError};
 use crate::proc::{self, Identity, Pidfd};
 use crate::spawn::{self, Spawned};
 use crate::spec::{ProcessSpec, ProcessUpdate};
@@ -48,6 +48,25 @@ pub(super) enum InstanceKind {
 }
 
 impl Instance {
+    /// Starts an instance of `spec`: the one way a first start and a restart create one.
+    pub(super) fn spawn(spec: &ProcessSpec) -> Result<Self, SpawnError> {
+        // Where its output starts, read before it can write any (readiness `log_line`).
+        let log_offsets = checks::watches_lines(spec).then(|| lines::offsets(spec));
+        let Spawned { child, pid, pidfd, notification } = spawn::spawn(spec)?;
+        // Our child is not reaped until we wait for it, so its /proc entry is its own.
+        let start_time = proc::read_stat(pid).ok().map(|stat| stat.start_time);
+        Ok(Self {
+            kind: InstanceKind::Child(child),
+            pidfd,
+            pid,
+            pgid: pid,
+            start_time,
+            started: Instant::now(),
+            notification,
+            log_offsets,
+        })
+    }
+
     /// Reaps the exited main process, if it is ours, and reads how it ended.
     async fn reap(self) -> Option<ExitReason> {
         let InstanceKind::Child(mut child) = self.kind else { return None };
@@ -430,13 +449,8 @@ impl Task {
                 }
             }
             self.status.send_modify(|status| status.state = ProcessState::Starting);
-            let log_offsets = checks::watches_lines(&self.spec).then(|| lines::offsets(&self.spec));
-            match spawn::spawn(&self.spec) {
-                Ok(spawned) => {
-                    let mut instance = self.restarted(spawned, cause);
-                    instance.log_offsets = log_offsets;
-                    return Some(instance);
-                }
+            match Instance::spawn(&self.spec) {
+                Ok(instance) => return Some(self.restarted(instance, cause)),
                 Err(error) => {
                     // A failed start is not final: a descriptor, memory or the program
                     // itself may be back by the next attempt, so it waits on the backoff.
@@ -460,13 +474,13 @@ impl Task {
     }
 
     /// Takes over a freshly restarted instance: pid file, log watch, status.
-    fn restarted(&mut self, Spawned { child, pid, pidfd, notification }: Spawned, cause: Option<String>) -> Instance {
+    fn restarted(&mut self, instance: Instance, cause: Option<String>) -> Instance {
+        let pid = instance.pid;
         self.shared.pid_files.write(&self.spec.pid_file, pid);
         self.last_pid = Some(pid);
         self.shared.rotator.watch(self.key, &self.spec.logs.stdout, &self.spec.logs.stderr, self.spec.logs.limits);
         tracing::info!(pid, attempt = self.attempt, "process restarted");
-        let start_time = proc::read_stat(pid).ok().map(|stat| stat.start_time);
-        let identity = self.shared.identity(pid, pid, start_time);
+        let identity = self.shared.identity(pid, instance.pgid, instance.start_time);
         let ready = checks::starts_ready(&self.spec);
         self.health_error = cause.is_some().then_some(HealthError::Liveness);
         self.status.send_modify(|status| {
@@ -479,16 +493,7 @@ impl Task {
             status.started_at = Some(SystemTime::now());
             status.error = cause;
         });
-        Instance {
-            kind: InstanceKind::Child(child),
-            pidfd,
-            pid,
-            pgid: pid,
-            start_time,
-            started: Instant::now(),
-            notification,
-            log_offsets: None,
-        }
+        instance
     }
 
     /// Waits `delay` while answering commands. `false` when supervision ended meanwhile.

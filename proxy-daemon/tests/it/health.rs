@@ -280,3 +280,20 @@ async fn an_adopted_instance_is_not_asked_for_readiness_again_and_its_liveness_r
     assert!(error.starts_with("liveness probe http"), "{error}");
     within("stop", adopted.stop()).await;
 }
+
+#[tokio::test]
+async fn a_restarted_log_line_instance_is_ready_again_when_its_line_appears() {
+    let fx = Fixture::new();
+    // Ready at once, then it exits; each restart prints the line again.
+    let mut spec = fx.spec("relog-proxy", &["--print", "ready: listening", "--delay", "1500", "--exit", "1"]);
+    let mut readiness = Readiness::new(Probe::LogLine(tether_state::LinePattern::new("^ready: ").unwrap()));
+    readiness.interval = Duration::from_millis(100);
+    spec.health = HealthChecks { readiness: Some(readiness), liveness: None };
+    let handle = fx.supervisor.spawn(spec).unwrap();
+    let again = status_where(&handle, "a restarted instance that is ready", |status| {
+        status.restarts >= 1 && status.state == ProcessState::Running
+    })
+    .await;
+    assert!(again.ready && again.error.is_none(), "{again:?}");
+    within("stop", handle.stop()).await;
+}

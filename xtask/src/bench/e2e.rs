@@ -13,7 +13,7 @@ use std::path::Path;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use super::lab::{Agent, Flock, Lab, POLL, ProxyRow, request, send};
+use super::lab::{Agent, Flock, Lab, POLL, ProxyRow, SLEEP, raw_bring_up, request, send};
 use super::report::{Met, Row, median, met, ms, percentile, ratio, secs};
 use super::sys;
 
@@ -33,7 +33,6 @@ const QUIESCENT: Duration = Duration::from_millis(20);
 /// The window over which idle wake-ups are counted.
 const IDLE: Duration = Duration::from_secs(10);
 
-const SLEEP: &[&str] = &["/bin/sleep", "3600"];
 /// A proxy that ignores SIGINT without forking: the ignored disposition survives `exec`.
 const DEAF: &[&str] = &["/bin/sh", "-c", "trap '' INT; exec /bin/sleep 3600"];
 
@@ -103,20 +102,6 @@ fn wait_for<T>(what: &str, limit: Duration, mut probe: impl FnMut() -> Option<T>
         }
         thread::sleep(POLL);
     }
-}
-
-/// The time to spawn `count` sleeps from this process, as a supervisor would with no
-/// bookkeeping at all: the bring-up baseline.
-fn raw_bring_up(lab: &Lab, round: usize, count: usize) -> Result<Duration, String> {
-    let logs = lab.subdir(&format!("raw{round}-logs"))?;
-    let mut flock = Flock::default();
-    let start = Instant::now();
-    for index in 0..count {
-        flock.spawn(SLEEP, &logs, &format!("s{index:04}"))?;
-    }
-    let took = start.elapsed();
-    flock.kill_all();
-    Ok(took)
 }
 
 /// The raw restart baseline: SIGKILL a child, reap it, spawn it again; and the time of
@@ -228,7 +213,7 @@ fn many(lab: &Lab, idle_agent: &Agent<'_>, empty_rss: u64, rows: &mut Vec<Row>) 
     let (mut raw_best, mut agent_best) = (Duration::MAX, Duration::MAX);
     let mut kept = None;
     for round in 0..2 {
-        raw_best = raw_best.min(raw_bring_up(lab, round, MANY)?);
+        raw_best = raw_best.min(raw_bring_up(lab, &format!("raw{round}-logs"), MANY)?);
         let data = lab.dir.join(format!("a{round}-data"));
         let start = Instant::now();
         let mut agent = lab.agent(&format!("a{round}"), &config, &data, &flags)?;

@@ -312,6 +312,23 @@ fn pid_files(dir: &Path) -> usize {
     })
 }
 
+/// The proxies of every bring-up: `sleep` for an hour.
+pub(crate) const SLEEP: &[&str] = &["/bin/sleep", "3600"];
+
+/// The bring-up baseline: the time to spawn `count` sleeps from this process (logs under
+/// the lab's `name` subdir), as a supervisor with no bookkeeping at all would.
+pub(crate) fn raw_bring_up(lab: &Lab, name: &str, count: usize) -> Result<Duration, String> {
+    let logs = lab.subdir(name)?;
+    let mut flock = Flock::default();
+    let start = Instant::now();
+    for index in 0..count {
+        flock.spawn(SLEEP, &logs, &format!("s{index:05}"))?;
+    }
+    let took = start.elapsed();
+    flock.kill_all();
+    Ok(took)
+}
+
 /// Processes the bench starts itself, each in its own process group, SIGKILLed and reaped
 /// when dropped.
 #[derive(Default)]

@@ -29,7 +29,7 @@ use std::process::{Child, Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use super::lab::{Flock, Lab};
+use super::lab::{Lab, raw_bring_up};
 use super::report::{Met, Row, median, ms, ratio, secs};
 use super::sys;
 
@@ -37,7 +37,6 @@ const SIZES: [usize; 2] = [100, 1_000];
 /// `kill -9`s per peer and size, each of a different service.
 const KILLS: usize = 20;
 const LIMIT: Duration = Duration::from_secs(120);
-const SLEEP: &[&str] = &["/bin/sleep", "3600"];
 
 /// The figures of one supervisor at one size.
 struct Figures {
@@ -81,7 +80,7 @@ impl Peer {
 pub(crate) fn run(lab: &Lab, rows: &mut Vec<Row>) -> Result<(), String> {
     install_missing();
     for count in SIZES {
-        let raw = raw_bring_up(lab, count)?;
+        let raw = raw_bring_up(lab, &format!("peer-raw-{count}"), count)?;
         let mut figures: Vec<(Peer, Result<Figures, String>)> = Vec::new();
         for peer in Peer::ALL {
             let result = if peer != Peer::Tether && which(peer.program()).is_none() {
@@ -336,19 +335,6 @@ fn write_tether_config(dir: &Path, count: usize) -> Result<(), String> {
         ));
     }
     fs::write(dir.join("services.toml"), text).map_err(|err| err.to_string())
-}
-
-/// The raw baseline: this process spawning `count` sleeps in a loop.
-fn raw_bring_up(lab: &Lab, count: usize) -> Result<Duration, String> {
-    let logs = lab.subdir(&format!("peer-raw-{count}"))?;
-    let mut flock = Flock::default();
-    let start = Instant::now();
-    for index in 0..count {
-        flock.spawn(SLEEP, &logs, &format!("s{index:04}"))?;
-    }
-    let took = start.elapsed();
-    flock.kill_all();
-    Ok(took)
 }
 
 fn wait_for<T>(what: &str, mut probe: impl FnMut() -> Option<T>) -> Result<T, String> {

@@ -10,11 +10,9 @@ use std::path::Path;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use super::lab::{Flock, Lab};
+use super::lab::{Lab, raw_bring_up};
 use super::report::{Row, met, ratio, secs};
 use super::sys;
-
-const SLEEP: &[&str] = &["/bin/sleep", "3600"];
 
 /// The sizes, with how many rounds each (the best is kept) and the ratio to the raw loop
 /// that the target allows, if there is one (at 100 the agent's own start dominates).
@@ -80,19 +78,6 @@ pub(crate) fn run(lab: &Lab, empty_rss: u64, rows: &mut Vec<Row>) -> Result<(), 
         agent.leave(Duration::from_secs(300))?;
     }
     Ok(())
-}
-
-/// Spawns `count` sleeps from this process, as a supervisor with no bookkeeping would.
-fn raw_bring_up(lab: &Lab, name: &str, count: usize) -> Result<Duration, String> {
-    let logs = lab.subdir(&format!("{name}-logs"))?;
-    let mut flock = Flock::default();
-    let start = Instant::now();
-    for index in 0..count {
-        flock.spawn(SLEEP, &logs, &format!("s{index:05}"))?;
-    }
-    let took = start.elapsed();
-    flock.kill_all();
-    Ok(took)
 }
 
 fn write_config(dir: &Path, count: usize) -> Result<(), String> {
