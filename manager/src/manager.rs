@@ -211,6 +211,9 @@ pub struct Manager {
     restore: RestoreStage,
     writer: Option<WriterSender>,
     closing: bool,
+    /// Cancelled when the engine shuts down: an overlapping update in flight then gives up
+    /// at once rather than at its `update_timeout`, and the old instance is kept.
+    shutting_down: CancellationToken,
     published: Published,
 }
 
@@ -268,6 +271,7 @@ impl Manager {
             restore: RestoreStage::Load,
             writer: None,
             closing: false,
+            shutting_down: CancellationToken::new(),
             published: Published::with_requests(requests_tx),
         }
     }
@@ -402,6 +406,7 @@ impl Manager {
     /// Waits for every running action and applies its result; starts no new one.
     async fn finish_actions(&mut self) {
         self.closing = true;
+        self.shutting_down.cancel();
         while let Some(done) = self.actions.join_next_with_id().await {
             self.on_done(done);
         }

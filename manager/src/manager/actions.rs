@@ -12,6 +12,7 @@ use tether_state::{ManagedProxy, ProxyId, UpdateStrategy};
 use tokio::sync::watch;
 use tokio::task::JoinError;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::{MIN_RETRY_DELAY, Manager, Outcome, encoded_service};
@@ -50,11 +51,12 @@ impl Manager {
             _ => None,
         };
         let backend = self.backend.clone();
+        let shutting_down = self.shutting_down.clone();
         let task = async move {
             match (action, wanted, handle) {
                 (Action::Start, Some(proxy), _) => start(&*backend, proxy).await,
                 (Action::Restart, Some(proxy), Some(old)) => match overlap {
-                    Some(progress) => overlap_update(&*backend, &*old, proxy, progress).await,
+                    Some(progress) => overlap_update(&*backend, &*old, proxy, progress, shutting_down).await,
                     None => {
                         // Created before the stop: what the new handle holds (its
                         // listeners) stays open in between.
@@ -325,12 +327,14 @@ async fn start_created(handle: Box<dyn ProxyHandle>, proxy: Arc<ManagedProxy>) -
 
 /// `update = "overlap"`: starts the new instance beside `old`, and stops `old` once the new
 /// one is ready; abandons the new one, and leaves `old` serving, when it cannot start,
-/// exits or is not ready within `update_timeout`. `progress` follows the new instance.
+/// exits or is not ready within `update_timeout`, or the engine shuts down meanwhile.
+/// `progress` follows the new instance.
 async fn overlap_update(
     backend: &dyn ProxyBackend,
     old: &dyn ProxyHandle,
     proxy: Arc<ManagedProxy>,
     progress: watch::Sender<Option<BackendStatus>>,
+    shutting_down: CancellationToken,
 ) -> Outcome {
     let timeout = proxy.spec().update.timeout;
     let new = backend.create(proxy.clone());
@@ -341,6 +345,8 @@ async fn overlap_update(
     }
     let mut status = new.status();
     let ready = tokio::time::timeout(timeout, async {
+        // A shutdown does not wait out the timeout: the old instance is kept.
+        let mut shutdown = std::pin::pin!(shutting_down.cancelled());
         loop {
             let current = status.borrow_and_update().clone();
             let state = current.state;
@@ -350,8 +356,11 @@ async fn overlap_update(
                 ProxyState::Pending | ProxyState::Starting => {}
                 _ => return Err(not_ready(&current)),
             }
-            if status.changed().await.is_err() {
-                return Err("the new instance is no longer observed".to_owned());
+            tokio::select! {
+                changed = status.changed() => if changed.is_err() {
+                    return Err("the new instance is no longer observed".to_owned());
+                },
+                () = &mut shutdown => return Err("the agent is shutting down".to_owned()),
             }
         }
     })

@@ -116,3 +116,26 @@ async fn a_restart_asked_through_the_handle_overlaps_too() {
     assert_eq!(running.fake.live_ids(), ["web-proxy"]);
     running.stop().await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_shutdown_does_not_wait_for_an_overlap_and_keeps_the_old_instance() {
+    let web = overlapping("web", Duration::from_secs(300));
+    let running = run(std::slice::from_ref(&web));
+    let first = running.until_state(&pid("web"), ProxyState::Running).await;
+    running.fake.state().never_ready.insert(pid("web"));
+    running.state.upsert(changed(web, "debug"), Source::Api).unwrap();
+    running.fake.wait_calls(Call::Start, 2).await;
+    let t0 = Instant::now();
+    let fake = running.fake.clone();
+    let manager = running.stop().await;
+    tokio::time::timeout(LIMIT, manager.close()).await.unwrap().unwrap();
+    assert!(t0.elapsed() < Duration::from_secs(300), "the shutdown waited {:?}", t0.elapsed());
+    let calls: Vec<Call> = fake.state().calls.iter().map(|(_, _, call)| *call).collect();
+    assert_eq!(
+        calls,
+        [Call::Start, Call::Start, Call::Stop, Call::Detach],
+        "the new one stopped, the old one left running"
+    );
+    assert_eq!(fake.state().live[&pid("web")].spec().env.get("LOG_LEVEL"), None, "the old instance runs on");
+    assert!(first.pid.is_some());
+}
