@@ -96,10 +96,13 @@ fn with_the_flag_the_register_api_may_set_them() {
         let response = put(&dirs.socket(), REGISTER, Some(body)).unwrap();
         assert_eq!(response.status, 200, "{body}: {}", response.body);
     }
+    // A process's environment shows in /proc a moment after its exec: waited for.
     let preload = pid_of(&agent.wait_state("preload-proxy", "running"));
-    assert_eq!(environ_var(preload, "LD_PRELOAD").as_deref(), Some("/nonexistent/lib.so"));
+    let seen = wait_for("LD_PRELOAD in the proxy's environment", || environ_var(preload, "LD_PRELOAD"));
+    assert_eq!(seen, "/nonexistent/lib.so");
     let gconv = pid_of(&agent.wait_state("gconv-proxy", "running"));
-    assert_eq!(environ_var(gconv, "GCONV_PATH").as_deref(), Some("/nonexistent"));
+    let seen = wait_for("GCONV_PATH in the proxy's environment", || environ_var(gconv, "GCONV_PATH"));
+    assert_eq!(seen, "/nonexistent");
     agent.wait_state("workdir-proxy", "running");
     agent.wait_state("inherit-proxy", "running");
     if is_root() {

@@ -62,10 +62,16 @@ async fn an_instance_that_stops_answering_is_restarted_after_its_liveness_failur
     let handle = fx.supervisor.spawn(spec).unwrap();
     let first = status_where(&handle, "running", |status| status.state == ProcessState::Running).await.pid.unwrap();
 
-    // Stopped, it keeps its socket (connects succeed) but answers nothing.
+    // Stopped, it keeps its socket (connects succeed) but answers nothing. The restart
+    // shows its cause until a probe of the new instance passes, an interval later:
+    // watched from before the stop, so that a slow test thread does not miss it.
+    let mut watched = handle.subscribe();
     send(first, Signal::SIGSTOP);
-    let second = restarted(&handle, first).await;
-    let status = handle.status();
+    let status = within("the restart with its cause", watched.wait_for(|s| s.pid != Some(first) && s.pid.is_some()))
+        .await
+        .map(|status| status.clone())
+        .expect("supervision goes on");
+    let second = status.pid.unwrap();
     assert_eq!(status.restarts, 1);
     let error = status.error.expect("the restart says why");
     assert_eq!(
