@@ -30,11 +30,22 @@ fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
-/// One HTTP/1.1 exchange with a JSON body over TCP; the answer's JSON.
-fn http_json(addr: SocketAddr, method: &str, path: &str, body: Option<&Value>) -> std::io::Result<Value> {
+/// How long a browser may take to start: its first start on a fresh machine builds the
+/// font cache, and on a loaded CI machine that alone has taken more than [`DEADLINE`].
+const BROWSER_START: Duration = Duration::from_secs(120);
+
+/// One HTTP/1.1 exchange with a JSON body over TCP, answered within `timeout`; the
+/// answer's JSON.
+fn http_json(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: Option<&Value>,
+    timeout: Duration,
+) -> std::io::Result<Value> {
     let body = body.map(Value::to_string).unwrap_or_default();
     let mut stream = TcpStream::connect(addr)?;
-    stream.set_read_timeout(Some(DEADLINE))?;
+    stream.set_read_timeout(Some(timeout))?;
     write!(
         stream,
         "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\n\
@@ -95,7 +106,7 @@ impl Browser {
         let profile = tempfile::tempdir().unwrap();
         let mut browser = Self { driver, addr, session: String::new(), _profile: profile };
         wait_until("chromedriver to answer", || {
-            http_json(addr, "GET", "/status", None).map_err(|err| err.to_string()).map(drop)
+            http_json(addr, "GET", "/status", None, DEADLINE).map_err(|err| err.to_string()).map(drop)
         });
         let capabilities = json!({"capabilities": {"alwaysMatch": {
             "browserName": "chrome",
@@ -109,7 +120,8 @@ impl Browser {
                 ],
             },
         }}});
-        let created = http_json(addr, "POST", "/session", Some(&capabilities)).unwrap();
+        let created = http_json(addr, "POST", "/session", Some(&capabilities), BROWSER_START)
+            .unwrap_or_else(|err| panic!("the browser did not start within {BROWSER_START:?}: {err}"));
         browser.session =
             created["value"]["sessionId"].as_str().unwrap_or_else(|| panic!("no session: {created}")).to_owned();
         browser
@@ -117,7 +129,7 @@ impl Browser {
 
     fn command(&self, method: &str, what: &str, body: Option<&Value>) -> Value {
         let path = format!("/session/{}/{what}", self.session);
-        let answer = http_json(self.addr, method, &path, body).unwrap();
+        let answer = http_json(self.addr, method, &path, body, DEADLINE).unwrap();
         assert!(answer["value"].get("error").is_none(), "{what}: {answer}");
         answer["value"].clone()
     }
@@ -141,7 +153,7 @@ impl Browser {
 impl Drop for Browser {
     fn drop(&mut self) {
         if !self.session.is_empty() {
-            let _ = http_json(self.addr, "DELETE", &format!("/session/{}", self.session), None);
+            let _ = http_json(self.addr, "DELETE", &format!("/session/{}", self.session), None, DEADLINE);
         }
         let _ = killpg(Pid::from_raw(self.driver.id() as i32), Signal::SIGKILL);
         let _ = self.driver.wait();
