@@ -21,6 +21,7 @@ use serde::{Deserialize, Serialize, Serializer};
 use crate::health::{HttpTarget, LinePattern, Liveness, Probe, Readiness, TcpTarget};
 use crate::id::ServiceId;
 use crate::listener::{ListenAddress, Listener, ListenerName, UpdatePolicy, UpdateStrategy};
+use crate::resources::{CpuLimit, ResourceLimits};
 use crate::service::{
     CommandLine, ExecMode, KillPolicy, KillSignal, LogPolicy, ProxyCommand, ProxyConfigMap, ProxySpec, RestartPolicy,
     Service, ServiceName,
@@ -40,11 +41,13 @@ pub const MAX_CONFIG_DEPTH: usize = 32;
 mod error;
 mod listeners;
 mod loader;
+mod resources;
 mod schema;
 mod written;
 
 pub use error::*;
 pub use listeners::MAX_LISTENERS;
+use resources::{Cpus, MemoryMax, PidsMax};
 use listeners::*;
 pub use loader::*;
 use schema::*;

@@ -61,6 +61,7 @@ mod exit;
 mod health;
 mod id;
 mod listener;
+mod resources;
 pub mod persist;
 mod service;
 mod token;
@@ -78,6 +79,7 @@ pub use id::{
     check_process_name, check_service_id,
 };
 pub use listener::{LISTENER_NAME_RULE, ListenAddress, Listener, ListenerName, UpdatePolicy, UpdateStrategy};
+pub use resources::{CpuLimit, ResourceLimits};
 pub use service::{
     CommandLine, ExecMode, KillPolicy, KillSignal, LogPolicy, ManagedProxy, NameError, ProxyChange, ProxyCommand,
     ProxyConfigMap, ProxySpec, RestartPolicy, Service, ServiceName,

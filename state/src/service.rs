@@ -13,6 +13,7 @@ use std::time::Duration;
 use crate::health::{Liveness, Readiness};
 use crate::id::{ProxyId, ServiceId};
 use crate::listener::{Listener, UpdatePolicy};
+use crate::resources::ResourceLimits;
 use crate::token::ProxyToken;
 
 /// The opaque `config` table of a proxy, served to the proxy as JSON.
@@ -351,6 +352,8 @@ pub struct ProxySpec {
     pub listeners: Vec<Listener>,
     /// How a restart-requiring change replaces the running instance.
     pub update: UpdatePolicy,
+    /// Its cgroup's limits, applied in place when they change.
+    pub limits: ResourceLimits,
 }
 
 /// A service's managed proxy as the engine sees it: its id, its service, its spec and its
@@ -502,6 +505,8 @@ mod tests {
         assert_eq!(change(|s| spec(s).kill.signal = KillSignal::Term), ProxyChange::InPlace);
         assert_eq!(change(|s| spec(s).kill.timeout = Duration::from_secs(1)), ProxyChange::InPlace);
         assert_eq!(change(|s| spec(s).restart.free_attempts = 0), ProxyChange::InPlace);
+        assert_eq!(change(|s| spec(s).limits.pids_max = Some(64)), ProxyChange::InPlace);
+        assert_eq!(change(|s| spec(s).limits.memory_max = Some(64 << 20)), ProxyChange::InPlace);
         assert_eq!(change(|s| spec(s).log.keep = 1), ProxyChange::InPlace);
         assert_eq!(change(|s| drop(spec(s).config.insert("bind_port".into(), 1.into()))), ProxyChange::InPlace);
         assert_eq!(change(|s| s.address = "10.0.0.1".into()), ProxyChange::InPlace);

@@ -52,6 +52,9 @@ pub(super) struct ProxyDef {
     listener: Option<ListenersDef>,
     update: Option<UpdateDef>,
     update_timeout: Option<PositiveDuration>,
+    memory_max: Option<MemoryMax>,
+    cpus: Option<Cpus>,
+    pids_max: Option<PidsMax>,
 }
 
 /// A `readiness` or `liveness` table as written: exactly one probe kind, its timing, and
@@ -290,6 +293,11 @@ impl From<ProxyDef> for ProxySpec {
                     Some(UpdateDef::Restart) | None => UpdateStrategy::Restart,
                 },
                 timeout: def.update_timeout.map_or(UpdatePolicy::default().timeout, |d| d.0),
+            },
+            limits: ResourceLimits {
+                memory_max: def.memory_max.map(|m| m.0),
+                cpus: def.cpus.map(|c| c.0),
+                pids_max: def.pids_max.map(|p| p.0),
             },
         }
     }
@@ -568,7 +576,7 @@ pub(super) struct ByteSize(u64);
 pub(super) const MIN_LOG_SIZE: u64 = 4096;
 
 impl ByteSize {
-    fn parse(raw: &str) -> Result<u64, String> {
+    pub(super) fn parse(raw: &str) -> Result<u64, String> {
         let raw = raw.trim();
         let split = raw.find(|c: char| !c.is_ascii_digit()).unwrap_or(raw.len());
         let (digits, unit) = raw.split_at(split);

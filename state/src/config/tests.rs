@@ -524,3 +524,26 @@ fn bad_listeners_and_updates_name_file_line_and_field() {
 
 mod loader;
 mod round_trip;
+
+#[test]
+fn resource_limits_are_read_and_bad_ones_named() {
+    let service = one("[[service]]\nname = \"web\"\n[service.proxy]\nmemory_max = \"256MiB\"\ncpus = 0.5\npids_max = 512\n");
+    let limits = service.proxy.unwrap().limits;
+    assert_eq!(limits.memory_max, Some(256 << 20));
+    assert_eq!(limits.cpus.map(CpuLimit::quota_micros), Some(50_000));
+    assert_eq!(limits.pids_max, Some(512));
+    let whole = one("[[service]]\nname = \"web\"\n[service.proxy]\ncpus = 2\nmemory_max = 1073741824\n");
+    assert_eq!(whole.proxy.as_ref().unwrap().limits.cpus.map(CpuLimit::cores), Some(2.0));
+    assert_eq!(whole.proxy.unwrap().limits.memory_max, Some(1 << 30));
+
+    let error = proxy_error("memory_max = \"12KiB\"");
+    assert!(error.contains("conf.d/web.toml:4") && error.contains("memory_max") && error.contains("1MiB"), "{error}");
+    let error = proxy_error("memory_max = \"lots\"");
+    assert!(error.contains("memory_max") && error.contains("invalid size"), "{error}");
+    let error = proxy_error("cpus = 0");
+    assert!(error.contains("cpus") && error.contains("0.01 to 4096"), "{error}");
+    let error = proxy_error("cpus = \"half\"");
+    assert!(error.contains("cpus") && error.contains("number of cores"), "{error}");
+    let error = proxy_error("pids_max = 0");
+    assert!(error.contains("pids_max") && error.contains("at least 1"), "{error}");
+}

@@ -46,6 +46,12 @@ pub(super) struct ProxyOut<'a> {
     listener: Vec<ListenerOut<'a>>,
     update: UpdateDef,
     update_timeout: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    memory_max: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cpus: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pids_max: Option<u64>,
 }
 
 #[derive(Serialize)]
@@ -148,6 +154,9 @@ impl<'a> From<&'a ProxySpec> for ProxyOut<'a> {
                 UpdateStrategy::Overlap => UpdateDef::Overlap,
             },
             update_timeout: duration(spec.update.timeout),
+            memory_max: spec.limits.memory_max,
+            cpus: spec.limits.cpus.map(CpuLimit::cores),
+            pids_max: spec.limits.pids_max,
         }
     }
 }

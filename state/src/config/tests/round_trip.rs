@@ -112,9 +112,25 @@ fn proxy_spec_without_health() -> impl Strategy<Value = ProxySpec> {
         (0u32..10, duration(), duration()),
         (4096u64..(1 << 40), 0u32..=1000),
         prop::collection::btree_map("[a-z_]{1,8}", config_value(), 0..3),
+        (
+            prop::option::of((1u64 << 20)..(1 << 40)),
+            prop::option::of(CpuLimit::MIN_MILLICORES..=CpuLimit::MAX_MILLICORES),
+            prop::option::of(1u64..1_000_000),
+        ),
     )
         .prop_map(
-            |(command, working_dir, env, inherit_env, user, (signal, timeout), restart, (max_size, keep), config)| {
+            |(
+                command,
+                working_dir,
+                env,
+                inherit_env,
+                user,
+                (signal, timeout),
+                restart,
+                (max_size, keep),
+                config,
+                (memory_max, millicores, pids_max),
+            )| {
                 ProxySpec {
                     exec_mode: ExecMode::Daemon,
                     command: command
@@ -132,6 +148,11 @@ fn proxy_spec_without_health() -> impl Strategy<Value = ProxySpec> {
                     liveness: None,
                     listeners: Vec::new(),
                     update: UpdatePolicy::default(),
+                    limits: ResourceLimits {
+                        memory_max,
+                        cpus: millicores.map(|m| CpuLimit::from_cores(f64::from(m) / 1000.0).unwrap()),
+                        pids_max,
+                    },
                 }
             },
         )
