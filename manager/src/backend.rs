@@ -322,4 +322,12 @@ pub trait ProxyBackend: Send + Sync {
     async fn adoption_candidates(&self) -> Vec<(ProxyId, BackendRecord)> {
         Vec::new()
     }
+
+    /// Called once per engine, when the restore has ended: every record and candidate has
+    /// been handed to [`ProxyBackend::restore`], and no proxy has been started yet. A
+    /// backend may now clean up what belongs to none of the proxies it took over (left by
+    /// an agent that lost its state).
+    ///
+    /// The default does nothing.
+    async fn restored(&self) {}
 }

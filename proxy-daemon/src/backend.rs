@@ -20,6 +20,7 @@ use tether_state::{ListenAddress, ManagedProxy, ProxyCommand, ProxyId};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use crate::cgroup::Cgroups;
 use crate::listen::ListenError;
 use crate::spec::{
     HealthChecks, InheritedSocket, KillPolicy, LogFile, LogSpec, ProcessName, ProcessSpec, ProcessUpdate,
@@ -76,10 +77,34 @@ impl OsProcessBackend {
     ///
     /// When called outside a tokio runtime.
     pub fn new(data: DataDir, environment: AgentEnvironment) -> std::io::Result<Self> {
+        Self::with_cgroups(data, environment, None)
+    }
+
+    /// [`OsProcessBackend::new`], with every proxy instance in a cgroup of its own in
+    /// `cgroups`, if given ([`Supervisor::with_cgroups`]); once restore has ended, the
+    /// cgroups of the subtree that no adopted proxy claims are killed and removed.
+    ///
+    /// # Errors
+    ///
+    /// As [`OsProcessBackend::new`].
+    ///
+    /// # Panics
+    ///
+    /// When called outside a tokio runtime.
+    pub fn with_cgroups(
+        data: DataDir,
+        environment: AgentEnvironment,
+        cgroups: Option<Cgroups>,
+    ) -> std::io::Result<Self> {
         let found = Mutex::default();
         let listeners = Mutex::default();
-        let supervisor = Supervisor::with_notify_socket(data.notify_address())?;
+        let supervisor = Supervisor::with_cgroups(data.notify_address(), cgroups)?;
         Ok(Self { shared: Arc::new(Shared { supervisor, data, environment, found, listeners }) })
+    }
+
+    /// The cgroup subtree of its proxies, if it uses one.
+    pub fn cgroups(&self) -> Option<&Cgroups> {
+        self.shared.supervisor.cgroups()
     }
 
     /// Makes every proxy hold a copy of `fd` until its exec ([`Supervisor::hold_until_exec`]).
@@ -155,6 +180,7 @@ impl Shared {
             health: health_checks(spec),
             listeners: Vec::new(),
             identity_env,
+            limits: spec.limits,
         }
     }
 }
@@ -326,6 +352,18 @@ impl ProxyBackend for OsProcessBackend {
         ids.extend(found.keys().cloned());
         *lock(&self.shared.found) = found;
         ids.into_iter().map(|id| (id, Record::candidate())).collect()
+    }
+
+    async fn restored(&self) {
+        // In the background: a start-up does not wait for orphans to die.
+        if let Some(cgroups) = self.shared.supervisor.cgroups().cloned() {
+            tokio::spawn(async move {
+                let stopped = cgroups.sweep_unclaimed().await;
+                if stopped > 0 {
+                    tracing::warn!(stopped, "stopped processes in proxy cgroups that no proxy claims");
+                }
+            });
+        }
     }
 }
 
@@ -570,16 +608,15 @@ impl ProxyHandle for OsProxyHandle {
             restart: Some(spec.restart),
             log_limits: Some(spec.log),
             health: Some(health_checks(spec)),
+            limits: Some(spec.limits),
         };
         let mut state = self.lock();
-        if let Some(process) = &state.process {
-            process.update(update);
-        }
+        let written = state.process.as_ref().map_or(Ok(()), |process| process.update(update));
         if let Some(record) = &mut state.record {
             record.kill = kill;
         }
         state.proxy = Some(proxy);
-        Ok(())
+        written.map_err(|source| BackendError::Update { id: self.id.clone(), source: source.into() })
     }
 
     fn status(&self) -> watch::Receiver<tether_manager::BackendStatus> {

@@ -108,6 +108,7 @@ impl Sender {
                 restart: update.restart.or(earlier.restart),
                 log_limits: update.log_limits.or(earlier.log_limits),
                 health: update.health.or(earlier.health),
+                limits: update.limits.or(earlier.limits),
             });
         })
     }
@@ -184,7 +185,13 @@ mod tests {
         let taken = tokio::time::timeout(Duration::from_secs(10), receiver.recv()).await.unwrap();
         assert_eq!(
             taken.update,
-            Some(ProcessUpdate { kill: Some(kill), restart: None, log_limits: Some(limits), health: None })
+            Some(ProcessUpdate {
+                kill: Some(kill),
+                restart: None,
+                log_limits: Some(limits),
+                health: None,
+                limits: None
+            })
         );
         assert!(taken.stop && taken.detach.is_none() && !taken.handle_gone);
     }

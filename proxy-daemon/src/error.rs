@@ -69,6 +69,11 @@ pub enum SpawnError {
         source: io::Error,
     },
 
+    /// The instance's cgroup could not be made as its spec says (a limit without its
+    /// controller, a cgroup file that could not be written).
+    #[error(transparent)]
+    Cgroup(#[from] crate::cgroup::CgroupError),
+
     /// The process started, but the supervisor could not watch it, so it was killed.
     #[error("failed to watch pid {pid}")]
     Watch {

@@ -41,6 +41,7 @@
 #[cfg(feature = "manager")]
 mod backend;
 mod backoff;
+mod cgroup;
 mod control;
 mod error;
 mod listen;
@@ -55,14 +56,15 @@ mod spec;
 mod status;
 mod supervisor;
 
-#[cfg(feature = "manager")]
 pub use backend::{AgentEnvironment, BUILT_IN_PROXY_ARG, OsProcessBackend};
+#[cfg(feature = "manager")]
+pub use cgroup::{CgroupError, CgroupUnavailable, Cgroups, Usage};
 pub use error::{DetachError, InvalidName, SpawnError};
 pub use listen::{ListenError, bind as bind_listener, listens_on};
 pub use proc::Identity;
 pub use spec::{
     HealthChecks, InheritedSocket, KillPolicy, KillSignal, LogFile, LogPolicy, LogSpec, ProcessName, ProcessSpec,
-    ProcessUpdate, RestartPolicy,
+    ProcessUpdate, ResourceLimits, RestartPolicy,
 };
 pub use status::{ExitReason, ProcessState, ProcessStatus};
 pub use supervisor::{ProcessHandle, Supervisor};

@@ -32,6 +32,10 @@ pub struct Identity {
     pub start_time: u64,
     /// `/proc/sys/kernel/random/boot_id` when it ran.
     pub boot_id: String,
+    /// The name of its cgroup in the supervisor's subtree, when it was started in one: an
+    /// adoption also checks that it is still there.
+    #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "Option::is_none"))]
+    pub cgroup: Option<String>,
 }
 
 /// The fields of `/proc/<pid>/stat` that identity checks use.
@@ -235,7 +239,8 @@ mod tests {
     #[cfg(feature = "manager")]
     #[test]
     fn an_identity_survives_serialisation() {
-        let identity = Identity { pid: 42, pgid: 42, start_time: 987_654, boot_id: read_boot_id().unwrap() };
+        let identity =
+            Identity { pid: 42, pgid: 42, start_time: 987_654, boot_id: read_boot_id().unwrap(), cgroup: None };
         let text = serde_json::to_string(&identity).unwrap();
         assert_eq!(serde_json::from_str::<Identity>(&text).unwrap(), identity);
     }

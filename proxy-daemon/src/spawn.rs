@@ -44,10 +44,12 @@ struct Credentials {
     groups: Vec<libc::gid_t>,
 }
 
-/// Starts `spec`'s program in its own process group. Returns once the process exists.
+/// Starts `spec`'s program in its own process group, and in the cgroup whose
+/// `cgroup.procs` is `cgroup` if one is given (entered before anything else happens in the
+/// child). Returns once the process exists.
 ///
 /// Must be called from within a tokio runtime.
-pub(crate) fn spawn(spec: &ProcessSpec) -> Result<Spawned, SpawnError> {
+pub(crate) fn spawn(spec: &ProcessSpec, cgroup: Option<&OwnedFd>) -> Result<Spawned, SpawnError> {
     if !spec.program.is_absolute() {
         // There is no `PATH` search: a relative name would be found relative to the working
         // directory, which is rarely what was meant.
@@ -88,7 +90,9 @@ pub(crate) fn spawn(spec: &ProcessSpec) -> Result<Spawned, SpawnError> {
 
     // Created on the spawn thread, from copies of these descriptors in its small table.
     let mut passed = vec![stdout.as_fd(), stderr.as_fd()];
+    passed.extend(cgroup.map(AsFd::as_fd));
     passed.extend(handed.iter().map(|(fd, _)| *fd));
+    let enters_cgroup = cgroup.is_some();
     let targets: Vec<RawFd> = handed.iter().map(|(_, target)| *target).collect();
     let (program, args, env, dir) =
         (spec.program.clone(), spec.args.clone(), spec.env.clone(), spec.working_dir.clone());
@@ -97,6 +101,7 @@ pub(crate) fn spawn(spec: &ProcessSpec) -> Result<Spawned, SpawnError> {
         let (Some(stdout), Some(stderr)) = (fds.next(), fds.next()) else {
             return Err(io::Error::other("the log files did not reach the spawn thread"));
         };
+        let cgroup = if enters_cgroup { fds.next() } else { None };
         let handed: Vec<OwnedFd> = fds.collect();
         let mut command = std::process::Command::new(&program); // std, for `process_group`
         command
@@ -108,6 +113,10 @@ pub(crate) fn spawn(spec: &ProcessSpec) -> Result<Spawned, SpawnError> {
             .stdout(File::from(stdout)) // O_APPEND files opened by us: they outlive an agent
             .stderr(File::from(stderr)) // restart, where a pipe would hand the proxy a SIGPIPE
             .process_group(0); // own group: terminal Ctrl-C skips it, one killpg reaches its children
+        // First: no later hook, and nothing the program does, runs outside the cgroup.
+        if let Some(procs) = &cgroup {
+            enter_cgroup_before_exec(&mut command, procs.as_raw_fd());
+        }
         if let Some(credentials) = credentials {
             switch_user_before_exec(&mut command, credentials);
         }
@@ -118,9 +127,9 @@ pub(crate) fn spawn(spec: &ProcessSpec) -> Result<Spawned, SpawnError> {
         if let Some(exec) = listen_exec {
             exec_with_listen_pid(&mut command, exec);
         }
-        // `handed` lives until the child has its copies.
+        // `handed` and `cgroup` live until the child has its copies.
         let child = command.spawn();
-        drop(handed);
+        drop((handed, cgroup));
         child
     })
     .map_err(exec_error)?;
@@ -290,6 +299,16 @@ fn exec_with_listen_pid(command: &mut std::process::Command, mut exec: ListenExe
             );
             Err(io::Error::last_os_error())
         });
+    }
+}
+
+/// Makes the child enter the cgroup whose `cgroup.procs` is `procs` between fork and exec.
+fn enter_cgroup_before_exec(command: &mut std::process::Command, procs: RawFd) {
+    #[allow(unsafe_code)]
+    // SAFETY: the hook runs in the forked child and only calls `cgroup::enter`, one `write`,
+    // which is async-signal-safe; `procs` stays open in the parent until the spawn returned.
+    unsafe {
+        command.pre_exec(move || crate::cgroup::enter(procs));
     }
 }
 

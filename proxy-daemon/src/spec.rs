@@ -72,7 +72,7 @@ impl fmt::Debug for ProcessName {
 /// timeout), [`RestartPolicy`] (when an exited process is started again, with its schedule
 /// in [`RestartPolicy::delay_before`]) and [`LogPolicy`] (the size limits of its log files).
 /// Their defaults are SPEC.md's, written once there.
-pub use tether_state::{KillPolicy, KillSignal, LogPolicy, RestartPolicy};
+pub use tether_state::{KillPolicy, KillSignal, LogPolicy, ResourceLimits, RestartPolicy};
 
 /// When an instance counts as ready, and when it is restarted because it stopped answering
 /// (tether-state's [`Readiness`](tether_state::Readiness) and
@@ -175,6 +175,9 @@ pub struct ProcessSpec {
     /// every pair must appear in its `/proc/<pid>/environ` (for example `TETHER_PROXY_ID`
     /// and `TETHER_PROXY_TOKEN`). Empty means that pid files prove nothing.
     pub identity_env: Vec<(OsString, OsString)>,
+    /// The limits of each instance's cgroup, when the supervisor uses cgroups (default
+    /// none). A limit whose controller is not enabled fails the start, naming it.
+    pub limits: ResourceLimits,
 }
 
 impl ProcessSpec {
@@ -204,6 +207,7 @@ impl ProcessSpec {
             health: HealthChecks::default(),
             listeners: Vec::new(),
             identity_env: Vec::new(),
+            limits: ResourceLimits::default(),
             name,
         }
     }
@@ -228,6 +232,7 @@ impl fmt::Debug for ProcessSpec {
             .field("listeners", &self.listeners)
             .field("pid_file", &self.pid_file)
             .field("identity_env", &identity_names)
+            .field("limits", &self.limits)
             .finish()
     }
 }
@@ -264,6 +269,8 @@ pub struct ProcessUpdate {
     pub log_limits: Option<LogPolicy>,
     /// New checks: a readiness that passed is not asked again; liveness starts over.
     pub health: Option<HealthChecks>,
+    /// New cgroup limits, written into the running instance's cgroup.
+    pub limits: Option<ResourceLimits>,
 }
 
 #[cfg(test)]

@@ -15,6 +15,7 @@ use std::time::{Duration, SystemTime};
 use tokio::sync::{oneshot, watch};
 use tracing::Instrument;
 
+use crate::cgroup::{CgroupError, Cgroups, Usage};
 use crate::control;
 use crate::error::{DetachError, SpawnError};
 use crate::notify::NotifyHub;
@@ -54,6 +55,8 @@ struct Shared {
     notify: Arc<NotifyHub>,
     /// How long probes took.
     probes: Arc<ProbeStats>,
+    /// A cgroup per instance, when the caller gave a subtree; process groups otherwise.
+    cgroups: Option<Cgroups>,
 }
 
 impl std::fmt::Debug for Supervisor {
@@ -90,6 +93,21 @@ impl Supervisor {
     ///
     /// When called outside a tokio runtime.
     pub fn with_notify_socket(address: impl Into<String>) -> io::Result<Self> {
+        Self::with_cgroups(address, None)
+    }
+
+    /// [`Supervisor::with_notify_socket`], with every instance in a cgroup of its own in
+    /// `cgroups` when it is given: entered before its program runs, killed as a whole on a
+    /// stop and after its main process exits, limited by its spec's `limits`.
+    ///
+    /// # Errors
+    ///
+    /// As [`Supervisor::new`].
+    ///
+    /// # Panics
+    ///
+    /// When called outside a tokio runtime.
+    pub fn with_cgroups(address: impl Into<String>, cgroups: Option<Cgroups>) -> io::Result<Self> {
         let shared = Shared {
             boot_id: proc::read_boot_id()?,
             boot_time: read_boot_time(),
@@ -98,8 +116,14 @@ impl Supervisor {
             next_key: AtomicU64::new(0),
             notify: Arc::new(NotifyHub::new(address.into())),
             probes: Arc::default(),
+            cgroups,
         };
         Ok(Self { shared: Arc::new(shared) })
+    }
+
+    /// The cgroup subtree of its instances, if it uses one.
+    pub fn cgroups(&self) -> Option<&Cgroups> {
+        self.shared.cgroups.as_ref()
     }
 
     /// Makes every process spawned in this process from now on (by any supervisor) hold a
@@ -156,10 +180,10 @@ impl Supervisor {
                 tracing::warn!(%error, address = %self.shared.notify.address(), "cannot bind the notification socket");
             }
         }
-        let instance = Instance::spawn(&spec)?;
+        let instance = Instance::spawn(&spec, self.shared.cgroups.as_ref())?;
         let pid = instance.pid;
         tracing::info!(proxy = %spec.name, pid, program = %spec.program.display(), "process started");
-        let identity = self.shared.identity(pid, instance.pgid, instance.start_time);
+        let identity = self.shared.identity(&instance);
         let ready = checks::starts_ready(&spec);
         Ok(self.supervise(spec, instance, ProcessStatus::running(pid, SystemTime::now(), identity, ready), true))
     }
@@ -189,13 +213,19 @@ impl Supervisor {
         let last_pid = write_pid_file.then_some(instance.pid);
         let task = Task::new(key, spec, Arc::clone(&self.shared), status_sender, receiver, last_pid);
         let task = tokio::spawn(task.run(instance, ready).instrument(span));
-        ProcessHandle { name, commands, status, task }
+        ProcessHandle { name, commands, status, task, cgroups: self.shared.cgroups.clone() }
     }
 }
 
 impl Shared {
-    fn identity(&self, pid: u32, pgid: u32, start_time: Option<u64>) -> Option<Identity> {
-        Some(Identity { pid, pgid, start_time: start_time?, boot_id: self.boot_id.clone() })
+    fn identity(&self, instance: &Instance) -> Option<Identity> {
+        Some(Identity {
+            pid: instance.pid,
+            pgid: instance.pgid,
+            start_time: instance.start_time?,
+            boot_id: self.boot_id.clone(),
+            cgroup: instance.cgroup.as_deref().map(str::to_owned),
+        })
     }
 
     fn start_time_to_system_time(&self, start_time: u64) -> Option<SystemTime> {
@@ -224,6 +254,7 @@ pub struct ProcessHandle {
     commands: control::Sender,
     status: watch::Receiver<ProcessStatus>,
     task: tokio::task::JoinHandle<()>,
+    cgroups: Option<Cgroups>,
 }
 
 impl ProcessHandle {
@@ -300,9 +331,31 @@ impl ProcessHandle {
         result
     }
 
-    /// Applies in-place changes (kill policy, restart policy, log limits) without a
-    /// restart. Does nothing once supervision has ended.
-    pub fn update(&self, update: ProcessUpdate) {
+    /// Applies in-place changes (kill policy, restart policy, log limits, checks, cgroup
+    /// limits) without a restart. Does nothing once supervision has ended.
+    ///
+    /// # Errors
+    ///
+    /// [`CgroupError`] when new cgroup limits cannot be written into the running
+    /// instance's cgroup (a controller is missing); every other change is applied, and
+    /// the next instance gets the new limits, or fails to start naming the controller.
+    pub fn update(&self, update: ProcessUpdate) -> Result<(), CgroupError> {
+        let written = match (&update.limits, &self.cgroups, self.status.borrow().identity.as_ref()) {
+            (Some(limits), Some(cgroups), Some(Identity { cgroup: Some(cgroup), .. })) => {
+                cgroups.set_limits(cgroup, limits)
+            }
+            _ => Ok(()),
+        };
         let _already_ended = self.commands.update(update);
+        written
+    }
+
+    /// What the running instance's cgroup has used: `None` without cgroups, or while no
+    /// instance runs.
+    pub fn usage(&self) -> Option<Usage> {
+        let cgroups = self.cgroups.as_ref()?;
+        let status = self.status.borrow();
+        let cgroup = status.identity.as_ref()?.cgroup.as_deref()?;
+        cgroups.usage_in(cgroup)
     }
 }

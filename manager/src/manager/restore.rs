@@ -99,6 +99,7 @@ impl Manager {
         }
         if let RestoreStage::Adopt { saved, .. } = std::mem::replace(&mut self.restore, RestoreStage::Done) {
             self.start_writer(saved);
+            self.backend.restored().await;
         }
         true
     }

@@ -289,6 +289,7 @@ fn failing_once() -> (Manager, LocalState) {
     backend.expect_create().times(1).in_sequence(&mut sequence).returning(|_| Box::new(mock_handle(Err(()))));
     backend.expect_create().times(1).in_sequence(&mut sequence).returning(|_| Box::new(mock_handle(Ok(()))));
     backend.expect_adoption_candidates().returning(Vec::new);
+    backend.expect_restored().times(1).return_const(());
     let mut web = service("web");
     web.proxy.as_mut().unwrap().restart.free_attempts = 0;
     let state = catalog(&[web]);
@@ -586,6 +587,7 @@ async fn a_mock_expectation_that_fails_in_an_action_fails_the_run_instead_of_han
     // The handle expects no `start`: the action's call panics inside its task.
     backend.expect_create().returning(|_| Box::new(MockProxyHandle::new()));
     backend.expect_adoption_candidates().returning(Vec::new);
+    backend.expect_restored().times(1).return_const(());
     let state = catalog(&[service("web")]);
     let store = Arc::new(MemorySnapshotStore::new());
     let manager = Manager::new(Arc::new(state), Arc::new(backend), store, ManagerConfig::default());

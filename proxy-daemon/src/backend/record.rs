@@ -91,6 +91,7 @@ impl Record {
                     pgid: first.pgid,
                     start_time: first.start_time,
                     boot_id: first.boot_id,
+                    cgroup: None,
                 },
                 // The first format wrote nix's names, which are SPEC's (`SIGTERM`).
                 kill: kill_policy(KillSignal::from_name(&first.kill_signal).unwrap_or_default(), first.kill_timeout_ms),
@@ -109,7 +110,7 @@ mod tests {
 
     fn record() -> Record {
         Record {
-            identity: Identity { pid: 596, pgid: 596, start_time: 2_016_587, boot_id: "b1912615".into() },
+            identity: Identity { pid: 596, pgid: 596, start_time: 2_016_587, boot_id: "b1912615".into(), cgroup: None },
             kill: KillPolicy { signal: KillSignal::Term, timeout: Duration::from_secs(2) },
         }
     }

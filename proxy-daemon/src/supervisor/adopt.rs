@@ -47,7 +47,7 @@ impl Supervisor {
             tracing::info!("not adopting: the pid belongs to another process now");
             return None;
         }
-        self.adopt_proven(spec, pidfd, identity.pid, stat, true)
+        self.adopt_proven(spec, pidfd, identity.pid, stat, identity.cgroup.as_deref(), true)
     }
 
     /// Takes back the process named in `spec.pid_file`, if its environment proves that it
@@ -77,7 +77,7 @@ impl Supervisor {
         let span = tracing::info_span!("proxy.adopt", proxy = %spec.name, pid);
         let _entered = span.enter();
         let (pidfd, stat) = prove_by_environment(&spec, pid)?;
-        self.adopt_proven(spec, pidfd, pid, stat, true)
+        self.adopt_proven(spec, pidfd, pid, stat, None, true)
     }
 
     /// Stops process `pid`, if its environment proves that it is this spec's process (the
@@ -93,7 +93,7 @@ impl Supervisor {
             let span = tracing::info_span!("proxy.adopt", proxy = %spec.name, pid);
             let _entered = span.enter();
             let (pidfd, stat) = prove_by_environment(&spec, pid)?;
-            self.adopt_proven(spec, pidfd, pid, stat, false)?
+            self.adopt_proven(spec, pidfd, pid, stat, None, false)?
         };
         Some(handle.stop().await)
     }
@@ -129,8 +129,10 @@ impl Supervisor {
         found
     }
 
-    /// Finishes an adoption once `/proc` has vouched for `pid`: the pidfd, opened before
-    /// `/proc` was read, must still refer to a live process.
+    /// Finishes an adoption once `/proc` has vouched for `pid`: with cgroups, it must be in
+    /// a cgroup of this spec's process (`recorded`, if the identity names one) or, started
+    /// without one, in none of the subtree; and the pidfd, opened before `/proc` was read,
+    /// must still refer to a live process.
     /// `write_pid_file`: whether the pid file is to name it (not for a second instance).
     pub(super) fn adopt_proven(
         &self,
@@ -138,8 +140,32 @@ impl Supervisor {
         pidfd: Pidfd,
         pid: u32,
         stat: proc::Stat,
+        recorded: Option<&str>,
         write_pid_file: bool,
     ) -> Option<ProcessHandle> {
+        let cgroup = match &self.shared.cgroups {
+            Some(cgroups) => match cgroups.membership(pid) {
+                Ok(Some(name)) => {
+                    let of_spec = name.rsplit_once('@').is_some_and(|(process, _)| process == spec.name.as_str());
+                    if !of_spec || recorded.is_some_and(|recorded| recorded != &*name) {
+                        tracing::info!(cgroup = %name, "not adopting: the process is in another cgroup");
+                        return None;
+                    }
+                    Some(name)
+                }
+                Ok(None) if recorded.is_some() => {
+                    tracing::info!("not adopting: the process left its cgroup");
+                    return None;
+                }
+                // Started while cgroups were not used: supervised through its group.
+                Ok(None) => None,
+                Err(error) => {
+                    tracing::info!(%error, "not adopting: cannot read the process's cgroup");
+                    return None;
+                }
+            },
+            None => None,
+        };
         if !matches!(pidfd.has_exited(), Ok(false)) {
             tracing::info!("not adopting: the process exited during the checks");
             return None;
@@ -156,9 +182,13 @@ impl Supervisor {
             started: now.checked_sub(age).unwrap_or(now),
             notification: None,
             log_offsets: None,
+            cgroup,
         };
+        if let (Some(cgroups), Some(name)) = (&self.shared.cgroups, &instance.cgroup) {
+            cgroups.claim(name);
+        }
         tracing::info!("process adopted");
-        let identity = self.shared.identity(pid, stat.pgid, Some(stat.start_time));
+        let identity = self.shared.identity(&instance);
         Some(self.supervise(spec, instance, ProcessStatus::running(pid, started_at, identity, true), write_pid_file))
     }
 }

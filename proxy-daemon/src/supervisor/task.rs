@@ -13,6 +13,7 @@ use tokio::time::Instant;
 use super::checks::{self, Checked, Checks};
 use super::{Shared, lines};
 use crate::backoff;
+use crate::cgroup::Cgroups;
 use crate::control::{self, Commands};
 use crate::error::{DetachError, SpawnError};
 use crate::proc::{self, Identity, Pidfd};
@@ -37,6 +38,8 @@ pub(super) struct Instance {
     pub(super) notification: Option<std::os::fd::OwnedFd>,
     /// Where its output starts in its log files (readiness `log_line`).
     pub(super) log_offsets: Option<[lines::Start; 2]>,
+    /// The name of its cgroup, when it runs in one.
+    pub(super) cgroup: Option<Box<str>>,
 }
 
 pub(super) enum InstanceKind {
@@ -48,11 +51,24 @@ pub(super) enum InstanceKind {
 }
 
 impl Instance {
-    /// Starts an instance of `spec`: the one way a first start and a restart create one.
-    pub(super) fn spawn(spec: &ProcessSpec) -> Result<Self, SpawnError> {
+    /// Starts an instance of `spec`, in a new cgroup of `cgroups` if given: the one way a
+    /// first start and a restart create one.
+    pub(super) fn spawn(spec: &ProcessSpec, cgroups: Option<&Cgroups>) -> Result<Self, SpawnError> {
         // Where its output starts, read before it can write any (readiness `log_line`).
         let log_offsets = checks::watches_lines(spec).then(|| lines::offsets(spec));
-        let Spawned { child, pid, pidfd, notification } = spawn::spawn(spec)?;
+        let cgroup = cgroups.map(|cgroups| cgroups.create(spec.name.as_str(), &spec.limits)).transpose()?;
+        let spawned = spawn::spawn(spec, cgroup.as_ref().map(|cgroup| &cgroup.procs));
+        let cgroup = cgroup.map(|cgroup| cgroup.name);
+        let Spawned { child, pid, pidfd, notification } = match spawned {
+            Ok(spawned) => spawned,
+            Err(error) => {
+                // Nothing entered it: the child that would have is gone.
+                if let (Some(cgroups), Some(name)) = (cgroups, &cgroup) {
+                    cgroups.remove_empty(name);
+                }
+                return Err(error);
+            }
+        };
         // Our child is not reaped until we wait for it, so its /proc entry is its own.
         let start_time = proc::read_stat(pid).ok().map(|stat| stat.start_time);
         Ok(Self {
@@ -64,7 +80,18 @@ impl Instance {
             started: Instant::now(),
             notification,
             log_offsets,
+            cgroup,
         })
+    }
+
+    /// Kills what is left of the instance once its main process has exited or been
+    /// killed: its cgroup as a whole, whose removal is awaited, or else its process group.
+    /// Before the reap: until then the group id cannot be reused.
+    async fn sweep(&mut self, cgroups: Option<&Cgroups>) {
+        let _empty = proc::signal_group(self.pgid, Signal::SIGKILL);
+        if let (Some(cgroups), Some(name)) = (cgroups, self.cgroup.take()) {
+            cgroups.sweep(&name).await;
+        }
     }
 
     /// Reaps the exited main process, if it is ours, and reads how it ended.
@@ -295,6 +322,10 @@ impl Task {
             self.shared.rotator.set_limits(self.key, limits);
         }
         tracing::debug!(?update, "applied in-place update");
+        if let Some(limits) = update.limits {
+            // The running instance's cgroup was written by the handle.
+            self.spec.limits = limits;
+        }
         if let Some(health) = update.health {
             self.spec.health = health;
             // For the next instance: the running one keeps the environment it started with.
@@ -321,16 +352,22 @@ impl Task {
                 start_time
             }
         };
-        Ok(Identity { pid: instance.pid, pgid: instance.pgid, start_time, boot_id: self.shared.boot_id.clone() })
+        Ok(Identity {
+            pid: instance.pid,
+            pgid: instance.pgid,
+            start_time,
+            boot_id: self.shared.boot_id.clone(),
+            cgroup: instance.cgroup.as_deref().map(str::to_owned),
+        })
     }
 
     /// Stops the running instance and ends supervision.
-    async fn stop(mut self, instance: Instance) {
+    async fn stop(mut self, mut instance: Instance) {
         let pid = instance.pid;
         self.status.send_modify(|status| status.state = ProcessState::Stopping);
         let error = self.terminate(&instance).await;
         // Grandchildren that outlived the leader; the unreaped leader still holds the id.
-        let _empty = proc::signal_group(instance.pgid, Signal::SIGKILL);
+        instance.sweep(self.shared.cgroups.as_ref()).await;
         let last_exit = instance.reap().await;
         self.commands.close();
         tracing::info!(pid, ?last_exit, "process stopped");
@@ -394,11 +431,11 @@ impl Task {
     /// (a stop or a detach).
     /// `cause` is why the instance was ended, when it did not exit by itself (its liveness
     /// failed): it stays the status's `error` until a check of a later instance passes.
-    async fn restart_after_exit(&mut self, instance: Instance, cause: Option<String>) -> Option<Instance> {
+    async fn restart_after_exit(&mut self, mut instance: Instance, cause: Option<String>) -> Option<Instance> {
         let (pid, run) = (instance.pid, instance.started.elapsed());
         // Sweep before reaping: until the leader is reaped its pgid cannot be reused, and a
         // forked worker must not keep the port the next instance binds.
-        let _empty = proc::signal_group(instance.pgid, Signal::SIGKILL);
+        instance.sweep(self.shared.cgroups.as_ref()).await;
         let last_exit = instance.reap().await;
         if !self.spec.restart_on_exit {
             tracing::info!(pid, ?last_exit, "process exited; not restarted");
@@ -449,7 +486,7 @@ impl Task {
                 }
             }
             self.status.send_modify(|status| status.state = ProcessState::Starting);
-            match Instance::spawn(&self.spec) {
+            match Instance::spawn(&self.spec, self.shared.cgroups.as_ref()) {
                 Ok(instance) => return Some(self.restarted(instance, cause)),
                 Err(error) => {
                     // A failed start is not final: a descriptor, memory or the program
@@ -480,7 +517,7 @@ impl Task {
         self.last_pid = Some(pid);
         self.shared.rotator.watch(self.key, &self.spec.logs.stdout, &self.spec.logs.stderr, self.spec.logs.limits);
         tracing::info!(pid, attempt = self.attempt, "process restarted");
-        let identity = self.shared.identity(pid, instance.pgid, instance.start_time);
+        let identity = self.shared.identity(&instance);
         let ready = checks::starts_ready(&self.spec);
         self.health_error = cause.is_some().then_some(HealthError::Liveness);
         self.status.send_modify(|status| {

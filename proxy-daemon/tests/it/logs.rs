@@ -70,7 +70,8 @@ async fn log_limit_changes_apply_in_place() {
     assert!(!rotated(&stdout, 1).exists(), "under the default cap nothing rotates");
 
     handle
-        .update(ProcessUpdate { log_limits: Some(LogPolicy { max_size: 4096, keep: 1 }), ..ProcessUpdate::default() });
+        .update(ProcessUpdate { log_limits: Some(LogPolicy { max_size: 4096, keep: 1 }), ..ProcessUpdate::default() })
+        .unwrap();
     eventually("rotation under the new cap", || rotated(&stdout, 1).exists() && size(&stdout) == 0).await;
     assert_eq!(size(&rotated(&stdout, 1)), 20000);
     assert!(!rotated(&stdout, 2).exists());

@@ -83,10 +83,12 @@ async fn restart_policy_changes_apply_in_place() {
     spec.restart.max_delay = Duration::from_secs(3600);
     let handle = fx.supervisor.spawn(spec).unwrap();
     let pid = handle.status().pid.unwrap();
-    handle.update(ProcessUpdate {
-        restart: Some(RestartPolicy { free_attempts: 5, ..RestartPolicy::default() }),
-        ..ProcessUpdate::default()
-    });
+    handle
+        .update(ProcessUpdate {
+            restart: Some(RestartPolicy { free_attempts: 5, ..RestartPolicy::default() }),
+            ..ProcessUpdate::default()
+        })
+        .unwrap();
     assert_eq!(handle.status().pid, Some(pid), "the update did not restart the process");
     send(pid, Signal::SIGKILL);
     // With the old policy this would wait an hour; the new one restarts at once.

@@ -52,10 +52,12 @@ async fn kill_policy_changes_apply_in_place() {
     let fx = Fixture::new();
     let handle = fx.supervisor.spawn(fx.spec("term-proxy", &["--ignore-sigint"])).unwrap();
     let pid = handle.status().pid.unwrap();
-    handle.update(ProcessUpdate {
-        kill: Some(KillPolicy { signal: KillSignal::Term, timeout: Duration::from_secs(5) }),
-        ..ProcessUpdate::default()
-    });
+    handle
+        .update(ProcessUpdate {
+            kill: Some(KillPolicy { signal: KillSignal::Term, timeout: Duration::from_secs(5) }),
+            ..ProcessUpdate::default()
+        })
+        .unwrap();
     let start = Instant::now();
     let stopped = within("stop", handle.stop()).await;
     assert_eq!(stopped.last_exit, Some(ExitReason::Signal(libc::SIGTERM)), "the new signal was used");

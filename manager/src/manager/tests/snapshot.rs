@@ -90,6 +90,7 @@ async fn a_backend_restart_rewrites_the_snapshot_with_the_new_pid() {
     let mut handle = Some(handle);
     let mut backend = MockProxyBackend::new();
     backend.expect_adoption_candidates().returning(Vec::new);
+    backend.expect_restored().times(1).return_const(());
     backend.expect_create().times(1).returning(move |_| Box::new(handle.take().unwrap()));
     let store = Arc::new(MemorySnapshotStore::new());
     let state = catalog(&[service("web")]);
@@ -144,6 +145,7 @@ async fn restore_drops_a_record_the_backend_cannot_prove() {
     let mut backend = MockProxyBackend::new();
     backend.expect_restore().times(1).returning(|_, _, _| None);
     backend.expect_adoption_candidates().returning(Vec::new);
+    backend.expect_restored().times(1).return_const(());
     backend.expect_create().times(1).returning(|_| Box::new(mock_handle(Ok(()))));
     let manager =
         Manager::new(Arc::new(catalog(&[service("web")])), Arc::new(backend), store.clone(), ManagerConfig::default());
@@ -224,6 +226,7 @@ async fn restore_is_given_the_wanted_proxy_and_nothing_for_an_unwanted_one() {
         .times(1)
         .returning(|_, _, _| None);
     backend.expect_adoption_candidates().returning(Vec::new);
+    backend.expect_restored().times(1).return_const(());
     backend.expect_create().times(1).returning(|_| Box::new(mock_handle(Ok(()))));
     let manager =
         Manager::new(Arc::new(catalog(&[service("web")])), Arc::new(backend), store.clone(), ManagerConfig::default());
