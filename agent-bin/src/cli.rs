@@ -264,6 +264,13 @@ pub(crate) struct AgentArgs {
     pub(crate) node: Option<String>,
     #[command(flatten)]
     pub(crate) etcd_options: EtcdArgs,
+    /// Put every proxy in a cgroup of its own under this cgroup2 directory (default: the
+    /// agent's own cgroup, if writable).
+    #[arg(long, value_name = "DIR", conflicts_with = "no_cgroups")]
+    pub(crate) cgroup_root: Option<PathBuf>,
+    /// Fence proxies with process groups only, not cgroups.
+    #[arg(long)]
+    pub(crate) no_cgroups: bool,
     /// Run on the embedded demo config in a temporary data dir; stop every proxy on exit.
     #[arg(long, conflicts_with_all = ["config_dirs", "data_dir", "etcd"])]
     pub(crate) dev: bool,

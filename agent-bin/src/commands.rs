@@ -39,11 +39,23 @@ pub(crate) async fn status(socket: &Path, json: bool) -> anyhow::Result<ExitCode
     Ok(ExitCode::SUCCESS)
 }
 
+/// `bytes` in the largest binary unit that keeps a number of at least 1, such as `12.3MiB`.
+fn binary_size(bytes: u64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < units.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 { format!("{bytes}B") } else { format!("{value:.1}{}", units[unit]) }
+}
+
 /// The human-readable `status` table.
 pub(crate) fn table(proxies: &[ProxyStatusDto], now: SystemTime) -> String {
-    let header =
-        ["ID", "SERVICE", "STATE", "READY", "PID", "RESTARTS", "UPTIME", "LAST EXIT", "ERROR"].map(str::to_owned);
-    let rows: Vec<[String; 9]> = proxies
+    let header = ["ID", "SERVICE", "STATE", "READY", "PID", "RESTARTS", "UPTIME", "CPU", "MEM", "LAST EXIT", "ERROR"]
+        .map(str::to_owned);
+    let rows: Vec<[String; 11]> = proxies
         .iter()
         .map(|p| {
             let uptime = p
@@ -73,6 +85,8 @@ pub(crate) fn table(proxies: &[ProxyStatusDto], now: SystemTime) -> String {
                 pid,
                 p.restarts.to_string(),
                 uptime.unwrap_or_else(|| "-".to_owned()),
+                p.resources.as_ref().map_or_else(|| "-".to_owned(), |r| format!("{:.2}s", r.cpu_seconds)),
+                p.resources.as_ref().and_then(|r| r.memory_bytes).map_or_else(|| "-".to_owned(), binary_size),
                 last_exit,
                 p.error.clone().unwrap_or_else(|| "-".to_owned()),
             ]
@@ -298,7 +312,11 @@ mod tests {
                 error: None,
                 ready: true,
                 status_text: None,
-                resources: None,
+                resources: Some(crate::api::dto::ResourcesDto {
+                    cpu_seconds: 1.234,
+                    memory_bytes: Some(12_900_000),
+                    tasks: Some(3),
+                }),
                 update: None,
             },
             ProxyStatusDto {
@@ -319,9 +337,9 @@ mod tests {
         assert_eq!(
             table(&proxies, now),
             "\
-ID         SERVICE  STATE    READY  PID   RESTARTS  UPTIME    LAST EXIT  ERROR
-web-proxy  web      running  yes    4242  2         1h 2m 5s  code 3     -
-db-proxy   db       blocked  no     -     0         -         -          refusing to run as root
+ID         SERVICE  STATE    READY  PID   RESTARTS  UPTIME    CPU    MEM      LAST EXIT  ERROR
+web-proxy  web      running  yes    4242  2         1h 2m 5s  1.23s  12.3MiB  code 3     -
+db-proxy   db       blocked  no     -     0         -         -      -        -          refusing to run as root
 "
         );
     }

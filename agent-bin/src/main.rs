@@ -45,9 +45,14 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Agent(args) => {
             logging::install(&args.log_level, args.log_format)?;
             let fleet = fleet::FleetOptions::of_agent(&args)?;
+            let cgroups = match (args.no_cgroups, args.cgroup_root) {
+                (true, _) => agent::CgroupChoice::Off,
+                (false, Some(root)) => agent::CgroupChoice::Under(root),
+                (false, None) => agent::CgroupChoice::Own,
+            };
             runtime()?.block_on(async move {
                 if args.dev {
-                    agent::dev::run(args.http_addr, args.sync_quiescent, args.sync_max_delay).await
+                    agent::dev::run(args.http_addr, args.sync_quiescent, args.sync_max_delay, cgroups).await
                 } else {
                     agent::run(agent::AgentOptions {
                         config_dirs: args.config_dirs,
@@ -59,6 +64,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         sync_max_delay: args.sync_max_delay,
                         stop_proxies_on_exit: false,
                         fleet,
+                        cgroups,
                     })
                     .await
                 }

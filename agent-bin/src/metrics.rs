@@ -72,6 +72,63 @@ impl Collector for BackendCollector {
     }
 }
 
+/// One figure of a cgroup's usage, where its controller is on.
+type UsageField = fn(&tether_proxy_daemon::Usage) -> Option<u64>;
+
+/// What each proxy's cgroup has used: CPU time, and memory and tasks where those
+/// controllers are on. Read at scrape time.
+#[derive(Debug)]
+pub(crate) struct ResourcesCollector {
+    manager: ManagerHandle,
+    cgroups: tether_proxy_daemon::Cgroups,
+}
+
+impl ResourcesCollector {
+    pub(crate) fn new(manager: ManagerHandle, cgroups: tether_proxy_daemon::Cgroups) -> Self {
+        Self { manager, cgroups }
+    }
+}
+
+impl Collector for ResourcesCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let usages: Vec<_> = self
+            .manager
+            .status()
+            .into_iter()
+            .filter_map(|status| {
+                let usage = self.cgroups.usage_of(status.pid?)?;
+                Some((status.id, status.service, usage))
+            })
+            .collect();
+        let counter = ConstCounter::new(0.0f64);
+        let mut family = encoder.encode_descriptor(
+            "tether_proxy_cpu_seconds",
+            "CPU time (user and system) of a proxy's running instance and everything in its cgroup",
+            None,
+            counter.metric_type(),
+        )?;
+        for (id, service, usage) in &usages {
+            let labels = [("proxy", id.as_str()), ("service", service.as_str())];
+            ConstCounter::new(usage.cpu_seconds).encode(family.encode_family(&labels)?)?;
+        }
+        let gauges: [(&str, &str, UsageField); 2] = [
+            ("tether_proxy_memory_bytes", "Memory of a proxy's cgroup (memory.current)", |u| u.memory_bytes),
+            ("tether_proxy_tasks", "Processes and threads in a proxy's cgroup (pids.current)", |u| u.tasks),
+        ];
+        for (name, help, value) in gauges {
+            let gauge = ConstGauge::new(0i64);
+            let mut family = encoder.encode_descriptor(name, help, None, gauge.metric_type())?;
+            for (id, service, usage) in &usages {
+                if let Some(value) = value(usage) {
+                    let labels = [("proxy", id.as_str()), ("service", service.as_str())];
+                    ConstGauge::new(i64::try_from(value).unwrap_or(i64::MAX)).encode(family.encode_family(&labels)?)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 /// The states a proxy can be in, all reported (zero included) so that dashboards and
 /// alerts see every series.
 const STATES: [ProxyState; 8] = [

@@ -47,9 +47,9 @@ mod written;
 
 pub use error::*;
 pub use listeners::MAX_LISTENERS;
-use resources::{Cpus, MemoryMax, PidsMax};
 use listeners::*;
 pub use loader::*;
+use resources::{Cpus, MemoryMax, PidsMax};
 use schema::*;
 use written::*;
 

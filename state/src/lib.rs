@@ -61,8 +61,8 @@ mod exit;
 mod health;
 mod id;
 mod listener;
-mod resources;
 pub mod persist;
+mod resources;
 mod service;
 mod token;
 

@@ -24,6 +24,7 @@ pub(crate) async fn run(
     http_addr: Option<SocketAddr>,
     sync_quiescent: Duration,
     sync_max_delay: Duration,
+    cgroups: super::CgroupChoice,
 ) -> anyhow::Result<ExitCode> {
     let temp = tempfile::Builder::new().prefix("tether-dev-").tempdir().context("creating the temporary data dir")?;
     let config_dir = temp.path().join("config");
@@ -73,6 +74,7 @@ pub(crate) async fn run(
         sync_max_delay,
         stop_proxies_on_exit: true,
         fleet: None,
+        cgroups,
     };
     let result = super::run(options).await;
     tasks.abort_all();

@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use tether_manager::{FileSnapshotStore, Manager, ManagerConfig};
-use tether_proxy_daemon::{AgentEnvironment, OsProcessBackend};
+use tether_proxy_daemon::{AgentEnvironment, Cgroups, OsProcessBackend};
 use tether_state::config::DisplayPath;
 use tether_state::persist::DataDir;
 use tokio::net::{TcpListener, UnixListener};
@@ -49,6 +49,43 @@ pub(crate) struct AgentOptions {
     pub(crate) stop_proxies_on_exit: bool,
     /// Follow this node's services in etcd (`--etcd`, `--node`).
     pub(crate) fleet: Option<FleetOptions>,
+    /// Where proxies' cgroups go (`--cgroup-root`, `--no-cgroups`).
+    pub(crate) cgroups: CgroupChoice,
+}
+
+/// Where the agent puts its proxies' cgroups.
+#[derive(Debug, Clone)]
+pub(crate) enum CgroupChoice {
+    /// Under its own cgroup, if it can.
+    Own,
+    /// Under this directory of a cgroup2 hierarchy.
+    Under(PathBuf),
+    /// Nowhere: process groups only (`--no-cgroups`).
+    Off,
+}
+
+/// The proxies' cgroup subtree, or `None` with the reason logged once.
+fn open_cgroups(choice: &CgroupChoice, data: &DataDir) -> Option<Cgroups> {
+    let base = match choice {
+        CgroupChoice::Off => {
+            tracing::info!("cgroups off (--no-cgroups): proxies are fenced by process groups");
+            return None;
+        }
+        CgroupChoice::Own => None,
+        CgroupChoice::Under(dir) => Some(dir.as_path()),
+    };
+    let owner = std::path::absolute(data.root()).unwrap_or_else(|_| data.root().to_owned());
+    match Cgroups::open(base, &owner) {
+        Ok(cgroups) => {
+            let controllers = cgroups.controllers().join(" ");
+            tracing::info!(subtree = %cgroups.dir().display(), controllers = %controllers, "a cgroup per proxy");
+            Some(cgroups)
+        }
+        Err(unavailable) => {
+            tracing::warn!(reason = %unavailable, "cgroups unavailable: proxies are fenced by process groups");
+            None
+        }
+    }
 }
 
 /// How the agent is told to end.
@@ -120,7 +157,11 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
     let socket_path = std::path::absolute(data.socket_path()).context("resolving the socket path")?;
     let environment =
         AgentEnvironment { socket: socket_path.clone(), http_addr: options.http_addr.map(|addr| addr.to_string()) };
-    let backend = Arc::new(OsProcessBackend::new(data.clone(), environment).context("starting the process backend")?);
+    let cgroups = open_cgroups(&options.cgroups, &data);
+    let backend = Arc::new(
+        OsProcessBackend::with_cgroups(data.clone(), environment, cgroups.clone())
+            .context("starting the process backend")?,
+    );
     // A proxy being spawned holds the data dir's lock until its exec, which gives it the
     // identity that the next agent looks for: that agent cannot look too early.
     backend
@@ -144,6 +185,9 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
 
     let mut metrics = Metrics::new(handle.clone());
     metrics.register(Box::new(crate::metrics::BackendCollector(Arc::clone(&backend))));
+    if let Some(cgroups) = &cgroups {
+        metrics.register(Box::new(crate::metrics::ResourcesCollector::new(handle.clone(), cgroups.clone())));
+    }
     if let Some(status) = &fleet_status {
         metrics.register(Box::new(FleetCollector(status.clone())));
     }
@@ -157,6 +201,7 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
         shutdown: api_stop.clone(),
         fleet: fleet_status,
         held: held.clone(),
+        cgroups: cgroups.clone(),
     };
     let mut servers = JoinSet::new();
     let unix = bind_socket(&socket_path)?;
@@ -245,6 +290,10 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
                 manager.close().await.context("writing the snapshot")?;
             }
         }
+    }
+    if let Some(cgroups) = &cgroups {
+        // Gone once no proxy is left in it (after `leave`, or with --dev).
+        cgroups.remove_if_empty();
     }
     tracing::info!("agent stopped");
     Ok(ExitCode::SUCCESS)

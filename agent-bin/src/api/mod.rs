@@ -63,6 +63,8 @@ pub(crate) struct ApiState {
     pub(crate) fleet: Option<crate::fleet::follow::SharedStatus>,
     /// The proxies held down by `tether stop`, as kept in the data dir.
     pub(crate) held: Arc<crate::agent::held::Held>,
+    /// The proxies' cgroup subtree, whose accounting `resources` shows.
+    pub(crate) cgroups: Option<tether_proxy_daemon::Cgroups>,
 }
 
 /// An API error: a status code and a message for `{"error": ...}`.
@@ -175,8 +177,9 @@ async fn json_errors(response: Response) -> Response {
     Response::from_parts(parts, json_body)
 }
 
-/// The wire form of a proxy's status.
-pub(crate) fn status_dto(status: &ProxyStatus) -> ProxyStatusDto {
+/// The wire form of a proxy's status; `resources` read from its cgroup, if it has one.
+pub(crate) fn status_dto(status: &ProxyStatus, cgroups: Option<&tether_proxy_daemon::Cgroups>) -> ProxyStatusDto {
+    let usage = cgroups.zip(status.pid).and_then(|(cgroups, pid)| cgroups.usage_of(pid));
     ProxyStatusDto {
         id: status.id.to_string(),
         service: status.service.to_string(),
@@ -188,7 +191,11 @@ pub(crate) fn status_dto(status: &ProxyStatus) -> ProxyStatusDto {
         error: status.error.clone(),
         ready: status.ready(),
         status_text: status.status_text.clone(),
-        resources: None,
+        resources: usage.map(|usage| dto::ResourcesDto {
+            cpu_seconds: usage.cpu_seconds,
+            memory_bytes: usage.memory_bytes,
+            tasks: usage.tasks,
+        }),
         update: status.update.as_ref().map(|update| dto::UpdateDto {
             state: update.state.as_str().to_owned(),
             pid: update.pid,
@@ -205,14 +212,14 @@ async fn fleet(State(state): State<ApiState>) -> Result<Json<crate::fleet::follo
 }
 
 async fn proxies(State(state): State<ApiState>) -> Json<Vec<ProxyStatusDto>> {
-    Json(state.manager.status().iter().map(status_dto).collect())
+    Json(state.manager.status().iter().map(|status| status_dto(status, state.cgroups.as_ref())).collect())
 }
 
 async fn proxy(State(state): State<ApiState>, Path(id): Path<String>) -> Result<Json<ProxyStatusDto>, ApiError> {
     let id = ProxyId::parse(id).map_err(|err| ApiError::new(StatusCode::NOT_FOUND, err.to_string()))?;
     let status =
         state.manager.proxy(&id).ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, format!("no proxy {id}")))?;
-    Ok(Json(status_dto(&status)))
+    Ok(Json(status_dto(&status, state.cgroups.as_ref())))
 }
 
 async fn register(State(state): State<ApiState>, body: Bytes) -> Result<Json<serde_json::Value>, ApiError> {
@@ -279,7 +286,7 @@ async fn restart(State(state): State<ApiState>, Path(id): Path<String>) -> Resul
     })?;
     let status =
         state.manager.proxy(&id).ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, format!("no proxy {id}")))?;
-    Ok(Json(status_dto(&status)))
+    Ok(Json(status_dto(&status, state.cgroups.as_ref())))
 }
 
 /// `PUT /v1/agent/proxy/{id}/stop`: holds one proxy down; it is stopped and stays `stopped`
@@ -315,7 +322,7 @@ async fn hold(state: ApiState, id: String, hold: bool) -> Result<Json<ProxyStatu
     })?;
     let status =
         state.manager.proxy(&id).ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, format!("no proxy {id}")))?;
-    Ok(Json(status_dto(&status)))
+    Ok(Json(status_dto(&status, state.cgroups.as_ref())))
 }
 
 /// `PUT /v1/agent/reload`: reloads the config dirs as SIGHUP does, and says whether it took.

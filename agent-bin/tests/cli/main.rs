@@ -5,6 +5,7 @@
 
 mod api;
 mod builtin;
+mod cgroups;
 mod datadir;
 mod faults;
 mod fleet;

@@ -527,7 +527,8 @@ mod round_trip;
 
 #[test]
 fn resource_limits_are_read_and_bad_ones_named() {
-    let service = one("[[service]]\nname = \"web\"\n[service.proxy]\nmemory_max = \"256MiB\"\ncpus = 0.5\npids_max = 512\n");
+    let service =
+        one("[[service]]\nname = \"web\"\n[service.proxy]\nmemory_max = \"256MiB\"\ncpus = 0.5\npids_max = 512\n");
     let limits = service.proxy.unwrap().limits;
     assert_eq!(limits.memory_max, Some(256 << 20));
     assert_eq!(limits.cpus.map(CpuLimit::quota_micros), Some(50_000));

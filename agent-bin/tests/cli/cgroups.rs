@@ -1,0 +1,167 @@
+//! A cgroup per proxy (SPEC, "Resource control"): a stop kills what escaped the process
+//! group, an agent that lost its data dir stops the orphans of its predecessor, adoption
+//! keeps every pid, and `status` shows the CPU time a proxy used.
+//!
+//! These need root and a writable cgroup2 hierarchy; elsewhere they are skipped with the
+//! reason printed. `faults::a_daemonising_…` shows the same escaped child surviving with
+//! `--no-cgroups`.
+
+use std::net::TcpStream;
+use std::path::PathBuf;
+
+use assert_cmd::prelude::*;
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+use crate::support::*;
+
+/// Why this machine cannot run proxies in cgroups, if it cannot: the tests need root and a
+/// cgroup2 hierarchy in which the test's own cgroup can have children.
+fn cgroups_unavailable() -> Option<String> {
+    if !is_root() {
+        return Some("not root".to_owned());
+    }
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    let Some(mount) = mountinfo.lines().find_map(|line| {
+        let (before, after) = line.split_once(" - ")?;
+        (after.split_whitespace().next()? == "cgroup2").then(|| before.split_whitespace().nth(4).map(PathBuf::from))?
+    }) else {
+        return Some("no cgroup2 file system is mounted".to_owned());
+    };
+    let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let path = own.lines().find_map(|line| line.strip_prefix("0::"))?.trim_start_matches('/').to_owned();
+    let probe = mount.join(path).join(format!("tether-test-probe-{}", std::process::id()));
+    match std::fs::create_dir(&probe) {
+        Ok(()) => {
+            let _ = std::fs::remove_dir(&probe);
+            None
+        }
+        Err(error) => Some(format!("cannot create {}: {error}", probe.display())),
+    }
+}
+
+macro_rules! needs_cgroups {
+    () => {
+        if let Some(reason) = cgroups_unavailable() {
+            eprintln!("skipped: {reason}");
+            return;
+        }
+    };
+}
+
+fn listening(addr: &str) -> bool {
+    TcpStream::connect(addr).is_ok()
+}
+
+/// A proxy that starts a daemonised helper listening on `addr`: the helper is reparented,
+/// leads a session and a group of its own, and keeps the port.
+fn daemonising(name: &str, addr: &str) -> String {
+    let (host, port) = addr.rsplit_once(':').unwrap();
+    let listener = format!(
+        "perl -MIO::Socket::INET -e 'my $s = IO::Socket::INET->new(LocalAddr => q({host}), LocalPort => {port}, \
+         Listen => 5, ReuseAddr => 1) or die $!; sleep 3600'"
+    );
+    // `setsid --fork`: the listener is reparented at once and leads its own session.
+    let script = format!("setsid --fork {listener}; exec /bin/sleep 3600");
+    format!("[[service]]\nname = \"{name}\"\n[service.proxy]\ncommand = [\"/bin/sh\", \"-c\", {script:?}]\n")
+}
+
+/// The pid of the process listening on `addr` among the proxies of `socket`.
+fn listener_pid(socket: &std::path::Path) -> Option<i32> {
+    proxies_of(socket).into_iter().find(|pid| cmdline(*pid).first().is_some_and(|program| program == "perl"))
+}
+
+#[test]
+fn a_daemonised_grandchild_holding_a_port_dies_with_each_instance_of_its_proxy() {
+    needs_cgroups!();
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    let addr = free_loopback_addr();
+    dirs.write_config("a.toml", &daemonising("daemon", &addr));
+    let mut agent = Agent::start(&dirs, &["--allow-root"]);
+    assert!(agent.logs().contains("a cgroup per proxy"), "{}", agent.logs());
+    let first = agent.wait_state("daemon-proxy", "running")["pid"].as_i64().unwrap();
+    wait_for("the grandchild to listen", || listening(&addr).then_some(()));
+    let grandchild = listener_pid(&dirs.socket()).expect("the listening grandchild");
+    let (pgid, sid) = pgid_and_sid(grandchild).unwrap();
+    assert_eq!((pgid, sid), (grandchild, grandchild), "it left the proxy's process group and session");
+
+    // A crash of the main process: the whole cgroup goes before the next instance starts.
+    kill(Pid::from_raw(i32::try_from(first).unwrap()), Signal::SIGKILL).unwrap();
+    let second = wait_for("the second instance", || {
+        agent.proxy("daemon-proxy").filter(|p| p["state"] == "running" && p["pid"].as_i64() != Some(first))
+    });
+    wait_for("the first grandchild to die", || (!alive(i64::from(grandchild))).then_some(()));
+    wait_for("the second grandchild to listen", || listener_pid(&dirs.socket()).filter(|pid| *pid != grandchild));
+
+    // An agent restart adopts the instance: same pid, still in its cgroup.
+    agent.signal(Signal::SIGTERM);
+    assert!(agent.wait().success());
+    let agent = Agent::start(&dirs, &["--allow-root"]);
+    let adopted = agent.wait_state("daemon-proxy", "running");
+    assert_eq!(adopted["pid"], second["pid"], "{adopted}");
+    assert!(adopted["resources"]["cpu_seconds"].is_number(), "its cgroup is proven: {adopted}");
+    assert!(listening(&addr));
+
+    // Deregistered: the port is free again, and nothing of the proxy is left.
+    std::fs::remove_file(dirs.config.join("a.toml")).unwrap();
+    tether().args(["reload", "--data-dir"]).arg(&dirs.data).assert().code(0);
+    agent.wait_gone("daemon-proxy");
+    wait_for("the port to be free", || (!listening(&addr)).then_some(()));
+    wait_for("every process of the proxy to end", || proxies_of(&dirs.socket()).is_empty().then_some(()));
+}
+
+#[test]
+fn an_agent_on_an_empty_data_dir_stops_the_orphans_in_its_cgroups() {
+    needs_cgroups!();
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    let addr = free_loopback_addr();
+    dirs.write_config("a.toml", &daemonising("daemon", &addr));
+    let mut agent = Agent::start(&dirs, &["--allow-root"]);
+    let main = agent.wait_state("daemon-proxy", "running")["pid"].as_i64().unwrap();
+    wait_for("the grandchild to listen", || listening(&addr).then_some(()));
+    let grandchild = listener_pid(&dirs.socket()).expect("the listening grandchild");
+
+    // The agent dies and its data dir is lost, and so does the proxy's main process: what is
+    // left is a daemon that no pid file, snapshot or environment scan can name (it leads a
+    // session of its own), in a cgroup of the subtree.
+    agent.signal(Signal::SIGKILL);
+    let _ = agent.wait();
+    kill(Pid::from_raw(i32::try_from(main).unwrap()), Signal::SIGKILL).unwrap();
+    std::fs::remove_dir_all(&dirs.data).unwrap();
+    std::fs::remove_file(dirs.config.join("a.toml")).unwrap();
+    wait_for("the main process to end", || (!alive(main)).then_some(()));
+    assert!(alive(i64::from(grandchild)) && listening(&addr));
+
+    // A new agent on the same, now empty, data dir, with nothing to run.
+    let agent = Agent::start(&dirs, &["--allow-root"]);
+    wait_for("the orphan to be stopped", || (!alive(i64::from(grandchild))).then_some(()));
+    wait_for("the port to be free", || (!listening(&addr)).then_some(()));
+    assert!(agent.proxies().is_empty());
+    assert!(agent.logs().contains("stopping processes that no proxy claims"), "{}", agent.logs());
+}
+
+#[test]
+fn status_shows_the_cpu_time_of_a_busy_proxy_growing() {
+    needs_cgroups!();
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    let busy =
+        "[[service]]\nname = \"busy\"\n[service.proxy]\ncommand = [\"/bin/sh\", \"-c\", \"while :; do :; done\"]\n";
+    dirs.write_config("a.toml", &format!("{busy}{}", sleeper("idle")));
+    let agent = Agent::start(&dirs, &["--allow-root"]);
+    agent.wait_state("busy-proxy", "running");
+    let cpu = |id: &str| agent.proxy(id).and_then(|p| p["resources"]["cpu_seconds"].as_f64());
+    let first = wait_for("some CPU time", || cpu("busy-proxy").filter(|seconds| *seconds > 0.05));
+    wait_for("more CPU time", || cpu("busy-proxy").filter(|seconds| *seconds > first + 0.1));
+    let idle = wait_for("the idle proxy's figure", || cpu("idle-proxy"));
+    assert!(idle < 0.1, "a sleeping proxy used {idle} s");
+
+    // The table shows it too, and so do the metrics.
+    let table = tether().args(["status", "--data-dir"]).arg(&dirs.data).output().unwrap();
+    let table = String::from_utf8_lossy(&table.stdout);
+    assert!(table.lines().next().unwrap().contains("CPU    MEM"), "{table}");
+    let metrics = get(&dirs.socket(), "/metrics").unwrap().body;
+    assert!(metrics.contains("tether_proxy_cpu_seconds_total{proxy=\"busy-proxy\",service=\"busy\"}"), "{metrics}");
+}
