@@ -229,7 +229,7 @@ impl Cgroups {
     }
 
     /// Creates a cgroup for a new instance of process `process`, with `limits` written, and
-    /// opens its `cgroup.procs` for the child to enter it.
+    /// opens its directory for the child to be born in.
     pub(crate) fn create(&self, process: &str, limits: &ResourceLimits) -> Result<NewCgroup, CgroupError> {
         self.check_controllers(limits)?;
         let (name, dir) = loop {
@@ -250,16 +250,15 @@ impl Cgroups {
             }
         };
         let opened = write_limits(&dir, limits, &self.tree.controllers).and_then(|()| {
-            let path = dir.join("cgroup.procs");
             fs::OpenOptions::new()
-                .write(true)
-                .custom_flags(libc::O_CLOEXEC)
-                .open(&path)
+                .read(true)
+                .custom_flags(libc::O_DIRECTORY | libc::O_CLOEXEC)
+                .open(&dir)
                 .map(OwnedFd::from)
-                .map_err(|source| CgroupError::Io { path, source })
+                .map_err(|source| CgroupError::Io { path: dir.clone(), source })
         });
         match opened {
-            Ok(procs) => Ok(NewCgroup { name, procs }),
+            Ok(handle) => Ok(NewCgroup { name, dir: handle }),
             Err(error) => {
                 self.remove_empty(&name);
                 Err(error)
@@ -320,10 +319,12 @@ impl Cgroups {
         let dir = self.tree.dir.join(name);
         match fs::write(dir.join("cgroup.kill"), b"1") {
             Ok(()) => {}
-            Err(error) if error.kind() == io::ErrorKind::NotFound => {
+            Err(_) if !dir.exists() => {
                 self.unclaim(name);
                 return;
             }
+            // A kernel before 5.14 has no `cgroup.kill`.
+            Err(error) if error.kind() == io::ErrorKind::NotFound => kill_frozen(&dir),
             Err(error) => tracing::warn!(cgroup = %dir.display(), %error, "cannot kill cgroup"),
         }
         match tokio::time::timeout(EMPTY_TIMEOUT, self.wait_empty(&dir)).await {
@@ -397,8 +398,25 @@ impl Cgroups {
 #[derive(Debug)]
 pub(crate) struct NewCgroup {
     pub(crate) name: Box<str>,
-    /// Its `cgroup.procs`, which the child writes `0` into before its exec.
-    pub(crate) procs: OwnedFd,
+    /// Its directory, into which the child is born (or whose `cgroup.procs` it writes
+    /// itself into before its exec).
+    pub(crate) dir: OwnedFd,
+}
+
+/// Kills every process of the cgroup at `dir` without `cgroup.kill`: frozen first, so that
+/// none forks while the list is read, then SIGKILLed one by one, then thawed (a frozen
+/// process dies of SIGKILL once thawed).
+fn kill_frozen(dir: &Path) {
+    let freeze = dir.join("cgroup.freeze");
+    let frozen = fs::write(&freeze, b"1").is_ok();
+    let procs = fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default();
+    for pid in procs.lines().filter_map(|line| line.trim().parse::<i32>().ok()) {
+        // Frozen, it cannot exit by itself between the read and the signal.
+        let _gone = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+    }
+    if frozen {
+        let _gone = fs::write(&freeze, b"0");
+    }
 }
 
 /// Whether `cgroup.events` says `populated 1`.

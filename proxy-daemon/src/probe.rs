@@ -163,7 +163,7 @@ impl Drop for ProbeProcess {
 }
 
 /// Reaps a killed probe once its pidfd says it exited, off the caller's path.
-fn reap_later(pending: Option<(std::process::Child, Pidfd)>) {
+fn reap_later(pending: Option<(spawn::Child, Pidfd)>) {
     let Some((mut child, pidfd)) = pending else { return };
     tokio::spawn(async move {
         if pidfd.exited().await.is_ok() {

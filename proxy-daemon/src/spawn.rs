@@ -22,6 +22,7 @@ use crate::error::SpawnError;
 use crate::proc::{self, Pidfd};
 use crate::spec::{LogFile, ProcessSpec};
 
+mod clone;
 mod thread;
 
 pub(crate) use thread::hold_until_exec;
@@ -29,12 +30,75 @@ pub(crate) use thread::hold_until_exec;
 /// A freshly spawned process, not yet reaped, with a pidfd that proves which one it is.
 #[derive(Debug)]
 pub(crate) struct Spawned {
-    /// A `std` child: it holds no descriptor (tokio's would hold a pidfd of its own).
-    pub(crate) child: std::process::Child,
+    /// Our child, to reap: it holds no descriptor (tokio's would hold a pidfd of its own).
+    pub(crate) child: Child,
     pub(crate) pid: u32,
     pub(crate) pidfd: Pidfd,
     /// The read end of the notification pipe, when its readiness check is `fd`.
     pub(crate) notification: Option<OwnedFd>,
+}
+
+/// Our child, until it is reaped: its pid, and its exit status once [`Child::try_wait`] or
+/// [`Child::wait`] has reaped it (the pid may then belong to another process).
+#[derive(Debug)]
+pub(crate) struct Child {
+    pid: u32,
+    status: Option<std::process::ExitStatus>,
+}
+
+impl Child {
+    fn new(pid: u32) -> Self {
+        Self { pid, status: None }
+    }
+
+    pub(crate) fn id(&self) -> u32 {
+        self.pid
+    }
+
+    /// Reaps it if it has exited.
+    pub(crate) fn try_wait(&mut self) -> io::Result<Option<std::process::ExitStatus>> {
+        self.reap(libc::WNOHANG)
+    }
+
+    /// Waits for it to exit, and reaps it.
+    pub(crate) fn wait(&mut self) -> io::Result<std::process::ExitStatus> {
+        self.reap(0)?.ok_or_else(|| io::Error::other("waitpid returned without a status"))
+    }
+
+    fn reap(&mut self, flags: libc::c_int) -> io::Result<Option<std::process::ExitStatus>> {
+        use std::os::unix::process::ExitStatusExt;
+        if let Some(status) = self.status {
+            return Ok(Some(status));
+        }
+        let pid = libc::pid_t::try_from(self.pid).map_err(|_| io::Error::from_raw_os_error(libc::ECHILD))?;
+        loop {
+            let mut status = 0;
+            #[allow(unsafe_code)]
+            // SAFETY: waitpid on our own, unreaped child, with a status integer owned here.
+            let waited = unsafe { libc::waitpid(pid, &mut status, flags) };
+            match waited {
+                0 => return Ok(None),
+                waited if waited == pid => {
+                    let status = std::process::ExitStatus::from_raw(status);
+                    self.status = Some(status);
+                    return Ok(Some(status));
+                }
+                _ => {
+                    let error = io::Error::last_os_error();
+                    if error.kind() != io::ErrorKind::Interrupted {
+                        return Err(error);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Opens `cgroup.procs` of the cgroup whose directory is `cgroup`, for a child to write
+/// itself into.
+fn open_procs(cgroup: &OwnedFd) -> io::Result<OwnedFd> {
+    let flags = OFlag::O_WRONLY | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW;
+    Ok(nix::fcntl::openat(cgroup, "cgroup.procs", flags, nix::sys::stat::Mode::empty())?)
 }
 
 /// The ids a process switches to before exec.
@@ -44,9 +108,9 @@ struct Credentials {
     groups: Vec<libc::gid_t>,
 }
 
-/// Starts `spec`'s program in its own process group, and in the cgroup whose
-/// `cgroup.procs` is `cgroup` if one is given (entered before anything else happens in the
-/// child). Returns once the process exists.
+/// Starts `spec`'s program in its own process group, and in the cgroup whose directory is
+/// `cgroup` if one is given: born in it (`clone3`), or where that is refused, entering it
+/// before anything else happens in the child. Returns once the process has exec'd.
 ///
 /// Must be called from within a tokio runtime.
 pub(crate) fn spawn(spec: &ProcessSpec, cgroup: Option<&OwnedFd>) -> Result<Spawned, SpawnError> {
@@ -85,8 +149,17 @@ pub(crate) fn spawn(spec: &ProcessSpec, cgroup: Option<&OwnedFd>) -> Result<Spaw
         handed.push((write.as_fd(), RawFd::try_from(*fd).unwrap_or(RawFd::MAX)));
     }
     // `LISTEN_PID` must be the child's own pid, known only after the fork: the child execs
-    // itself, with the pid written into an environment prepared here.
-    let listen_exec = (!spec.listeners.is_empty()).then(|| ListenExec::new(spec)).transpose().map_err(exec_error)?;
+    // itself, with the pid written into an environment prepared here. A child born in its
+    // cgroup execs from the same preparation.
+    let exec =
+        (!spec.listeners.is_empty() || cgroup.is_some()).then(|| Exec::new(spec)).transpose().map_err(exec_error)?;
+    let dir_c =
+        cgroup.is_some().then(|| CString::new(spec.working_dir.as_os_str().as_encoded_bytes())).transpose().map_err(
+            |_| SpawnError::WorkingDir {
+                dir: spec.working_dir.clone(),
+                source: io::Error::new(io::ErrorKind::InvalidInput, "a NUL byte in the path"),
+            },
+        )?;
 
     // Created on the spawn thread, from copies of these descriptors in its small table.
     let mut passed = vec![stdout.as_fd(), stderr.as_fd()];
@@ -103,6 +176,37 @@ pub(crate) fn spawn(spec: &ProcessSpec, cgroup: Option<&OwnedFd>) -> Result<Spaw
         };
         let cgroup = if enters_cgroup { fds.next() } else { None };
         let handed: Vec<OwnedFd> = fds.collect();
+        let mut exec = exec;
+        let mut procs = None;
+        if let (Some(cgroup), Some(exec), Some(dir)) = (&cgroup, exec.as_mut(), dir_c) {
+            let pairs: Vec<(RawFd, RawFd)> =
+                handed.iter().map(AsRawFd::as_raw_fd).zip(targets.iter().copied()).collect();
+            let mut plan = clone::ChildPlan {
+                program: exec.program.clone(),
+                argv: exec.argv.iter().map(|&address| address as *const libc::c_char).collect(),
+                envp: exec.envp.iter().map(|&address| address as *const libc::c_char).collect(),
+                dir,
+                dev_null: CString::from(c"/dev/null"),
+                stdout: stdout.as_raw_fd(),
+                stderr: stderr.as_raw_fd(),
+                copies: vec![-1; pairs.len()],
+                handed: pairs,
+                credentials: credentials.as_ref().map(|c| (c.uid, c.gid, c.groups.clone())),
+                listen_pid: exec.listen_pid.take().map(|buffer| (buffer, exec.listen_pid_slot)),
+                failed: 0,
+            };
+            match clone::spawn_into(&mut plan, cgroup.as_raw_fd()) {
+                Ok(pid) => return Ok(Child::new(pid)),
+                Err(clone::CloneError::Failed(error)) => return Err(error),
+                Err(clone::CloneError::Unsupported) => {
+                    // The standard library's way: the child enters through `cgroup.procs`.
+                    if let Some((buffer, _)) = plan.listen_pid.take() {
+                        exec.listen_pid = Some(buffer);
+                    }
+                    procs = Some(open_procs(cgroup)?);
+                }
+            }
+        }
         let mut command = std::process::Command::new(&program); // std, for `process_group`
         command
             .args(&args)
@@ -114,7 +218,7 @@ pub(crate) fn spawn(spec: &ProcessSpec, cgroup: Option<&OwnedFd>) -> Result<Spaw
             .stderr(File::from(stderr)) // restart, where a pipe would hand the proxy a SIGPIPE
             .process_group(0); // own group: terminal Ctrl-C skips it, one killpg reaches its children
         // First: no later hook, and nothing the program does, runs outside the cgroup.
-        if let Some(procs) = &cgroup {
+        if let Some(procs) = &procs {
             enter_cgroup_before_exec(&mut command, procs.as_raw_fd());
         }
         if let Some(credentials) = credentials {
@@ -124,12 +228,12 @@ pub(crate) fn spawn(spec: &ProcessSpec, cgroup: Option<&OwnedFd>) -> Result<Spaw
             let pairs = handed.iter().map(AsRawFd::as_raw_fd).zip(targets).collect();
             give_fds_before_exec(&mut command, pairs);
         }
-        if let Some(exec) = listen_exec {
+        if let Some(exec) = exec.filter(|exec| exec.listen_pid.is_some()) {
             exec_with_listen_pid(&mut command, exec);
         }
-        // `handed` and `cgroup` live until the child has its copies.
-        let child = command.spawn();
-        drop((handed, cgroup));
+        // `handed` and `procs` live until the child has its copies.
+        let child = command.spawn().map(|child| Child::new(child.id()));
+        drop((handed, procs, cgroup));
         child
     })
     .map_err(exec_error)?;
@@ -210,25 +314,26 @@ fn give_fds_before_exec(command: &mut std::process::Command, handed: Vec<(RawFd,
     }
 }
 
-/// What the child execs when it inherits listeners: the program, its arguments and its
-/// environment with `LISTEN_FDS`, `LISTEN_FDNAMES` and a slot for `LISTEN_PID`, all
-/// prepared in the parent, so that the child only writes its pid and execs.
-struct ListenExec {
+/// What a child execs, prepared in the parent: the program, its arguments and its
+/// environment, with `LISTEN_FDS`, `LISTEN_FDNAMES` and a slot for `LISTEN_PID` when it
+/// inherits listeners, so that the child only writes its pid and execs.
+struct Exec {
     program: CString,
     /// Owns what `argv` and `envp` point to.
     _strings: Vec<CString>,
     /// Addresses of NUL-terminated strings, then 0: `char *const argv[]`.
     argv: Vec<usize>,
     envp: Vec<usize>,
-    /// `LISTEN_PID=` and room for any pid, NUL-terminated once written.
-    listen_pid: Box<[u8; 32]>,
+    /// `LISTEN_PID=` and room for any pid, NUL-terminated once written; `None` without
+    /// listeners.
+    listen_pid: Option<Box<[u8; 32]>>,
     /// Where in `envp` the `LISTEN_PID` entry goes.
     listen_pid_slot: usize,
 }
 
 const LISTEN_PID_PREFIX: &[u8] = b"LISTEN_PID=";
 
-impl ListenExec {
+impl Exec {
     fn new(spec: &ProcessSpec) -> io::Result<Self> {
         use std::os::unix::ffi::OsStrExt;
         let c_string = |bytes: &[u8]| {
@@ -244,9 +349,12 @@ impl ListenExec {
                 strings.push(c_string(&[key.as_bytes(), b"=", value.as_bytes()].concat())?);
             }
         }
-        strings.push(c_string(format!("LISTEN_FDS={}", spec.listeners.len()).as_bytes())?);
-        let names: Vec<&str> = spec.listeners.iter().map(|listener| listener.name.as_str()).collect();
-        strings.push(c_string(format!("LISTEN_FDNAMES={}", names.join(":")).as_bytes())?);
+        let listens = !spec.listeners.is_empty();
+        if listens {
+            strings.push(c_string(format!("LISTEN_FDS={}", spec.listeners.len()).as_bytes())?);
+            let names: Vec<&str> = spec.listeners.iter().map(|listener| listener.name.as_str()).collect();
+            strings.push(c_string(format!("LISTEN_FDNAMES={}", names.join(":")).as_bytes())?);
+        }
         let pointers = |strings: &[CString]| {
             let mut pointers: Vec<usize> = strings.iter().map(|s| s.as_ptr() as usize).collect();
             pointers.push(0);
@@ -256,16 +364,19 @@ impl ListenExec {
         let mut envp = pointers(&strings[arg_count..]);
         // The slot for LISTEN_PID, before the terminating null.
         let listen_pid_slot = envp.len() - 1;
-        envp.insert(listen_pid_slot, 0);
-        let mut listen_pid = Box::new([0u8; 32]);
-        listen_pid[..LISTEN_PID_PREFIX.len()].copy_from_slice(LISTEN_PID_PREFIX);
+        let listen_pid = listens.then(|| {
+            envp.insert(listen_pid_slot, 0);
+            let mut listen_pid = Box::new([0u8; 32]);
+            listen_pid[..LISTEN_PID_PREFIX.len()].copy_from_slice(LISTEN_PID_PREFIX);
+            listen_pid
+        });
         Ok(Self { program, _strings: strings, argv, envp, listen_pid, listen_pid_slot })
     }
 }
 
 /// Makes the child exec itself, with `LISTEN_PID` its own pid; registered last, after
 /// every other hook.
-fn exec_with_listen_pid(command: &mut std::process::Command, mut exec: ListenExec) {
+fn exec_with_listen_pid(command: &mut std::process::Command, mut exec: Exec) {
     #[allow(unsafe_code)]
     // SAFETY: the hook runs in the forked child, where only async-signal-safe calls are
     // allowed: getpid and execve, digits written into a buffer allocated in the parent,
@@ -289,9 +400,11 @@ fn exec_with_listen_pid(command: &mut std::process::Command, mut exec: ListenExe
             }
             let written = &digits[start..];
             let end = LISTEN_PID_PREFIX.len() + written.len();
-            exec.listen_pid[LISTEN_PID_PREFIX.len()..end].copy_from_slice(written);
-            exec.listen_pid[end] = 0;
-            exec.envp[exec.listen_pid_slot] = exec.listen_pid.as_ptr() as usize;
+            if let Some(listen_pid) = exec.listen_pid.as_mut() {
+                listen_pid[LISTEN_PID_PREFIX.len()..end].copy_from_slice(written);
+                listen_pid[end] = 0;
+                exec.envp[exec.listen_pid_slot] = listen_pid.as_ptr() as usize;
+            }
             libc::execve(
                 exec.program.as_ptr(),
                 exec.argv.as_ptr().cast::<*const libc::c_char>(),

@@ -19,9 +19,9 @@ use std::sync::{Mutex, OnceLock, mpsc};
 
 use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, sendmsg};
 
-/// The most descriptors one job receives: two log files, a notification pipe and the
-/// listeners.
-pub(crate) const MAX_FDS: usize = tether_state::config::MAX_LISTENERS + 3;
+/// The most descriptors one job receives: two log files, a cgroup, a notification pipe
+/// and the listeners.
+pub(crate) const MAX_FDS: usize = tether_state::config::MAX_LISTENERS + 4;
 
 type Job = Box<dyn FnOnce(io::Result<Vec<OwnedFd>>) + Send>;
 

@@ -45,7 +45,7 @@ pub(super) struct Instance {
 pub(super) enum InstanceKind {
     /// Our child: we reap it, once its pidfd says that it exited. A `std` child holds no
     /// descriptor, so the pidfd is the only one a supervised process costs.
-    Child(std::process::Child),
+    Child(spawn::Child),
     /// Adopted: its parent (init or a subreaper) reaps it.
     Adopted,
 }
@@ -57,7 +57,7 @@ impl Instance {
         // Where its output starts, read before it can write any (readiness `log_line`).
         let log_offsets = checks::watches_lines(spec).then(|| lines::offsets(spec));
         let cgroup = cgroups.map(|cgroups| cgroups.create(spec.name.as_str(), &spec.limits)).transpose()?;
-        let spawned = spawn::spawn(spec, cgroup.as_ref().map(|cgroup| &cgroup.procs));
+        let spawned = spawn::spawn(spec, cgroup.as_ref().map(|cgroup| &cgroup.dir));
         let cgroup = cgroup.map(|cgroup| cgroup.name);
         let Spawned { child, pid, pidfd, notification } = match spawned {
             Ok(spawned) => spawned,
