@@ -249,14 +249,7 @@ impl Cgroups {
                 }
             }
         };
-        let opened = write_limits(&dir, limits, &self.tree.controllers).and_then(|()| {
-            fs::OpenOptions::new()
-                .read(true)
-                .custom_flags(libc::O_DIRECTORY | libc::O_CLOEXEC)
-                .open(&dir)
-                .map(OwnedFd::from)
-                .map_err(|source| CgroupError::Io { path: dir.clone(), source })
-        });
+        let opened = write_limits(&dir, limits, &self.tree.controllers).and_then(|()| open_dir(&dir));
         match opened {
             Ok(handle) => Ok(NewCgroup { name, dir: handle }),
             Err(error) => {
@@ -316,26 +309,69 @@ impl Cgroups {
     /// `cgroup.events` says it is empty, and removes it. A daemonised grandchild that
     /// left the instance's process group dies with the rest.
     pub(crate) async fn sweep(&self, name: &str) {
+        if self.empty(name).await {
+            self.remove_empty(name);
+        }
+    }
+
+    /// Whether instance cgroup `name`, whose main process has exited, is empty and may take
+    /// the next instance of its process as it is. Otherwise it is swept ([`Cgroups::sweep`]),
+    /// and `false`: a cgroup that was killed through `cgroup.kill` is not used again, as
+    /// processes born into it right after a kill have been seen to die of it.
+    pub(crate) async fn reusable(&self, name: &str) -> bool {
+        let events = self.tree.dir.join(name).join("cgroup.events");
+        if matches!(populated(&events), Ok(false)) && self.tree.dir.join(name).exists() {
+            return true;
+        }
+        self.sweep(name).await;
+        false
+    }
+
+    /// Kills what is left in instance cgroup `name` and waits until it is empty: `true`
+    /// then; `false` when it is gone or still holds processes (it is then let go, and left
+    /// where it is).
+    async fn empty(&self, name: &str) -> bool {
         let dir = self.tree.dir.join(name);
+        let events = dir.join("cgroup.events");
+        // Usually only the main process was in it, and it has exited: nothing to kill.
+        if matches!(populated(&events), Ok(false)) {
+            if dir.exists() {
+                return true;
+            }
+            self.unclaim(name);
+            return false;
+        }
         match fs::write(dir.join("cgroup.kill"), b"1") {
             Ok(()) => {}
             Err(_) if !dir.exists() => {
                 self.unclaim(name);
-                return;
+                return false;
             }
             // A kernel before 5.14 has no `cgroup.kill`.
             Err(error) if error.kind() == io::ErrorKind::NotFound => kill_frozen(&dir),
             Err(error) => tracing::warn!(cgroup = %dir.display(), %error, "cannot kill cgroup"),
         }
         match tokio::time::timeout(EMPTY_TIMEOUT, self.wait_empty(&dir)).await {
-            Ok(Ok(())) => self.remove_empty(name),
-            Ok(Err(error)) => {
-                tracing::warn!(cgroup = %dir.display(), %error, "cannot watch cgroup; leaving it");
-                self.unclaim(name);
-            }
-            Err(_) => {
-                tracing::warn!(cgroup = %dir.display(), "cgroup still populated after a kill; leaving it");
-                self.unclaim(name);
+            Ok(Ok(())) => return true,
+            Ok(Err(error)) => tracing::warn!(cgroup = %dir.display(), %error, "cannot watch cgroup; leaving it"),
+            Err(_) => tracing::warn!(cgroup = %dir.display(), "cgroup still populated after a kill; leaving it"),
+        }
+        self.unclaim(name);
+        false
+    }
+
+    /// Takes empty instance cgroup `name` (left by the previous instance of the process,
+    /// [`Cgroups::reusable`]) for a new instance, with `limits` written: a restart costs no
+    /// removal and creation.
+    pub(crate) fn reuse(&self, name: Box<str>, limits: &ResourceLimits) -> Result<NewCgroup, CgroupError> {
+        self.check_controllers(limits)?;
+        let dir = self.tree.dir.join(&*name);
+        let opened = write_limits(&dir, limits, &self.tree.controllers).and_then(|()| open_dir(&dir));
+        match opened {
+            Ok(handle) => Ok(NewCgroup { name, dir: handle }),
+            Err(error) => {
+                self.remove_empty(&name);
+                Err(error)
             }
         }
     }
@@ -417,6 +453,16 @@ fn kill_frozen(dir: &Path) {
     if frozen {
         let _gone = fs::write(&freeze, b"0");
     }
+}
+
+/// Opens a cgroup's directory, for a child to be born in.
+fn open_dir(dir: &Path) -> Result<OwnedFd, CgroupError> {
+    fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_CLOEXEC)
+        .open(dir)
+        .map(OwnedFd::from)
+        .map_err(|source| CgroupError::Io { path: dir.to_owned(), source })
 }
 
 /// Whether `cgroup.events` says `populated 1`.

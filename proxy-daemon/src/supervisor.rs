@@ -180,7 +180,7 @@ impl Supervisor {
                 tracing::warn!(%error, address = %self.shared.notify.address(), "cannot bind the notification socket");
             }
         }
-        let instance = Instance::spawn(&spec, self.shared.cgroups.as_ref())?;
+        let instance = Instance::spawn(&spec, self.shared.cgroups.as_ref(), None)?;
         let pid = instance.pid;
         tracing::info!(proxy = %spec.name, pid, program = %spec.program.display(), "process started");
         let identity = self.shared.identity(&instance);

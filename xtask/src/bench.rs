@@ -7,11 +7,12 @@
 //! under /tmp, and leaves no process behind, even when it fails.
 //!
 //! For work on one figure, `XTASK_BENCH_ONLY` narrows the run: `e2e` skips the crate
-//! benchmarks; a comma-separated list of sections (`many`, `scale`, `some`, `health`, `updates`, `peers`,
+//! benchmarks; a comma-separated list of sections (`many`, `scale`, `some`, `health`, `updates`, `cgroups`, `peers`,
 //! `builtin-proxy`, `fleet`) runs only those end-to-end sections and prints their table without rewriting
 //! `BENCHMARKS.md`, which always holds a whole run.
 
 mod builtin_proxy;
+mod cgroups;
 mod e2e;
 mod fleet;
 mod health;
@@ -29,7 +30,7 @@ use std::time::{Duration, Instant};
 use report::{Machine, Row};
 
 /// The end-to-end sections that `XTASK_BENCH_ONLY` can name.
-const SECTIONS: &[&str] = &["many", "scale", "some", "health", "updates", "peers", "builtin-proxy", "fleet"];
+const SECTIONS: &[&str] = &["many", "scale", "some", "health", "updates", "cgroups", "peers", "builtin-proxy", "fleet"];
 
 /// What `XTASK_BENCH_ONLY` asks for: `None` for a whole run.
 struct Only {
@@ -132,6 +133,13 @@ fn end_to_end(
         {
             lab.keep();
             rows.push(Row::failed("zero-downtime updates", &err));
+            errors.push(err);
+        }
+        if only.wants("cgroups")
+            && let Err(err) = cgroups::run(&lab, &mut rows)
+        {
+            lab.keep();
+            rows.push(Row::failed("cgroups: bring-up and restart", &err));
             errors.push(err);
         }
         if only.wants("peers")

@@ -53,10 +53,19 @@ pub(super) enum InstanceKind {
 impl Instance {
     /// Starts an instance of `spec`, in a new cgroup of `cgroups` if given: the one way a
     /// first start and a restart create one.
-    pub(super) fn spawn(spec: &ProcessSpec, cgroups: Option<&Cgroups>) -> Result<Self, SpawnError> {
+    /// `spare`: the empty cgroup of the instance it replaces, to take over.
+    pub(super) fn spawn(
+        spec: &ProcessSpec,
+        cgroups: Option<&Cgroups>,
+        spare: Option<Box<str>>,
+    ) -> Result<Self, SpawnError> {
         // Where its output starts, read before it can write any (readiness `log_line`).
         let log_offsets = checks::watches_lines(spec).then(|| lines::offsets(spec));
-        let cgroup = cgroups.map(|cgroups| cgroups.create(spec.name.as_str(), &spec.limits)).transpose()?;
+        let cgroup = match (cgroups, spare) {
+            (Some(cgroups), Some(spare)) => Some(cgroups.reuse(spare, &spec.limits)?),
+            (Some(cgroups), None) => Some(cgroups.create(spec.name.as_str(), &spec.limits)?),
+            (None, _) => None,
+        };
         let spawned = spawn::spawn(spec, cgroup.as_ref().map(|cgroup| &cgroup.dir));
         let cgroup = cgroup.map(|cgroup| cgroup.name);
         let Spawned { child, pid, pidfd, notification } = match spawned {
@@ -92,6 +101,13 @@ impl Instance {
         if let (Some(cgroups), Some(name)) = (cgroups, self.cgroup.take()) {
             cgroups.sweep(&name).await;
         }
+    }
+
+    /// [`Instance::sweep`], keeping its cgroup, once empty, for the next instance.
+    async fn clear(&mut self, cgroups: Option<&Cgroups>) -> Option<Box<str>> {
+        let _empty = proc::signal_group(self.pgid, Signal::SIGKILL);
+        let (cgroups, name) = (cgroups?, self.cgroup.take()?);
+        cgroups.reusable(&name).await.then_some(name)
     }
 
     /// Reaps the exited main process, if it is ours, and reads how it ended.
@@ -142,6 +158,8 @@ pub(super) struct Task {
     last_pid: Option<u32>,
     /// Which check the status's `error` comes from, if one does: a passing check clears it.
     health_error: Option<HealthError>,
+    /// The empty cgroup of the last instance, kept for the next one.
+    spare_cgroup: Option<Box<str>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -167,7 +185,7 @@ impl Task {
         commands: control::Receiver,
         last_pid: Option<u32>,
     ) -> Self {
-        Task { key, spec, shared, status, commands, attempt: 0, last_pid, health_error: None }
+        Task { key, spec, shared, status, commands, attempt: 0, last_pid, health_error: None, spare_cgroup: None }
     }
 
     /// Supervises `instance` (`ready` when it needs no readiness check, or was adopted) and
@@ -408,6 +426,9 @@ impl Task {
     /// Publishes a final state after removing the pid file and forgetting the logs.
     async fn finish(&mut self, state: ProcessState, last_exit: Option<ExitReason>, error: Option<String>) {
         self.shared.rotator.forget(self.key);
+        if let (Some(cgroups), Some(spare)) = (&self.shared.cgroups, self.spare_cgroup.take()) {
+            cgroups.remove_empty(&spare);
+        }
         let removed = match self.last_pid {
             Some(pid) => self.shared.pid_files.remove(&self.spec.pid_file, pid).await,
             None => Ok(()),
@@ -435,7 +456,7 @@ impl Task {
         let (pid, run) = (instance.pid, instance.started.elapsed());
         // Sweep before reaping: until the leader is reaped its pgid cannot be reused, and a
         // forked worker must not keep the port the next instance binds.
-        instance.sweep(self.shared.cgroups.as_ref()).await;
+        self.spare_cgroup = instance.clear(self.shared.cgroups.as_ref()).await;
         let last_exit = instance.reap().await;
         if !self.spec.restart_on_exit {
             tracing::info!(pid, ?last_exit, "process exited; not restarted");
@@ -486,7 +507,7 @@ impl Task {
                 }
             }
             self.status.send_modify(|status| status.state = ProcessState::Starting);
-            match Instance::spawn(&self.spec, self.shared.cgroups.as_ref()) {
+            match Instance::spawn(&self.spec, self.shared.cgroups.as_ref(), self.spare_cgroup.take()) {
                 Ok(instance) => return Some(self.restarted(instance, cause)),
                 Err(error) => {
                     // A failed start is not final: a descriptor, memory or the program

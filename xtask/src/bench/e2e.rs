@@ -73,7 +73,13 @@ fn push(rows: &mut Vec<Row>, row: Row) {
 }
 
 /// A config file of `count` services `<prefix>NNNN`, each with a proxy running `command`.
-fn write_services(dir: &Path, file: &str, prefix: &str, count: usize, command: &[&str]) -> Result<(), String> {
+pub(super) fn write_services(
+    dir: &Path,
+    file: &str,
+    prefix: &str,
+    count: usize,
+    command: &[&str],
+) -> Result<(), String> {
     let command = serde_json::to_string(command).map_err(|err| err.to_string())?;
     let mut text = String::new();
     for index in 0..count {
@@ -151,13 +157,16 @@ fn verify_running(agent: &Agent<'_>, proxy: &str, pid: u32) -> Result<(), String
 }
 
 /// Restart latencies: until the new process has exec'd, and until its pid file names it.
-struct Latencies {
-    process: Vec<Duration>,
-    pid_file: Vec<Duration>,
+pub(super) struct Latencies {
+    pub(super) process: Vec<Duration>,
+    pub(super) pid_file: Vec<Duration>,
 }
 
 /// `kill -9` of each proxy in turn, timing until a new process runs in its place.
-fn restart_latencies(agent: &Agent<'_>, services: impl Iterator<Item = String>) -> Result<Latencies, String> {
+pub(super) fn restart_latencies(
+    agent: &Agent<'_>,
+    services: impl Iterator<Item = String>,
+) -> Result<Latencies, String> {
     let mut latencies = Latencies { process: Vec::new(), pid_file: Vec::new() };
     for service in services {
         let proxy = format!("{service}-proxy");

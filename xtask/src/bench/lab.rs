@@ -159,6 +159,11 @@ impl Agent<'_> {
         self.child.as_ref().map_or(0, Child::id)
     }
 
+    /// What the agent has logged so far.
+    pub(crate) fn log_text(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
     /// An error about this agent, pointing at its log.
     pub(crate) fn error(&self, what: &str) -> String {
         self.lab.keep();
