@@ -13,23 +13,28 @@
 //! process name and `<n>` a number unique in the subtree: two instances of one process
 //! (an overlapping update) never share a cgroup.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::fs;
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{OwnedFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime};
 
-use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify, WatchDescriptor};
 use tether_state::ResourceLimits;
-use tokio::io::unix::AsyncFd;
-use tokio::sync::oneshot;
+
+mod events;
+
+use events::Events;
 
 /// The controllers whose limits and accounting a subtree uses.
 const CONTROLLERS: [&str; 3] = ["cpu", "memory", "pids"];
+
+/// The leaf an agent moves itself to when its own cgroup must enable controllers for its
+/// subtree (the "no internal processes" rule).
+const AGENT_LEAF: &str = "tether-agent";
 
 /// How long a killed cgroup may take to empty before the sweep gives up on it (a process
 /// in uninterruptible sleep dies only when it wakes).
@@ -136,6 +141,7 @@ impl Cgroups {
         let mountinfo = fs::read_to_string("/proc/self/mountinfo")
             .map_err(|error| CgroupUnavailable::new(format!("cannot read /proc/self/mountinfo: {error}")))?;
         let mounts = cgroup2_mounts(&mountinfo);
+        let own = base.is_none();
         let base = match base {
             Some(base) => {
                 if !is_cgroup2(base) {
@@ -153,7 +159,12 @@ impl Cgroups {
                     return Err(CgroupUnavailable::new("this process is in no cgroup2 cgroup"));
                 };
                 let below = path.strip_prefix(root.as_str()).unwrap_or(path).trim_start_matches('/');
-                mount.join(below)
+                let own = mount.join(below);
+                // An agent that moved itself to its leaf: its subtree is beside it.
+                match own.parent() {
+                    Some(parent) if own.file_name().is_some_and(|name| name == AGENT_LEAF) => parent.to_owned(),
+                    _ => own,
+                }
             }
         };
         let Some((mount, root)) =
@@ -171,7 +182,7 @@ impl Cgroups {
         }
         let below = dir.strip_prefix(mount).unwrap_or(&dir).to_string_lossy().into_owned();
         let dir_in_hierarchy = format!("{}/{below}", root.trim_end_matches('/'));
-        let controllers = enable_controllers(&base, &dir);
+        let controllers = enable_controllers(&base, &dir, own);
         let next = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_micros() as u64;
         let tree = Tree {
             dir,
@@ -501,15 +512,41 @@ fn write_limits(dir: &Path, limits: &ResourceLimits, controllers: &[String]) -> 
 /// `cgroup.subtree_control` (refused when `base` holds processes and is not the root: the
 /// "no internal processes" rule), then in `dir`'s, which holds none. Returns what the
 /// instances' cgroups get.
-fn enable_controllers(base: &Path, dir: &Path) -> Vec<String> {
+///
+/// `own`: `base` is this process's own cgroup. If it holds this process and so refuses a
+/// controller, the process moves to a leaf of its own, [`AGENT_LEAF`], as systemd asks of
+/// a service with `Delegate=yes`, and tries again.
+fn enable_controllers(base: &Path, dir: &Path, own: bool) -> Vec<String> {
     let words = |path: &Path| -> Vec<String> {
         fs::read_to_string(path).unwrap_or_default().split_whitespace().map(str::to_owned).collect()
     };
     let available = words(&base.join("cgroup.controllers"));
     let enabled_in_base = words(&base.join("cgroup.subtree_control"));
+    let mut moved = false;
     for controller in CONTROLLERS {
         if available.iter().any(|c| c == controller) && !enabled_in_base.iter().any(|c| c == controller) {
-            if let Err(error) = fs::write(base.join("cgroup.subtree_control"), format!("+{controller}")) {
+            let enable = || fs::write(base.join("cgroup.subtree_control"), format!("+{controller}"));
+            let mut result = enable();
+            if own && !moved && result.as_ref().is_err_and(|e| e.raw_os_error() == Some(libc::EBUSY)) {
+                moved = true;
+                let leaf = base.join(AGENT_LEAF);
+                let entered = match fs::create_dir(&leaf) {
+                    Ok(()) => Ok(()),
+                    Err(error) if error.kind() == io::ErrorKind::AlreadyExists => Ok(()),
+                    Err(error) => Err(error),
+                }
+                .and_then(|()| fs::write(leaf.join("cgroup.procs"), b"0"));
+                match entered {
+                    Ok(()) => {
+                        tracing::info!(cgroup = %leaf.display(), "moved to a cgroup of its own, to enable controllers");
+                        result = enable();
+                    }
+                    Err(error) => {
+                        tracing::info!(cgroup = %leaf.display(), %error, "cannot move to a cgroup of its own")
+                    }
+                }
+            }
+            if let Err(error) = result {
                 tracing::info!(%controller, base = %base.display(), %error, "cannot enable a cgroup controller");
             }
         }
@@ -559,67 +596,6 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// One inotify instance that tells waiters when a `cgroup.events` file changes.
-struct Events {
-    inotify: Arc<AsyncFd<InotifyFd>>,
-    waiting: Arc<Mutex<HashMap<WatchDescriptor, Vec<oneshot::Sender<()>>>>>,
-}
-
-struct InotifyFd(Inotify);
-
-impl AsRawFd for InotifyFd {
-    fn as_raw_fd(&self) -> RawFd {
-        use std::os::fd::AsFd;
-        self.0.as_fd().as_raw_fd()
-    }
-}
-
-impl Events {
-    fn start() -> io::Result<Self> {
-        let inotify = Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC)?;
-        #[allow(unsafe_code)]
-        // SAFETY: the `AsyncFd` owns the `Inotify`, which owns its fd: the fd stays open
-        // and unchanged until the `AsyncFd` is dropped, and `as_raw_fd` always returns it.
-        let inotify = unsafe { AsyncFd::register_with_interest(InotifyFd(inotify), tokio::io::Interest::READABLE) }?;
-        let inotify = Arc::new(inotify);
-        let waiting: Arc<Mutex<HashMap<WatchDescriptor, Vec<oneshot::Sender<()>>>>> = Arc::default();
-        let (reader, woken) = (Arc::clone(&inotify), Arc::clone(&waiting));
-        tokio::spawn(async move {
-            loop {
-                let mut ready = match reader.readable().await {
-                    Ok(ready) => ready,
-                    Err(error) => {
-                        tracing::error!(%error, "inotify failed; cgroups are no longer watched");
-                        return;
-                    }
-                };
-                match ready.try_io(|inner| inner.get_ref().0.read_events().map_err(io::Error::from)) {
-                    Ok(Ok(events)) => {
-                        let mut waiting = lock(&woken);
-                        for event in events {
-                            for waiter in waiting.remove(&event.wd).unwrap_or_default() {
-                                let _gone = waiter.send(());
-                            }
-                        }
-                    }
-                    Ok(Err(error)) => tracing::warn!(%error, "failed to read inotify events"),
-                    Err(_would_block) => {}
-                }
-            }
-        });
-        Ok(Self { inotify, waiting })
-    }
-
-    /// A receiver that completes at the next change of `file`.
-    fn watch(&self, file: &Path) -> io::Result<oneshot::Receiver<()>> {
-        let (sender, receiver) = oneshot::channel();
-        let mut waiting = lock(&self.waiting);
-        let wd = self.inotify.get_ref().0.add_watch(file, AddWatchFlags::IN_MODIFY)?;
-        waiting.entry(wd).or_default().push(sender);
-        Ok(receiver)
-    }
-}
-
 /// Writes `0` into the cgroup's `cgroup.procs` from the forked child, before its exec:
 /// the child enters the cgroup before its program can fork.
 ///
@@ -635,85 +611,4 @@ pub(crate) unsafe fn enter(procs: RawFd) -> io::Result<()> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn mountinfo_names_the_cgroup2_mounts() {
-        let mountinfo = "31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755\n\
-                         32 31 0:29 / /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu\n\
-                         41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw\n";
-        assert_eq!(cgroup2_mounts(mountinfo), vec![(PathBuf::from("/sys/fs/cgroup/unified"), "/".to_owned())]);
-    }
-
-    #[test]
-    fn a_subtree_name_depends_only_on_the_owner() {
-        assert_eq!(fnv1a(b""), 0xcbf2_9ce4_8422_2325);
-        assert_eq!(fnv1a(b"/var/lib/tether"), fnv1a(b"/var/lib/tether"));
-        assert_ne!(fnv1a(b"/var/lib/tether"), fnv1a(b"/var/lib/tether2"));
-    }
-
-    /// A fake cgroup directory: the files the limits are written to.
-    fn fake(controllers: &[&str]) -> (tempfile::TempDir, Cgroups) {
-        let temp = tempfile::tempdir().unwrap();
-        let dir = temp.path().join("tether-test");
-        fs::create_dir(&dir).unwrap();
-        let tree = Tree {
-            dir,
-            dir_in_hierarchy: "/tether-test".to_owned(),
-            controllers: controllers.iter().map(|c| (*c).to_owned()).collect(),
-            claimed: Mutex::default(),
-            next: AtomicU64::new(1),
-            events: OnceLock::new(),
-        };
-        (temp, Cgroups { tree: Arc::new(tree) })
-    }
-
-    fn limits(memory: Option<u64>, cpus: Option<f64>, pids: Option<u64>) -> ResourceLimits {
-        ResourceLimits {
-            memory_max: memory,
-            cpus: cpus.map(|c| tether_state::CpuLimit::from_cores(c).unwrap()),
-            pids_max: pids,
-        }
-    }
-
-    #[test]
-    fn limits_are_written_as_the_kernel_reads_them_and_none_is_max() {
-        let (_temp, cgroups) = fake(&["cpu", "memory", "pids"]);
-        let dir = cgroups.dir().join("web-proxy@1");
-        fs::create_dir(&dir).unwrap();
-        cgroups.set_limits("web-proxy@1", &limits(Some(256 << 20), Some(0.5), Some(512))).unwrap();
-        let read = |file: &str| fs::read_to_string(dir.join(file)).unwrap();
-        assert_eq!(read("memory.max"), "268435456");
-        assert_eq!(read("cpu.max"), "50000 100000");
-        assert_eq!(read("pids.max"), "512");
-        cgroups.set_limits("web-proxy@1", &ResourceLimits::default()).unwrap();
-        assert_eq!(read("memory.max"), "max");
-        assert_eq!(read("cpu.max"), "max 100000");
-        assert_eq!(read("pids.max"), "max");
-    }
-
-    #[test]
-    fn a_limit_without_its_controller_names_the_controller_and_writes_nothing() {
-        let (_temp, cgroups) = fake(&["pids"]);
-        let dir = cgroups.dir().join("web-proxy@1");
-        fs::create_dir(&dir).unwrap();
-        let error = cgroups.set_limits("web-proxy@1", &limits(Some(64 << 20), None, Some(8))).unwrap_err();
-        let message = error.to_string();
-        assert!(message.starts_with("memory_max needs the cgroup memory controller"), "{message}");
-        assert!(message.ends_with("(enabled: pids)"), "{message}");
-        assert!(!dir.join("pids.max").exists());
-        let error = fake(&[]).1.check_controllers(&limits(None, Some(1.0), None)).unwrap_err();
-        assert!(
-            error.to_string().contains("cpus needs the cgroup cpu controller") && error.to_string().contains("none")
-        );
-    }
-
-    #[test]
-    fn a_new_cgroup_with_a_limit_it_cannot_have_is_not_created() {
-        let (_temp, cgroups) = fake(&[]);
-        assert!(cgroups.create("web-proxy", &limits(None, None, Some(8))).is_err());
-        assert_eq!(fs::read_dir(cgroups.dir()).unwrap().count(), 0);
-        assert!(lock(&cgroups.tree.claimed).is_empty());
-    }
-}
+mod tests;

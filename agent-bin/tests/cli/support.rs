@@ -215,6 +215,32 @@ impl Drop for Agent {
             let _ = child.wait();
         }
         kill_proxies_of(&self.socket);
+        remove_cgroup_subtree(&self.logs());
+    }
+}
+
+/// Kills whatever is left in the cgroup subtree that an agent's `logs` name (its proxies'
+/// daemonised helpers included) and removes the subtree, so that tests leave no cgroups
+/// behind.
+pub fn remove_cgroup_subtree(logs: &str) {
+    let subtree = logs.lines().filter(|line| line.contains("a cgroup per proxy")).find_map(|line| {
+        let value: serde_json::Value = serde_json::from_str(line).ok()?;
+        value["subtree"].as_str().map(PathBuf::from)
+    });
+    let Some(subtree) = subtree else { return };
+    let _ = std::fs::write(subtree.join("cgroup.kill"), "1");
+    let start = Instant::now();
+    loop {
+        let children: Vec<PathBuf> = std::fs::read_dir(&subtree)
+            .map(|entries| entries.flatten().map(|e| e.path()).filter(|path| path.is_dir()).collect())
+            .unwrap_or_default();
+        for child in &children {
+            let _ = std::fs::remove_dir(child);
+        }
+        if std::fs::remove_dir(&subtree).is_ok() || !subtree.exists() || start.elapsed() > DEADLINE {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
     }
 }
 

@@ -126,10 +126,41 @@ impl Drop for Lab {
                 let _ = sys::signal(pid, sys::SIGKILL);
             }
         }
+        // The agents' cgroup subtrees: killed and removed, as the agents left them.
+        for entry in fs::read_dir(&self.dir).into_iter().flatten().flatten() {
+            let name = entry.file_name();
+            if name.to_string_lossy().starts_with("agent-") {
+                remove_cgroup_subtree(&fs::read_to_string(entry.path()).unwrap_or_default());
+            }
+        }
         if *self.keep.lock().unwrap_or_else(|e| e.into_inner()) {
             eprintln!("xtask: bench: kept {} for its logs", self.dir.display());
         } else {
             let _ = fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+/// Kills whatever is left in the cgroup subtree that an agent's log names, and removes it.
+fn remove_cgroup_subtree(log: &str) {
+    let Some(subtree) = log
+        .lines()
+        .filter(|line| line.contains("a cgroup per proxy"))
+        .find_map(|line| line.split_whitespace().find_map(|word| word.strip_prefix("subtree=")))
+        .map(PathBuf::from)
+    else {
+        return;
+    };
+    let _ = fs::write(subtree.join("cgroup.kill"), "1");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while subtree.exists() && Instant::now() < deadline {
+        for entry in fs::read_dir(&subtree).into_iter().flatten().flatten() {
+            if entry.path().is_dir() {
+                let _ = fs::remove_dir(entry.path());
+            }
+        }
+        if fs::remove_dir(&subtree).is_err() {
+            thread::sleep(Duration::from_millis(10));
         }
     }
 }
