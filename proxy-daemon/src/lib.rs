@@ -56,8 +56,8 @@ mod spec;
 mod status;
 mod supervisor;
 
-pub use backend::{AgentEnvironment, BUILT_IN_PROXY_ARG, OsProcessBackend};
 #[cfg(feature = "manager")]
+pub use backend::{AgentEnvironment, BUILT_IN_PROXY_ARG, OsProcessBackend};
 pub use cgroup::{CgroupError, CgroupUnavailable, Cgroups, Usage};
 pub use error::{DetachError, InvalidName, SpawnError};
 pub use listen::{ListenError, bind as bind_listener, listens_on};
