@@ -77,7 +77,8 @@ fn open_cgroups(choice: &CgroupChoice, data: &DataDir) -> Option<Cgroups> {
     let owner = std::path::absolute(data.root()).unwrap_or_else(|_| data.root().to_owned());
     match Cgroups::open(base, &owner) {
         Ok(cgroups) => {
-            let controllers = cgroups.controllers().join(" ");
+            let controllers =
+                if cgroups.controllers().is_empty() { "none".to_owned() } else { cgroups.controllers().join(" ") };
             tracing::info!(subtree = %cgroups.dir().display(), controllers = %controllers, "a cgroup per proxy");
             Some(cgroups)
         }
