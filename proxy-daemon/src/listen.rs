@@ -131,6 +131,7 @@ pub fn listens_on(fd: &impl AsFd, address: &ListenAddress) -> bool {
 /// # Errors
 ///
 /// When `/proc/<pid>/fd` cannot be read.
+#[cfg_attr(not(feature = "manager"), allow(dead_code))] // the engine adapter's
 pub(crate) fn take_listening(pidfd: &Pidfd, pid: u32) -> io::Result<Vec<OwnedFd>> {
     let mut taken = Vec::new();
     for entry in std::fs::read_dir(format!("/proc/{pid}/fd"))? {
@@ -153,6 +154,7 @@ pub(crate) fn take_listening(pidfd: &Pidfd, pid: u32) -> io::Result<Vec<OwnedFd>
 }
 
 /// `pidfd_getfd(2)`: a close-on-exec copy of descriptor `number` of the process.
+#[cfg_attr(not(feature = "manager"), allow(dead_code))]
 fn get_fd(pidfd: &Pidfd, number: i32) -> io::Result<OwnedFd> {
     #[allow(unsafe_code)]
     // SAFETY: pidfd_getfd takes a pidfd, a descriptor number and flags, and returns a new

@@ -167,6 +167,7 @@ impl Pidfd {
     }
 
     /// The pidfd's descriptor, for system calls that take one.
+    #[cfg_attr(not(feature = "manager"), allow(dead_code))]
     pub(crate) fn as_raw_fd(&self) -> std::os::fd::RawFd {
         self.0.as_raw_fd()
     }

@@ -114,6 +114,21 @@ struct Credentials {
 ///
 /// Must be called from within a tokio runtime.
 pub(crate) fn spawn(spec: &ProcessSpec, cgroup: Option<&OwnedFd>) -> Result<Spawned, SpawnError> {
+    spawn_as(spec, cgroup, Birth::IntoCgroup)
+}
+
+/// How a child gets into its cgroup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Birth {
+    /// Born there (`clone3`), unless that is refused.
+    IntoCgroup,
+    /// It writes itself into `cgroup.procs` before its exec: the way where `clone3` is
+    /// refused, chosen directly by the tests of that way.
+    #[cfg_attr(not(test), allow(dead_code))]
+    EnteringCgroup,
+}
+
+fn spawn_as(spec: &ProcessSpec, cgroup: Option<&OwnedFd>, birth: Birth) -> Result<Spawned, SpawnError> {
     if !spec.program.is_absolute() {
         // There is no `PATH` search: a relative name would be found relative to the working
         // directory, which is rarely what was meant.
@@ -178,7 +193,9 @@ pub(crate) fn spawn(spec: &ProcessSpec, cgroup: Option<&OwnedFd>) -> Result<Spaw
         let handed: Vec<OwnedFd> = fds.collect();
         let mut exec = exec;
         let mut procs = None;
-        if let (Some(cgroup), Some(exec), Some(dir)) = (&cgroup, exec.as_mut(), dir_c) {
+        if let (Some(cgroup), Birth::EnteringCgroup) = (&cgroup, birth) {
+            procs = Some(open_procs(cgroup)?);
+        } else if let (Some(cgroup), Some(exec), Some(dir)) = (&cgroup, exec.as_mut(), dir_c) {
             let pairs: Vec<(RawFd, RawFd)> =
                 handed.iter().map(AsRawFd::as_raw_fd).zip(targets.iter().copied()).collect();
             let mut plan = clone::ChildPlan {
@@ -460,6 +477,46 @@ mod tests {
     use tether_state::persist::DataDir;
 
     use super::*;
+
+    /// Both ways into a cgroup, as root where cgroup2 is writable: the child is in its
+    /// cgroup from its exec on, and a program that cannot run is an error that leaves no
+    /// process behind.
+    #[tokio::test]
+    #[allow(clippy::print_stderr)] // a skipped test says why
+    async fn a_child_is_in_its_cgroup_whichever_way_it_got_there() {
+        let temp = tempfile::tempdir().unwrap();
+        let cgroups = match crate::cgroup::Cgroups::open(None, temp.path()) {
+            Ok(cgroups) => cgroups,
+            Err(unavailable) => {
+                eprintln!("skipped: {unavailable}");
+                return;
+            }
+        };
+        let data = DataDir::open(temp.path().join("data")).unwrap();
+        for birth in [Birth::IntoCgroup, Birth::EnteringCgroup] {
+            let name = crate::spec::ProcessName::new("cgroup-proxy").unwrap();
+            let cgroup = cgroups.create(name.as_str(), &tether_state::ResourceLimits::default()).unwrap();
+            let mut spec = ProcessSpec::new(name.clone(), "/bin/sleep", &data);
+            spec.args = vec!["30".into()];
+            let Spawned { mut child, pid, .. } = spawn_as(&spec, Some(&cgroup.dir), birth).unwrap();
+            let member = cgroups.membership(pid);
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL);
+            child.wait().unwrap();
+            assert_eq!(member.unwrap().as_deref(), Some(&*cgroup.name), "{birth:?}");
+
+            let mut missing = ProcessSpec::new(name, "/nonexistent/program", &data);
+            missing.args = Vec::new();
+            let error = spawn_as(&missing, Some(&cgroup.dir), birth).unwrap_err();
+            assert!(
+                matches!(&error, SpawnError::Exec { source, .. } if source.raw_os_error() == Some(libc::ENOENT)),
+                "{birth:?}: {error:?}"
+            );
+            cgroups.sweep(&cgroup.name).await;
+        }
+        // Nothing was left in the cgroups, so the subtree goes.
+        cgroups.remove_if_empty();
+        assert!(!cgroups.dir().exists());
+    }
 
     #[test]
     fn a_link_planted_at_a_log_file_is_replaced_and_its_target_left_alone() {
