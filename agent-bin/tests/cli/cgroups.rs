@@ -213,3 +213,50 @@ fn a_limit_is_written_in_place_or_fails_the_proxy_naming_its_controller() {
     });
     assert_eq!(agent.proxy("web-proxy").unwrap()["pid"].as_i64(), Some(pid), "not restarted");
 }
+
+/// The subtree an agent logged at its start.
+fn subtree(agent: &Agent) -> PathBuf {
+    let logs = agent.logs();
+    let line = logs.lines().find(|line| line.contains("a cgroup per proxy")).unwrap_or_else(|| panic!("{logs}"));
+    let line: serde_json::Value = serde_json::from_str(line).unwrap();
+    PathBuf::from(line["subtree"].as_str().unwrap())
+}
+
+#[test]
+fn agents_with_different_data_dirs_never_touch_each_others_cgroups() {
+    needs_cgroups!();
+    let (first_dirs, second_dirs) = (Dirs::new(), Dirs::new());
+    let _sweeps = (SweepOnDrop(first_dirs.socket()), SweepOnDrop(second_dirs.socket()));
+    first_dirs.write_config("a.toml", &sleeper("web"));
+    let first = Agent::start(&first_dirs, &["--allow-root"]);
+    let pid = first.wait_state("web-proxy", "running")["pid"].as_i64().unwrap();
+
+    // A second agent, whose subtree holds an orphan of its own to sweep at its start.
+    let addr = free_loopback_addr();
+    second_dirs.write_config("a.toml", &daemonising("daemon", &addr));
+    let mut second = Agent::start(&second_dirs, &["--allow-root"]);
+    let main = second.wait_state("daemon-proxy", "running")["pid"].as_i64().unwrap();
+    wait_for("the orphan-to-be to listen", || listening(&addr).then_some(()));
+    second.signal(Signal::SIGKILL);
+    let _ = second.wait();
+    kill(Pid::from_raw(i32::try_from(main).unwrap()), Signal::SIGKILL).unwrap();
+    std::fs::remove_file(second_dirs.config.join("a.toml")).unwrap();
+    let second = Agent::start(&second_dirs, &["--allow-root"]);
+    wait_for("the second agent's orphan to be stopped", || (!listening(&addr)).then_some(()));
+
+    // Side by side under the same cgroup, each in its own subtree.
+    assert_eq!(subtree(&first).parent(), subtree(&second).parent());
+    assert_ne!(subtree(&first), subtree(&second));
+    let web = first.proxy("web-proxy").unwrap();
+    assert_eq!(
+        (web["state"].as_str(), web["pid"].as_i64(), web["restarts"].as_u64()),
+        (Some("running"), Some(pid), Some(0))
+    );
+    assert!(web["resources"]["cpu_seconds"].is_number(), "still in its cgroup: {web}");
+
+    // The second agent's leave removes its subtree, and only its own.
+    tether().args(["leave", "--data-dir"]).arg(&second_dirs.data).assert().code(0);
+    wait_for("the second subtree to go", || (!subtree(&second).exists()).then_some(()));
+    assert!(subtree(&first).exists());
+    assert!(alive(pid));
+}
