@@ -216,11 +216,17 @@ impl Cgroups {
         let dir = self.tree.dir.join(name);
         let cpu = fs::read_to_string(dir.join("cpu.stat")).ok()?;
         let usec: u64 = cpu.lines().find_map(|line| line.strip_prefix("usage_usec "))?.trim().parse().ok()?;
-        let number = |file: &str| fs::read_to_string(dir.join(file)).ok()?.trim().parse().ok();
+        // Only the files of enabled controllers exist: the others are not looked for.
+        let number = |controller: &str, file: &str| {
+            if !self.tree.controllers.iter().any(|c| c == controller) {
+                return None;
+            }
+            fs::read_to_string(dir.join(file)).ok()?.trim().parse().ok()
+        };
         Some(Usage {
             cpu_seconds: usec as f64 / 1e6,
-            memory_bytes: number("memory.current"),
-            tasks: number("pids.current"),
+            memory_bytes: number("memory", "memory.current"),
+            tasks: number("pids", "pids.current"),
         })
     }
 
@@ -243,7 +249,7 @@ impl Cgroups {
     /// opens its directory for the child to be born in.
     pub(crate) fn create(&self, process: &str, limits: &ResourceLimits) -> Result<NewCgroup, CgroupError> {
         self.check_controllers(limits)?;
-        let (name, dir) = loop {
+        let name = loop {
             let n = self.tree.next.fetch_add(1, Ordering::Relaxed);
             let name: Box<str> = format!("{process}@{n:x}").into();
             if !self.claim(&name) {
@@ -251,7 +257,7 @@ impl Cgroups {
             }
             let dir = self.tree.dir.join(&*name);
             match fs::create_dir(&dir) {
-                Ok(()) => break (name, dir),
+                Ok(()) => break name,
                 // Left by an earlier owner: it is swept as unclaimed; take another number.
                 Err(error) if error.kind() == io::ErrorKind::AlreadyExists => self.unclaim(&name),
                 Err(source) => {
@@ -260,14 +266,7 @@ impl Cgroups {
                 }
             }
         };
-        let opened = write_limits(&dir, limits, &self.tree.controllers).and_then(|()| open_dir(&dir));
-        match opened {
-            Ok(handle) => Ok(NewCgroup { name, dir: handle }),
-            Err(error) => {
-                self.remove_empty(&name);
-                Err(error)
-            }
-        }
+        self.prepare(name, limits)
     }
 
     /// Writes `limits` into instance cgroup `name`, in place.
@@ -320,62 +319,71 @@ impl Cgroups {
     /// `cgroup.events` says it is empty, and removes it. A daemonised grandchild that
     /// left the instance's process group dies with the rest.
     pub(crate) async fn sweep(&self, name: &str) {
-        if self.empty(name).await {
+        if matches!(self.empty(name).await, Emptied::Already | Emptied::ByKill) {
             self.remove_empty(name);
         }
     }
 
     /// Whether instance cgroup `name`, whose main process has exited, is empty and may take
-    /// the next instance of its process as it is. Otherwise it is swept ([`Cgroups::sweep`]),
-    /// and `false`: a cgroup that was killed through `cgroup.kill` is not used again, as
-    /// processes born into it right after a kill have been seen to die of it.
+    /// the next instance of its process as it is. Otherwise it is swept, and `false`: a
+    /// cgroup that was killed through `cgroup.kill` is not used again, as processes born
+    /// into it right after a kill have been seen to die of it.
     pub(crate) async fn reusable(&self, name: &str) -> bool {
-        let events = self.tree.dir.join(name).join("cgroup.events");
-        if matches!(populated(&events), Ok(false)) && self.tree.dir.join(name).exists() {
-            return true;
+        match self.empty(name).await {
+            Emptied::Already => true,
+            Emptied::ByKill => {
+                self.remove_empty(name);
+                false
+            }
+            Emptied::Not => false,
         }
-        self.sweep(name).await;
-        false
     }
 
-    /// Kills what is left in instance cgroup `name` and waits until it is empty: `true`
-    /// then; `false` when it is gone or still holds processes (it is then let go, and left
-    /// where it is).
-    async fn empty(&self, name: &str) -> bool {
+    /// Kills what is left in instance cgroup `name` and waits until it is empty. When it is
+    /// gone, or still holds processes, it is let go (and left where it is).
+    async fn empty(&self, name: &str) -> Emptied {
         let dir = self.tree.dir.join(name);
-        let events = dir.join("cgroup.events");
         // Usually only the main process was in it, and it has exited: nothing to kill.
-        if matches!(populated(&events), Ok(false)) {
+        if matches!(populated(&dir.join("cgroup.events")), Ok(false)) {
             if dir.exists() {
-                return true;
+                return Emptied::Already;
             }
             self.unclaim(name);
-            return false;
+            return Emptied::Not;
         }
         match fs::write(dir.join("cgroup.kill"), b"1") {
             Ok(()) => {}
             Err(_) if !dir.exists() => {
                 self.unclaim(name);
-                return false;
+                return Emptied::Not;
             }
             // A kernel before 5.14 has no `cgroup.kill`.
             Err(error) if error.kind() == io::ErrorKind::NotFound => kill_frozen(&dir),
             Err(error) => tracing::warn!(cgroup = %dir.display(), %error, "cannot kill cgroup"),
         }
         match tokio::time::timeout(EMPTY_TIMEOUT, self.wait_empty(&dir)).await {
-            Ok(Ok(())) => return true,
+            Ok(Ok(())) => return Emptied::ByKill,
             Ok(Err(error)) => tracing::warn!(cgroup = %dir.display(), %error, "cannot watch cgroup; leaving it"),
             Err(_) => tracing::warn!(cgroup = %dir.display(), "cgroup still populated after a kill; leaving it"),
         }
         self.unclaim(name);
-        false
+        Emptied::Not
     }
 
     /// Takes empty instance cgroup `name` (left by the previous instance of the process,
     /// [`Cgroups::reusable`]) for a new instance, with `limits` written: a restart costs no
     /// removal and creation.
     pub(crate) fn reuse(&self, name: Box<str>, limits: &ResourceLimits) -> Result<NewCgroup, CgroupError> {
-        self.check_controllers(limits)?;
+        if let Err(error) = self.check_controllers(limits) {
+            self.remove_empty(&name);
+            return Err(error);
+        }
+        self.prepare(name, limits)
+    }
+
+    /// Writes `limits` into claimed, empty instance cgroup `name` and opens it for a child;
+    /// on failure the cgroup is removed and its name let go.
+    fn prepare(&self, name: Box<str>, limits: &ResourceLimits) -> Result<NewCgroup, CgroupError> {
         let dir = self.tree.dir.join(&*name);
         let opened = write_limits(&dir, limits, &self.tree.controllers).and_then(|()| open_dir(&dir));
         match opened {
@@ -439,6 +447,16 @@ impl Cgroups {
             let _ = changed.await;
         }
     }
+}
+
+/// How an instance cgroup ended up after [`Cgroups::empty`].
+enum Emptied {
+    /// Nothing was left in it.
+    Already,
+    /// What was left in it was killed.
+    ByKill,
+    /// It is gone, or still holds processes; its name has been let go.
+    Not,
 }
 
 /// A cgroup made for an instance that does not exist yet.

@@ -350,6 +350,24 @@ struct Exec {
 
 const LISTEN_PID_PREFIX: &[u8] = b"LISTEN_PID=";
 
+/// Completes `buffer` (`LISTEN_PID=` and room) with `pid` in decimal and a NUL, without
+/// allocating: it runs in a child between its birth and its exec.
+fn write_listen_pid(buffer: &mut [u8; 32], mut pid: u32) {
+    let mut digits = [0u8; 10];
+    let mut start = digits.len();
+    loop {
+        start -= 1;
+        digits[start] = b'0' + (pid % 10) as u8;
+        pid /= 10;
+        if pid == 0 {
+            break;
+        }
+    }
+    let end = LISTEN_PID_PREFIX.len() + digits.len() - start;
+    buffer[LISTEN_PID_PREFIX.len()..end].copy_from_slice(&digits[start..]);
+    buffer[end] = 0;
+}
+
 impl Exec {
     fn new(spec: &ProcessSpec) -> io::Result<Self> {
         use std::os::unix::ffi::OsStrExt;
@@ -404,22 +422,8 @@ fn exec_with_listen_pid(command: &mut std::process::Command, mut exec: Exec) {
             // The whole struct, not only the fields used below: `_strings` must live as
             // long as the pointers to it (a closure would capture fields one by one).
             let exec = &mut exec;
-            let mut digits = [0u8; 20];
-            let mut pid = libc::getpid().unsigned_abs();
-            let mut start = digits.len();
-            loop {
-                start -= 1;
-                digits[start] = b'0' + (pid % 10) as u8;
-                pid /= 10;
-                if pid == 0 {
-                    break;
-                }
-            }
-            let written = &digits[start..];
-            let end = LISTEN_PID_PREFIX.len() + written.len();
             if let Some(listen_pid) = exec.listen_pid.as_mut() {
-                listen_pid[LISTEN_PID_PREFIX.len()..end].copy_from_slice(written);
-                listen_pid[end] = 0;
+                write_listen_pid(listen_pid, libc::getpid().unsigned_abs());
                 exec.envp[exec.listen_pid_slot] = listen_pid.as_ptr() as usize;
             }
             libc::execve(
@@ -516,6 +520,18 @@ mod tests {
         // Nothing was left in the cgroups, so the subtree goes.
         cgroups.remove_if_empty();
         assert!(!cgroups.dir().exists());
+    }
+
+    #[test]
+    fn listen_pid_is_written_in_decimal_and_terminated() {
+        for (pid, text) in [(7, "LISTEN_PID=7"), (4_194_304, "LISTEN_PID=4194304"), (u32::MAX, "LISTEN_PID=4294967295")]
+        {
+            let mut buffer = [0xffu8; 32];
+            buffer[..LISTEN_PID_PREFIX.len()].copy_from_slice(LISTEN_PID_PREFIX);
+            write_listen_pid(&mut buffer, pid);
+            let written = std::ffi::CStr::from_bytes_until_nul(&buffer).unwrap();
+            assert_eq!(written.to_str().unwrap(), text);
+        }
     }
 
     #[test]

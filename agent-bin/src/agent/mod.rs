@@ -64,12 +64,13 @@ pub(crate) enum CgroupChoice {
     Off,
 }
 
-/// The proxies' cgroup subtree, or `None` with the reason logged once.
-fn open_cgroups(choice: &CgroupChoice, data: &DataDir) -> Option<Cgroups> {
+/// The proxies' cgroup subtree, or `None` with the reason logged once. A `--cgroup-root`
+/// that cannot be used is a usage error: the operator asked for it by name.
+fn open_cgroups(choice: &CgroupChoice, data: &DataDir) -> Result<Option<Cgroups>, UsageError> {
     let base = match choice {
         CgroupChoice::Off => {
             tracing::info!("cgroups off (--no-cgroups): proxies are fenced by process groups");
-            return None;
+            return Ok(None);
         }
         CgroupChoice::Own => None,
         CgroupChoice::Under(dir) => Some(dir.as_path()),
@@ -80,11 +81,12 @@ fn open_cgroups(choice: &CgroupChoice, data: &DataDir) -> Option<Cgroups> {
             let controllers =
                 if cgroups.controllers().is_empty() { "none".to_owned() } else { cgroups.controllers().join(" ") };
             tracing::info!(subtree = %cgroups.dir().display(), controllers = %controllers, "a cgroup per proxy");
-            Some(cgroups)
+            Ok(Some(cgroups))
         }
+        Err(unavailable) if base.is_some() => Err(UsageError(format!("--cgroup-root: {unavailable}"))),
         Err(unavailable) => {
             tracing::warn!(reason = %unavailable, "cgroups unavailable: proxies are fenced by process groups");
-            None
+            Ok(None)
         }
     }
 }
@@ -158,7 +160,7 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
     let socket_path = std::path::absolute(data.socket_path()).context("resolving the socket path")?;
     let environment =
         AgentEnvironment { socket: socket_path.clone(), http_addr: options.http_addr.map(|addr| addr.to_string()) };
-    let cgroups = open_cgroups(&options.cgroups, &data);
+    let cgroups = open_cgroups(&options.cgroups, &data)?;
     let backend = Arc::new(
         OsProcessBackend::with_cgroups(data.clone(), environment, cgroups.clone())
             .context("starting the process backend")?,

@@ -21,11 +21,7 @@ fn cgroups_unavailable() -> Option<String> {
     if !is_root() {
         return Some("not root".to_owned());
     }
-    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
-    let Some(mount) = mountinfo.lines().find_map(|line| {
-        let (before, after) = line.split_once(" - ")?;
-        (after.split_whitespace().next()? == "cgroup2").then(|| before.split_whitespace().nth(4).map(PathBuf::from))?
-    }) else {
+    let Some(mount) = cgroup2_mount() else {
         return Some("no cgroup2 file system is mounted".to_owned());
     };
     let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
@@ -38,6 +34,15 @@ fn cgroups_unavailable() -> Option<String> {
         }
         Err(error) => Some(format!("cannot create {}: {error}", probe.display())),
     }
+}
+
+/// Where the cgroup2 file system is mounted.
+fn cgroup2_mount() -> Option<PathBuf> {
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    mountinfo.lines().find_map(|line| {
+        let (before, after) = line.split_once(" - ")?;
+        (after.split_whitespace().next()? == "cgroup2").then(|| before.split_whitespace().nth(4).map(PathBuf::from))?
+    })
 }
 
 macro_rules! needs_cgroups {
@@ -71,18 +76,25 @@ fn listener_pid(socket: &std::path::Path) -> Option<i32> {
     proxies_of(socket).into_iter().find(|pid| cmdline(*pid).first().is_some_and(|program| program == "perl"))
 }
 
+/// An agent on `dirs` running proxy `daemon-proxy`, whose helper listens on `addr`; the
+/// main process's pid and the helper's.
+fn start_daemonising(dirs: &Dirs, addr: &str) -> (Agent, i64, i32) {
+    dirs.write_config("a.toml", &daemonising("daemon", addr));
+    let agent = Agent::start(dirs, &["--allow-root"]);
+    let main = agent.wait_state("daemon-proxy", "running")["pid"].as_i64().unwrap();
+    wait_for("the helper to listen", || listening(addr).then_some(()));
+    let helper = listener_pid(&dirs.socket()).expect("the listening helper");
+    (agent, main, helper)
+}
+
 #[test]
 fn a_daemonised_grandchild_holding_a_port_dies_with_each_instance_of_its_proxy() {
     needs_cgroups!();
     let dirs = Dirs::new();
     let _sweep = SweepOnDrop(dirs.socket());
     let addr = free_loopback_addr();
-    dirs.write_config("a.toml", &daemonising("daemon", &addr));
-    let mut agent = Agent::start(&dirs, &["--allow-root"]);
+    let (mut agent, first, grandchild) = start_daemonising(&dirs, &addr);
     assert!(agent.logs().contains("a cgroup per proxy"), "{}", agent.logs());
-    let first = agent.wait_state("daemon-proxy", "running")["pid"].as_i64().unwrap();
-    wait_for("the grandchild to listen", || listening(&addr).then_some(()));
-    let grandchild = listener_pid(&dirs.socket()).expect("the listening grandchild");
     let (pgid, sid) = pgid_and_sid(grandchild).unwrap();
     assert_eq!((pgid, sid), (grandchild, grandchild), "it left the proxy's process group and session");
 
@@ -117,11 +129,7 @@ fn an_agent_on_an_empty_data_dir_stops_the_orphans_in_its_cgroups() {
     let dirs = Dirs::new();
     let _sweep = SweepOnDrop(dirs.socket());
     let addr = free_loopback_addr();
-    dirs.write_config("a.toml", &daemonising("daemon", &addr));
-    let mut agent = Agent::start(&dirs, &["--allow-root"]);
-    let main = agent.wait_state("daemon-proxy", "running")["pid"].as_i64().unwrap();
-    wait_for("the grandchild to listen", || listening(&addr).then_some(()));
-    let grandchild = listener_pid(&dirs.socket()).expect("the listening grandchild");
+    let (mut agent, main, grandchild) = start_daemonising(&dirs, &addr);
 
     // The agent dies and its data dir is lost, and so does the proxy's main process: what is
     // left is a daemon that no pid file, snapshot or environment scan can name (it leads a
@@ -166,12 +174,16 @@ fn status_shows_the_cpu_time_of_a_busy_proxy_growing() {
     assert!(metrics.contains("tether_proxy_cpu_seconds_total{proxy=\"busy-proxy\",service=\"busy\"}"), "{metrics}");
 }
 
-/// The controllers the agent enabled for its proxies' cgroups, from its start-up line.
-fn controllers(agent: &Agent) -> Vec<String> {
+/// The agent's start-up line about its cgroups.
+fn cgroup_line(agent: &Agent) -> serde_json::Value {
     let logs = agent.logs();
     let line = logs.lines().find(|line| line.contains("a cgroup per proxy")).unwrap_or_else(|| panic!("{logs}"));
-    let line: serde_json::Value = serde_json::from_str(line).unwrap();
-    line["controllers"].as_str().unwrap().split_whitespace().map(str::to_owned).collect()
+    serde_json::from_str(line).unwrap()
+}
+
+/// The controllers the agent enabled for its proxies' cgroups.
+fn controllers(agent: &Agent) -> Vec<String> {
+    cgroup_line(agent)["controllers"].as_str().unwrap().split_whitespace().map(str::to_owned).collect()
 }
 
 #[test]
@@ -195,15 +207,7 @@ fn a_limit_is_written_in_place_or_fails_the_proxy_naming_its_controller() {
     let pid = running["pid"].as_i64().unwrap();
     let cgroup = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
     let path = cgroup.lines().find_map(|line| line.strip_prefix("0::")).unwrap().to_owned();
-    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
-    let mount = mountinfo
-        .lines()
-        .find_map(|line| {
-            let (before, after) = line.split_once(" - ")?;
-            (after.split_whitespace().next()? == "cgroup2")
-                .then(|| before.split_whitespace().nth(4).map(PathBuf::from))?
-        })
-        .unwrap();
+    let mount = cgroup2_mount().unwrap();
     let pids_max = mount.join(path.trim_start_matches('/')).join("pids.max");
     assert_eq!(std::fs::read_to_string(&pids_max).unwrap().trim(), "64");
     dirs.write_config("a.toml", &limited(32));
@@ -216,10 +220,7 @@ fn a_limit_is_written_in_place_or_fails_the_proxy_naming_its_controller() {
 
 /// The subtree an agent logged at its start.
 fn subtree(agent: &Agent) -> PathBuf {
-    let logs = agent.logs();
-    let line = logs.lines().find(|line| line.contains("a cgroup per proxy")).unwrap_or_else(|| panic!("{logs}"));
-    let line: serde_json::Value = serde_json::from_str(line).unwrap();
-    PathBuf::from(line["subtree"].as_str().unwrap())
+    PathBuf::from(cgroup_line(agent)["subtree"].as_str().unwrap())
 }
 
 #[test]
@@ -233,10 +234,7 @@ fn agents_with_different_data_dirs_never_touch_each_others_cgroups() {
 
     // A second agent, whose subtree holds an orphan of its own to sweep at its start.
     let addr = free_loopback_addr();
-    second_dirs.write_config("a.toml", &daemonising("daemon", &addr));
-    let mut second = Agent::start(&second_dirs, &["--allow-root"]);
-    let main = second.wait_state("daemon-proxy", "running")["pid"].as_i64().unwrap();
-    wait_for("the orphan-to-be to listen", || listening(&addr).then_some(()));
+    let (mut second, main, _) = start_daemonising(&second_dirs, &addr);
     second.signal(Signal::SIGKILL);
     let _ = second.wait();
     kill(Pid::from_raw(i32::try_from(main).unwrap()), Signal::SIGKILL).unwrap();
@@ -259,4 +257,25 @@ fn agents_with_different_data_dirs_never_touch_each_others_cgroups() {
     wait_for("the second subtree to go", || (!subtree(&second).exists()).then_some(()));
     assert!(subtree(&first).exists());
     assert!(alive(pid));
+}
+
+#[test]
+fn a_cgroup_root_that_is_not_a_cgroup2_directory_is_a_usage_error_naming_the_flag() {
+    let dirs = Dirs::new();
+    let not_a_cgroup = dirs.temp.path().to_owned();
+    let output = tether()
+        .args(["agent", "--config-dir"])
+        .arg(&dirs.config)
+        .arg("--data-dir")
+        .arg(&dirs.data)
+        .arg("--cgroup-root")
+        .arg(&not_a_cgroup)
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains(&format!("--cgroup-root: {} is not in a cgroup2 file system", not_a_cgroup.display())),
+        "{stderr}"
+    );
 }

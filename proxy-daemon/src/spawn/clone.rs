@@ -217,21 +217,8 @@ extern "C" fn child(plan: *mut ChildPlan) -> ! {
             }
         }
         if let Some((buffer, slot)) = plan.listen_pid.as_mut() {
-            let mut digits = [0u8; 20];
-            let mut pid = libc::syscall(libc::SYS_getpid).unsigned_abs();
-            let mut start = digits.len();
-            loop {
-                start -= 1;
-                digits[start] = b'0' + (pid % 10) as u8;
-                pid /= 10;
-                if pid == 0 {
-                    break;
-                }
-            }
-            let prefix = super::LISTEN_PID_PREFIX.len();
-            let end = prefix + digits.len() - start;
-            buffer[prefix..end].copy_from_slice(&digits[start..]);
-            buffer[end] = 0;
+            // A raw getpid: the child shares the parent's thread-local state.
+            super::write_listen_pid(buffer, libc::syscall(libc::SYS_getpid).unsigned_abs() as u32);
             let (address, slot) = (buffer.as_ptr().cast(), *slot);
             plan.envp[slot] = address;
         }

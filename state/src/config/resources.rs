@@ -1,6 +1,6 @@
 //! The schema of `memory_max`, `cpus` and `pids_max`, as read.
 
-use super::schema::ByteSize;
+use super::schema::deserialize_size;
 use super::*;
 
 /// `memory_max`: a size such as `"256MiB"`, or a number of bytes.
@@ -20,30 +20,7 @@ impl MemoryMax {
 
 impl<'de> Deserialize<'de> for MemoryMax {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct MemoryVisitor;
-
-        impl Visitor<'_> for MemoryVisitor {
-            type Value = MemoryMax;
-
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a size such as \"256MiB\" or a number of bytes")
-            }
-
-            fn visit_u64<E: de::Error>(self, bytes: u64) -> Result<MemoryMax, E> {
-                MemoryMax::checked(bytes).map_err(E::custom)
-            }
-
-            fn visit_i64<E: de::Error>(self, bytes: i64) -> Result<MemoryMax, E> {
-                let bytes = u64::try_from(bytes).map_err(|_| E::custom("a size cannot be negative"))?;
-                self.visit_u64(bytes)
-            }
-
-            fn visit_str<E: de::Error>(self, raw: &str) -> Result<MemoryMax, E> {
-                ByteSize::parse(raw).and_then(MemoryMax::checked).map_err(E::custom)
-            }
-        }
-
-        deserializer.deserialize_any(MemoryVisitor)
+        deserialize_size(deserializer, MemoryMax::checked)
     }
 }
 

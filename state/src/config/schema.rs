@@ -576,7 +576,7 @@ pub(super) struct ByteSize(u64);
 pub(super) const MIN_LOG_SIZE: u64 = 4096;
 
 impl ByteSize {
-    pub(super) fn parse(raw: &str) -> Result<u64, String> {
+    fn parse(raw: &str) -> Result<u64, String> {
         let raw = raw.trim();
         let split = raw.find(|c: char| !c.is_ascii_digit()).unwrap_or(raw.len());
         let (digits, unit) = raw.split_at(split);
@@ -610,31 +610,39 @@ impl ByteSize {
 
 impl<'de> Deserialize<'de> for ByteSize {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct SizeVisitor;
+        deserialize_size(deserializer, ByteSize::checked)
+    }
+}
 
-        impl Visitor<'_> for SizeVisitor {
-            type Value = ByteSize;
+/// A size given as a number of bytes or a string such as `"64MiB"`, then `check`ed.
+pub(super) fn deserialize_size<'de, D: Deserializer<'de>, T>(
+    deserializer: D,
+    check: fn(u64) -> Result<T, String>,
+) -> Result<T, D::Error> {
+    struct SizeVisitor<T>(fn(u64) -> Result<T, String>);
 
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a size such as \"64MiB\" or a number of bytes")
-            }
+    impl<T> Visitor<'_> for SizeVisitor<T> {
+        type Value = T;
 
-            fn visit_u64<E: de::Error>(self, bytes: u64) -> Result<ByteSize, E> {
-                ByteSize::checked(bytes).map_err(E::custom)
-            }
-
-            fn visit_i64<E: de::Error>(self, bytes: i64) -> Result<ByteSize, E> {
-                let bytes = u64::try_from(bytes).map_err(|_| E::custom("a size cannot be negative"))?;
-                self.visit_u64(bytes)
-            }
-
-            fn visit_str<E: de::Error>(self, raw: &str) -> Result<ByteSize, E> {
-                ByteSize::parse(raw).and_then(ByteSize::checked).map_err(E::custom)
-            }
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a size such as \"64MiB\" or a number of bytes")
         }
 
-        deserializer.deserialize_any(SizeVisitor)
+        fn visit_u64<E: de::Error>(self, bytes: u64) -> Result<T, E> {
+            (self.0)(bytes).map_err(E::custom)
+        }
+
+        fn visit_i64<E: de::Error>(self, bytes: i64) -> Result<T, E> {
+            let bytes = u64::try_from(bytes).map_err(|_| E::custom("a size cannot be negative"))?;
+            self.visit_u64(bytes)
+        }
+
+        fn visit_str<E: de::Error>(self, raw: &str) -> Result<T, E> {
+            ByteSize::parse(raw).and_then(self.0).map_err(E::custom)
+        }
     }
+
+    deserializer.deserialize_any(SizeVisitor(check))
 }
 
 impl<'de> Deserialize<'de> for KillSignal {
