@@ -42,8 +42,50 @@ pub(super) enum Checked {
     StatusText(String),
 }
 
-/// The checks of one instance.
+/// The checks of one instance. An instance without any costs no allocation: the state
+/// lives in its supervising task's future as long as the instance runs, and most have none.
 pub(super) struct Checks {
+    /// Spreads the probes of many instances over their interval (from its pid).
+    seed: u64,
+    active: Option<Box<Active>>,
+}
+
+impl Checks {
+    /// The checks of a new instance of `spec` in the process group `pgid`: readiness first,
+    /// unless `ready` (an adopted instance is not asked again), then liveness. Notices are
+    /// routed from the supervisor's hub when a check listens to them.
+    pub(super) fn new(spec: &ProcessSpec, ready: bool, instance: &mut Instance, shared: &Shared) -> Self {
+        let active = Active::new(spec, ready, instance, shared);
+        Self { seed: active.seed, active: (!active.inert()).then(|| Box::new(active)) }
+    }
+
+    /// Whether nothing can come of the checks until they change.
+    pub(super) fn idle(&self) -> bool {
+        self.active.as_ref().is_none_or(|active| active.idle())
+    }
+
+    /// Applies changed checks to the running instance: a readiness that already passed (or
+    /// never was) is not asked again; liveness starts over.
+    pub(super) fn update(&mut self, readiness: Option<Readiness>, liveness: Option<Liveness>, shared: &Shared) {
+        let active = self.active.get_or_insert_with(|| Box::new(Active::empty(self.seed, shared)));
+        active.update(readiness, liveness);
+        if active.inert() {
+            self.active = None;
+        }
+    }
+
+    /// Waits for the next probe or notice, and says what it found. Never returns when
+    /// nothing is checked. Cancel-safe, as [`Active::next`].
+    pub(super) async fn next(&mut self, spec: &ProcessSpec) -> Checked {
+        match self.active.as_mut() {
+            Some(active) => active.next(spec).await,
+            None => std::future::pending().await,
+        }
+    }
+}
+
+/// The state of an instance's checks, while it has any.
+struct Active {
     /// Still to pass; `None` once ready (or when there is none).
     readiness: Option<Readiness>,
     liveness: Option<Liveness>,
@@ -65,19 +107,11 @@ pub(super) struct Checks {
     seed: u64,
 }
 
-impl Checks {
-    /// The checks of a new instance of `spec` in the process group `pgid`: readiness first,
-    /// unless `ready` (an adopted instance is not asked again), then liveness. `seed` (its
-    /// pid) places its probes in their interval. Notices are routed from `hub` when a check
-    /// listens to them.
-    pub(super) fn new(spec: &ProcessSpec, ready: bool, instance: &mut Instance, shared: &Shared) -> Self {
-        let hub = &shared.notify;
-        let (seed, pgid) = (instance.pid, instance.pgid);
-        let readiness = if ready { None } else { spec.health.readiness.clone().filter(|r| is_checked(&r.probe)) };
-        let pipe =
-            instance.notification.take().filter(|_| matches!(&readiness, Some(r) if matches!(r.probe, Probe::Fd(_))));
-        let mut checks = Self {
-            readiness,
+impl Active {
+    /// Nothing checked yet: `seed` spreads its probes, `shared` records their durations.
+    fn empty(seed: u64, shared: &Shared) -> Self {
+        Self {
+            readiness: None,
             liveness: None,
             failures: 0,
             next: None,
@@ -86,8 +120,19 @@ impl Checks {
             pipe: None,
             lines: None,
             stats: Arc::clone(&shared.probes),
-            seed: u64::from(seed).wrapping_mul(0x9E37_79B9),
-        };
+            seed,
+        }
+    }
+
+    /// As [`Checks::new`]; its pid is the seed that places its probes in their interval.
+    fn new(spec: &ProcessSpec, ready: bool, instance: &mut Instance, shared: &Shared) -> Self {
+        let hub = &shared.notify;
+        let (seed, pgid) = (instance.pid, instance.pgid);
+        let readiness = if ready { None } else { spec.health.readiness.clone().filter(|r| is_checked(&r.probe)) };
+        let pipe =
+            instance.notification.take().filter(|_| matches!(&readiness, Some(r) if matches!(r.probe, Probe::Fd(_))));
+        let mut checks = Self::empty(u64::from(seed).wrapping_mul(0x9E37_79B9), shared);
+        checks.readiness = readiness;
         checks.set_liveness(spec.health.liveness.clone());
         if let (Some(Readiness { probe: Probe::LogLine(pattern), .. }), Some(offsets)) =
             (&checks.readiness, instance.log_offsets.take())
@@ -115,16 +160,27 @@ impl Checks {
         checks
     }
 
+    /// Whether nothing is or can be checked, whatever the time: nothing to probe, listen to
+    /// or report.
+    fn inert(&self) -> bool {
+        self.readiness.is_none()
+            && self.liveness.is_none()
+            && self.notices.is_none()
+            && self.pipe.is_none()
+            && self.lines.is_none()
+            && self.broken.is_none()
+    }
+
     /// Whether nothing can come of the checks until they change: no timer, nothing to listen
     /// to, nothing to report.
-    pub(super) fn idle(&self) -> bool {
+    fn idle(&self) -> bool {
         self.next.is_none() && self.notices.is_none() && self.pipe.is_none() && self.broken.is_none()
     }
 
     /// Applies changed checks to the running instance: a readiness that already passed is
     /// not asked again; liveness starts over. (Whether the instance's notices are received
     /// was settled when it started, with its environment.)
-    pub(super) fn update(&mut self, readiness: Option<Readiness>, liveness: Option<Liveness>) {
+    fn update(&mut self, readiness: Option<Readiness>, liveness: Option<Liveness>) {
         if self.readiness.is_some() {
             self.readiness = readiness.filter(|r| is_checked(&r.probe));
         }
@@ -172,7 +228,7 @@ impl Checks {
     ///
     /// Cancel-safe: a dropped call changes nothing (a probe process it started is killed,
     /// a notice stays queued), and the next call probes at once if the time has come.
-    pub(super) async fn next(&mut self, spec: &ProcessSpec) -> Checked {
+    async fn next(&mut self, spec: &ProcessSpec) -> Checked {
         if let Some(broken) = self.broken.take() {
             return if self.readiness.is_some() {
                 Checked::NotReady(broken)

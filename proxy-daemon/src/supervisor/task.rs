@@ -190,36 +190,87 @@ impl Task {
 
     /// Supervises `instance` (`ready` when it needs no readiness check, or was adopted) and
     /// every instance after it, until a stop, a detach or a dropped handle.
-    pub(super) async fn run(mut self, mut instance: Instance, ready: bool) {
-        let mut checks = Checks::new(&self.spec, ready, &mut instance, &self.shared);
-        loop {
-            let event = tokio::select! {
-                // Every branch is cancel-safe: `recv` loses no command, a pidfd stays
-                // readable once its process exited, and a dropped check changes nothing.
-                commands = self.commands.recv() => Event::Commands(Box::new(commands)),
-                exited = instance.pidfd.exited() => Event::Exited(exited),
-                // Checks, and the rarer paths below, are boxed: the task's future, one
-                // allocation per supervised process for as long as it runs, keeps room only
-                // for its waits, and a process without checks costs nothing for them.
-                checked = async {
-                    if checks.idle() {
-                        std::future::pending().await
-                    } else {
-                        Box::pin(checks.next(&self.spec)).await
+    ///
+    /// A plain function returning an `async move` block, not an `async fn`: an `async fn`
+    /// keeps its arguments and the locals they move into side by side in its future, which
+    /// lives as long as the process, and this one's arguments are most of it.
+    pub(super) fn run(mut self, mut instance: Instance, ready: bool) -> impl Future<Output = ()> + Send {
+        async move {
+            let mut checks = Checks::new(&self.spec, ready, &mut instance, &self.shared);
+            loop {
+                let event = tokio::select! {
+                    // Every branch is cancel-safe: `recv` loses no command, a pidfd stays
+                    // readable once its process exited, and a dropped check changes nothing.
+                    commands = self.commands.recv() => Event::Commands(Box::new(commands)),
+                    exited = instance.pidfd.exited() => Event::Exited(exited),
+                    // Checks, and the rarer paths below, are boxed: the task's future, one
+                    // allocation per supervised process for as long as it runs, keeps room only
+                    // for its waits, and a process without checks costs nothing for them.
+                    checked = async {
+                        if checks.idle() {
+                            std::future::pending().await
+                        } else {
+                            Box::pin(checks.next(&self.spec)).await
+                        }
+                    } => Event::Checked(checked),
+                };
+                match event {
+                    Event::Checked(checked) => {
+                        if matches!(checked, Checked::NotReady(_) | Checked::Unhealthy { .. } | Checked::Dead(_)) {
+                            self.status.send_modify(|status| status.probe_failures += 1);
+                        }
+                        if let Checked::Dead(message) = checked {
+                            // Stopped as on a stop (its kill signal, then SIGKILL after the
+                            // timeout), then restarted on the backoff like any exit.
+                            tracing::warn!(pid = instance.pid, error = %message, "process unhealthy; restarting it");
+                            let _unsignalled = Box::pin(self.terminate(&instance)).await;
+                            match Box::pin(self.restart_after_exit(instance, Some(message))).await {
+                                Some(next) => {
+                                    instance = next;
+                                    checks = Checks::new(
+                                        &self.spec,
+                                        checks::starts_ready(&self.spec),
+                                        &mut instance,
+                                        &self.shared,
+                                    );
+                                }
+                                None => return,
+                            }
+                        } else {
+                            self.checked(checked);
+                        }
                     }
-                } => Event::Checked(checked),
-            };
-            match event {
-                Event::Checked(checked) => {
-                    if matches!(checked, Checked::NotReady(_) | Checked::Unhealthy { .. } | Checked::Dead(_)) {
-                        self.status.send_modify(|status| status.probe_failures += 1);
+                    Event::Commands(commands) => {
+                        if let Some(update) = commands.update {
+                            if let Some(health) = &update.health {
+                                checks.update(health.readiness.clone(), health.liveness.clone(), &self.shared);
+                            }
+                            self.apply(update);
+                        }
+                        if commands.stop {
+                            return Box::pin(self.stop(instance)).await;
+                        }
+                        if let Some(reply) = commands.detach {
+                            let _caller_gone = reply.send(self.detach(&mut instance));
+                            instance.release();
+                            return;
+                        }
+                        if commands.handle_gone {
+                            self.shared.rotator.forget(self.key);
+                            tracing::info!(pid = instance.pid, "handle dropped; process left running unsupervised");
+                            instance.release();
+                            return;
+                        }
                     }
-                    if let Checked::Dead(message) = checked {
-                        // Stopped as on a stop (its kill signal, then SIGKILL after the
-                        // timeout), then restarted on the backoff like any exit.
-                        tracing::warn!(pid = instance.pid, error = %message, "process unhealthy; restarting it");
-                        let _unsignalled = Box::pin(self.terminate(&instance)).await;
-                        match Box::pin(self.restart_after_exit(instance, Some(message))).await {
+                    Event::Exited(result) => {
+                        if let Err(error) = result {
+                            // The reactor failed us; the process may be alive, so leave it be.
+                            tracing::error!(pid = instance.pid, %error, "cannot watch process; supervision ended");
+                            let error = Some(format!("cannot watch process: {error}"));
+                            Box::pin(self.finish(ProcessState::Failed, None, error)).await;
+                            return;
+                        }
+                        match Box::pin(self.restart_after_exit(instance, None)).await {
                             Some(next) => {
                                 instance = next;
                                 checks = Checks::new(
@@ -231,47 +282,6 @@ impl Task {
                             }
                             None => return,
                         }
-                    } else {
-                        self.checked(checked);
-                    }
-                }
-                Event::Commands(commands) => {
-                    if let Some(update) = commands.update {
-                        if let Some(health) = &update.health {
-                            checks.update(health.readiness.clone(), health.liveness.clone());
-                        }
-                        self.apply(update);
-                    }
-                    if commands.stop {
-                        return Box::pin(self.stop(instance)).await;
-                    }
-                    if let Some(reply) = commands.detach {
-                        let _caller_gone = reply.send(self.detach(&mut instance));
-                        instance.release();
-                        return;
-                    }
-                    if commands.handle_gone {
-                        self.shared.rotator.forget(self.key);
-                        tracing::info!(pid = instance.pid, "handle dropped; process left running unsupervised");
-                        instance.release();
-                        return;
-                    }
-                }
-                Event::Exited(result) => {
-                    if let Err(error) = result {
-                        // The reactor failed us; the process may be alive, so leave it be.
-                        tracing::error!(pid = instance.pid, %error, "cannot watch process; supervision ended");
-                        let error = Some(format!("cannot watch process: {error}"));
-                        Box::pin(self.finish(ProcessState::Failed, None, error)).await;
-                        return;
-                    }
-                    match Box::pin(self.restart_after_exit(instance, None)).await {
-                        Some(next) => {
-                            instance = next;
-                            checks =
-                                Checks::new(&self.spec, checks::starts_ready(&self.spec), &mut instance, &self.shared);
-                        }
-                        None => return,
                     }
                 }
             }

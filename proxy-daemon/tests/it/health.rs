@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
-use tether_proxy_daemon::{HealthChecks, ProcessState};
+use tether_proxy_daemon::{HealthChecks, ProcessState, ProcessUpdate};
 use tether_state::{CommandLine, HttpTarget, Liveness, Probe, Readiness, TcpTarget};
 
 use crate::support::*;
@@ -305,5 +305,32 @@ async fn a_restarted_log_line_instance_is_ready_again_when_its_line_appears() {
     })
     .await;
     assert!(again.ready && again.error.is_none(), "{again:?}");
+    within("stop", handle.stop()).await;
+}
+
+#[tokio::test]
+async fn a_liveness_check_given_by_an_update_to_an_instance_without_checks_applies_to_it() {
+    let fx = Fixture::new();
+    let handle = fx.supervisor.spawn(fx.spec("unchecked-proxy", &["--sleep"])).unwrap();
+    let first = handle.status();
+    assert_eq!((first.state, first.ready), (ProcessState::Running, true));
+    let first = first.pid.unwrap();
+
+    // A probe that always fails, given to the running instance: it is restarted, with
+    // the probe's reason, without a new spawn of the supervisor.
+    let probe = Probe::Exec(CommandLine::from_words(vec!["/bin/false".into()]).unwrap());
+    let mut liveness = Liveness::new(probe);
+    (liveness.interval, liveness.timeout, liveness.failures) = (Duration::from_millis(100), Duration::from_secs(2), 1);
+    let health = HealthChecks { readiness: None, liveness: Some(liveness) };
+    handle.update(ProcessUpdate { health: Some(health), ..ProcessUpdate::default() }).unwrap();
+    let mut watched = handle.subscribe();
+    let status = within("the restart by the new check", watched.wait_for(|s| s.pid.is_some_and(|pid| pid != first)))
+        .await
+        .map(|status| status.clone())
+        .expect("supervision goes on");
+    assert!(status.restarts >= 1);
+    let error = status.error.expect("the restart says why");
+    assert!(error.starts_with("liveness probe exec /bin/false failed 1 times in a row"), "{error}");
+
     within("stop", handle.stop()).await;
 }
