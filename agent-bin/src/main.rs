@@ -43,6 +43,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Validate(args) => validate::run(&args),
         Command::Agent(args) => {
+            one_malloc_arena();
             logging::install(&args.log_level, args.log_format)?;
             let fleet = fleet::FleetOptions::of_agent(&args)?;
             let cgroups = match (args.no_cgroups, args.cgroup_root) {
@@ -89,6 +90,26 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Events(args) => current_thread()?.block_on(commands::events(&args.socket.socket(), args.json)),
         Command::Generate(what) => generate(what),
         Command::Fleet(command) => current_thread()?.block_on(fleet::cli::run(command)),
+    }
+}
+
+/// Makes every thread of the agent allocate from one malloc arena, unless the operator set
+/// `MALLOC_ARENA_MAX` (or the glibc tunable) otherwise. Called before any thread exists.
+///
+/// glibc gives each thread that allocates under contention an arena of its own, and memory
+/// freed in one arena serves only that arena: a bring-up's temporaries, freed in one, leave
+/// holes that the long-lived per-proxy state allocated in the others never fills (15 MB at
+/// 10 000 proxies). The agent's threads allocate little and rarely at once, and glibc's
+/// per-thread cache keeps the common small allocations off the arena's lock.
+fn one_malloc_arena() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        let tuned = std::env::var("GLIBC_TUNABLES").is_ok_and(|tunables| tunables.contains("arena_max"));
+        if std::env::var_os("MALLOC_ARENA_MAX").is_none() && !tuned {
+            #[allow(unsafe_code)]
+            // SAFETY: mallopt(3) takes two integers; called while this is the only thread.
+            let _accepted = unsafe { libc::mallopt(libc::M_ARENA_MAX, 1) };
+        }
     }
 }
 
