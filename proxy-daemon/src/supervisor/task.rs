@@ -194,6 +194,7 @@ impl Task {
     /// A plain function returning an `async move` block, not an `async fn`: an `async fn`
     /// keeps its arguments and the locals they move into side by side in its future, which
     /// lives as long as the process, and this one's arguments are most of it.
+    #[allow(clippy::manual_async_fn)] // on purpose: see above
     pub(super) fn run(mut self, mut instance: Instance, ready: bool) -> impl Future<Output = ()> + Send {
         async move {
             let mut checks = Checks::new(&self.spec, ready, &mut instance, &self.shared);
