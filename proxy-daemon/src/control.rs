@@ -23,8 +23,9 @@ pub(crate) type DetachReply = oneshot::Sender<Result<Identity, DetachError>>;
 /// order in which a handle can have sent them.
 #[derive(Debug, Default)]
 pub(crate) struct Commands {
-    /// Changes to apply in place, merged in the order they were sent.
-    pub(crate) update: Option<ProcessUpdate>,
+    /// Changes to apply in place, merged in the order they were sent. Boxed: the link
+    /// lasts as long as its process, and an update is rare and large.
+    pub(crate) update: Option<Box<ProcessUpdate>>,
     /// Stop the process.
     pub(crate) stop: bool,
     /// Leave the process running and report its identity.
@@ -102,14 +103,14 @@ impl Sender {
     /// Asks the task to apply `update` in place.
     pub(crate) fn update(&self, update: ProcessUpdate) -> bool {
         self.send(|commands| {
-            let earlier = commands.update.take().unwrap_or_default();
-            commands.update = Some(ProcessUpdate {
+            let earlier = commands.update.take().map(|earlier| *earlier).unwrap_or_default();
+            commands.update = Some(Box::new(ProcessUpdate {
                 kill: update.kill.or(earlier.kill),
                 restart: update.restart.or(earlier.restart),
                 log_limits: update.log_limits.or(earlier.log_limits),
                 health: update.health.or(earlier.health),
                 limits: update.limits.or(earlier.limits),
-            });
+            }));
         })
     }
 }
@@ -184,7 +185,7 @@ mod tests {
         assert!(sender.stop());
         let taken = tokio::time::timeout(Duration::from_secs(10), receiver.recv()).await.unwrap();
         assert_eq!(
-            taken.update,
+            taken.update.map(|update| *update),
             Some(ProcessUpdate {
                 kill: Some(kill),
                 restart: None,

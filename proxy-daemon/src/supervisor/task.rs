@@ -246,7 +246,7 @@ impl Task {
                             if let Some(health) = &update.health {
                                 checks.update(health.readiness.clone(), health.liveness.clone(), &self.shared);
                             }
-                            self.apply(update);
+                            self.apply(*update);
                         }
                         if commands.stop {
                             return Box::pin(self.stop(instance)).await;
@@ -575,7 +575,7 @@ impl Task {
                 () = &mut deadline => return true,
                 commands = self.commands.recv() => {
                     if let Some(update) = commands.update {
-                        self.apply(update);
+                        self.apply(*update);
                     }
                     if commands.stop {
                         self.commands.close();
