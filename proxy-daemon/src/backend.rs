@@ -18,7 +18,6 @@ use tether_manager::{BackendError, BackendRecord, ProxyBackend, ProxyHandle, Pro
 use tether_state::persist::DataDir;
 use tether_state::{ListenAddress, ManagedProxy, ProxyCommand, ProxyId};
 use tokio::sync::watch;
-use tokio::task::JoinHandle;
 
 use crate::cgroup::Cgroups;
 use crate::listen::ListenError;
@@ -464,20 +463,10 @@ struct OsProxyHandle {
 struct HandleState {
     proxy: Option<Arc<ManagedProxy>>,
     process: Option<ProcessHandle>,
-    /// Forwards the supervisor's status; aborted when the process is replaced or dropped.
-    forward: Option<JoinHandle<()>>,
     /// The last identity seen, kept after a detach for the final snapshot.
     record: Option<Record>,
     /// The listeners its start hands over, taken when it was created.
     listeners: Option<Result<Vec<InheritedSocket>, ListenError>>,
-}
-
-impl Drop for HandleState {
-    fn drop(&mut self) {
-        if let Some(forward) = self.forward.take() {
-            forward.abort();
-        }
-    }
 }
 
 impl OsProxyHandle {
@@ -486,7 +475,7 @@ impl OsProxyHandle {
         Self {
             shared,
             id,
-            state: Mutex::new(HandleState { proxy, process: None, forward: None, record: None, listeners: None }),
+            state: Mutex::new(HandleState { proxy, process: None, record: None, listeners: None }),
             status,
         }
     }
@@ -497,22 +486,15 @@ impl OsProxyHandle {
 
     /// Takes over `process`: its status is forwarded from now on.
     fn attach(&self, process: ProcessHandle) {
-        let mut observed = process.subscribe();
         let status = self.status.clone();
-        let current = observed.borrow_and_update().clone();
+        let current = process.status();
         let mut state = self.lock();
         let kill = state.proxy.as_deref().map(kill_policy).unwrap_or_default();
         state.record = current.identity.clone().map(|identity| Record { identity, kill });
-        status.send_replace(translate(&current));
-        let forward = tokio::spawn(async move {
-            while observed.changed().await.is_ok() {
-                let current = observed.borrow_and_update().clone();
-                status.send_replace(translate(&current));
-            }
+        // Told from the supervising task: no task of its own to forward the statuses.
+        process.observe(move |current| {
+            status.send_replace(translate(current));
         });
-        if let Some(old) = state.forward.replace(forward) {
-            old.abort();
-        }
         state.process = Some(process);
     }
 

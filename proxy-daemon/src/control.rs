@@ -1,5 +1,6 @@
 //! The commands a [`ProcessHandle`](crate::ProcessHandle) sends to the task that supervises
-//! its process: stop, detach, and changes applied in place.
+//! its process: stop, detach, and changes applied in place; and the observer that the task
+//! tells of every change of the status.
 //!
 //! This module owns that one-to-one link and nothing else. It is a slot of pending commands
 //! and a wake-up, not a queue: a handle sends few commands in its life, and every
@@ -9,11 +10,15 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use tokio::sync::{Notify, oneshot};
+use tokio::sync::{Notify, oneshot, watch};
 
 use crate::error::DetachError;
 use crate::proc::Identity;
 use crate::spec::ProcessUpdate;
+use crate::status::ProcessStatus;
+
+/// Told of every change of a process's status, in order, from its supervising task.
+pub(crate) type Observer = Box<dyn Fn(&ProcessStatus) + Send + Sync>;
 
 /// Where a detach sends the identity of the process it left running.
 pub(crate) type DetachReply = oneshot::Sender<Result<Identity, DetachError>>;
@@ -47,16 +52,30 @@ struct Pending {
     closed: bool,
 }
 
-#[derive(Debug, Default)]
+#[derive(Default)]
 struct Link {
     pending: Mutex<Pending>,
     wake: Notify,
+    /// Held while the status changes and the observer is told, so that it is told of every
+    /// change once, in order, and of none twice.
+    observer: Mutex<Option<Observer>>,
+}
+
+impl std::fmt::Debug for Link {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Link").field("pending", &self.pending).finish_non_exhaustive()
+    }
 }
 
 impl Link {
     fn lock(&self) -> MutexGuard<'_, Pending> {
         // Every critical section only moves plain values in or out.
         self.pending.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn observer(&self) -> MutexGuard<'_, Option<Observer>> {
+        // An observer that panicked left nothing half-changed here.
+        self.observer.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }
 
@@ -98,6 +117,14 @@ impl Sender {
             return Ok(());
         }
         Err(reply.unwrap_or_else(|| unreachable!("a refused command is not taken")))
+    }
+
+    /// Tells `observer` of the current status, then of every change, until the task ends;
+    /// replaces an earlier observer.
+    pub(crate) fn observe(&self, status: &watch::Receiver<ProcessStatus>, observer: Observer) {
+        let mut slot = self.0.observer();
+        observer(&status.borrow());
+        *slot = Some(observer);
     }
 
     /// Asks the task to apply `update` in place.
@@ -148,6 +175,21 @@ impl Receiver {
     fn take(&self) -> Option<Commands> {
         let taken = std::mem::take(&mut self.0.lock().commands);
         (!taken.is_empty()).then_some(taken)
+    }
+
+    /// Changes `status` with `change` (which says whether it changed anything), and tells
+    /// the observer, if there is one, of the new status. Returns what `change` returned.
+    pub(crate) fn publish(
+        &self,
+        status: &watch::Sender<ProcessStatus>,
+        change: impl FnOnce(&mut ProcessStatus) -> bool,
+    ) -> bool {
+        let observer = self.0.observer();
+        let changed = status.send_if_modified(change);
+        if let (true, Some(observer)) = (changed, observer.as_ref()) {
+            observer(&status.borrow());
+        }
+        changed
     }
 
     /// Takes no more commands; later sends fail, and pending ones are dropped.

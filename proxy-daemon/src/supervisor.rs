@@ -288,6 +288,16 @@ impl ProcessHandle {
         self.status.clone()
     }
 
+    /// Calls `observer` with the current status at once, then after every change, from the
+    /// supervising task, in order, until supervision ends; replaces an earlier observer.
+    ///
+    /// A subscription costs its owner a task (or a select arm) per process; an observer
+    /// costs nothing between changes. It runs while the status is locked: keep it short,
+    /// and never call this handle from it.
+    pub fn observe(&self, observer: impl Fn(&ProcessStatus) + Send + Sync + 'static) {
+        self.commands.observe(&self.status, Box::new(observer));
+    }
+
     /// Stops the process: its kill signal to the process group, up to its kill timeout
     /// for the main process to exit, then SIGKILL to the group; reaps it and removes the
     /// pid file. Returns the final status (state `stopped`, or `failed` if supervision

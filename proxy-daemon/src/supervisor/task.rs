@@ -218,7 +218,7 @@ impl Task {
                 match event {
                     Event::Checked(checked) => {
                         if matches!(checked, Checked::NotReady(_) | Checked::Unhealthy { .. } | Checked::Dead(_)) {
-                            self.status.send_modify(|status| status.probe_failures += 1);
+                            self.set_status(|status| status.probe_failures += 1);
                         }
                         if let Checked::Dead(message) = checked {
                             // Stopped as on a stop (its kill signal, then SIGKILL after the
@@ -289,13 +289,27 @@ impl Task {
         }
     }
 
+    /// Changes the status, and tells the handle's observer.
+    fn set_status(&self, change: impl FnOnce(&mut ProcessStatus)) {
+        self.commands.publish(&self.status, |status| {
+            change(status);
+            true
+        });
+    }
+
+    /// Changes the status if `change` says it changed anything, and then tells the
+    /// handle's observer.
+    fn set_status_if(&self, change: impl FnOnce(&mut ProcessStatus) -> bool) -> bool {
+        self.commands.publish(&self.status, change)
+    }
+
     /// Shows what a check found.
     fn checked(&mut self, checked: Checked) {
         match checked {
             Checked::Ready => {
                 tracing::info!("process ready");
                 let clear = self.health_error.take_if(|from| *from == HealthError::Readiness).is_some();
-                self.status.send_modify(|status| {
+                self.set_status(|status| {
                     status.state = ProcessState::Running;
                     status.ready = true;
                     if clear {
@@ -312,7 +326,7 @@ impl Task {
                     tracing::info!("process answers its liveness probe again");
                 }
                 if self.health_error.take().is_some() {
-                    self.status.send_modify(|status| status.error = None);
+                    self.set_status(|status| status.error = None);
                 }
             }
             Checked::Unhealthy { failures, message } => {
@@ -321,7 +335,7 @@ impl Task {
             }
             Checked::Dead(message) => self.show_health_error(HealthError::Liveness, message),
             Checked::StatusText(text) => {
-                self.status.send_if_modified(|status| {
+                self.set_status_if(|status| {
                     let changed = status.status_text.as_deref() != Some(text.as_str());
                     status.status_text = Some(text);
                     changed
@@ -332,7 +346,7 @@ impl Task {
 
     fn show_health_error(&mut self, from: HealthError, message: String) {
         self.health_error = Some(from);
-        self.status.send_if_modified(|status| {
+        self.set_status_if(|status| {
             let changed = status.error.as_deref() != Some(message.as_str());
             status.error = Some(message);
             changed
@@ -393,7 +407,7 @@ impl Task {
     /// Stops the running instance and ends supervision.
     async fn stop(mut self, mut instance: Instance) {
         let pid = instance.pid;
-        self.status.send_modify(|status| status.state = ProcessState::Stopping);
+        self.set_status(|status| status.state = ProcessState::Stopping);
         let error = self.terminate(&instance).await;
         // Grandchildren that outlived the leader; the unreaped leader still holds the id.
         instance.sweep(self.shared.cgroups.as_ref()).await;
@@ -445,7 +459,7 @@ impl Task {
             None => Ok(()),
         };
         let error = error.or_else(|| removed.err().map(|cause| format!("failed to remove pid file: {cause}")));
-        self.status.send_modify(|status| {
+        self.set_status(|status| {
             status.state = state;
             status.pid = None;
             status.identity = None;
@@ -493,7 +507,7 @@ impl Task {
         );
         let state = if delay.is_zero() { ProcessState::Starting } else { ProcessState::Backoff };
         self.health_error = cause.is_some().then_some(HealthError::Liveness);
-        self.status.send_modify(|status| {
+        self.set_status(|status| {
             status.state = state;
             status.pid = None;
             status.identity = None;
@@ -517,7 +531,7 @@ impl Task {
                     return None;
                 }
             }
-            self.status.send_modify(|status| status.state = ProcessState::Starting);
+            self.set_status(|status| status.state = ProcessState::Starting);
             match Instance::spawn(&self.spec, self.shared.cgroups.as_ref(), self.spare_cgroup.take()) {
                 Ok(instance) => return Some(self.restarted(instance, cause)),
                 Err(error) => {
@@ -533,7 +547,7 @@ impl Task {
                         "process cannot be restarted; retrying"
                     );
                     failed_attempts += 1;
-                    self.status.send_modify(|status| {
+                    self.set_status(|status| {
                         status.state = ProcessState::Backoff;
                         status.error = Some(format!("cannot restart (failed attempts: {failed_attempts}): {message}"));
                     });
@@ -552,7 +566,7 @@ impl Task {
         let identity = self.shared.identity(&instance);
         let ready = checks::starts_ready(&self.spec);
         self.health_error = cause.is_some().then_some(HealthError::Liveness);
-        self.status.send_modify(|status| {
+        self.set_status(|status| {
             status.state = if ready { ProcessState::Running } else { ProcessState::Starting };
             status.ready = ready;
             status.pid = Some(pid);

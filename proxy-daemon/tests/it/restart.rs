@@ -175,3 +175,25 @@ async fn a_healthy_run_resets_the_backoff() {
     }
     within("stop", handle.stop()).await;
 }
+
+#[tokio::test]
+async fn an_observer_is_told_the_current_status_and_then_every_change_in_order() {
+    use std::sync::{Arc, Mutex};
+
+    let fx = Fixture::new();
+    let handle = fx.supervisor.spawn(fx.spec("observed-proxy", &["--sleep"])).unwrap();
+    let first = handle.status().pid.unwrap();
+    let seen: Arc<Mutex<Vec<(ProcessState, Option<u32>, u64)>>> = Arc::default();
+    let record = Arc::clone(&seen);
+    handle.observe(move |status| record.lock().unwrap().push((status.state, status.pid, status.restarts)));
+    assert_eq!(seen.lock().unwrap().as_slice(), [(ProcessState::Running, Some(first), 0)], "told at once");
+
+    send(first, Signal::SIGKILL);
+    let second = restarted(&handle, first).await;
+    let stopped = handle.stop().await;
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(seen.last(), Some(&(stopped.state, stopped.pid, stopped.restarts)), "told of the last change: {seen:?}");
+    assert!(seen.contains(&(ProcessState::Running, Some(second), 1)), "told of the restart: {seen:?}");
+    let restarts: Vec<u64> = seen.iter().map(|(_, _, restarts)| *restarts).collect();
+    assert!(restarts.is_sorted(), "in order: {seen:?}");
+}
