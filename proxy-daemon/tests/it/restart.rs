@@ -183,7 +183,8 @@ async fn an_observer_is_told_the_current_status_and_then_every_change_in_order()
     let fx = Fixture::new();
     let handle = fx.supervisor.spawn(fx.spec("observed-proxy", &["--sleep"])).unwrap();
     let first = handle.status().pid.unwrap();
-    let seen: Arc<Mutex<Vec<(ProcessState, Option<u32>, u64)>>> = Arc::default();
+    type Seen = Vec<(ProcessState, Option<u32>, u64)>;
+    let seen: Arc<Mutex<Seen>> = Arc::default();
     let record = Arc::clone(&seen);
     handle.observe(move |status| record.lock().unwrap().push((status.state, status.pid, status.restarts)));
     assert_eq!(seen.lock().unwrap().as_slice(), [(ProcessState::Running, Some(first), 0)], "told at once");
