@@ -60,7 +60,7 @@ pub struct ConfigLoader {
 
 impl fmt::Debug for ConfigLoader {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        // Not the cached texts: a proxy's `env` may hold secrets.
+        // Not the cached services: a proxy's `env` may hold secrets.
         f.debug_struct("ConfigLoader")
             .field("dirs", &self.dirs)
             .field("cached_files", &self.cache.len())
@@ -271,11 +271,10 @@ pub(super) fn now_nanos() -> Option<i128> {
     i128::try_from(since.as_nanos()).ok()
 }
 
-/// A config file that parsed, with its text kept to point at its services on error.
+/// A config file that parsed.
 #[derive(Clone)]
 pub(super) struct LoadedFile {
     path: PathBuf,
-    text: String,
     format: Format,
     services: Vec<Arc<Service>>,
     /// The metadata of the file as it was read.
@@ -285,9 +284,15 @@ pub(super) struct LoadedFile {
 }
 
 impl LoadedFile {
+    /// Where its `index`-th service starts, from its text read again: kept, the text would
+    /// cost its whole size for as long as the file is loaded, for an error that is rare.
+    /// Just the file, if it changed since it was loaded.
     fn location_of(&self, index: usize) -> Location {
         let origin = Origin::File(self.path.clone());
-        service_location(&self.text, self.format, &origin, index)
+        match fs::read_to_string(&self.path) {
+            Ok(text) if self.unchanged() => service_location(&text, self.format, &origin, index),
+            _ => Location::file(&self.path),
+        }
     }
 
     /// Whether the file had stopped changing `settle_time` before it was read, so that its
@@ -362,5 +367,5 @@ pub(super) fn load_file(path: &Path) -> Result<LoadedFile, ConfigError> {
     // buffer (650 bytes a service) as spare capacity for as long as the file is loaded.
     let mut shared = Vec::with_capacity(services.len());
     shared.extend(services.into_iter().map(Arc::new));
-    Ok(LoadedFile { path: path.to_owned(), text, format, services: shared, fingerprint, read_at })
+    Ok(LoadedFile { path: path.to_owned(), format, services: shared, fingerprint, read_at })
 }
