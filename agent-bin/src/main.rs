@@ -43,7 +43,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Validate(args) => validate::run(&args),
         Command::Agent(args) => {
-            one_malloc_arena();
+            tune_malloc();
             logging::install(&args.log_level, args.log_format)?;
             let fleet = fleet::FleetOptions::of_agent(&args)?;
             let cgroups = match (args.no_cgroups, args.cgroup_root) {
@@ -93,22 +93,38 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     }
 }
 
-/// Makes every thread of the agent allocate from one malloc arena, unless the operator set
-/// `MALLOC_ARENA_MAX` (or the glibc tunable) otherwise. Called before any thread exists.
+/// Tunes glibc's malloc for a long-running agent whose memory is mostly many small,
+/// long-lived pieces, unless the operator tuned it (`MALLOC_ARENA_MAX`,
+/// `MALLOC_MMAP_THRESHOLD_`, `GLIBC_TUNABLES`). Called before any thread exists.
 ///
-/// glibc gives each thread that allocates under contention an arena of its own, and memory
-/// freed in one arena serves only that arena: a bring-up's temporaries, freed in one, leave
-/// holes that the long-lived per-proxy state allocated in the others never fills (15 MB at
-/// 10 000 proxies). The agent's threads allocate little and rarely at once, and glibc's
-/// per-thread cache keeps the common small allocations off the arena's lock.
-fn one_malloc_arena() {
+/// - One arena for every thread. glibc gives a thread that allocates under contention an
+///   arena of its own, and memory freed in one arena serves only that arena: a bring-up's
+///   temporaries, freed in one, left holes that the per-proxy state allocated in the others
+///   never filled (15 MB at 10 000 proxies). The agent's threads allocate little and rarely
+///   at once, and glibc's per-thread cache keeps small allocations off the arena's lock.
+/// - A fixed mmap threshold (glibc's initial 128 KiB). By default glibc raises it to the
+///   size of each large block freed, so that a status listing of every proxy, once served,
+///   leaves its megabytes in the heap for good; fixed, such blocks are mapped and given
+///   back when freed.
+fn tune_malloc() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
-        let tuned = std::env::var("GLIBC_TUNABLES").is_ok_and(|tunables| tunables.contains("arena_max"));
-        if std::env::var_os("MALLOC_ARENA_MAX").is_none() && !tuned {
-            #[allow(unsafe_code)]
-            // SAFETY: mallopt(3) takes two integers; called while this is the only thread.
-            let _accepted = unsafe { libc::mallopt(libc::M_ARENA_MAX, 1) };
+        let tuned = |name: &str| std::env::var_os(name).is_some();
+        let tunables = std::env::var("GLIBC_TUNABLES").unwrap_or_default();
+        let settings = [
+            (libc::M_ARENA_MAX, 1, tuned("MALLOC_ARENA_MAX") || tunables.contains("arena_max")),
+            (
+                libc::M_MMAP_THRESHOLD,
+                128 * 1024,
+                tuned("MALLOC_MMAP_THRESHOLD_") || tunables.contains("mmap_threshold"),
+            ),
+        ];
+        for (parameter, value, operator_set) in settings {
+            if !operator_set {
+                #[allow(unsafe_code)]
+                // SAFETY: mallopt(3) takes two integers; called while this is the only thread.
+                let _accepted = unsafe { libc::mallopt(parameter, value) };
+            }
         }
     }
 }
