@@ -547,6 +547,7 @@ pub(crate) async fn writer(
     let mut dirty = true;
     let mut retry = Retry::default();
     retry.after(save_if_changed(&*store, &mut known, &mut dirty, &published).await);
+    let mut rest_until = None;
     loop {
         let first = tokio::select! {
             message = messages.recv() => match message {
@@ -559,30 +560,65 @@ pub(crate) async fn writer(
         };
         let mut next = first;
         while let Some(message) = next.take().or_else(|| messages.try_recv().ok()) {
-            match message {
-                WriterMessage::Put(id, record) => {
-                    let written = known.entry(id).or_default();
-                    // An equal record keeps the encoding it shares with the last write.
-                    if written.current.as_ref() != Some(&record) {
-                        written.current = Some(record);
-                        dirty = true;
-                    }
-                }
-                WriterMessage::Remove(id) => {
-                    if let Some(written) = known.get_mut(&id) {
-                        dirty |= written.current.take().is_some();
-                        if written.saved.is_none() {
-                            known.remove(&id);
-                        }
-                    }
-                }
-                WriterMessage::Flush(reply) => {
-                    let result = save_if_changed(&*store, &mut known, &mut dirty, &published).await;
-                    let _ = reply.send(result);
+            take(message, &*store, &mut known, &mut dirty, &published).await;
+        }
+        // After a write, a rest in proportion to its length, changes taken meanwhile: a
+        // long burst of changes (a bring-up) is written every few write lengths rather
+        // than in writes back to back, each of every record.
+        if let Some(until) = rest_until.take().filter(|_| dirty) {
+            let rest = tokio::time::sleep_until(until);
+            tokio::pin!(rest);
+            loop {
+                tokio::select! {
+                    () = &mut rest => break,
+                    message = messages.recv() => match message {
+                        Some(message) => take(message, &*store, &mut known, &mut dirty, &published).await,
+                        None => return,
+                    },
                 }
             }
         }
+        let (started, writes) = (tokio::time::Instant::now(), dirty);
         retry.after(save_if_changed(&*store, &mut known, &mut dirty, &published).await);
+        if writes {
+            rest_until = Some(tokio::time::Instant::now() + started.elapsed() * REST_PER_WRITE);
+        }
+    }
+}
+
+/// How long the writer rests after a write, as a multiple of the write's length: during a
+/// burst of changes, writes take at most a tenth of its time.
+const REST_PER_WRITE: u32 = 9;
+
+/// Applies one message to what the snapshot should say; a flush writes at once.
+async fn take(
+    message: WriterMessage,
+    store: &dyn SnapshotStore,
+    known: &mut BTreeMap<ProxyId, Written>,
+    dirty: &mut bool,
+    published: &Published,
+) {
+    match message {
+        WriterMessage::Put(id, record) => {
+            let written = known.entry(id).or_default();
+            // An equal record keeps the encoding it shares with the last write.
+            if written.current.as_ref() != Some(&record) {
+                written.current = Some(record);
+                *dirty = true;
+            }
+        }
+        WriterMessage::Remove(id) => {
+            if let Some(written) = known.get_mut(&id) {
+                *dirty |= written.current.take().is_some();
+                if written.saved.is_none() {
+                    known.remove(&id);
+                }
+            }
+        }
+        WriterMessage::Flush(reply) => {
+            let result = save_if_changed(store, known, dirty, published).await;
+            let _ = reply.send(result);
+        }
     }
 }
 
