@@ -8,15 +8,16 @@
 //! files for adoption is `supervisor`'s job.
 //!
 //! Durability class: a pid file describes a process that dies with the machine (the boot
-//! id rejects it after a reboot), so it needs rename atomicity against an agent crash, not
-//! an fsync. A write that fails (a full disk, no descriptor) is retried on a backoff, and
+//! id rejects it after a reboot), so it needs to appear whole, also to an agent that crashes
+//! while writing it, not an fsync: a new one is an unnamed file linked in once written, one
+//! that replaces another a temporary file renamed over it. A write that fails (a full disk, no descriptor) is retried on a backoff, and
 //! the file that named the previous instance is removed meanwhile: a stale pid is never
 //! left as the only record.
 
 use std::collections::HashMap;
 use std::ffi::OsString;
 use std::io::{self, Read, Write};
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
@@ -24,9 +25,9 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
-use nix::fcntl::{OFlag, openat, renameat};
+use nix::fcntl::{AT_FDCWD, AtFlags, OFlag, openat, renameat};
 use nix::sys::stat::Mode;
-use nix::unistd::{UnlinkatFlags, unlinkat};
+use nix::unistd::{UnlinkatFlags, linkat, unlinkat};
 use tokio::sync::oneshot;
 
 /// A pid file's directory, opened without following links, and its file name.
@@ -54,14 +55,35 @@ impl Place {
         Ok(Self { dir, name, temp })
     }
 
-    /// Replaces the file with one that holds `pid` (0600): a temporary file, renamed over.
+    /// Makes the file hold `pid` (0600), appearing whole: where there is none yet, an
+    /// unnamed file linked in once written; otherwise a temporary file, renamed over.
     fn write(&self, pid: u32) -> io::Result<()> {
+        // When it fails: EEXIST, one to replace (or something planted there, which the
+        // rename replaces, never follows); otherwise no unnamed files here (an old kernel,
+        // a file system without them, no /proc), or a failure the rename meets again.
+        if self.link_new(pid).is_ok() {
+            return Ok(());
+        }
         let written =
             self.write_temporary(pid).and_then(|()| Ok(renameat(&self.dir, &*self.temp, &self.dir, &*self.name)?));
         if written.is_err() {
             let _gone = self.unlink(&self.temp);
         }
         written
+    }
+
+    /// Writes `pid` into an unnamed file of the directory (`O_TMPFILE`) and links it in at
+    /// the file's name, which must be free: a new file, whole from its first appearance,
+    /// with nothing to clean up if the agent dies before the link. One entry of the
+    /// directory changes, where a temporary file and a rename change three.
+    fn link_new(&self, pid: u32) -> io::Result<()> {
+        let flags = OFlag::O_TMPFILE | OFlag::O_WRONLY | OFlag::O_CLOEXEC;
+        let fd = openat(&self.dir, ".", flags, Mode::from_bits_truncate(0o600))?;
+        let mut file = std::fs::File::from(fd);
+        file.write_all(format!("{pid}\n").as_bytes())?;
+        // Through /proc rather than AT_EMPTY_PATH, which needs CAP_DAC_READ_SEARCH.
+        let source = format!("/proc/self/fd/{}", file.as_raw_fd());
+        Ok(linkat(AT_FDCWD, source.as_str(), &self.dir, &*self.name, AtFlags::AT_SYMLINK_FOLLOW)?)
     }
 
     fn write_temporary(&self, pid: u32) -> io::Result<()> {
@@ -395,6 +417,21 @@ mod tests {
         remove(&path, 42).unwrap();
         remove(&path, 42).unwrap();
         assert!(!path.exists());
+    }
+
+    #[test]
+    fn a_new_pid_file_is_linked_in_whole_without_a_temporary_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let pids = dir.path().join("pids");
+        fs::create_dir(&pids).unwrap();
+        // The temporary name is taken by something that cannot be removed as a file: the
+        // first write must not need it; the second, which replaces, does.
+        fs::create_dir(pids.join("web-proxy.pid.tmp")).unwrap();
+        write_atomically(&pids.join("web-proxy.pid"), 41).unwrap();
+        assert_eq!(fs::read_to_string(pids.join("web-proxy.pid")).unwrap(), "41\n");
+        assert_eq!(fs::metadata(pids.join("web-proxy.pid")).unwrap().permissions().mode() & 0o777, 0o600);
+        assert!(write_atomically(&pids.join("web-proxy.pid"), 42).is_err());
+        assert_eq!(fs::read_to_string(pids.join("web-proxy.pid")).unwrap(), "41\n", "a failed replace leaves it whole");
     }
 
     #[test]

@@ -366,7 +366,13 @@ impl PidFiles {
             // Watched first, then listed: a file written in between is seen twice, never missed.
             let flags = InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC;
             let Ok(watch) = Inotify::init(flags) else { return self.list() };
-            if watch.add_watch(&self.dir, AddWatchFlags::IN_MOVED_TO | AddWatchFlags::IN_CLOSE_WRITE).is_err() {
+            if watch
+                .add_watch(
+                    &self.dir,
+                    AddWatchFlags::IN_CREATE | AddWatchFlags::IN_MOVED_TO | AddWatchFlags::IN_CLOSE_WRITE,
+                )
+                .is_err()
+            {
                 return 0; // not made yet
             }
             self.watch = Some(watch);
