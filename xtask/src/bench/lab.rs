@@ -251,21 +251,24 @@ impl Agent<'_> {
         serde_json::from_slice(&response.body).map_err(|err| self.error(&format!("GET {path}: {err}")))
     }
 
-    /// Waits until the API lists `count` proxies, all `running`; returns them and when.
-    /// While fewer pid files than `count` exist it only counts them, to spare the agent
-    /// the cost of answering.
+    /// Waits until the API lists `count` proxies, all `running`; returns them and when that
+    /// was. While fewer pid files than `count` exist it only counts them, to spare the agent
+    /// the cost of answering. When was is the moment the confirming answer was asked for
+    /// (the moment the last pid file appeared, if that answer confirms): listing 10 000
+    /// proxies takes the agent a few hundred milliseconds that are not bring-up, and a pid
+    /// file is written after its process runs.
     pub(crate) fn wait_running(&mut self, count: usize, limit: Duration) -> Result<(Vec<ProxyRow>, Instant), String> {
         let deadline = Instant::now() + limit;
         let mut pids = PidFiles::new(self.data.join("pids"));
         loop {
             self.check_alive()?;
             if pids.count() >= count {
+                // The first time round, right after the last pid file appeared.
+                let asked = Instant::now();
                 // A new agent may not listen yet: an unreachable API is "not yet".
-                if let Ok(rows) = self.proxies() {
-                    let seen = Instant::now();
-                    if rows.len() == count && rows.iter().all(|row| row.state == "running" && row.pid.is_some()) {
-                        return Ok((rows, seen));
-                    }
+                let rows = self.proxies().unwrap_or_default();
+                if rows.len() == count && rows.iter().all(|row| row.state == "running" && row.pid.is_some()) {
+                    return Ok((rows, asked));
                 }
                 thread::sleep(Duration::from_millis(2));
             } else {
