@@ -192,7 +192,9 @@ pub struct Manager {
     seen: Option<Revision>,
     unsynced: Option<Unsynced>,
     desired: HashMap<ProxyId, DesiredProxy>,
-    slots: HashMap<ProxyId, Slot>,
+    /// Boxed: the table keeps spare room for a quarter to a half of its entries, which
+    /// would otherwise each be a whole slot.
+    slots: HashMap<ProxyId, Box<Slot>>,
     dirty: HashSet<ProxyId>,
     backlog: VecDeque<ProxyId>,
     in_backlog: HashSet<ProxyId>,
@@ -504,7 +506,7 @@ impl Manager {
             if slot.is_some_and(|slot| slot.observed.has_process() || slot.installed.is_some()) {
                 Action::Stop
             } else {
-                let slot = self.slots.entry(id.clone()).or_insert_with(Slot::new);
+                let slot = self.slots.entry(id.clone()).or_insert_with(|| Box::new(Slot::new()));
                 slot.observed = Observed::Idle;
                 slot.error = None;
                 slot.retry_at = None;
@@ -527,13 +529,13 @@ impl Manager {
                 let Some(wanted) = desired.cloned() else { return };
                 let error = self.policy.refusal(&wanted).map(|refusal| refusal.to_string());
                 tracing::warn!(proxy = %id, reason = error.as_deref(), "proxy blocked: it would run as root");
-                let slot = self.slots.entry(id.clone()).or_insert_with(Slot::new);
+                let slot = self.slots.entry(id.clone()).or_insert_with(|| Box::new(Slot::new()));
                 slot.observed = Observed::Blocked { wanted };
                 slot.error = error;
                 self.publish(id);
             }
             Action::Start | Action::Stop | Action::Restart | Action::Update => {
-                self.slots.entry(id.clone()).or_insert_with(Slot::new);
+                self.slots.entry(id.clone()).or_insert_with(|| Box::new(Slot::new()));
                 if self.closing {
                     return;
                 }

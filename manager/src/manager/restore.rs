@@ -136,7 +136,7 @@ impl Manager {
                 let service = record.service.as_ref().and_then(|service| EncodedService::new(service).ok());
                 let mut slot = Slot::new();
                 slot.observed = Observed::Adopted { origin };
-                self.slots.insert(id.clone(), slot);
+                self.slots.insert(id.clone(), Box::new(slot));
                 self.install(&id, handle.into(), service, record.token);
                 self.publish(&id);
             }
