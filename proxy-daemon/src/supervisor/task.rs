@@ -225,18 +225,11 @@ impl Task {
                             // timeout), then restarted on the backoff like any exit.
                             tracing::warn!(pid = instance.pid, error = %message, "process unhealthy; restarting it");
                             let _unsignalled = Box::pin(self.terminate(&instance)).await;
-                            match Box::pin(self.restart_after_exit(instance, Some(message))).await {
-                                Some(next) => {
-                                    instance = next;
-                                    checks = Checks::new(
-                                        &self.spec,
-                                        checks::starts_ready(&self.spec),
-                                        &mut instance,
-                                        &self.shared,
-                                    );
-                                }
-                                None => return,
-                            }
+                            let Some(next) = Box::pin(self.restart_after_exit(instance, Some(message))).await else {
+                                return;
+                            };
+                            instance = next;
+                            checks = self.checks_of_new(&mut instance);
                         } else {
                             self.checked(checked);
                         }
@@ -271,22 +264,20 @@ impl Task {
                             Box::pin(self.finish(ProcessState::Failed, None, error)).await;
                             return;
                         }
-                        match Box::pin(self.restart_after_exit(instance, None)).await {
-                            Some(next) => {
-                                instance = next;
-                                checks = Checks::new(
-                                    &self.spec,
-                                    checks::starts_ready(&self.spec),
-                                    &mut instance,
-                                    &self.shared,
-                                );
-                            }
-                            None => return,
-                        }
+                        let Some(next) = Box::pin(self.restart_after_exit(instance, None)).await else {
+                            return;
+                        };
+                        instance = next;
+                        checks = self.checks_of_new(&mut instance);
                     }
                 }
             }
         }
+    }
+
+    /// The checks of an instance this task started: asked for readiness if it has one.
+    fn checks_of_new(&self, instance: &mut Instance) -> Checks {
+        Checks::new(&self.spec, checks::starts_ready(&self.spec), instance, &self.shared)
     }
 
     /// Changes the status, and tells the handle's observer.
