@@ -237,6 +237,10 @@ impl State {
             return;
         };
         let (log, limits) = (watched.file.clone(), watched.limits);
+        // Most checks find a small file: one stat says so, without opening it.
+        if log.dir().regular_size(log.name()).is_some_and(|size| size <= limits.max_size) {
+            return;
+        }
         let (live, size) = match open_live(&log) {
             Ok(Some(live)) => live,
             Ok(None) => {

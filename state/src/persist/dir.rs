@@ -289,6 +289,16 @@ impl PrivateDir {
         }
     }
 
+    /// The size of `name` if it is a plain regular file (one link, not a link itself), read
+    /// without opening it; `None` for anything else, or nothing. A cheap look before
+    /// [`PrivateDir::open_regular`], which checks again what it opens.
+    pub fn regular_size(&self, name: impl AsRef<OsStr>) -> Option<u64> {
+        let name = name.as_ref();
+        check_name(name).ok()?;
+        let stat = fstatat(self.fd(), name, AtFlags::AT_SYMLINK_NOFOLLOW).ok()?;
+        (file_type(&stat) == SFlag::S_IFREG && stat.st_nlink == 1).then(|| u64::try_from(stat.st_size).unwrap_or(0))
+    }
+
     /// Opens the existing regular file `name` for reading only, without following a link;
     /// `None` if there is none.
     ///

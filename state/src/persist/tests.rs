@@ -306,6 +306,25 @@ fn appending_keeps_what_is_there_and_restricts_its_mode() {
 }
 
 #[test]
+fn only_a_plain_regular_file_has_a_regular_size() {
+    let parent = tempfile::tempdir().unwrap();
+    let dir = DataDir::open(parent.path().join("data")).unwrap();
+    let logs = dir.logs();
+    fs::write(dir.logs_dir().join("web.log"), "12345").unwrap();
+    assert_eq!(logs.regular_size("web.log"), Some(5));
+    assert_eq!(logs.regular_size("missing.log"), None);
+    let target = parent.path().join("big");
+    fs::write(&target, vec![b'x'; 4096]).unwrap();
+    std::os::unix::fs::symlink(&target, dir.logs_dir().join("link.log")).unwrap();
+    assert_eq!(logs.regular_size("link.log"), None, "a link is not followed");
+    fs::hard_link(&target, dir.logs_dir().join("hard.log")).unwrap();
+    assert_eq!(logs.regular_size("hard.log"), None, "a file with other links is not a log");
+    fs::create_dir(dir.logs_dir().join("dir.log")).unwrap();
+    assert_eq!(logs.regular_size("dir.log"), None);
+    assert_eq!(logs.regular_size("../data"), None, "one component only");
+}
+
+#[test]
 fn a_handle_keeps_its_directory_when_the_path_is_replaced_by_a_link() {
     let parent = tempfile::tempdir().unwrap();
     let dir = DataDir::open(parent.path().join("data")).unwrap();
