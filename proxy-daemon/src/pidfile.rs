@@ -81,8 +81,9 @@ impl Place {
         let fd = openat(&self.dir, ".", flags, Mode::from_bits_truncate(0o600))?;
         let mut file = std::fs::File::from(fd);
         file.write_all(format!("{pid}\n").as_bytes())?;
-        // Through /proc rather than AT_EMPTY_PATH, which needs CAP_DAC_READ_SEARCH.
-        let source = format!("/proc/self/fd/{}", file.as_raw_fd());
+        // Through /proc rather than AT_EMPTY_PATH, which needs CAP_DAC_READ_SEARCH; this
+        // thread's own descriptor table, whatever the process's main thread holds.
+        let source = format!("/proc/thread-self/fd/{}", file.as_raw_fd());
         Ok(linkat(AT_FDCWD, source.as_str(), &self.dir, &*self.name, AtFlags::AT_SYMLINK_FOLLOW)?)
     }
 

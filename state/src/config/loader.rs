@@ -286,11 +286,13 @@ pub(super) struct LoadedFile {
 impl LoadedFile {
     /// Where its `index`-th service starts, from its text read again: kept, the text would
     /// cost its whole size for as long as the file is loaded, for an error that is rare.
-    /// Just the file, if it changed since it was loaded.
+    /// Read as any config file is (never blocking on a FIFO put in its place); just the file
+    /// if it changed since it was loaded.
     fn location_of(&self, index: usize) -> Location {
-        let origin = Origin::File(self.path.clone());
-        match fs::read_to_string(&self.path) {
-            Ok(text) if self.unchanged() => service_location(&text, self.format, &origin, index),
+        match read_text(&self.path) {
+            Ok((text, now)) if Fingerprint::of(&now) == self.fingerprint => {
+                service_location(&text, self.format, &Origin::File(self.path.clone()), index)
+            }
             _ => Location::file(&self.path),
         }
     }
@@ -323,13 +325,10 @@ pub(super) fn config_files(dir: &Path) -> Result<Vec<PathBuf>, ConfigError> {
     Ok(files)
 }
 
-/// Loads and parses one config file.
-pub(super) fn load_file(path: &Path) -> Result<LoadedFile, ConfigError> {
-    let read_at = now_nanos();
+/// The text of the config file at `path` and its metadata as it was read: a regular file
+/// (never a FIFO, whose opening would block), at most [`MAX_FILE_SIZE`] bytes, UTF-8.
+fn read_text(path: &Path) -> Result<(String, fs::Metadata), ConfigError> {
     let location = Location::file(path);
-    let Some(format) = Format::of_path(path) else {
-        return Err(ConfigError::NotAFile { location });
-    };
     // Look before opening: opening a FIFO (or a symlink to one) for reading blocks until a
     // writer comes, which would hang `validate`, the agent's start and every reload. The
     // check after opening still guards against an entry replaced in between.
@@ -352,15 +351,25 @@ pub(super) fn load_file(path: &Path) -> Result<LoadedFile, ConfigError> {
     if bytes.len() as u64 > MAX_FILE_SIZE {
         return Err(ConfigError::TooLarge { location });
     }
-    let text = match String::from_utf8(bytes) {
-        Ok(text) => text,
+    match String::from_utf8(bytes) {
+        Ok(text) => Ok((text, metadata)),
         Err(err) => {
             let valid = &err.as_bytes()[..err.utf8_error().valid_up_to()];
             let valid = std::str::from_utf8(valid).unwrap_or_default();
             let (line, column) = line_column(valid, valid.len());
-            return Err(ConfigError::NotUtf8 { location: Location::at(&location.origin, line, column) });
+            Err(ConfigError::NotUtf8 { location: Location::at(&location.origin, line, column) })
         }
+    }
+}
+
+/// Loads and parses one config file.
+pub(super) fn load_file(path: &Path) -> Result<LoadedFile, ConfigError> {
+    let read_at = now_nanos();
+    let location = Location::file(path);
+    let Some(format) = Format::of_path(path) else {
+        return Err(ConfigError::NotAFile { location });
     };
+    let (text, metadata) = read_text(path)?;
     let services = parse_file(&text, format, &location.origin)?;
     let fingerprint = Fingerprint::of(&metadata);
     // Not `collect()`: collected in place, the `Arc`s would keep the parsed services' whole

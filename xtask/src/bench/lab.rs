@@ -372,7 +372,8 @@ impl PidFiles {
             if watch
                 .add_watch(
                     &self.dir,
-                    AddWatchFlags::IN_CREATE | AddWatchFlags::IN_MOVED_TO | AddWatchFlags::IN_CLOSE_WRITE,
+                    // A pid file appears whole: linked in (a creation) or renamed in.
+                    AddWatchFlags::IN_CREATE | AddWatchFlags::IN_MOVED_TO,
                 )
                 .is_err()
             {
