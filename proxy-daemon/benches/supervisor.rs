@@ -128,7 +128,7 @@ async fn supervised_spawn(supervisor: &Supervisor, data: &DataDir) -> (Duration,
     let start = Instant::now();
     let mut handles = Vec::with_capacity(PROCESSES);
     for index in 0..PROCESSES {
-        handles.push(supervisor.spawn(spec(data, index)).unwrap());
+        handles.push(supervisor.spawn(spec(data, index)).await.unwrap());
     }
     assert!(handles.iter().all(|handle| handle.status().state == ProcessState::Running));
     let elapsed = start.elapsed();
@@ -143,7 +143,7 @@ async fn supervised_spawn(supervisor: &Supervisor, data: &DataDir) -> (Duration,
 }
 
 async fn exit_to_replacement(supervisor: &Supervisor, data: &DataDir) -> Vec<Duration> {
-    let handle = supervisor.spawn(spec(data, PROCESSES + 1)).unwrap();
+    let handle = supervisor.spawn(spec(data, PROCESSES + 1)).await.unwrap();
     let mut status = handle.subscribe();
     let mut latencies = Vec::with_capacity(KILLS);
     for _ in 0..KILLS {
@@ -179,8 +179,10 @@ fn main() {
     runtime.block_on(async {
         let supervisor = Supervisor::new().unwrap();
         // Warm-up: page in the program, the allocator and the runtime.
-        let warm: Vec<_> =
-            (0..20).map(|index| supervisor.spawn(spec(&data, PROCESSES + 10 + index)).unwrap()).collect();
+        let mut warm = Vec::new();
+        for index in 0..20 {
+            warm.push(supervisor.spawn(spec(&data, PROCESSES + 10 + index)).await.unwrap());
+        }
         stop_all(warm).await;
 
         let mut raw = Vec::new();

@@ -22,7 +22,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     spec.kill.timeout = Duration::from_secs(2);
 
     let supervisor = Supervisor::new()?;
-    let handle = supervisor.spawn(spec)?;
+    let handle = supervisor.spawn(spec).await?;
     let first = handle.status().pid.ok_or("no pid")?;
     println!("running as pid {first}");
 

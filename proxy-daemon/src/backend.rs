@@ -551,6 +551,7 @@ impl ProxyHandle for OsProxyHandle {
             .shared
             .supervisor
             .spawn(spec)
+            .await
             .map_err(|source| BackendError::Start { id: self.id.clone(), source: Box::new(source) })?;
         self.attach(process);
         Ok(())

@@ -27,7 +27,7 @@
 //! spec.env = vec![("PATH".into(), "/usr/bin:/bin".into())];
 //!
 //! let supervisor = Supervisor::new()?;
-//! let handle = supervisor.spawn(spec)?;
+//! let handle = supervisor.spawn(spec).await?;
 //! println!("running as pid {:?}", handle.status().pid);
 //! let last = handle.stop().await;
 //! println!("stopped: {:?}", last.last_exit);

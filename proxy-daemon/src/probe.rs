@@ -177,8 +177,11 @@ async fn exec(command: &CommandLine, spec: &ProcessSpec) -> Outcome {
     probe.program = command.program().to_owned();
     probe.args = command.args().iter().map(OsString::from).collect();
     probe.env.retain(|(key, _)| key != TOKEN_VAR);
-    let spawned =
-        spawn::spawn(&probe, None).map_err(|err| format!("cannot start: {}", tether_state::error_chain(&err)))?;
+    let slot = spawn::slot().await;
+    let spawned = spawn::spawn(&probe, None, &slot)
+        .await
+        .map_err(|err| format!("cannot start: {}", tether_state::error_chain(&err)))?;
+    drop(slot);
     let mut process = ProbeProcess { spawned: Some(spawned) };
     let exited = match &process.spawned {
         Some(spawned) => spawned.pidfd.exited().await,

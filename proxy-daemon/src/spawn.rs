@@ -55,6 +55,13 @@ impl Child {
         self.pid
     }
 
+    /// Ends a child that nobody will supervise: killed with its process group (at once),
+    /// and reaped.
+    fn abandon(mut self) {
+        let _already_gone = proc::signal_group(self.pid, nix::sys::signal::Signal::SIGKILL);
+        let _reaped = self.wait();
+    }
+
     /// Reaps it if it has exited.
     pub(crate) fn try_wait(&mut self) -> io::Result<Option<std::process::ExitStatus>> {
         self.reap(libc::WNOHANG)
@@ -108,13 +115,34 @@ struct Credentials {
     groups: Vec<libc::gid_t>,
 }
 
+/// How many processes may be in the making at once, each from its preparation (cgroup, log
+/// files) until it runs or failed: enough that the spawn thread always finds the next one
+/// ready while the runtime's workers prepare more, few enough that a burst of starts holds
+/// a handful of descriptors, not one set per proxy.
+const IN_FLIGHT: usize = 8;
+
+static SLOTS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(IN_FLIGHT);
+
+/// A place among the processes in the making ([`slot`]), held from the preparation of one
+/// until it runs or failed.
+pub(crate) struct Slot {
+    _permit: Option<tokio::sync::SemaphorePermit<'static>>,
+}
+
+/// Waits for a place among the processes in the making, in the order asked.
+pub(crate) async fn slot() -> Slot {
+    // The semaphore is never closed.
+    Slot { _permit: SLOTS.acquire().await.ok() }
+}
+
 /// Starts `spec`'s program in its own process group, and in the cgroup whose directory is
 /// `cgroup` if one is given: born in it (`clone3`), or where that is refused, entering it
-/// before anything else happens in the child. Returns once the process has exec'd.
+/// before anything else happens in the child. Returns once the process has exec'd; while
+/// it waits for that, the caller's worker thread is free for other tasks.
 ///
-/// Must be called from within a tokio runtime.
-pub(crate) fn spawn(spec: &ProcessSpec, cgroup: Option<&OwnedFd>) -> Result<Spawned, SpawnError> {
-    spawn_as(spec, cgroup, Birth::IntoCgroup)
+/// Must be called from within a tokio runtime, holding a [`Slot`].
+pub(crate) async fn spawn(spec: &ProcessSpec, cgroup: Option<&OwnedFd>, _slot: &Slot) -> Result<Spawned, SpawnError> {
+    queue(spec, cgroup, Birth::IntoCgroup)?.finish().await
 }
 
 /// How a child gets into its cgroup.
@@ -128,7 +156,8 @@ enum Birth {
     EnteringCgroup,
 }
 
-fn spawn_as(spec: &ProcessSpec, cgroup: Option<&OwnedFd>, birth: Birth) -> Result<Spawned, SpawnError> {
+/// Prepares `spec`'s process and queues its creation on the spawn thread.
+fn queue(spec: &ProcessSpec, cgroup: Option<&OwnedFd>, birth: Birth) -> Result<Pending, SpawnError> {
     if !spec.program.is_absolute() {
         // There is no `PATH` search: a relative name would be found relative to the working
         // directory, which is rarely what was meant.
@@ -184,7 +213,7 @@ fn spawn_as(spec: &ProcessSpec, cgroup: Option<&OwnedFd>, birth: Birth) -> Resul
     let targets: Vec<RawFd> = handed.iter().map(|(_, target)| *target).collect();
     let (program, args, env, dir) =
         (spec.program.clone(), spec.args.clone(), spec.env.clone(), spec.working_dir.clone());
-    let child = thread::run(&passed, move |fds| {
+    let reply = thread::queue(&passed, move |fds| {
         let mut fds = fds.into_iter();
         let (Some(stdout), Some(stderr)) = (fds.next(), fds.next()) else {
             return Err(io::Error::other("the log files did not reach the spawn thread"));
@@ -213,7 +242,7 @@ fn spawn_as(spec: &ProcessSpec, cgroup: Option<&OwnedFd>, birth: Birth) -> Resul
                 failed: 0,
             };
             match clone::spawn_into(&mut plan, cgroup.as_raw_fd()) {
-                Ok(pid) => return Ok(Child::new(pid)),
+                Ok(pid) => return Ok(Unclaimed(Child::new(pid))),
                 Err(clone::CloneError::Failed(error)) => return Err(error),
                 Err(clone::CloneError::Unsupported) => {
                     // The standard library's way: the child enters through `cgroup.procs`.
@@ -249,27 +278,62 @@ fn spawn_as(spec: &ProcessSpec, cgroup: Option<&OwnedFd>, birth: Birth) -> Resul
             exec_with_listen_pid(&mut command, exec);
         }
         // `handed` and `procs` live until the child has its copies.
-        let child = command.spawn().map(|child| Child::new(child.id()));
+        let child = command.spawn().map(|child| Unclaimed(Child::new(child.id())));
         drop((handed, procs, cgroup));
         child
     })
     .map_err(exec_error)?;
-    let pid = child.id();
-    // The child is not reaped until we wait for it, so its pid cannot have been reused yet.
-    let pidfd = match Pidfd::open(pid) {
-        Ok(pidfd) => pidfd,
-        Err(source) => {
-            // Without a pidfd we cannot supervise it: kill it rather than leave it loose, and
-            // reap it (SIGKILL ends it at once).
-            let _already_gone = proc::signal_group(pid, nix::sys::signal::Signal::SIGKILL);
-            let mut child = child;
-            let _reaped = child.wait();
-            return Err(SpawnError::Watch { pid, source });
-        }
-    };
-    // The child has its copy of the write end; ours would hide its end of file.
+    // The spawn thread holds copies of the log files and of the pipe's write end from here
+    // on; ours are closed now (the child's end of file on the pipe needs that).
+    drop((passed, handed));
+    drop((stdout, stderr));
     let notification = pipe.map(|((read, _write), _)| read);
-    Ok(Spawned { child, pid, pidfd, notification })
+    Ok(Pending { reply, program: spec.program.clone(), notification })
+}
+
+/// A child just created, until its creator claims it. Should the creator be gone (its start
+/// was cancelled while the process was being made), the process is killed and reaped when
+/// this is dropped: none runs unsupervised.
+struct Unclaimed(Child);
+
+impl Unclaimed {
+    fn claim(self) -> Child {
+        let unclaimed = std::mem::ManuallyDrop::new(self);
+        Child { pid: unclaimed.0.pid, status: unclaimed.0.status }
+    }
+}
+
+impl Drop for Unclaimed {
+    fn drop(&mut self) {
+        Child { pid: self.0.pid, status: self.0.status }.abandon();
+    }
+}
+
+/// A process in the making: queued on the spawn thread, its creation to be awaited.
+struct Pending {
+    reply: thread::Reply<Unclaimed>,
+    program: std::path::PathBuf,
+    /// The read end of its notification pipe, if it has one.
+    notification: Option<OwnedFd>,
+}
+
+impl Pending {
+    /// Waits until the process has exec'd (or failed to), and opens its pidfd.
+    async fn finish(self) -> Result<Spawned, SpawnError> {
+        let Self { reply, program, notification } = self;
+        let child = reply.wait().await.map_err(|source| SpawnError::Exec { program, source })?.claim();
+        let pid = child.id();
+        // The child is not reaped until we wait for it, so its pid cannot have been reused yet.
+        let pidfd = match Pidfd::open(pid) {
+            Ok(pidfd) => pidfd,
+            Err(source) => {
+                // Without a pidfd we cannot supervise it: kill it rather than leave it loose.
+                child.abandon();
+                return Err(SpawnError::Watch { pid, source });
+            }
+        };
+        Ok(Spawned { child, pid, pidfd, notification })
+    }
 }
 
 /// Opens a log file for appending, creating it (0600), relative to its directory's handle:
@@ -477,6 +541,7 @@ fn switch_user_before_exec(command: &mut std::process::Command, credentials: Cre
 mod tests {
     use std::io::Write;
     use std::os::unix::fs::PermissionsExt;
+    use std::path::Path;
 
     use tether_state::persist::DataDir;
 
@@ -502,7 +567,8 @@ mod tests {
             let cgroup = cgroups.create(name.as_str(), &tether_state::ResourceLimits::default()).unwrap();
             let mut spec = ProcessSpec::new(name.clone(), "/bin/sleep", &data);
             spec.args = vec!["30".into()];
-            let Spawned { mut child, pid, .. } = spawn_as(&spec, Some(&cgroup.dir), birth).unwrap();
+            let Spawned { mut child, pid, .. } =
+                queue(&spec, Some(&cgroup.dir), birth).unwrap().finish().await.unwrap();
             let member = cgroups.membership(pid);
             let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL);
             child.wait().unwrap();
@@ -510,7 +576,10 @@ mod tests {
 
             let mut missing = ProcessSpec::new(name, "/nonexistent/program", &data);
             missing.args = Vec::new();
-            let error = spawn_as(&missing, Some(&cgroup.dir), birth).unwrap_err();
+            let error = match queue(&missing, Some(&cgroup.dir), birth) {
+                Ok(pending) => pending.finish().await.unwrap_err(),
+                Err(error) => error,
+            };
             assert!(
                 matches!(&error, SpawnError::Exec { source, .. } if source.raw_os_error() == Some(libc::ENOENT)),
                 "{birth:?}: {error:?}"
@@ -520,6 +589,21 @@ mod tests {
         // Nothing was left in the cgroups, so the subtree goes.
         cgroups.remove_if_empty();
         assert!(!cgroups.dir().exists());
+    }
+
+    /// A child that nobody claims (its start was cancelled while it was being made) is
+    /// killed and reaped: nothing of it is left, not even a zombie.
+    #[tokio::test]
+    async fn an_unclaimed_child_is_killed_and_reaped() {
+        let temp = tempfile::tempdir().unwrap();
+        let data = DataDir::open(temp.path()).unwrap();
+        let mut spec = ProcessSpec::new(crate::spec::ProcessName::new("unclaimed").unwrap(), "/bin/sleep", &data);
+        spec.args = vec!["30".into()];
+        let slot = slot().await;
+        let Spawned { child, pid, .. } = spawn(&spec, None, &slot).await.unwrap();
+        assert!(Path::new(&format!("/proc/{pid}")).exists());
+        drop(Unclaimed(child));
+        assert!(!Path::new(&format!("/proc/{pid}")).exists(), "{pid} is gone, reaped");
     }
 
     #[test]

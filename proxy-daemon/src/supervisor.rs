@@ -161,7 +161,9 @@ impl Supervisor {
 
     /// Starts `spec` and supervises it. Returns once the process exists.
     ///
-    /// The pid file is written shortly after, by the pid-file writer.
+    /// The process is created on a thread of the supervisor's, so awaiting this leaves the
+    /// caller's worker thread free; a few processes are in the making at once, and further
+    /// calls wait their turn. The pid file is written shortly after, by the pid-file writer.
     ///
     /// # Errors
     ///
@@ -170,7 +172,7 @@ impl Supervisor {
     /// # Panics
     ///
     /// When called outside a tokio runtime.
-    pub fn spawn(&self, mut spec: ProcessSpec) -> Result<ProcessHandle, SpawnError> {
+    pub async fn spawn(&self, mut spec: ProcessSpec) -> Result<ProcessHandle, SpawnError> {
         checks::set_notify_env(&mut spec, self.shared.notify.address());
         if checks::uses_notify(&spec.health) {
             // Bound before the process exists, so that its first notice finds the socket.
@@ -179,7 +181,7 @@ impl Supervisor {
                 tracing::warn!(%error, address = %self.shared.notify.address(), "cannot bind the notification socket");
             }
         }
-        let instance = Instance::spawn(&spec, self.shared.cgroups.as_ref(), None)?;
+        let instance = Instance::spawn(&spec, self.shared.cgroups.as_ref(), None).await?;
         let pid = instance.pid;
         tracing::info!(proxy = %spec.name, pid, program = %spec.program.display(), "process started");
         let identity = self.shared.identity(&instance);

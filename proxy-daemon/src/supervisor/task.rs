@@ -54,11 +54,13 @@ impl Instance {
     /// Starts an instance of `spec`, in a new cgroup of `cgroups` if given: the one way a
     /// first start and a restart create one.
     /// `spare`: the empty cgroup of the instance it replaces, to take over.
-    pub(super) fn spawn(
+    pub(super) async fn spawn(
         spec: &ProcessSpec,
         cgroups: Option<&Cgroups>,
         spare: Option<Box<str>>,
     ) -> Result<Self, SpawnError> {
+        // A place among the processes in the making, before anything is made for this one.
+        let slot = spawn::slot().await;
         // Where its output starts, read before it can write any (readiness `log_line`).
         let log_offsets = checks::watches_lines(spec).then(|| lines::offsets(spec));
         let cgroup = match (cgroups, spare) {
@@ -66,7 +68,8 @@ impl Instance {
             (Some(cgroups), None) => Some(cgroups.create(spec.name.as_str(), &spec.limits)?),
             (None, _) => None,
         };
-        let spawned = spawn::spawn(spec, cgroup.as_ref().map(|cgroup| &cgroup.dir));
+        let spawned = spawn::spawn(spec, cgroup.as_ref().map(|cgroup| &cgroup.dir), &slot).await;
+        drop(slot);
         let cgroup = cgroup.map(|cgroup| cgroup.name);
         let Spawned { child, pid, pidfd, notification } = match spawned {
             Ok(spawned) => spawned,
@@ -523,7 +526,11 @@ impl Task {
                 }
             }
             self.set_status(|status| status.state = ProcessState::Starting);
-            match Instance::spawn(&self.spec, self.shared.cgroups.as_ref(), self.spare_cgroup.take()) {
+            // Boxed: the making of a process is rare in a supervisor's life, and its state
+            // would otherwise be part of every supervising task's future.
+            let spawning =
+                Box::pin(Instance::spawn(&self.spec, self.shared.cgroups.as_ref(), self.spare_cgroup.take()));
+            match spawning.await {
                 Ok(instance) => return Some(self.restarted(instance, cause)),
                 Err(error) => {
                     // A failed start is not final: a descriptor, memory or the program

@@ -10,7 +10,7 @@ async fn detached_process_keeps_running_and_is_adopted_back() {
     let fx = Fixture::new();
     let spec = fx.spec("adopt-proxy", &["--sleep"]);
     let pid_file = spec.pid_file.clone();
-    let handle = fx.supervisor.spawn(spec.clone()).unwrap();
+    let handle = fx.supervisor.spawn(spec.clone()).await.unwrap();
     let pid = handle.status().pid.unwrap();
     pid_in_file(&pid_file).await;
 
@@ -41,7 +41,7 @@ async fn adopted_process_exit_is_noticed_through_the_pidfd_and_restarted() {
     let fx = Fixture::new();
     let spec = fx.spec("watch-proxy", &["--sleep"]);
     let pid_file = spec.pid_file.clone();
-    let handle = fx.supervisor.spawn(spec.clone()).unwrap();
+    let handle = fx.supervisor.spawn(spec.clone()).await.unwrap();
     // The first supervisor's write is done before the second one writes (in an agent, the
     // next supervisor starts after the last one's writer has finished or died).
     pid_in_file(&pid_file).await;
@@ -60,7 +60,7 @@ async fn adopted_process_exit_is_noticed_through_the_pidfd_and_restarted() {
 async fn identity_that_does_not_match_is_not_adopted_and_not_signalled() {
     let fx = Fixture::new();
     let spec = fx.spec("mismatch-proxy", &["--sleep"]);
-    let handle = fx.supervisor.spawn(spec.clone()).unwrap();
+    let handle = fx.supervisor.spawn(spec.clone()).await.unwrap();
     let identity = within("detach", handle.detach()).await.unwrap();
 
     let next = Supervisor::new().unwrap();
@@ -84,7 +84,7 @@ async fn identity_that_does_not_match_is_not_adopted_and_not_signalled() {
 async fn dead_process_is_not_adopted() {
     let fx = Fixture::new();
     let spec = fx.spec("dead-proxy", &["--sleep"]);
-    let handle = fx.supervisor.spawn(spec.clone()).unwrap();
+    let handle = fx.supervisor.spawn(spec.clone()).await.unwrap();
     let identity = within("detach", handle.detach()).await.unwrap();
     send(identity.pid, Signal::SIGKILL);
     eventually("the detached process to be gone", || !exists(identity.pid)).await;
@@ -96,7 +96,7 @@ async fn dead_process_is_not_adopted() {
 async fn pid_file_adoption_needs_the_identity_in_the_environment() {
     let fx = Fixture::new();
     let spec = fx.spec("pidfile-proxy", &["--sleep"]);
-    let handle = fx.supervisor.spawn(spec.clone()).unwrap();
+    let handle = fx.supervisor.spawn(spec.clone()).await.unwrap();
     let pid = handle.status().pid.unwrap();
     pid_in_file(&spec.pid_file).await;
     within("detach", handle.detach()).await.unwrap();
@@ -121,7 +121,7 @@ async fn detach_during_backoff_reports_that_nothing_runs() {
     let fx = Fixture::new();
     let mut spec = fx.spec("backoff-proxy", &["--exit", "1"]);
     spec.restart.free_attempts = 0;
-    let handle = fx.supervisor.spawn(spec).unwrap();
+    let handle = fx.supervisor.spawn(spec).await.unwrap();
     status_where(&handle, "backoff", |status| status.state == ProcessState::Backoff).await;
     let error = within("detach", handle.detach()).await.unwrap_err();
     assert!(matches!(error, DetachError::NotRunning { state: ProcessState::Backoff }), "{error:?}");
@@ -133,8 +133,8 @@ async fn instances_are_found_by_their_environment_and_a_second_one_is_stopped_wi
     let fx = Fixture::new();
     let spec = fx.spec("twice-proxy", &["--sleep"]);
     // Two instances of one spec, as two agents that crashed during start-up leave them.
-    let first = fx.supervisor.spawn(spec.clone()).unwrap();
-    let second = fx.supervisor.spawn(spec.clone()).unwrap();
+    let first = fx.supervisor.spawn(spec.clone()).await.unwrap();
+    let second = fx.supervisor.spawn(spec.clone()).await.unwrap();
     let (first_pid, second_pid) = (first.status().pid.unwrap(), second.status().pid.unwrap());
     eventually("the pid file to name the second", || read_pid_file(&spec.pid_file) == Some(second_pid)).await;
     drop((first, second)); // supervision ends, the processes run on
@@ -167,7 +167,7 @@ async fn a_worker_that_leads_its_own_group_is_not_taken_for_an_instance() {
     spec.program = "/bin/sh".into();
     // The worker makes itself the leader of a group of its own, in the same session.
     spec.args = vec!["-c".into(), "perl -e 'setpgrp(0, 0); sleep 30' & wait".into()];
-    let handle = fx.supervisor.spawn(spec.clone()).unwrap();
+    let handle = fx.supervisor.spawn(spec.clone()).await.unwrap();
     let pid = handle.status().pid.unwrap();
     let leads_its_group = |pid: u32| {
         let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
@@ -196,7 +196,7 @@ async fn a_daemonised_helper_is_not_taken_for_an_instance() {
     spec.program = "/bin/sh".into();
     // The helper calls setsid(): it leads a session, which no spawned instance does.
     spec.args = vec!["-c".into(), "setsid sleep 30 & exec sleep 30".into()];
-    let handle = fx.supervisor.spawn(spec.clone()).unwrap();
+    let handle = fx.supervisor.spawn(spec.clone()).await.unwrap();
     let pid = handle.status().pid.unwrap();
     // Both have exec'd `sleep`: the shell's own exec is not caught half-way.
     let sleeping =

@@ -29,7 +29,7 @@ async fn an_instance_is_starting_until_its_readiness_probe_passes() {
     let mut readiness = Readiness::new(Probe::Tcp(TcpTarget::parse(&address).unwrap()));
     readiness.interval = Duration::from_millis(100);
     spec.health = HealthChecks { readiness: Some(readiness), liveness: None };
-    let handle = fx.supervisor.spawn(spec).unwrap();
+    let handle = fx.supervisor.spawn(spec).await.unwrap();
     let first = handle.status();
     assert_eq!((first.state, first.ready, first.pid.is_some()), (ProcessState::Starting, false, true));
 
@@ -59,7 +59,7 @@ async fn an_instance_that_stops_answering_is_restarted_after_its_liveness_failur
     readiness.interval = Duration::from_millis(50);
     spec.health = HealthChecks { readiness: Some(readiness), liveness: Some(liveness) };
     spec.kill.timeout = Duration::from_millis(300);
-    let handle = fx.supervisor.spawn(spec).unwrap();
+    let handle = fx.supervisor.spawn(spec).await.unwrap();
     let first = status_where(&handle, "running", |status| status.state == ProcessState::Running).await.pid.unwrap();
 
     // Stopped, it keeps its socket (connects succeed) but answers nothing. The restart
@@ -94,7 +94,7 @@ async fn an_exec_probe_that_hangs_is_killed_at_its_timeout() {
     let mut readiness = Readiness::new(probe);
     (readiness.interval, readiness.timeout) = (Duration::from_millis(400), Duration::from_millis(300));
     spec.health = HealthChecks { readiness: Some(readiness), liveness: None };
-    let handle = fx.supervisor.spawn(spec).unwrap();
+    let handle = fx.supervisor.spawn(spec).await.unwrap();
     let proxy = handle.status().pid.unwrap();
 
     let mut probe_pid = None;
@@ -124,7 +124,7 @@ async fn an_exec_probe_runs_like_the_proxy_and_passes_on_exit_zero() {
     let mut readiness = Readiness::new(probe);
     readiness.interval = Duration::from_millis(100);
     spec.health = HealthChecks { readiness: Some(readiness), liveness: None };
-    let handle = fx.supervisor.spawn(spec).unwrap();
+    let handle = fx.supervisor.spawn(spec).await.unwrap();
     let ready = status_where(&handle, "readiness", |status| status.ready).await;
     assert_eq!((ready.state, ready.error), (ProcessState::Running, None));
     within("stop", handle.stop()).await;
@@ -150,7 +150,7 @@ async fn a_notify_instance_is_ready_on_ready_1_and_shows_its_status_text() {
     );
     spec.health = notify_checks(true, None);
     let stdout = spec.logs.stdout.path();
-    let handle = fx.supervisor.spawn(spec).unwrap();
+    let handle = fx.supervisor.spawn(spec).await.unwrap();
     assert_eq!(handle.status().state, ProcessState::Starting);
     let ready = status_where(&handle, "READY=1", |status| status.ready).await;
     assert_eq!((ready.state, ready.status_text.as_deref()), (ProcessState::Running, Some("serving")));
@@ -168,7 +168,7 @@ async fn a_notify_instance_whose_watchdog_pings_stop_is_restarted() {
     spec.health = notify_checks(false, Some((400, 2)));
     spec.kill.timeout = Duration::from_millis(500);
     let stdout = spec.logs.stdout.path();
-    let handle = fx.supervisor.spawn(spec).unwrap();
+    let handle = fx.supervisor.spawn(spec).await.unwrap();
     let first = handle.status().pid.unwrap();
     let second = restarted(&handle, first).await;
     let status = handle.status();
@@ -188,7 +188,7 @@ async fn a_notification_from_a_foreign_process_changes_nothing_and_is_counted() 
     let fx = Fixture::new();
     let mut spec = fx.spec("guarded-proxy", &["--sleep"]);
     spec.health = notify_checks(true, None);
-    let handle = fx.supervisor.spawn(spec).unwrap();
+    let handle = fx.supervisor.spawn(spec).await.unwrap();
     let name = fx.supervisor.notify_socket().strip_prefix('@').unwrap().to_owned();
     let address = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
     let before = fx.supervisor.foreign_notifications();
@@ -207,7 +207,7 @@ async fn an_fd_instance_is_ready_when_it_writes_a_newline_to_its_descriptor() {
     let mut spec = fx
         .spec("fd-proxy", &["--delay", "300", "--write-fd", "5", "almost", "--delay", "200", "--write-fd", "5", "\\n"]);
     spec.health = HealthChecks { readiness: Some(Readiness::new(Probe::Fd(5))), liveness: None };
-    let handle = fx.supervisor.spawn(spec).unwrap();
+    let handle = fx.supervisor.spawn(spec).await.unwrap();
     assert_eq!(handle.status().state, ProcessState::Starting);
     let ready = status_where(&handle, "the newline", |status| status.ready).await;
     assert_eq!((ready.state, ready.error), (ProcessState::Running, None));
@@ -222,7 +222,7 @@ async fn an_fd_instance_that_closes_its_descriptor_without_a_newline_is_not_read
     spec.program = "/bin/sh".into();
     spec.args = vec!["-c".into(), "printf 'no newline' >&4; exec 4>&-; exec sleep 3600".into()];
     spec.health = HealthChecks { readiness: Some(Readiness::new(Probe::Fd(4))), liveness: None };
-    let handle = fx.supervisor.spawn(spec).unwrap();
+    let handle = fx.supervisor.spawn(spec).await.unwrap();
     let closed = Some("readiness fd 4: closed without writing a newline");
     let status = status_where(&handle, "the closed descriptor", |status| status.error.as_deref() == closed).await;
     assert!(!status.ready, "{status:?}");
@@ -243,7 +243,7 @@ async fn a_log_line_instance_is_ready_when_its_line_appears_even_in_a_rotated_lo
     readiness.interval = Duration::from_millis(1500);
     spec.health = HealthChecks { readiness: Some(readiness), liveness: None };
     let rotated = fx.data_dir().join("logs/log-proxy-stdout.log.1");
-    let handle = fx.supervisor.spawn(spec).unwrap();
+    let handle = fx.supervisor.spawn(spec).await.unwrap();
     let not_yet = status_where(&handle, "a look without the line", |status| status.error.is_some()).await;
     assert_eq!(not_yet.state, ProcessState::Starting);
     assert_eq!(
@@ -268,7 +268,7 @@ async fn an_adopted_instance_is_not_asked_for_readiness_again_and_its_liveness_r
         (Duration::from_millis(500), Duration::from_millis(200), 2);
     spec.health = HealthChecks { readiness: Some(readiness), liveness: Some(liveness) };
     spec.kill.timeout = Duration::from_millis(300);
-    let handle = fx.supervisor.spawn(spec.clone()).unwrap();
+    let handle = fx.supervisor.spawn(spec.clone()).await.unwrap();
     let pid = status_where(&handle, "ready", |status| status.ready).await.pid.unwrap();
     pid_in_file(&spec.pid_file).await;
     let identity = within("detach", handle.detach()).await.unwrap();
@@ -299,7 +299,7 @@ async fn a_restarted_log_line_instance_is_ready_again_when_its_line_appears() {
     let mut readiness = Readiness::new(Probe::LogLine(tether_state::LinePattern::new("^ready: ").unwrap()));
     readiness.interval = Duration::from_millis(100);
     spec.health = HealthChecks { readiness: Some(readiness), liveness: None };
-    let handle = fx.supervisor.spawn(spec).unwrap();
+    let handle = fx.supervisor.spawn(spec).await.unwrap();
     let again = status_where(&handle, "a restarted instance that is ready", |status| {
         status.restarts >= 1 && status.state == ProcessState::Running
     })
@@ -311,7 +311,7 @@ async fn a_restarted_log_line_instance_is_ready_again_when_its_line_appears() {
 #[tokio::test]
 async fn a_liveness_check_given_by_an_update_to_an_instance_without_checks_applies_to_it() {
     let fx = Fixture::new();
-    let handle = fx.supervisor.spawn(fx.spec("unchecked-proxy", &["--sleep"])).unwrap();
+    let handle = fx.supervisor.spawn(fx.spec("unchecked-proxy", &["--sleep"])).await.unwrap();
     let first = handle.status();
     assert_eq!((first.state, first.ready), (ProcessState::Running, true));
     let first = first.pid.unwrap();

@@ -34,7 +34,7 @@ async fn every_instance_inherits_the_same_listeners_by_socket_activation() {
     spec.args = vec!["-c".into(), REPORT.into()];
     spec.listeners = vec![public, admin];
     let stdout = spec.logs.stdout.path();
-    let handle = fx.supervisor.spawn(spec).unwrap();
+    let handle = fx.supervisor.spawn(spec).await.unwrap();
     let mut pid = handle.status().pid.unwrap();
     for round in 1..=2 {
         eventually("the instance's report", || {

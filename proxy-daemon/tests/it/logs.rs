@@ -23,7 +23,7 @@ async fn logs_are_appended_across_restarts() {
     let stdout = spec.logs.stdout.path();
     std::fs::create_dir_all(stdout.parent().unwrap()).unwrap();
     std::fs::write(&stdout, "from before\n").unwrap();
-    let handle = fx.supervisor.spawn(spec).unwrap();
+    let handle = fx.supervisor.spawn(spec).await.unwrap();
     let count = || std::fs::read_to_string(&stdout).unwrap_or_default().matches("hello\n").count();
     eventually("the first greeting", || count() == 1).await;
     for _ in 0..2 {
@@ -44,7 +44,7 @@ async fn logs_are_rotated_at_their_cap() {
     let mut spec = fx.spec("chatty-proxy", &["--write-bytes", "300000"]);
     spec.logs.limits = LogPolicy { max_size: 64 * 1024, keep: 2 };
     let stdout = spec.logs.stdout.path();
-    let handle = fx.supervisor.spawn(spec).unwrap();
+    let handle = fx.supervisor.spawn(spec).await.unwrap();
 
     eventually("a rotated copy and a file back under its cap", || {
         rotated(&stdout, 1).exists() && size(&stdout) <= 64 * 1024
@@ -65,7 +65,7 @@ async fn log_limit_changes_apply_in_place() {
     let fx = Fixture::new();
     let spec = fx.spec("limits-proxy", &["--write-bytes", "20000"]);
     let stdout = spec.logs.stdout.path();
-    let handle = fx.supervisor.spawn(spec).unwrap();
+    let handle = fx.supervisor.spawn(spec).await.unwrap();
     eventually("the output", || size(&stdout) == 20000).await;
     assert!(!rotated(&stdout, 1).exists(), "under the default cap nothing rotates");
 
@@ -93,7 +93,7 @@ async fn links_planted_at_a_log_file_and_its_rotated_copy_are_never_followed() {
     std::os::unix::fs::symlink(&targets[0], &stdout).unwrap();
     std::os::unix::fs::symlink(&targets[1], rotated(&stdout, 1)).unwrap();
 
-    let handle = fx.supervisor.spawn(spec).unwrap();
+    let handle = fx.supervisor.spawn(spec).await.unwrap();
     eventually("a rotated copy and a file back under its cap", || {
         std::fs::symlink_metadata(rotated(&stdout, 1)).is_ok_and(|m| m.is_file()) && size(&stdout) <= 64 * 1024
     })

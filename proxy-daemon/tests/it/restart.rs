@@ -12,7 +12,7 @@ async fn exited_process_is_restarted_and_the_pid_file_follows() {
     let fx = Fixture::new();
     let spec = fx.spec("restart-proxy", &["--sleep"]);
     let pid_file = spec.pid_file.clone();
-    let handle = fx.supervisor.spawn(spec).unwrap();
+    let handle = fx.supervisor.spawn(spec).await.unwrap();
     let first = handle.status().pid.unwrap();
     assert_eq!(pid_in_file(&pid_file).await, first);
 
@@ -36,7 +36,7 @@ async fn killed_main_process_has_its_surviving_worker_swept_before_the_restart()
     let fx = Fixture::new();
     let worker_file = fx.data_dir().join("worker.pid");
     let spec = fx.spec("master-proxy", &["--fork-worker", worker_file.to_str().unwrap()]);
-    let handle = fx.supervisor.spawn(spec).unwrap();
+    let handle = fx.supervisor.spawn(spec).await.unwrap();
     let master = handle.status().pid.unwrap();
     let worker = pid_in_file(&worker_file).await;
     std::fs::remove_file(&worker_file).unwrap();
@@ -61,7 +61,7 @@ async fn crash_loop_backs_off_after_the_free_attempts() {
     let mut spec = fx.spec("loop-proxy", &["--exit", "7"]);
     spec.restart =
         RestartPolicy { free_attempts: 2, max_delay: Duration::from_secs(60), healthy_after: Duration::from_secs(60) };
-    let handle = fx.supervisor.spawn(spec).unwrap();
+    let handle = fx.supervisor.spawn(spec).await.unwrap();
     // Two free restarts, then the third exit waits 1 s in backoff.
     let status =
         status_where(&handle, "backoff after two free restarts", |status| status.state == ProcessState::Backoff).await;
@@ -81,7 +81,7 @@ async fn restart_policy_changes_apply_in_place() {
     let mut spec = fx.spec("policy-proxy", &["--sleep"]);
     spec.restart.free_attempts = 0;
     spec.restart.max_delay = Duration::from_secs(3600);
-    let handle = fx.supervisor.spawn(spec).unwrap();
+    let handle = fx.supervisor.spawn(spec).await.unwrap();
     let pid = handle.status().pid.unwrap();
     handle
         .update(ProcessUpdate {
@@ -100,7 +100,7 @@ async fn restart_policy_changes_apply_in_place() {
 #[tokio::test]
 async fn dropping_the_handle_leaves_the_process_running() {
     let fx = Fixture::new();
-    let handle = fx.supervisor.spawn(fx.spec("drop-proxy", &["--sleep"])).unwrap();
+    let handle = fx.supervisor.spawn(fx.spec("drop-proxy", &["--sleep"])).await.unwrap();
     let pid = handle.status().pid.unwrap();
     let mut status = handle.subscribe();
     drop(handle);
@@ -118,7 +118,7 @@ async fn a_restart_that_cannot_exec_waits_on_the_backoff_with_the_reason_and_run
     spec.program = program.clone();
     spec.restart = RestartPolicy { free_attempts: 1, max_delay: Duration::from_secs(1), ..RestartPolicy::default() };
     let pid_file = spec.pid_file.clone();
-    let handle = fx.supervisor.spawn(spec).unwrap();
+    let handle = fx.supervisor.spawn(spec).await.unwrap();
     let pid = handle.status().pid.unwrap();
     pid_in_file(&pid_file).await;
 
@@ -156,7 +156,7 @@ async fn a_healthy_run_resets_the_backoff() {
     let mut spec = fx.spec("healthy-proxy", &["--sleep"]);
     let healthy_after = Duration::from_millis(150);
     spec.restart = RestartPolicy { free_attempts: 1, max_delay: Duration::from_secs(60), healthy_after };
-    let handle = fx.supervisor.spawn(spec).unwrap();
+    let handle = fx.supervisor.spawn(spec).await.unwrap();
     for round in 1..=3 {
         let status = handle.status();
         let pid = status.pid.unwrap();
@@ -181,7 +181,7 @@ async fn an_observer_is_told_the_current_status_and_then_every_change_in_order()
     use std::sync::{Arc, Mutex};
 
     let fx = Fixture::new();
-    let handle = fx.supervisor.spawn(fx.spec("observed-proxy", &["--sleep"])).unwrap();
+    let handle = fx.supervisor.spawn(fx.spec("observed-proxy", &["--sleep"])).await.unwrap();
     let first = handle.status().pid.unwrap();
     type Seen = Vec<(ProcessState, Option<u32>, u64)>;
     let seen: Arc<Mutex<Seen>> = Arc::default();

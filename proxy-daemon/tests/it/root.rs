@@ -66,7 +66,7 @@ async fn foreign_process_on_a_reused_pid_is_neither_adopted_nor_signalled() {
     }
     let fx = Fixture::new();
     let spec = fx.spec("reuse-proxy", &["--sleep"]);
-    let handle = fx.supervisor.spawn(spec.clone()).unwrap();
+    let handle = fx.supervisor.spawn(spec.clone()).await.unwrap();
     pid_in_file(&spec.pid_file).await;
     let identity = within("detach", handle.detach()).await.unwrap();
 
@@ -110,7 +110,7 @@ async fn user_switch_sets_uid_gid_and_supplementary_groups() {
     std::fs::copy(&spec.program, &program).unwrap();
     spec.program = program;
     let stdout = spec.logs.stdout.path();
-    let handle = fx.supervisor.spawn(spec).unwrap();
+    let handle = fx.supervisor.spawn(spec).await.unwrap();
     let pid = handle.status().pid.unwrap();
     eventually("output written through the agent's fd", || {
         std::fs::read_to_string(&stdout).is_ok_and(|log| log == "as nobody\n")

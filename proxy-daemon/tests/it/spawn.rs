@@ -13,7 +13,7 @@ async fn process_gets_exactly_the_given_environment() {
     let expected: Vec<String> =
         spec.env.iter().map(|(key, value)| format!("{}={}", key.to_string_lossy(), value.to_string_lossy())).collect();
     let stdout = spec.logs.stdout.path();
-    let handle = fx.supervisor.spawn(spec).unwrap();
+    let handle = fx.supervisor.spawn(spec).await.unwrap();
     eventually("the environment in the log", || {
         std::fs::read_to_string(&stdout).is_ok_and(|log| log.ends_with("done\n"))
     })
@@ -34,7 +34,7 @@ async fn start_and_stop_with_the_token_in_the_environment() {
     let spec = fx.spec("web-proxy", &["--sleep"]);
     let pid_file = spec.pid_file.clone();
     let token = spec.identity_env[1].1.clone();
-    let handle = fx.supervisor.spawn(spec).unwrap();
+    let handle = fx.supervisor.spawn(spec).await.unwrap();
     let status = handle.status();
     assert_eq!(status.state, ProcessState::Running);
     let pid = status.pid.unwrap();
@@ -71,7 +71,7 @@ async fn log_files_are_private_and_the_working_dir_is_applied() {
     std::fs::create_dir(&work).unwrap();
     spec.working_dir = work.clone();
     let (stdout, stderr) = (spec.logs.stdout.path(), spec.logs.stderr.path());
-    let handle = fx.supervisor.spawn(spec).unwrap();
+    let handle = fx.supervisor.spawn(spec).await.unwrap();
     let expected = format!("{}\n", work.display());
     eventually("the working dir in the log", || std::fs::read_to_string(&stdout).is_ok_and(|log| log == expected))
         .await;
@@ -86,7 +86,7 @@ async fn unknown_user_is_a_clear_spawn_error() {
     let fx = Fixture::new();
     let mut spec = fx.spec("user-proxy", &["--sleep"]);
     spec.user = Some("no-such-user-tether".into());
-    let error = fx.supervisor.spawn(spec).unwrap_err();
+    let error = fx.supervisor.spawn(spec).await.unwrap_err();
     assert!(matches!(&error, SpawnError::UnknownUser { user } if user == "no-such-user-tether"), "{error:?}");
     assert_eq!(error.to_string(), "unknown user \"no-such-user-tether\"");
     assert!(fx.marked_processes().is_empty());
@@ -97,7 +97,7 @@ async fn missing_program_and_missing_working_dir_are_spawn_errors() {
     let fx = Fixture::new();
     let mut spec = fx.spec("missing-proxy", &[]);
     spec.program = fx.data_dir().join("no-such-program");
-    let error = fx.supervisor.spawn(spec).unwrap_err();
+    let error = fx.supervisor.spawn(spec).await.unwrap_err();
     assert!(
         matches!(&error, SpawnError::Exec { source, .. } if source.kind() == std::io::ErrorKind::NotFound),
         "{error:?}"
@@ -105,13 +105,13 @@ async fn missing_program_and_missing_working_dir_are_spawn_errors() {
 
     let mut spec = fx.spec("missing-proxy", &[]);
     spec.working_dir = fx.data_dir().join("no-such-dir");
-    let error = fx.supervisor.spawn(spec).unwrap_err();
+    let error = fx.supervisor.spawn(spec).await.unwrap_err();
     assert!(matches!(&error, SpawnError::WorkingDir { .. }), "{error:?}");
 
     // No `PATH` search, and no program relative to the working dir.
     let mut spec = fx.spec("missing-proxy", &[]);
     spec.program = "sleep".into();
-    let error = fx.supervisor.spawn(spec).unwrap_err();
+    let error = fx.supervisor.spawn(spec).await.unwrap_err();
     let message = tether_state::error_chain(&error);
     assert!(message.contains("the program must be an absolute path"), "{message}");
     assert!(fx.marked_processes().is_empty());

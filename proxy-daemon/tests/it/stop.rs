@@ -12,7 +12,7 @@ async fn process_ignoring_sigint_is_killed_after_kill_timeout_with_its_grandchil
     let worker_file = fx.data_dir().join("worker.pid");
     let mut spec = fx.spec("stubborn-proxy", &["--ignore-sigint", "--fork-worker", worker_file.to_str().unwrap()]);
     spec.kill.timeout = Duration::from_millis(300);
-    let handle = fx.supervisor.spawn(spec).unwrap();
+    let handle = fx.supervisor.spawn(spec).await.unwrap();
     let pid = handle.status().pid.unwrap();
     let worker = pid_in_file(&worker_file).await;
     assert!(!is_dead(worker));
@@ -38,7 +38,7 @@ async fn process_ignoring_sigint_is_killed_after_kill_timeout_with_its_grandchil
 #[tokio::test]
 async fn stop_is_idempotent_and_the_process_never_comes_back() {
     let fx = Fixture::new();
-    let handle = fx.supervisor.spawn(fx.spec("idem-proxy", &["--sleep"])).unwrap();
+    let handle = fx.supervisor.spawn(fx.spec("idem-proxy", &["--sleep"])).await.unwrap();
     let first = within("first stop", handle.stop()).await;
     let second = within("second stop", handle.stop()).await;
     assert_eq!(first, second);
@@ -50,7 +50,7 @@ async fn stop_is_idempotent_and_the_process_never_comes_back() {
 #[tokio::test]
 async fn kill_policy_changes_apply_in_place() {
     let fx = Fixture::new();
-    let handle = fx.supervisor.spawn(fx.spec("term-proxy", &["--ignore-sigint"])).unwrap();
+    let handle = fx.supervisor.spawn(fx.spec("term-proxy", &["--ignore-sigint"])).await.unwrap();
     let pid = handle.status().pid.unwrap();
     handle
         .update(ProcessUpdate {
@@ -73,7 +73,7 @@ async fn stop_during_backoff_ends_supervision_without_a_restart() {
     spec.restart.free_attempts = 0;
     spec.restart.max_delay = Duration::from_secs(60);
     let pid_file = spec.pid_file.clone();
-    let handle = fx.supervisor.spawn(spec).unwrap();
+    let handle = fx.supervisor.spawn(spec).await.unwrap();
     let status = status_where(&handle, "backoff", |status| status.state == ProcessState::Backoff).await;
     assert_eq!(status.last_exit, Some(ExitReason::Code(3)));
     assert_eq!(status.pid, None);
