@@ -64,8 +64,14 @@ pub(crate) fn parse_stat(text: &str) -> Option<Stat> {
 
 /// Reads `/proc/<pid>/stat`. Only meaningful while a pidfd of `pid` is held.
 pub(crate) fn read_stat(pid: u32) -> io::Result<Stat> {
-    let text = fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    parse_stat(&text).ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "malformed /proc/<pid>/stat"))
+    use std::io::Read;
+    let malformed = || io::Error::new(io::ErrorKind::InvalidData, "malformed /proc/<pid>/stat");
+    // One read, with room for any stat line (52 numbers and a short command name): the
+    // kernel makes the whole line at once, so a line without its newline did not fit.
+    let mut buffer = [0u8; 2048];
+    let read = fs::File::open(format!("/proc/{pid}/stat"))?.read(&mut buffer)?;
+    let line = buffer[..read].strip_suffix(b"\n").ok_or_else(malformed)?;
+    parse_stat(&String::from_utf8_lossy(line)).ok_or_else(malformed)
 }
 
 /// Reads the boot id of the running kernel.

@@ -108,7 +108,9 @@ impl Manager {
         }
         match outcome {
             Ok(Outcome::Started { proxy, handle }) => {
-                tracing::info!(proxy = %id, "proxy started");
+                // The backend tells of the start with what it knows (the process backend: the
+                // pid and the program); one line per start at the default level.
+                tracing::debug!(proxy = %id, "proxy started");
                 slot.observed = Observed::Running { applied: proxy.clone() };
                 slot.error = None;
                 slot.start_failures = 0;
