@@ -16,7 +16,7 @@ use super::sys;
 
 /// The sizes, with how many rounds each (the best is kept) and the ratio to the raw loop
 /// that the target allows, if there is one (at 100 the agent's own start dominates).
-const SIZES: [(usize, usize, Option<f64>); 3] = [(100, 3, None), (1_000, 2, Some(1.3)), (10_000, 1, Some(1.5))];
+const SIZES: [(usize, usize, Option<f64>); 3] = [(100, 3, None), (1_000, 3, Some(1.3)), (10_000, 1, Some(1.5))];
 
 /// Runs the section, appending its rows; `empty_rss` is the RSS of an agent with no proxy.
 pub(crate) fn run(lab: &Lab, empty_rss: u64, rows: &mut Vec<Row>) -> Result<(), String> {
@@ -26,12 +26,14 @@ pub(crate) fn run(lab: &Lab, empty_rss: u64, rows: &mut Vec<Row>) -> Result<(), 
         let (mut raw_best, mut agent_best) = (Duration::MAX, Duration::MAX);
         let mut last = None;
         for round in 0..rounds {
-            raw_best = raw_best.min(raw_bring_up(lab, &format!("n{count}-raw{round}"), count)?);
+            let raw = raw_bring_up(lab, &format!("n{count}-raw{round}"), count)?;
+            raw_best = raw_best.min(raw);
             let data = lab.dir.join(format!("n{count}-{round}-data"));
             let start = Instant::now();
             let mut agent = lab.agent(&format!("n{count}-{round}"), &config, &data, &[])?;
             let (running, seen) = agent.wait_running(count, Duration::from_secs(300))?;
             agent_best = agent_best.min(seen - start);
+            eprintln!("xtask: bench: bring-up of {count}, round {round}: {} (raw {})", secs(seen - start), secs(raw));
             if round + 1 == rounds {
                 last = Some((agent, running.len()));
             } else {
