@@ -18,6 +18,8 @@
 //!   `startsecs=0`, no logs), `supervisord -n -c FILE`; stopped with SIGTERM.
 //! - tether: `tether agent` with one config file of N services; stopped with `tether leave`.
 //!
+//! At N = 10 000, s6 alone runs beside tether (bring-up and stop; see [`LARGE`]).
+//!
 //! Debian's `s6`, `runit` and `supervisor` are installed when missing (as root); a peer
 //! that is still missing gets a row saying so.
 
@@ -115,7 +117,165 @@ pub(crate) fn run(lab: &Lab, rows: &mut Vec<Row>) -> Result<(), String> {
         }
         report(rows, count, raw, &figures);
     }
+    large(lab, rows);
     Ok(())
+}
+
+/// At 10 000, s6 alone beside tether, bring-up and stop only. Finding s6's sleeps below
+/// 10 000 supervisors costs more per look than a spawn, so s6 runs in a cgroup of its own
+/// and its bring-up ends when the cgroup holds all its processes (the scanner, a
+/// supervisor and a child per service): a moment before its last children have exec'd
+/// their sleeps, which favours s6. tether's ends when its API lists every proxy running.
+const LARGE: usize = 10_000;
+
+fn large(lab: &Lab, rows: &mut Vec<Row>) {
+    let figure = |who: &str, what: &str| format!("peers, N = {LARGE}: {who} {what}");
+    let s6 = match which("s6-svscan") {
+        None => Err("s6-svscan is not installed".to_owned()),
+        Some(program) => s6_large(lab, &program),
+    };
+    let tether = tether_large(lab);
+    let s6_bring_up = match s6 {
+        Ok((bring_up, stop)) => {
+            rows.push(Row::new(
+                &figure("s6", "bring-up until its cgroup holds every service's process"),
+                "—".into(),
+                secs(bring_up),
+                "—".into(),
+                "—",
+                Met::Info,
+            ));
+            rows.push(Row::new(&figure("s6", "stop all"), "—".into(), secs(stop), "—".into(), "—", Met::Info));
+            Some(bring_up)
+        }
+        Err(err) => {
+            eprintln!("xtask: bench: s6 at {LARGE}: {err}");
+            rows.push(Row::failed(&figure("s6", "bring-up"), &err));
+            None
+        }
+    };
+    match tether {
+        Ok((bring_up, stop)) => {
+            let ahead = s6_bring_up.map_or(Met::Info, |s6| super::report::met(bring_up < s6));
+            rows.push(Row::new(
+                &figure("tether", "bring-up until the API lists every proxy running"),
+                s6_bring_up.map_or_else(|| "—".to_owned(), |s6| format!("s6: {}", secs(s6))),
+                secs(bring_up),
+                s6_bring_up.map_or_else(|| "—".to_owned(), |s6| ratio(bring_up.as_secs_f64(), s6.as_secs_f64())),
+                "ahead of s6",
+                ahead,
+            ));
+            rows.push(Row::new(&figure("tether", "stop all"), "—".into(), secs(stop), "—".into(), "—", Met::Info));
+        }
+        Err(err) => {
+            eprintln!("xtask: bench: tether at {LARGE}: {err}");
+            rows.push(Row::failed(&figure("tether", "bring-up"), &err));
+        }
+    }
+}
+
+/// s6 with `LARGE` services in a cgroup of its own: (bring-up, stop).
+fn s6_large(lab: &Lab, program: &Path) -> Result<(Duration, Duration), String> {
+    let dir = lab.subdir(&format!("peer-s6-{LARGE}"))?;
+    let scan = dir.join("scan");
+    write_service_dirs(&scan, LARGE)?;
+    let cgroup = PeerCgroup::new("s6")?;
+    let procs = cgroup.dir.join("cgroup.procs");
+    let log = fs::File::create(dir.join("supervisor.log")).map_err(|err| err.to_string())?;
+    let start = Instant::now();
+    // The shell enters the cgroup, then becomes s6-svscan: everything s6 starts is born there.
+    let child = Command::new("/bin/sh")
+        .args(["-c", "echo $$ > \"$1\" && exec \"$2\" -c \"$3\" \"$4\"", "sh"])
+        .arg(&procs)
+        .arg(program)
+        .arg((LARGE * 2).to_string())
+        .arg(&scan)
+        .current_dir(&dir)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().map_err(|err| err.to_string())?)
+        .stderr(log)
+        .process_group(0)
+        .spawn()
+        .map_err(|err| format!("cannot start s6-svscan: {err}"))?;
+    let running = Running { root: child.id(), child };
+    let all = 2 * LARGE + 1;
+    // A look reads 20 000 pids: every 10 ms, so that looking costs s6 little.
+    let look = Duration::from_millis(10);
+    wait_every(&format!("{all} processes in s6's cgroup"), look, || (cgroup.count() >= all).then_some(()))?;
+    let bring_up = start.elapsed();
+    // That the services run sleep, not how soon: a scan of 20 000 processes is slow.
+    wait_every(&format!("{LARGE} sleeps"), Duration::from_millis(500), || {
+        (sleeps_below(running.root).len() >= LARGE).then_some(())
+    })?;
+    let stopping = Instant::now();
+    let status = Command::new(which("s6-svscanctl").ok_or("s6-svscanctl is not installed")?)
+        .arg("-t")
+        .arg(&scan)
+        .status()
+        .map_err(|err| err.to_string())?;
+    if !status.success() {
+        return Err(format!("s6-svscanctl -t: {status}"));
+    }
+    wait_every("s6's cgroup empty", look, || (cgroup.count() == 0).then_some(()))?;
+    let stop = stopping.elapsed();
+    drop(running);
+    Ok((bring_up, stop))
+}
+
+/// tether with `LARGE` proxies: (bring-up, stop).
+fn tether_large(lab: &Lab) -> Result<(Duration, Duration), String> {
+    let dir = lab.subdir(&format!("peer-tether-{LARGE}"))?;
+    write_tether_config(&dir, LARGE)?;
+    let start = Instant::now();
+    let mut agent = lab.agent(&format!("peer-{LARGE}"), &dir, &dir.join("data"), &[])?;
+    let (_, seen) = agent.wait_running(LARGE, LIMIT)?;
+    let bring_up = seen - start;
+    let root = agent.pid();
+    let stopping = Instant::now();
+    agent.leave(LIMIT)?;
+    wait_for("every sleep gone", || children_of(root).is_empty().then_some(()))?;
+    Ok((bring_up, stopping.elapsed()))
+}
+
+/// A cgroup of the bench's own for a peer, below the bench's cgroup in the cgroup2
+/// hierarchy; whatever is left in it is killed, and it is removed, when dropped.
+struct PeerCgroup {
+    dir: PathBuf,
+}
+
+impl PeerCgroup {
+    fn new(name: &str) -> Result<Self, String> {
+        let mountinfo = fs::read_to_string("/proc/self/mountinfo").map_err(|err| err.to_string())?;
+        // Field 5 is the mount point; the file system type follows " - ".
+        let mount = mountinfo
+            .lines()
+            .find(|line| line.split(" - ").nth(1).is_some_and(|after| after.starts_with("cgroup2 ")))
+            .and_then(|line| line.split_whitespace().nth(4))
+            .ok_or("no cgroup2 file system is mounted")?;
+        let own = fs::read_to_string("/proc/self/cgroup").map_err(|err| err.to_string())?;
+        let own = own.lines().find_map(|line| line.strip_prefix("0::")).ok_or("not in a cgroup2 hierarchy")?;
+        let dir = Path::new(mount)
+            .join(own.trim_start_matches('/'))
+            .join(format!("tether-bench-{name}-{}", std::process::id()));
+        fs::create_dir(&dir).map_err(|err| format!("{}: {err}", dir.display()))?;
+        Ok(Self { dir })
+    }
+
+    /// The processes in it.
+    fn count(&self) -> usize {
+        fs::read_to_string(self.dir.join("cgroup.procs")).map_or(0, |procs| procs.lines().count())
+    }
+}
+
+impl Drop for PeerCgroup {
+    fn drop(&mut self) {
+        let _ = fs::write(self.dir.join("cgroup.kill"), "1");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while self.count() > 0 && Instant::now() < deadline {
+            thread::sleep(Duration::from_millis(10));
+        }
+        let _ = fs::remove_dir(&self.dir);
+    }
 }
 
 fn report(rows: &mut Vec<Row>, count: usize, raw: Duration, figures: &[(Peer, Result<Figures, String>)]) {
@@ -388,7 +548,12 @@ fn write_tether_config(dir: &Path, count: usize) -> Result<(), String> {
     fs::write(dir.join("services.toml"), text).map_err(|err| err.to_string())
 }
 
-fn wait_for<T>(what: &str, mut probe: impl FnMut() -> Option<T>) -> Result<T, String> {
+fn wait_for<T>(what: &str, probe: impl FnMut() -> Option<T>) -> Result<T, String> {
+    wait_every(what, Duration::from_micros(500), probe)
+}
+
+/// [`wait_for`], looking every `interval`: for a look that costs much.
+fn wait_every<T>(what: &str, interval: Duration, mut probe: impl FnMut() -> Option<T>) -> Result<T, String> {
     let deadline = Instant::now() + LIMIT;
     loop {
         if let Some(value) = probe() {
@@ -397,7 +562,7 @@ fn wait_for<T>(what: &str, mut probe: impl FnMut() -> Option<T>) -> Result<T, St
         if Instant::now() > deadline {
             return Err(format!("timed out after {LIMIT:?} waiting for {what}"));
         }
-        thread::sleep(Duration::from_micros(500));
+        thread::sleep(interval);
     }
 }
 
