@@ -142,7 +142,7 @@ pub(crate) async fn slot() -> Slot {
 ///
 /// Must be called from within a tokio runtime, holding a [`Slot`].
 pub(crate) async fn spawn(spec: &ProcessSpec, cgroup: Option<&OwnedFd>, _slot: &Slot) -> Result<Spawned, SpawnError> {
-    queue(spec, cgroup, Birth::IntoCgroup)?.finish().await
+    queue(spec, cgroup, Birth::IntoCgroup)?.finish(&spec.program).await
 }
 
 /// How a child gets into its cgroup.
@@ -288,7 +288,7 @@ fn queue(spec: &ProcessSpec, cgroup: Option<&OwnedFd>, birth: Birth) -> Result<P
     drop((passed, handed));
     drop((stdout, stderr));
     let notification = pipe.map(|((read, _write), _)| read);
-    Ok(Pending { reply, program: spec.program.clone(), notification })
+    Ok(Pending { reply, notification })
 }
 
 /// A child just created, until its creator claims it. Should the creator be gone (its start
@@ -312,16 +312,17 @@ impl Drop for Unclaimed {
 /// A process in the making: queued on the spawn thread, its creation to be awaited.
 struct Pending {
     reply: thread::Reply<Unclaimed>,
-    program: std::path::PathBuf,
     /// The read end of its notification pipe, if it has one.
     notification: Option<OwnedFd>,
 }
 
 impl Pending {
-    /// Waits until the process has exec'd (or failed to), and opens its pidfd.
-    async fn finish(self) -> Result<Spawned, SpawnError> {
-        let Self { reply, program, notification } = self;
-        let child = reply.wait().await.map_err(|source| SpawnError::Exec { program, source })?.claim();
+    /// Waits until the process has exec'd (or failed to), and opens its pidfd. `program`
+    /// names it in an error.
+    async fn finish(self, program: &std::path::Path) -> Result<Spawned, SpawnError> {
+        let Self { reply, notification } = self;
+        let child =
+            reply.wait().await.map_err(|source| SpawnError::Exec { program: program.to_owned(), source })?.claim();
         let pid = child.id();
         // The child is not reaped until we wait for it, so its pid cannot have been reused yet.
         let pidfd = match Pidfd::open(pid) {
@@ -568,7 +569,7 @@ mod tests {
             let mut spec = ProcessSpec::new(name.clone(), "/bin/sleep", &data);
             spec.args = vec!["30".into()];
             let Spawned { mut child, pid, .. } =
-                queue(&spec, Some(&cgroup.dir), birth).unwrap().finish().await.unwrap();
+                queue(&spec, Some(&cgroup.dir), birth).unwrap().finish(&spec.program).await.unwrap();
             let member = cgroups.membership(pid);
             let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL);
             child.wait().unwrap();
@@ -577,7 +578,7 @@ mod tests {
             let mut missing = ProcessSpec::new(name, "/nonexistent/program", &data);
             missing.args = Vec::new();
             let error = match queue(&missing, Some(&cgroup.dir), birth) {
-                Ok(pending) => pending.finish().await.unwrap_err(),
+                Ok(pending) => pending.finish(&missing.program).await.unwrap_err(),
                 Err(error) => error,
             };
             assert!(

@@ -72,7 +72,10 @@ struct Lane {
 /// one thread the execs of a burst of starts take turns on one core.
 const MAX_LANES: usize = 4;
 
-static LANES: OnceLock<Result<Lanes, String>> = OnceLock::new();
+static LANES: OnceLock<Lanes> = OnceLock::new();
+
+/// Held while the spawn threads are being started.
+static STARTING: Mutex<()> = Mutex::new(());
 
 thread_local! {
     /// Descriptors every child holds until its exec ([`hold_until_exec`]).
@@ -151,11 +154,18 @@ fn dropped() -> io::Error {
     io::Error::other("the spawn thread dropped the job")
 }
 
+/// The spawn threads, started by the first spawn. A start that failed (no thread could be
+/// made, say) is the error of that spawn only: the next one tries again.
 fn lanes() -> io::Result<&'static Lanes> {
-    LANES
-        .get_or_init(|| Lanes::start().map_err(|error| error.to_string()))
-        .as_ref()
-        .map_err(|error| io::Error::other(format!("cannot start the spawn threads: {error}")))
+    if let Some(lanes) = LANES.get() {
+        return Ok(lanes);
+    }
+    let _starting = STARTING.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some(lanes) = LANES.get() {
+        return Ok(lanes);
+    }
+    let lanes = Lanes::start().map_err(|error| io::Error::other(format!("cannot start the spawn threads: {error}")))?;
+    Ok(LANES.get_or_init(|| lanes))
 }
 
 impl Lanes {

@@ -155,15 +155,21 @@ fn remove_cgroup_subtree(log: &str) {
     else {
         return;
     };
-    let _ = fs::write(subtree.join("cgroup.kill"), "1");
+    kill_cgroup(&subtree);
+}
+
+/// Kills every process in the cgroup `dir` and below (`cgroup.kill`), and removes it with
+/// the cgroups below it, waiting up to 10 s for them to empty.
+pub(crate) fn kill_cgroup(dir: &Path) {
+    let _ = fs::write(dir.join("cgroup.kill"), "1");
     let deadline = Instant::now() + Duration::from_secs(10);
-    while subtree.exists() && Instant::now() < deadline {
-        for entry in fs::read_dir(&subtree).into_iter().flatten().flatten() {
+    while dir.exists() && Instant::now() < deadline {
+        for entry in fs::read_dir(dir).into_iter().flatten().flatten() {
             if entry.path().is_dir() {
                 let _ = fs::remove_dir(entry.path());
             }
         }
-        if fs::remove_dir(&subtree).is_err() {
+        if fs::remove_dir(dir).is_err() {
             thread::sleep(Duration::from_millis(10));
         }
     }

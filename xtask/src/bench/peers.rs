@@ -269,12 +269,7 @@ impl PeerCgroup {
 
 impl Drop for PeerCgroup {
     fn drop(&mut self) {
-        let _ = fs::write(self.dir.join("cgroup.kill"), "1");
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while self.count() > 0 && Instant::now() < deadline {
-            thread::sleep(Duration::from_millis(10));
-        }
-        let _ = fs::remove_dir(&self.dir);
+        super::lab::kill_cgroup(&self.dir);
     }
 }
 
