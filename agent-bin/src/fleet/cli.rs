@@ -8,11 +8,10 @@
 use std::io::Write;
 use std::process::ExitCode;
 
-use etcd_client::GetOptions;
 use tether_state::ServiceId;
 use tether_state::config::{self, Format, Origin};
 
-use super::{EtcdError, EtcdOptions, Layout, key_id, parse_entry, timed};
+use super::{EtcdError, EtcdOptions, Layout, etcd, key_id, parse_entry, timed};
 use crate::UsageError;
 use crate::cli::{FleetCommand, FleetEtcdArgs};
 
@@ -51,13 +50,13 @@ async fn put(args: &FleetEtcdArgs, node: &str, file: &std::path::Path) -> anyhow
     if services.is_empty() {
         return Err(usage(format!("{}: no [[service]] to put", file.display())));
     }
-    let mut client = options.connect().await.map_err(etcd_failure)?;
+    let client = options.connect().await.map_err(etcd_failure)?;
     let mut stdout = std::io::stdout().lock();
     for service in &services {
         let key = layout.key(&service.id);
         let value = config::to_service_text(service, Format::Json)?;
-        let response = timed(&options, "put", client.put(key.clone(), value, None)).await?;
-        let revision = response.header().map_or(0, |header| header.revision());
+        let response = timed(&options, "put", client.put(&key, value.into_bytes())).await?;
+        let revision = etcd::revision(response.header.as_ref());
         writeln!(stdout, "put {key} (revision {revision})")?;
     }
     Ok(ExitCode::SUCCESS)
@@ -65,20 +64,20 @@ async fn put(args: &FleetEtcdArgs, node: &str, file: &std::path::Path) -> anyhow
 
 async fn ls(args: &FleetEtcdArgs, node: &str) -> anyhow::Result<ExitCode> {
     let (options, layout) = setup(args, node)?;
-    let mut client = options.connect().await.map_err(etcd_failure)?;
+    let client = options.connect().await.map_err(etcd_failure)?;
     let prefix = layout.services_prefix();
-    let response = timed(&options, "read", client.get(prefix, Some(GetOptions::new().with_prefix()))).await?;
+    let response = timed(&options, "read", client.get_prefix(&prefix)).await?;
     let mut rows = vec![["ID".to_owned(), "REVISION".to_owned(), "STATUS".to_owned()]];
-    for kv in response.kvs() {
-        let id = match key_id(&layout, kv.key()) {
+    for kv in &response.kvs {
+        let id = match key_id(&layout, &kv.key) {
             Ok(id) => id.to_string(),
-            Err(_) => String::from_utf8_lossy(kv.key()).escape_default().to_string(),
+            Err(_) => String::from_utf8_lossy(&kv.key).escape_default().to_string(),
         };
-        let status = match parse_entry(&layout, kv.key(), kv.value()) {
+        let status = match parse_entry(&layout, &kv.key, &kv.value) {
             Ok(_) => "ok".to_owned(),
             Err(err) => format!("invalid: {}", crate::error_chain(&err)),
         };
-        rows.push([id, kv.mod_revision().to_string(), status]);
+        rows.push([id, kv.mod_revision.to_string(), status]);
     }
     let width = |column: usize| rows.iter().map(|row| row[column].len()).max().unwrap_or(0);
     let (id_width, revision_width) = (width(0), width(1));
@@ -92,10 +91,10 @@ async fn ls(args: &FleetEtcdArgs, node: &str) -> anyhow::Result<ExitCode> {
 async fn rm(args: &FleetEtcdArgs, node: &str, id: &str) -> anyhow::Result<ExitCode> {
     let (options, layout) = setup(args, node)?;
     let id = ServiceId::new(id).map_err(|err| usage(err.to_string()))?;
-    let mut client = options.connect().await.map_err(etcd_failure)?;
+    let client = options.connect().await.map_err(etcd_failure)?;
     let key = layout.key(&id);
-    let response = timed(&options, "delete", client.delete(key.clone(), None)).await?;
-    if response.deleted() == 0 {
+    let response = timed(&options, "delete", client.delete(&key)).await?;
+    if response.deleted == 0 {
         return Err(anyhow::anyhow!("{key}: no such service in etcd"));
     }
     writeln!(std::io::stdout().lock(), "removed {key}")?;

@@ -15,7 +15,6 @@ use std::convert::Infallible;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use etcd_client::{Client, EventType, GetOptions, WatchOptions, WatchStream};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
@@ -24,6 +23,7 @@ use tether_state::persist::DataDir;
 use tether_state::{CatalogError, Service, Source};
 use tokio_util::sync::CancellationToken;
 
+use super::etcd::{self, Client, WatchStream};
 use super::store::FleetStore;
 use super::{Desired, EtcdError, EtcdOptions, Layout, SOURCE_NAME, source_kind, timed};
 use crate::agent::sources::Sources;
@@ -82,7 +82,7 @@ enum SessionError {
     #[error(transparent)]
     Etcd(#[from] EtcdError),
     #[error("the watch stream failed")]
-    Stream(#[source] etcd_client::Error),
+    Stream(#[source] etcd::Error),
     #[error("etcd closed the watch stream")]
     StreamEnded,
     #[error("etcd canceled the watch: {reason}")]
@@ -164,22 +164,20 @@ impl Follower {
 
     /// Connects, catches up, and follows the watch until something fails.
     async fn session(&mut self, delay: &mut Duration) -> Result<Infallible, SessionError> {
-        let mut client = self.etcd.connect().await?;
+        let client = self.etcd.connect().await?;
         let prefix = self.layout.services_prefix();
         // Where etcd is now: a store that went back (restored from a backup, replaced by a
         // new cluster) cannot be resumed from our revision.
-        let head =
-            timed(&self.etcd, "read", client.get(prefix.clone(), Some(GetOptions::new().with_count_only()))).await?;
-        let now = head.header().map_or(0, |header| header.revision());
+        let head = timed(&self.etcd, "read", client.count_prefix(&prefix)).await?;
+        let now = etcd::revision(head.header.as_ref());
         let mut start = if self.desired.revision > 0 && self.desired.revision <= now {
             tracing::info!(revision = self.desired.revision, "fleet: resuming the watch after the last known revision");
             self.desired.revision + 1
         } else {
-            self.full_read(&mut client).await? + 1
+            self.full_read(&client).await? + 1
         };
         loop {
-            let options = WatchOptions::new().with_prefix().with_start_revision(start);
-            let mut stream = timed(&self.etcd, "watch", client.watch(prefix.clone(), Some(options))).await?;
+            let mut stream = timed(&self.etcd, "watch", client.watch_prefix(&prefix, start)).await?;
             {
                 let mut shown = self.status.lock();
                 shown.connected = true;
@@ -193,7 +191,7 @@ impl Follower {
                 compacted,
                 "fleet: the watch's start revision was compacted; reading every key again"
             );
-            start = self.full_read(&mut client).await? + 1;
+            start = self.full_read(&client).await? + 1;
         }
     }
 
@@ -202,43 +200,43 @@ impl Follower {
     async fn follow(&mut self, stream: &mut WatchStream) -> Result<i64, SessionError> {
         loop {
             let response = stream.message().await.map_err(SessionError::Stream)?.ok_or(SessionError::StreamEnded)?;
-            if response.compact_revision() > 0 {
-                return Ok(response.compact_revision());
+            if response.compact_revision > 0 {
+                return Ok(response.compact_revision);
             }
-            if response.canceled() {
-                return Err(SessionError::Canceled { reason: response.cancel_reason().to_owned() });
+            if response.canceled {
+                return Err(SessionError::Canceled { reason: response.cancel_reason });
             }
-            if response.events().is_empty() {
+            if response.events.is_empty() {
                 continue;
             }
             let mut next = self.desired.clone();
-            for event in response.events() {
-                let Some(kv) = event.kv() else { continue };
-                match event.event_type() {
-                    EventType::Put => {
-                        next.put(&self.layout, kv.key(), kv.value());
+            for event in &response.events {
+                let Some(kv) = &event.kv else { continue };
+                match event.r#type() {
+                    etcd::pb::event::EventType::Put => {
+                        next.put(&self.layout, &kv.key, &kv.value);
                     }
-                    EventType::Delete => next.delete(&self.layout, kv.key()),
+                    etcd::pb::event::EventType::Delete => next.delete(&self.layout, &kv.key),
                 }
-                next.revision = next.revision.max(kv.mod_revision());
+                next.revision = next.revision.max(kv.mod_revision);
             }
-            self.status.lock().counters.events += response.events().len() as u64;
+            self.status.lock().counters.events += response.events.len() as u64;
             self.apply(next);
         }
     }
 
     /// Reads every key of the node at one revision and applies it; returns the revision.
-    async fn full_read(&mut self, client: &mut Client) -> Result<i64, SessionError> {
+    async fn full_read(&mut self, client: &Client) -> Result<i64, SessionError> {
         let prefix = self.layout.services_prefix();
-        let response = timed(&self.etcd, "read", client.get(prefix, Some(GetOptions::new().with_prefix()))).await?;
-        let revision = response.header().map_or(0, |header| header.revision());
+        let response = timed(&self.etcd, "read", client.get_prefix(&prefix)).await?;
+        let revision = etcd::revision(response.header.as_ref());
         let mut next = Desired { revision, ..Desired::default() };
-        for kv in response.kvs() {
-            next.put(&self.layout, kv.key(), kv.value());
+        for kv in &response.kvs {
+            next.put(&self.layout, &kv.key, &kv.value);
         }
         let next = self.desired.carry_over(&self.layout, next);
         self.status.lock().counters.full_reads += 1;
-        tracing::info!(revision, keys = response.kvs().len(), "fleet: read every key");
+        tracing::info!(revision, keys = response.kvs.len(), "fleet: read every key");
         self.apply(next);
         Ok(revision)
     }

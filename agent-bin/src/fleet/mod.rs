@@ -8,6 +8,7 @@
 //! never starts a process and writes nothing outside the data dir (`store`).
 
 pub(crate) mod cli;
+pub(crate) mod etcd;
 pub(crate) mod follow;
 pub(crate) mod store;
 
@@ -15,7 +16,6 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use etcd_client::{Certificate, Client, ConnectOptions, Identity, TlsOptions};
 use tether_state::config::{self, ConfigError, Format, Origin};
 use tether_state::{IdError, Service, ServiceId, SourceKind};
 
@@ -227,7 +227,7 @@ pub(crate) enum EtcdError {
         endpoints: String,
         operation: &'static str,
         #[source]
-        source: etcd_client::Error,
+        source: etcd::Error,
     },
     #[error("etcd at {endpoints}: {operation} timed out after {}s", REQUEST_TIMEOUT.as_secs())]
     Timeout { endpoints: String, operation: &'static str },
@@ -259,53 +259,50 @@ impl EtcdOptions {
     }
 
     /// The client options; reads the TLS files.
-    pub(crate) fn connect_options(&self) -> Result<ConnectOptions, EtcdError> {
+    pub(crate) fn connect_options(&self) -> Result<etcd::ConnectOptions, EtcdError> {
         let read = |what: &'static str, path: &PathBuf| {
             std::fs::read(path).map_err(|source| EtcdError::ReadFile { what, path: path.clone(), source })
         };
-        let mut options = ConnectOptions::new()
-            .with_connect_timeout(REQUEST_TIMEOUT)
-            // A silent network partition shows as missed pings, not as a closed stream.
-            .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5))
-            .with_keep_alive_while_idle(true);
+        let mut tls = None;
         if self.cacert.is_some() || self.cert.is_some() || self.key.is_some() {
-            let mut tls = TlsOptions::new();
-            if let Some(path) = &self.cacert {
-                tls = tls.ca_certificate(Certificate::from_pem(read("the etcd CA certificate", path)?));
-            }
-            match (&self.cert, &self.key) {
+            let ca = match &self.cacert {
+                Some(path) => Some(read("the etcd CA certificate", path)?),
+                None => None,
+            };
+            let identity = match (&self.cert, &self.key) {
                 (Some(cert), Some(key)) => {
-                    let identity = Identity::from_pem(
-                        read("the etcd client certificate", cert)?,
-                        read("the etcd client key", key)?,
-                    );
-                    tls = tls.identity(identity);
+                    Some((read("the etcd client certificate", cert)?, read("the etcd client key", key)?))
                 }
-                (None, None) => {}
+                (None, None) => None,
                 _ => return Err(EtcdError::HalfIdentity),
-            }
-            options = options.with_tls(tls);
+            };
+            tls = Some(etcd::Tls { ca, identity });
         }
-        match (&self.user, &self.password) {
+        let user = match (&self.user, &self.password) {
             (Some(user), password) => {
                 // etcdctl's shape: `--user NAME:PASSWORD`, or a separate password.
                 let (name, inline) = match user.split_once(':') {
                     Some((name, inline)) => (name.to_owned(), Some(inline.to_owned())),
                     None => (user.clone(), None),
                 };
-                let password = password.clone().or(inline).unwrap_or_default();
-                options = options.with_user(name, password);
+                Some((name, password.clone().or(inline).unwrap_or_default()))
             }
             (None, Some(_)) => return Err(EtcdError::PasswordWithoutUser),
-            (None, None) => {}
-        }
-        Ok(options)
+            (None, None) => None,
+        };
+        Ok(etcd::ConnectOptions {
+            connect_timeout: REQUEST_TIMEOUT,
+            keep_alive_interval: Duration::from_secs(10),
+            keep_alive_timeout: Duration::from_secs(5),
+            tls,
+            user,
+        })
     }
 
     /// Connects (and authenticates, with a user), within [`REQUEST_TIMEOUT`].
-    pub(crate) async fn connect(&self) -> Result<Client, EtcdError> {
+    pub(crate) async fn connect(&self) -> Result<etcd::Client, EtcdError> {
         let options = self.connect_options()?;
-        timed(self, "connect", Client::connect(&self.endpoints, Some(options))).await
+        timed(self, "connect", etcd::Client::connect(&self.endpoints, &options)).await
     }
 }
 
@@ -317,7 +314,7 @@ impl EtcdOptions {
 pub(crate) async fn timed<T>(
     options: &EtcdOptions,
     operation: &'static str,
-    request: impl Future<Output = Result<T, etcd_client::Error>>,
+    request: impl Future<Output = Result<T, etcd::Error>>,
 ) -> Result<T, EtcdError> {
     match tokio::time::timeout(REQUEST_TIMEOUT, request).await {
         Ok(Ok(value)) => Ok(value),

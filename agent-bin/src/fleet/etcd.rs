@@ -1,0 +1,398 @@
+//! A client of etcd's v3 API: ranges, puts, deletes and watches over gRPC, with TLS, user
+//! authentication and HTTP/2 keep-alive pings.
+//!
+//! The transport is tonic's; the messages and stubs are generated at build time from
+//! `proto/etcd.proto`, the part of etcd's API that tether speaks. This module owns the
+//! connection: endpoints, TLS, the auth token (sent with every request, and renewed once
+//! when etcd says it expired), and the request stream that keeps a watch open. It knows
+//! nothing of the fleet's keys; `fleet` does.
+
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::metadata::{Ascii, MetadataValue};
+use tonic::service::Interceptor;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
+use tonic::{Code, Request, Status};
+
+/// etcd's messages and gRPC stubs, generated from `proto/etcd.proto` by `build.rs`.
+#[allow(dead_code, unreachable_pub, missing_docs, clippy::all, clippy::pedantic)]
+pub(crate) mod pb {
+    tonic::include_proto!("etcdserverpb");
+}
+
+use pb::auth_client::AuthClient;
+use pb::kv_client::KvClient;
+use pb::watch_client::WatchClient;
+
+/// How to connect: timeouts, keep-alive pings, TLS and a user.
+#[derive(Debug, Clone)]
+pub(crate) struct ConnectOptions {
+    /// How long establishing one connection may take.
+    pub(crate) connect_timeout: Duration,
+    /// How often an HTTP/2 ping goes out on a connection, busy or idle.
+    pub(crate) keep_alive_interval: Duration,
+    /// How long a ping's answer may take before the connection counts as dead: a silent
+    /// network partition shows as a failed stream, not as a watch that never fires again.
+    pub(crate) keep_alive_timeout: Duration,
+    /// TLS, if any: also for endpoints written without `https://`.
+    pub(crate) tls: Option<Tls>,
+    /// A user to authenticate as: name and password.
+    pub(crate) user: Option<(String, String)>,
+}
+
+/// TLS material, in PEM.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Tls {
+    /// The CA bundle that etcd's certificate must chain to; the system's roots without it.
+    pub(crate) ca: Option<Vec<u8>>,
+    /// A client certificate and its private key.
+    pub(crate) identity: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+/// Why a connection or a request failed.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum Error {
+    #[error("invalid endpoint `{endpoint}`")]
+    Endpoint {
+        endpoint: String,
+        #[source]
+        source: tonic::transport::Error,
+    },
+    #[error("cannot connect")]
+    Connect(#[source] tonic::transport::Error),
+    #[error("authentication as `{user}` failed")]
+    Authenticate {
+        user: String,
+        #[source]
+        source: Rejected,
+    },
+    #[error("etcd's auth token is not valid metadata")]
+    Token,
+    #[error(transparent)]
+    Rejected(#[from] Rejected),
+}
+
+/// A request that etcd, or the way to it, did not carry out: its gRPC status.
+#[derive(Debug)]
+pub(crate) struct Rejected(Status);
+
+impl std::fmt::Display for Rejected {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // tonic's own Display adds empty details and metadata: the code and message say it.
+        match self.0.message() {
+            "" => write!(f, "{}", self.0.code()),
+            message => write!(f, "{}: {}", self.0.code(), message.escape_debug()),
+        }
+    }
+}
+
+impl std::error::Error for Rejected {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        std::error::Error::source(&self.0)
+    }
+}
+
+/// The auth token sent with every request, once a user has authenticated.
+#[derive(Debug, Clone, Default)]
+struct Token(Arc<RwLock<Option<MetadataValue<Ascii>>>>);
+
+impl Token {
+    fn set(&self, token: MetadataValue<Ascii>) {
+        *self.0.write().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(token);
+    }
+}
+
+impl Interceptor for Token {
+    fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
+        let token = self.0.read().unwrap_or_else(|poisoned| poisoned.into_inner()).clone();
+        if let Some(token) = token {
+            request.metadata_mut().insert("token", token);
+        }
+        Ok(request)
+    }
+}
+
+type Authorized = InterceptedService<Channel, Token>;
+
+/// A connection to an etcd cluster. Cloning it is cheap and shares the connection.
+#[derive(Debug, Clone)]
+pub(crate) struct Client {
+    channel: Channel,
+    token: Token,
+    user: Option<(String, String)>,
+}
+
+impl Client {
+    /// Connects to `endpoints` (one, or several to balance over) and authenticates.
+    ///
+    /// An endpoint is a URL (`http://HOST:PORT`, `https://HOST:PORT`), or `HOST:PORT`, which
+    /// means `https` with TLS options and `http` without.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Endpoint`] for an endpoint that is no URL or TLS material that cannot be used,
+    /// [`Error::Connect`] when a single endpoint cannot be reached, [`Error::Authenticate`]
+    /// when the user is refused.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe: dropping it drops the connection.
+    pub(crate) async fn connect(endpoints: &[String], options: &ConnectOptions) -> Result<Self, Error> {
+        let mut list = Vec::with_capacity(endpoints.len());
+        for endpoint in endpoints {
+            list.push(endpoint_of(endpoint, options)?);
+        }
+        let channel = match list.pop() {
+            Some(only) if list.is_empty() => only.connect().await.map_err(Error::Connect)?,
+            Some(last) => {
+                list.push(last);
+                // Several members: requests go to whichever is reachable. Connections are
+                // made on demand, so an unreachable cluster shows in the first request.
+                Channel::balance_list(list.into_iter())
+            }
+            None => Channel::balance_list(std::iter::empty()),
+        };
+        let client = Self { channel, token: Token::default(), user: options.user.clone() };
+        client.authenticate().await?;
+        Ok(client)
+    }
+
+    /// Asks etcd for a token for the user, if there is one, and sends it from now on.
+    async fn authenticate(&self) -> Result<(), Error> {
+        let Some((name, password)) = &self.user else { return Ok(()) };
+        let request = pb::AuthenticateRequest { name: name.clone(), password: password.clone() };
+        let response = AuthClient::new(self.channel.clone())
+            .authenticate(request)
+            .await
+            .map_err(|status| Error::Authenticate { user: name.clone(), source: Rejected(status) })?;
+        let token = response.into_inner().token.parse().map_err(|_| Error::Token)?;
+        self.token.set(token);
+        Ok(())
+    }
+
+    fn kv(&self) -> KvClient<Authorized> {
+        KvClient::with_interceptor(self.channel.clone(), self.token.clone())
+    }
+
+    /// Runs `call`, and once more after a new authentication if etcd says that the token
+    /// expired (etcd's simple tokens expire after five idle minutes).
+    async fn with_token<T, F>(&self, mut call: impl FnMut() -> F) -> Result<T, Error>
+    where
+        F: Future<Output = Result<tonic::Response<T>, Status>>,
+    {
+        match call().await {
+            Err(status) if status.code() == Code::Unauthenticated && self.user.is_some() => {
+                self.authenticate().await?;
+                Ok(call().await.map_err(Rejected)?.into_inner())
+            }
+            result => Ok(result.map_err(Rejected)?.into_inner()),
+        }
+    }
+
+    /// Every key under `prefix`, with values, read at one revision.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe: a read changes nothing.
+    pub(crate) async fn get_prefix(&self, prefix: &str) -> Result<pb::RangeResponse, Error> {
+        let request = pb::RangeRequest {
+            key: prefix.as_bytes().to_vec(),
+            range_end: prefix_end(prefix.as_bytes()),
+            ..Default::default()
+        };
+        self.with_token(|| {
+            let (mut kv, request) = (self.kv(), request.clone());
+            async move { kv.range(request).await }
+        })
+        .await
+    }
+
+    /// The number of keys under `prefix`, and the store's revision in the header.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe: a read changes nothing.
+    pub(crate) async fn count_prefix(&self, prefix: &str) -> Result<pb::RangeResponse, Error> {
+        let request = pb::RangeRequest {
+            key: prefix.as_bytes().to_vec(),
+            range_end: prefix_end(prefix.as_bytes()),
+            count_only: true,
+            ..Default::default()
+        };
+        self.with_token(|| {
+            let (mut kv, request) = (self.kv(), request.clone());
+            async move { kv.range(request).await }
+        })
+        .await
+    }
+
+    /// Writes `value` at `key`.
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel-safe: a put dropped after it was sent may still be applied.
+    pub(crate) async fn put(&self, key: &str, value: Vec<u8>) -> Result<pb::PutResponse, Error> {
+        let request = pb::PutRequest { key: key.as_bytes().to_vec(), value, ..Default::default() };
+        self.with_token(|| {
+            let (mut kv, request) = (self.kv(), request.clone());
+            async move { kv.put(request).await }
+        })
+        .await
+    }
+
+    /// Deletes `key`; the response counts what was deleted.
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel-safe: a delete dropped after it was sent may still be applied.
+    pub(crate) async fn delete(&self, key: &str) -> Result<pb::DeleteRangeResponse, Error> {
+        let request = pb::DeleteRangeRequest { key: key.as_bytes().to_vec(), ..Default::default() };
+        self.with_token(|| {
+            let (mut kv, request) = (self.kv(), request.clone());
+            async move { kv.delete_range(request).await }
+        })
+        .await
+    }
+
+    /// Watches every key under `prefix` from `start_revision` on.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe: dropping it drops the watch.
+    pub(crate) async fn watch_prefix(&self, prefix: &str, start_revision: i64) -> Result<WatchStream, Error> {
+        let create = pb::WatchRequest {
+            request_union: Some(pb::watch_request::RequestUnion::CreateRequest(pb::WatchCreateRequest {
+                key: prefix.as_bytes().to_vec(),
+                range_end: prefix_end(prefix.as_bytes()),
+                start_revision,
+                ..Default::default()
+            })),
+        };
+        let (requests, receiver) = mpsc::channel(1);
+        // The channel has room for the one request; the receiver is alive, so this cannot fail.
+        let _ = requests.try_send(create);
+        let mut receiver = Some(receiver);
+        let responses = self
+            .with_token(|| {
+                // A retry after a new authentication opens the stream again with the same
+                // create request.
+                let stream = match receiver.take() {
+                    Some(receiver) => ReceiverStream::new(receiver),
+                    None => ReceiverStream::new(mpsc::channel(1).1),
+                };
+                let mut watch = WatchClient::with_interceptor(self.channel.clone(), self.token.clone());
+                async move { watch.watch(stream).await }
+            })
+            .await?;
+        Ok(WatchStream { _requests: requests, responses })
+    }
+}
+
+/// The responses of one watch, in revision order.
+pub(crate) struct WatchStream {
+    /// Held so that the request stream stays open: etcd ends a watch whose client stream ends.
+    _requests: mpsc::Sender<pb::WatchRequest>,
+    responses: tonic::Streaming<pb::WatchResponse>,
+}
+
+impl WatchStream {
+    /// The next response; `None` when etcd ended the stream.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe: a response is taken from the stream only when this returns it.
+    pub(crate) async fn message(&mut self) -> Result<Option<pb::WatchResponse>, Error> {
+        Ok(self.responses.message().await.map_err(Rejected)?)
+    }
+}
+
+/// The revision in a response's header (0 without one).
+pub(crate) fn revision(header: Option<&pb::ResponseHeader>) -> i64 {
+    header.map_or(0, |header| header.revision)
+}
+
+/// The end of the key range of every key that starts with `prefix`: the prefix with its
+/// last byte that is not 0xff incremented, and what follows it dropped (etcd's own rule);
+/// `"\0"`, every key, when there is no such byte.
+fn prefix_end(prefix: &[u8]) -> Vec<u8> {
+    let mut end = prefix.to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xff {
+            end.push(last + 1);
+            return end;
+        }
+    }
+    vec![0]
+}
+
+/// The tonic endpoint of one etcd endpoint, with the options.
+fn endpoint_of(endpoint: &str, options: &ConnectOptions) -> Result<Endpoint, Error> {
+    let invalid = |source| Error::Endpoint { endpoint: endpoint.to_owned(), source };
+    let url = if endpoint.contains("://") {
+        endpoint.to_owned()
+    } else if options.tls.is_some() {
+        format!("https://{endpoint}")
+    } else {
+        format!("http://{endpoint}")
+    };
+    let mut built = Endpoint::from_shared(url.clone())
+        .map_err(invalid)?
+        .connect_timeout(options.connect_timeout)
+        .http2_keep_alive_interval(options.keep_alive_interval)
+        .keep_alive_timeout(options.keep_alive_timeout)
+        .keep_alive_while_idle(true);
+    if url.starts_with("https://") {
+        let mut config = ClientTlsConfig::new();
+        let tls = options.tls.clone().unwrap_or_default();
+        config = match tls.ca {
+            Some(ca) => config.ca_certificate(Certificate::from_pem(ca)),
+            None => config.with_native_roots(),
+        };
+        if let Some((cert, key)) = tls.identity {
+            config = config.identity(Identity::from_pem(cert, key));
+        }
+        built = built.tls_config(config).map_err(invalid)?;
+    }
+    Ok(built)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_prefix_range_ends_after_its_last_key() {
+        assert_eq!(prefix_end(b"/t/nodes/"), b"/t/nodes0".to_vec());
+        assert_eq!(prefix_end(b"a\xff"), b"b".to_vec());
+        assert_eq!(prefix_end(b"\xff\xff"), vec![0]);
+        assert_eq!(prefix_end(b""), vec![0]);
+    }
+
+    #[test]
+    fn an_endpoint_without_a_scheme_is_https_with_tls_options_and_http_without() {
+        let mut options = ConnectOptions {
+            connect_timeout: Duration::from_secs(1),
+            keep_alive_interval: Duration::from_secs(10),
+            keep_alive_timeout: Duration::from_secs(5),
+            tls: None,
+            user: None,
+        };
+        assert_eq!(endpoint_of("127.0.0.1:2379", &options).unwrap().uri().scheme_str(), Some("http"));
+        options.tls = Some(Tls::default());
+        assert_eq!(endpoint_of("127.0.0.1:2379", &options).unwrap().uri().scheme_str(), Some("https"));
+        assert_eq!(endpoint_of("http://127.0.0.1:2379", &options).unwrap().uri().scheme_str(), Some("http"));
+        let err = endpoint_of("http://bad host", &options).unwrap_err();
+        assert!(matches!(err, Error::Endpoint { .. }), "{err}");
+    }
+
+    #[test]
+    fn a_rejection_shows_its_code_and_message() {
+        let rejected = Rejected(Status::unauthenticated("etcdserver: invalid auth token"));
+        assert_eq!(rejected.0.code(), Code::Unauthenticated);
+        assert!(rejected.to_string().ends_with(": etcdserver: invalid auth token"), "{rejected}");
+    }
+}
