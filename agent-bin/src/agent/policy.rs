@@ -9,11 +9,12 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, ToSocketAddrs};
 
 use serde::Deserialize;
 use serde::de::IgnoredAny;
 use tether_manager::UserLookup;
-use tether_state::{Probe, ProxyCommand, Service, ServiceId};
+use tether_state::{ListenAddress, Probe, ProxyCommand, Service, ServiceId};
 
 /// A proxy setting that the register API may not make without `--allow-api-commands`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -34,6 +35,22 @@ pub(crate) enum ApiSetting {
     /// A listener the agent would bind with its own rights: a Unix socket file (created,
     /// or a stale one replaced, at any path) or a TCP port below 1024.
     Listener,
+    /// An address that the agent or the built-in proxy would bind or connect to, and that
+    /// is not on this host's loopback: it would expose a port to the network, or make the
+    /// agent a relay to any host.
+    Address {
+        /// The setting, such as `proxy.readiness.http`.
+        key: &'static str,
+        /// The address, as given.
+        address: String,
+        /// What it means: why it is refused.
+        why: AddressProblem,
+    },
+    /// A port below 1024 that the built-in proxy would bind (`proxy.config.bind_port`).
+    PrivilegedPort {
+        /// The port.
+        port: u64,
+    },
 }
 
 /// Whether binding `address` (a listener's, as written) uses the agent's own rights: a
@@ -45,12 +62,112 @@ fn privileged_listener(address: &str) -> bool {
 
 impl ApiSetting {
     /// Why the setting is refused, beyond being what runs and how.
-    pub(crate) fn note(&self) -> &'static str {
+    pub(crate) fn note(&self) -> String {
         match self {
-            Self::Env(_) => " (the dynamic loader or libc reads it)",
-            Self::Listener => " (the agent binds it with its own rights: a socket file, or a port below 1024)",
-            _ => "",
+            Self::Env(_) => " (the dynamic loader or libc reads it)".to_owned(),
+            Self::Listener => {
+                " (the agent binds it with its own rights: a socket file, or a port below 1024)".to_owned()
+            }
+            Self::Address { address, why, .. } => format!(" to `{}`, which {why}", address.escape_default()),
+            Self::PrivilegedPort { port } => format!(" to {port} (a port below 1024)"),
+            _ => String::new(),
         }
+    }
+}
+
+/// Why an address is not loopback, or cannot be shown to be.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum AddressProblem {
+    /// It means this address, which is not on the loopback.
+    NotLoopback(IpAddr),
+    /// It is a host name: resolved again at every use, it proves nothing now.
+    Name,
+}
+
+impl fmt::Display for AddressProblem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::NotLoopback(ip) if ip.is_unspecified() => write!(f, "means {ip}: every address of this host"),
+            Self::NotLoopback(ip) => write!(f, "means {ip}, not this host's loopback"),
+            Self::Name => f.write_str("is a host name, not a loopback address (use 127.0.0.1, ::1 or localhost)"),
+        }
+    }
+}
+
+/// Judges a host (a name, an IPv4 address in any form the system's resolver reads, or an
+/// IPv6 address, bracketed or not) by what it means when the agent uses it: `Ok` when it is
+/// on the loopback.
+///
+/// IPv4 is read as `getaddrinfo` reads a numeric host, so that `0` (0.0.0.0), `127.1`,
+/// `0x7f000001` and `2130706433` are judged by the address they mean; an IPv4-mapped IPv6
+/// address by its IPv4 address. The only name taken is `localhost`, judged by what it
+/// resolves to now; any other name is refused, since it could resolve elsewhere later.
+///
+/// # Errors
+///
+/// The [`AddressProblem`].
+pub(crate) fn judge_host(host: &str) -> Result<(), AddressProblem> {
+    let bare = host.strip_prefix('[').and_then(|inner| inner.strip_suffix(']')).unwrap_or(host);
+    let ip = if let Some(ipv4) = numeric_ipv4(bare) {
+        IpAddr::V4(ipv4)
+    } else if let Ok(ipv6) = bare.parse::<Ipv6Addr>() {
+        ipv6.to_ipv4_mapped().map_or(IpAddr::V6(ipv6), IpAddr::V4)
+    } else if bare.eq_ignore_ascii_case("localhost") || bare.eq_ignore_ascii_case("localhost.") {
+        // The hosts file decides what `localhost` means, and every use reads it again.
+        let resolved: Vec<IpAddr> = match (bare, 0).to_socket_addrs() {
+            Ok(addresses) => addresses.map(|address| address.ip()).collect(),
+            Err(_) => return Err(AddressProblem::Name),
+        };
+        return match resolved.into_iter().find(|ip| !ip.is_loopback()) {
+            Some(elsewhere) => Err(AddressProblem::NotLoopback(elsewhere)),
+            None => Ok(()),
+        };
+    } else {
+        return Err(AddressProblem::Name);
+    };
+    if ip.is_loopback() { Ok(()) } else { Err(AddressProblem::NotLoopback(ip)) }
+}
+
+/// An IPv4 address in the forms the C library's `inet_aton` reads, which `getaddrinfo` uses
+/// for a numeric host: one to four parts separated by dots, each decimal, octal (a leading
+/// `0`) or hexadecimal (`0x`), the last part filling the bytes that remain (`127.1` is
+/// 127.0.0.1, `2130706433` is 127.0.0.1).
+fn numeric_ipv4(text: &str) -> Option<Ipv4Addr> {
+    let parts: Vec<&str> = text.split('.').collect();
+    if parts.len() > 4 {
+        return None;
+    }
+    let mut values = Vec::with_capacity(parts.len());
+    for part in &parts {
+        let (digits, radix) = if let Some(hex) = part.strip_prefix("0x").or_else(|| part.strip_prefix("0X")) {
+            (hex, 16)
+        } else if part.len() > 1 && part.starts_with('0') {
+            (&part[1..], 8)
+        } else {
+            (*part, 10)
+        };
+        if digits.is_empty() || !digits.chars().all(|c| c.is_digit(radix)) {
+            return None;
+        }
+        values.push(u32::from_str_radix(digits, radix).ok()?);
+    }
+    let (last, leading) = values.split_last()?;
+    if leading.iter().any(|&value| value > 0xff) {
+        return None;
+    }
+    let room = 32 - 8 * leading.len() as u32;
+    if room < 32 && *last >= 1 << room {
+        return None;
+    }
+    let high = leading.iter().enumerate().fold(0u32, |acc, (at, &value)| acc | value << (24 - 8 * at as u32));
+    Some(Ipv4Addr::from(high | last))
+}
+
+/// The HOST of `HOST:PORT` (HOST possibly bracketed); the whole text without a port.
+fn host_of(address: &str) -> &str {
+    match address.rsplit_once(':') {
+        Some((host, _)) if !host.is_empty() && (!host.contains(':') || host.starts_with('[')) => host,
+        _ => address,
     }
 }
 
@@ -68,6 +185,8 @@ impl fmt::Display for ApiSetting {
             Self::ExecProbe { liveness: false } => f.write_str("proxy.readiness.exec"),
             Self::ExecProbe { liveness: true } => f.write_str("proxy.liveness.exec"),
             Self::Listener => f.write_str("proxy.listener.address"),
+            Self::Address { key, .. } => f.write_str(key),
+            Self::PrivilegedPort { .. } => f.write_str("proxy.config.bind_port"),
         }
     }
 }
@@ -135,7 +254,7 @@ impl Settings<'_> {
 /// The first setting of `service` that the register API may not make, if any.
 pub(crate) fn refused_setting(service: &Service) -> Option<ApiSetting> {
     let proxy = service.proxy.as_ref()?;
-    Settings {
+    let setting = Settings {
         command: matches!(proxy.command, ProxyCommand::Exec(_)),
         user: proxy.user.is_some(),
         working_dir: proxy.working_dir.is_some(),
@@ -147,7 +266,51 @@ pub(crate) fn refused_setting(service: &Service) -> Option<ApiSetting> {
         ],
         privileged_listener: proxy.listeners.iter().any(|l| privileged_listener(&l.address.to_string())),
     }
-    .first_refused()
+    .first_refused();
+    setting.or_else(|| refused_address(service))
+}
+
+/// The first address of `service` that the agent or the built-in proxy would bind or
+/// connect to and that is not loopback, or a port below 1024 that the built-in proxy would
+/// bind. The register API cannot set `command`, so the proxy's `config` is the built-in
+/// proxy's: `bind_address`, `bind_port`, and `local_service_address`, or else the
+/// service's own address, to which it forwards.
+fn refused_address(service: &Service) -> Option<ApiSetting> {
+    let proxy = service.proxy.as_ref()?;
+    let config_str = |key: &str| proxy.config.get(key).and_then(serde_json::Value::as_str);
+    let mut addresses: Vec<(&'static str, String, &str)> = Vec::new();
+    for listener in &proxy.listeners {
+        if let ListenAddress::Tcp(target) = &listener.address {
+            addresses.push(("proxy.listener.address", target.to_string(), host_of(target.as_str())));
+        }
+    }
+    if let Some(bind) = config_str("bind_address") {
+        addresses.push(("proxy.config.bind_address", bind.to_owned(), bind));
+    }
+    match config_str("local_service_address") {
+        Some(upstream) => {
+            addresses.push(("proxy.config.local_service_address", upstream.to_owned(), host_of(upstream)))
+        }
+        None => addresses.push(("address", service.address.clone(), &service.address)),
+    }
+    let checks = [
+        (proxy.readiness.as_ref().map(|check| &check.probe), "proxy.readiness.tcp", "proxy.readiness.http"),
+        (proxy.liveness.as_ref().map(|check| &check.probe), "proxy.liveness.tcp", "proxy.liveness.http"),
+    ];
+    for (probe, tcp_key, http_key) in checks {
+        match probe {
+            Some(Probe::Tcp(target)) => addresses.push((tcp_key, target.to_string(), host_of(target.as_str()))),
+            Some(Probe::Http(url)) => addresses.push((http_key, url.to_string(), host_of(url.authority().as_str()))),
+            _ => {}
+        }
+    }
+    for (key, address, host) in addresses {
+        if let Err(why) = judge_host(host) {
+            return Some(ApiSetting::Address { key, address, why });
+        }
+    }
+    let bind_port = proxy.config.get("bind_port").and_then(serde_json::Value::as_u64);
+    bind_port.filter(|port| (1..1024).contains(port)).map(|port| ApiSetting::PrivilegedPort { port })
 }
 
 /// The first setting that a register body makes and the API may not, looked for before the
@@ -332,6 +495,153 @@ mod tests {
         let service = config::parse_service(r#"{"name": "a", "proxy": {}}"#, Format::Json, &Origin::Body).unwrap();
         let written = config::to_service_text(&service, Format::Json).unwrap();
         assert_eq!(refused(&written), (None, None), "{written}");
+    }
+
+    #[test]
+    fn hosts_are_judged_by_the_address_they_mean() {
+        for loopback in [
+            "127.0.0.1",
+            "127.1",
+            "0x7f000001",
+            "2130706433",
+            "0177.0.0.1",
+            "127.255.255.254",
+            "::1",
+            "[::1]",
+            "::ffff:127.0.0.1",
+            "[::ffff:7f00:1]",
+            "localhost",
+            "LOCALHOST",
+        ] {
+            assert_eq!(judge_host(loopback), Ok(()), "{loopback}");
+        }
+        for (elsewhere, means) in [
+            ("0", "0.0.0.0"),
+            ("0.0.0.0", "0.0.0.0"),
+            ("10.0.0.1", "10.0.0.1"),
+            ("167772161", "10.0.0.1"),
+            ("0xa000001", "10.0.0.1"),
+            ("012.0.0.1", "10.0.0.1"),
+            ("10.1", "10.0.0.1"),
+            ("::", "::"),
+            ("[::]", "::"),
+            ("[::ffff:0.0.0.0]", "0.0.0.0"),
+            ("::ffff:10.0.0.1", "10.0.0.1"),
+            ("fe80::1", "fe80::1"),
+        ] {
+            let means: IpAddr = means.parse().unwrap();
+            assert_eq!(judge_host(elsewhere), Err(AddressProblem::NotLoopback(means)), "{elsewhere}");
+        }
+        for name in ["example.com", "127.0.0.1.nip.io", "deadbeef", "", "127.0.0.1 ", "1.2.3.4.5", "256.1.1.1", "0x"] {
+            assert!(judge_host(name).is_err(), "{name}");
+        }
+    }
+
+    #[test]
+    fn numeric_ipv4_reads_what_the_system_resolver_reads() {
+        // The resolver reads these without asking DNS: each is a number to it, or nothing.
+        for text in [
+            "0",
+            "1",
+            "127.1",
+            "127.0.1",
+            "0x7f.1",
+            "0x7F000001",
+            "017700000001",
+            "2130706433",
+            "10.0.0.1",
+            "0xffffffff",
+            "4294967296",
+            "1.2.3.256",
+            "1.2.65536",
+            "1.16777216",
+            "08",
+            "0x",
+            "1..2",
+            "1.2.3.4.5",
+            "09.1",
+        ] {
+            let resolver = (text, 0).to_socket_addrs().ok().and_then(|mut all| all.next()).and_then(|address| {
+                match address.ip() {
+                    IpAddr::V4(ipv4) => Some(ipv4),
+                    IpAddr::V6(_) => None,
+                }
+            });
+            assert_eq!(numeric_ipv4(text), resolver, "{text}");
+        }
+    }
+
+    #[test]
+    fn every_address_the_agent_or_the_builtin_proxy_would_use_must_be_loopback() {
+        let cases = [
+            (
+                r#"{"name": "a", "proxy": {"listener": [{"name": "l", "address": "0.0.0.0:18302"}]}}"#,
+                "proxy.listener.address",
+                "0.0.0.0:18302",
+            ),
+            (
+                r#"{"name": "a", "proxy": {"listener": [{"name": "l", "address": "[::]:18302"}]}}"#,
+                "proxy.listener.address",
+                "[::]:18302",
+            ),
+            (
+                r#"{"name": "a", "proxy": {"listener": [{"name": "l", "address": "[::ffff:0.0.0.0]:18302"}]}}"#,
+                "proxy.listener.address",
+                "[::ffff:0.0.0.0]:18302",
+            ),
+            (
+                r#"{"name": "a", "proxy": {"config": {"bind_address": "0", "bind_port": 21000}}}"#,
+                "proxy.config.bind_address",
+                "0",
+            ),
+            (
+                r#"{"name": "a", "proxy": {"config": {"bind_address": "::", "bind_port": 21000}}}"#,
+                "proxy.config.bind_address",
+                "::",
+            ),
+            (r#"{"name": "a", "proxy": {"config": {"bind_port": 80}}}"#, "proxy.config.bind_port", "80"),
+            (
+                r#"{"name": "a", "proxy": {"readiness": {"http": "http://10.0.0.1/"}}}"#,
+                "proxy.readiness.http",
+                "http://10.0.0.1/",
+            ),
+            (
+                r#"{"name": "a", "proxy": {"readiness": {"http": "http://example.com/"}}}"#,
+                "proxy.readiness.http",
+                "http://example.com/",
+            ),
+            (
+                r#"{"name": "a", "proxy": {"readiness": {"http": "http://167772161:80/"}}}"#,
+                "proxy.readiness.http",
+                "http://167772161:80/",
+            ),
+            (r#"{"name": "a", "proxy": {"liveness": {"tcp": "10.0.0.1:80"}}}"#, "proxy.liveness.tcp", "10.0.0.1:80"),
+            (
+                r#"{"name": "a", "proxy": {"config": {"local_service_address": "10.0.0.1:80"}}}"#,
+                "proxy.config.local_service_address",
+                "10.0.0.1:80",
+            ),
+            (r#"{"name": "a", "address": "10.0.0.1", "port": 80, "proxy": {}}"#, "address", "10.0.0.1"),
+        ];
+        for (body, key, address) in cases {
+            let service = config::parse_service(body, Format::Json, &Origin::Body).unwrap();
+            let setting = refused_setting(&service).unwrap_or_else(|| panic!("{body} was not refused"));
+            assert_eq!(setting.to_string(), key, "{body}");
+            assert!(setting.note().contains(address), "{body}: {}", setting.note());
+        }
+        for body in [
+            r#"{"name": "a", "proxy": {"listener": [{"name": "l", "address": "127.0.0.1:21000"}]}}"#,
+            r#"{"name": "a", "proxy": {"listener": [{"name": "l", "address": "[::1]:21000"}]}}"#,
+            r#"{"name": "a", "address": "localhost", "port": 80, "proxy": {"config": {"bind_address": "127.0.0.1", "bind_port": 1024}}}"#,
+            r#"{"name": "a", "proxy": {"config": {"bind_port": 0, "local_service_address": "[::1]:80"}, "readiness": {"http": "http://127.0.0.1:19000/ready"}, "liveness": {"tcp": "localhost:21000"}}}"#,
+            // A service without a proxy: nothing of the agent's goes there.
+            r#"{"name": "a", "address": "10.0.0.1", "port": 80}"#,
+            // With local_service_address the built-in proxy never contacts the service's address.
+            r#"{"name": "a", "address": "10.0.0.1", "port": 80, "proxy": {"config": {"local_service_address": "127.0.0.1:80"}}}"#,
+        ] {
+            let service = config::parse_service(body, Format::Json, &Origin::Body).unwrap();
+            assert_eq!(refused_setting(&service), None, "{body}");
+        }
     }
 
     #[test]

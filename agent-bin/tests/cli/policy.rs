@@ -37,6 +37,29 @@ fn refused_bodies() -> Vec<(String, &'static str)> {
         (proxy("gconv", r#""env": {"GCONV_PATH": "/tmp"}"#), "`proxy.env.GCONV_PATH`"),
         // Refused before its value is checked: an empty command is not the client's to set either.
         (proxy("empty", r#""command": []"#), "`proxy.command`"),
+        // Addresses the agent or the built-in proxy would bind or contact, judged by what they
+        // mean, not how they are written.
+        (
+            proxy("any", r#""listener": [{"name": "l", "address": "0.0.0.0:18302"}]"#),
+            "`proxy.listener.address` to `0.0.0.0:18302`, which means 0.0.0.0",
+        ),
+        (
+            proxy("mapped", r#""listener": [{"name": "l", "address": "[::ffff:0.0.0.0]:18302"}]"#),
+            "`proxy.listener.address` to `[::ffff:0.0.0.0]:18302`, which means 0.0.0.0",
+        ),
+        (proxy("zero", r#""config": {"bind_address": "0", "bind_port": 18303}"#), "`proxy.config.bind_address` to `0`"),
+        (proxy("low", r#""config": {"bind_port": 80}"#), "`proxy.config.bind_port` to 80"),
+        (
+            proxy("decimal", r#""readiness": {"http": "http://167772161:80/"}"#),
+            "`proxy.readiness.http` to `http://167772161:80/`, which means 10.0.0.1",
+        ),
+        (proxy("named", r#""readiness": {"http": "http://example.com/"}"#), "is a host name"),
+        (proxy("remote", r#""liveness": {"tcp": "10.0.0.1:80"}"#), "`proxy.liveness.tcp` to `10.0.0.1:80`"),
+        (
+            proxy("upstream", r#""config": {"local_service_address": "10.0.0.1:80"}"#),
+            "`proxy.config.local_service_address` to `10.0.0.1:80`",
+        ),
+        (r#"{"name": "far", "address": "10.0.0.1", "port": 80, "proxy": {}}"#.to_owned(), "`address` to `10.0.0.1`"),
         // The probe that found the hole: root and a preloaded library, both refused.
         (
             r#"{"name": "pwn", "proxy": {"user": "root", "env": {"LD_PRELOAD": "/tmp/evil.so"}}}"#.to_owned(),
