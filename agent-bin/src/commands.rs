@@ -200,7 +200,7 @@ pub(crate) async fn events(socket: &Path, json: bool) -> anyhow::Result<ExitCode
 
 /// `tether restart PROXY_ID`: returns once the new process runs.
 pub(crate) async fn restart(socket: &Path, id: &str) -> anyhow::Result<ExitCode> {
-    let id = tether_state::ProxyId::parse(id).map_err(|err| UsageError(err.to_string()))?;
+    crate::api::proxies_named(id).map_err(|err| UsageError(err.to_string()))?;
     let path = format!("/v1/agent/proxy/{id}/restart");
     let response = client::request(socket, Method::PUT, &path, None).await?;
     if response.status != StatusCode::OK {
@@ -219,7 +219,7 @@ const HOLD_WAIT: Duration = Duration::from_secs(120);
 /// `tether stop PROXY_ID` (`hold`) and `tether start PROXY_ID`: returns once the proxy is
 /// `stopped`, or has left `stopped` and `pending`.
 pub(crate) async fn hold(socket: &Path, id: &str, hold: bool) -> anyhow::Result<ExitCode> {
-    let id = tether_state::ProxyId::parse(id).map_err(|err| UsageError(err.to_string()))?;
+    crate::api::proxies_named(id).map_err(|err| UsageError(err.to_string()))?;
     let verb = if hold { "stop" } else { "start" };
     let response = client::request(socket, Method::PUT, &format!("/v1/agent/proxy/{id}/{verb}"), None).await?;
     if response.status != StatusCode::OK {
@@ -277,7 +277,8 @@ pub(crate) async fn reload(socket: &Path) -> anyhow::Result<ExitCode> {
 /// `tether logs PROXY_ID [--stderr] [-n N] [-f]`: the log's last lines, then, with
 /// `follow`, what the proxy writes until interrupted.
 pub(crate) async fn logs(socket: &Path, args: &crate::cli::LogsArgs) -> anyhow::Result<ExitCode> {
-    let id = tether_state::ProxyId::parse(args.id.as_str()).map_err(|err| UsageError(err.to_string()))?;
+    let id = args.id.as_str();
+    crate::api::proxies_named(id).map_err(|err| UsageError(err.to_string()))?;
     let stream = if args.stderr { "stderr" } else { "stdout" };
     let path = format!("/v1/agent/proxy/{id}/logs?stream={stream}&lines={}&follow={}", args.lines, args.follow);
     let mut stdout = std::io::stdout().lock();

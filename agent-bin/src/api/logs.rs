@@ -17,7 +17,6 @@ use axum::extract::{Path, Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
-use tether_state::ProxyId;
 use tether_state::persist::{DataDir, PrivateDir};
 use tokio::sync::mpsc;
 
@@ -48,10 +47,7 @@ pub(crate) async fn get_logs(
     Path(id): Path<String>,
     Query(query): Query<LogsQuery>,
 ) -> Result<Response, ApiError> {
-    let id = ProxyId::parse(id).map_err(|err| ApiError::new(StatusCode::NOT_FOUND, err.to_string()))?;
-    if state.manager.proxy(&id).is_none() {
-        return Err(ApiError::new(StatusCode::NOT_FOUND, format!("no proxy {id}")));
-    }
+    let id = super::known_proxy(&state, &id)?;
     let (stdout, stderr) = DataDir::log_file_names(&id);
     let name = match query.stream.as_deref().unwrap_or("stdout") {
         "stdout" => stdout,

@@ -27,7 +27,7 @@ use axum::{Json, Router};
 use hyper::body::Frame;
 use tether_manager::{ManagerHandle, ProxyStatus};
 use tether_state::config::{self, Format, Origin};
-use tether_state::{CatalogError, ProxyId, ServiceId};
+use tether_state::{CatalogError, IdError, ProxyId, ServiceId};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::agent::sources::{RegisterError, Sources};
@@ -45,6 +45,35 @@ impl hyper::body::Body for ChannelBody {
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
         self.0.poll_recv(cx).map(|chunk| chunk.map(|bytes| Ok(Frame::data(bytes))))
     }
+}
+
+/// The proxies that `name` may mean, the more specific first: the proxy whose id it is,
+/// then the proxy of the service whose id it is (as `systemctl` takes `nginx` for
+/// `nginx.service`). The CLI checks a name with it; the API takes the first one it knows.
+///
+/// # Errors
+///
+/// The service id rule's [`IdError`], when `name` is neither a proxy id nor a service id.
+pub(crate) fn proxies_named(name: &str) -> Result<Vec<ProxyId>, IdError> {
+    let mut candidates = Vec::with_capacity(2);
+    if let Ok(id) = ProxyId::parse(name) {
+        candidates.push(id);
+    }
+    match ServiceId::new(name) {
+        Ok(service) => candidates.push(service.proxy_id()),
+        Err(err) if candidates.is_empty() => return Err(err),
+        Err(_) => {}
+    }
+    Ok(candidates)
+}
+
+/// The proxy that the path's `name` means, among those the engine has: 400 for a name that
+/// is no id, 404 for one that names no proxy.
+fn known_proxy(state: &ApiState, name: &str) -> Result<ProxyId, ApiError> {
+    let candidates = proxies_named(name).map_err(|err| ApiError::new(StatusCode::BAD_REQUEST, err.to_string()))?;
+    candidates.into_iter().find(|id| state.manager.proxy(id).is_some()).ok_or_else(|| {
+        ApiError::new(StatusCode::NOT_FOUND, format!("no proxy {name}, and no service {name} with a proxy"))
+    })
 }
 
 /// A request to stop every proxy and exit; answered once the proxies are stopped.
@@ -119,13 +148,23 @@ pub(crate) fn http_router(state: ApiState) -> Router {
     with_json_errors(read_routes()).layer(middleware::from_fn(host::require_loopback)).with_state(state)
 }
 
-/// Adds the answers for an unknown path and a method a path does not take, and makes every
-/// error answer JSON. Call it once every route is in: layers reach only the routes before.
+/// Adds the answers for an unknown path and a method a path does not take, makes every
+/// error answer JSON, and marks every answer `nosniff`. Call it once every route is in:
+/// layers reach only the routes before.
 fn with_json_errors(routes: Router<ApiState>) -> Router<ApiState> {
     routes
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::map_response(json_errors))
+        .layer(middleware::map_response(nosniff))
+}
+
+/// Tells a browser to take every answer as the type it says: a JSON answer carries text
+/// that proxies and probe targets chose (`status_text`, errors), which must never be read
+/// as a page.
+async fn nosniff(mut response: Response) -> Response {
+    response.headers_mut().insert(header::X_CONTENT_TYPE_OPTIONS, header::HeaderValue::from_static("nosniff"));
+    response
 }
 
 fn read_routes() -> Router<ApiState> {
@@ -216,7 +255,7 @@ async fn proxies(State(state): State<ApiState>) -> Json<Vec<ProxyStatusDto>> {
 }
 
 async fn proxy(State(state): State<ApiState>, Path(id): Path<String>) -> Result<Json<ProxyStatusDto>, ApiError> {
-    let id = ProxyId::parse(id).map_err(|err| ApiError::new(StatusCode::NOT_FOUND, err.to_string()))?;
+    let id = known_proxy(&state, &id)?;
     let status =
         state.manager.proxy(&id).ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, format!("no proxy {id}")))?;
     Ok(Json(status_dto(&status, state.cgroups.as_ref())))
@@ -274,7 +313,7 @@ async fn leave(State(state): State<ApiState>) -> Result<Json<serde_json::Value>,
 /// runs.
 async fn restart(State(state): State<ApiState>, Path(id): Path<String>) -> Result<Json<ProxyStatusDto>, ApiError> {
     use tether_manager::RequestError;
-    let id = ProxyId::parse(id).map_err(|err| ApiError::new(StatusCode::NOT_FOUND, err.to_string()))?;
+    let id = known_proxy(&state, &id)?;
     state.manager.restart(&id).await.map_err(|err| {
         let status = match &err {
             RequestError::NotFound(_) => StatusCode::NOT_FOUND,
@@ -302,10 +341,7 @@ async fn start(State(state): State<ApiState>, Path(id): Path<String>) -> Result<
 }
 
 async fn hold(state: ApiState, id: String, hold: bool) -> Result<Json<ProxyStatusDto>, ApiError> {
-    let id = ProxyId::parse(id).map_err(|err| ApiError::new(StatusCode::NOT_FOUND, err.to_string()))?;
-    if state.manager.proxy(&id).is_none() {
-        return Err(ApiError::new(StatusCode::NOT_FOUND, format!("no proxy {id}")));
-    }
+    let id = known_proxy(&state, &id)?;
     // Written first: once answered, the hold survives a crash of the agent.
     let held = state.held.clone();
     let target = id.clone();

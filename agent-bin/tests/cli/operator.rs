@@ -261,3 +261,74 @@ fn a_stopped_proxy_stays_stopped_across_a_reload_and_an_agent_restart_until_star
     assert!(out.starts_with("web-proxy: "), "{out}");
     agent.wait_state("web-proxy", "running");
 }
+
+#[test]
+fn a_service_id_names_its_proxy_wherever_a_proxy_id_does_and_a_malformed_id_is_a_bad_request() {
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    dirs.write_config("chatty.toml", &chatty("0.01", "64MiB"));
+    let agent = Agent::start(&dirs, &root_flags());
+    let first = agent.wait_state("chatty-proxy", "running")["pid"].as_i64().unwrap();
+    let run = |args: &[&str]| {
+        let output = tether().args(args).arg("--data-dir").arg(&dirs.data).output().unwrap();
+        (
+            output.status.code(),
+            String::from_utf8_lossy(&output.stdout).into_owned(),
+            String::from_utf8_lossy(&output.stderr).into_owned(),
+        )
+    };
+
+    let (code, out, err) = wait_for("a line in the log", || {
+        Some(run(&["logs", "chatty", "-n", "1"])).filter(|(_, out, _)| !out.is_empty())
+    });
+    assert_eq!(code, Some(0), "{err}");
+    assert!(line_number(out.trim_end()).is_some(), "{out}");
+    let (code, out, err) = run(&["restart", "chatty"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.starts_with("restarted chatty"), "{out}");
+    let second = agent.wait_state("chatty-proxy", "running")["pid"].as_i64().unwrap();
+    assert_ne!(first, second);
+    assert_eq!(run(&["stop", "chatty"]).0, Some(0));
+    agent.wait_state("chatty-proxy", "stopped");
+    assert_eq!(run(&["start", "chatty"]).0, Some(0));
+    agent.wait_state("chatty-proxy", "running");
+
+    let socket = dirs.socket();
+    let by_service = get(&socket, "/v1/agent/proxy/chatty").unwrap();
+    assert_eq!(by_service.status, 200, "{}", by_service.body);
+    assert_eq!(by_service.json()["id"], "chatty-proxy");
+    for (path, status) in [
+        ("/v1/agent/proxy/bad%20id", 400),
+        ("/v1/agent/proxy/..", 400),
+        ("/v1/agent/proxy/-x/logs", 400),
+        ("/v1/agent/proxy/nothing", 404),
+        ("/v1/agent/proxy/nothing-proxy", 404),
+    ] {
+        let response = get(&socket, path).unwrap();
+        assert_eq!(response.status, status, "{path}: {}", response.body);
+        assert!(response.json()["error"].is_string(), "{path}: {}", response.body);
+    }
+    let response = put(&socket, "/v1/agent/proxy/bad%20id/restart", None).unwrap();
+    assert_eq!(response.status, 400, "{}", response.body);
+    let (code, _, err) = run(&["restart", "nothing"]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("no proxy nothing"), "{err}");
+
+    // Every answer, whatever its type or status, tells a browser not to guess another type.
+    for path in [
+        "/v1/agent/proxies",
+        "/v1/agent/proxy/chatty",
+        "/v1/agent/health",
+        "/metrics",
+        "/",
+        "/v1/agent/proxy/x%20y",
+        "/nowhere",
+    ] {
+        let response = get(&socket, path).unwrap();
+        assert!(
+            response.headers.to_ascii_lowercase().contains("x-content-type-options: nosniff"),
+            "{path}: {}",
+            response.headers
+        );
+    }
+}
