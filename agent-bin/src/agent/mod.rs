@@ -208,11 +208,23 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
     };
     let mut servers = JoinSet::new();
     let unix = bind_socket(&socket_path)?;
-    servers.spawn(serve::serve(unix, api::socket_router(api_state.clone()), "socket", caps.unix, api_stop.clone()));
+    servers.spawn(serve::serve(
+        unix,
+        api::socket_router(api_state.clone(), serve::ConnectionCaps::streams(caps.unix)),
+        "socket",
+        caps.unix,
+        api_stop.clone(),
+    ));
     if let Some(addr) = options.http_addr {
         let tcp = TcpListener::bind(addr).await.with_context(|| format!("cannot listen on --http-addr {addr}"))?;
         tracing::info!(%addr, "serving the read endpoints over HTTP");
-        servers.spawn(serve::serve(tcp, api::http_router(api_state), "http", caps.tcp, api_stop.clone()));
+        servers.spawn(serve::serve(
+            tcp,
+            api::http_router(api_state, serve::ConnectionCaps::streams(caps.tcp)),
+            "http",
+            caps.tcp,
+            api_stop.clone(),
+        ));
     }
     tracing::info!(socket = %DisplayPath(&socket_path), services = sources.state().len(), root = running_as_root, "agent started");
 

@@ -61,6 +61,13 @@ impl ConnectionCaps {
         let nofile = usize::try_from(nofile).unwrap_or(usize::MAX);
         Self { unix: (nofile / 4).clamp(1, UNIX_CAP), tcp: (nofile / 8).clamp(1, TCP_CAP) }
     }
+
+    /// How many of a listener's `cap` connections may hold an answer that stays open (an
+    /// event stream, a log follow, a blocking query): all but a quarter, and at least one
+    /// less, so that the reads that answer at once always find a connection.
+    pub(crate) fn streams(cap: usize) -> usize {
+        cap - (cap / 4).clamp(1.min(cap), cap)
+    }
 }
 
 /// Raises the soft `RLIMIT_NOFILE` to the hard limit, and returns the soft limit in force.
@@ -248,6 +255,17 @@ mod tests {
         }
         assert_eq!(ConnectionCaps::for_limit(1024), ConnectionCaps { unix: 256, tcp: 128 });
         assert_eq!(ConnectionCaps::for_limit(65_536), ConnectionCaps { unix: 16_384, tcp: 256 });
+    }
+
+    #[test]
+    fn streams_always_leave_connections_to_the_reads_that_answer_at_once() {
+        for cap in [0, 1, 2, 3, 16, 255, 256, 16_384] {
+            let streams = ConnectionCaps::streams(cap);
+            assert!(streams < cap || cap == 0, "{cap}: {streams}");
+        }
+        assert_eq!(ConnectionCaps::streams(16), 12);
+        assert_eq!(ConnectionCaps::streams(256), 192);
+        assert_eq!(ConnectionCaps::streams(16_384), 12_288);
     }
 
     #[test]

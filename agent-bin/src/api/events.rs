@@ -10,6 +10,7 @@
 use std::collections::HashMap;
 use std::time::SystemTime;
 
+use axum::Extension;
 use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::header;
@@ -17,9 +18,9 @@ use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 use tether_manager::{ExitReason, ProxyEvent, ProxyState, ProxyStatus};
 use tether_state::ProxyId;
-use tokio::sync::{broadcast, mpsc};
+use tokio::sync::{OwnedSemaphorePermit, broadcast, mpsc};
 
-use super::{ApiState, ChannelBody};
+use super::{ApiError, ApiState, ChannelBody, StreamSlots, send_chunk};
 
 /// One event, as a line of the stream.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -32,21 +33,28 @@ pub(crate) struct EventDto {
     pub(crate) detail: Option<String>,
 }
 
-pub(crate) async fn get_events(State(state): State<ApiState>) -> Response {
+pub(crate) async fn get_events(
+    State(state): State<ApiState>,
+    Extension(slots): Extension<StreamSlots>,
+) -> Result<Response, ApiError> {
+    let slot = slots.take()?;
     // Subscribe before reading the statuses: no change falls between the two.
     let changes = state.manager.subscribe();
     let seen: HashMap<ProxyId, ProxyStatus> =
         state.manager.status().into_iter().map(|status| (status.id.clone(), status)).collect();
     let (lines, receiver) = mpsc::channel(64);
-    tokio::spawn(stream(Events { seen }, changes, lines, state.clone()));
-    ([(header::CONTENT_TYPE, "application/x-ndjson")], Body::new(ChannelBody(receiver))).into_response()
+    tokio::spawn(stream(Events { seen }, changes, lines, state.clone(), slot));
+    Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], Body::new(ChannelBody(receiver))).into_response())
 }
 
+/// Feeds one client's stream until it goes away, reads nothing for
+/// [`super::STREAM_STALL`], or the API stops; `_slot` is its listener's stream slot.
 async fn stream(
     mut events: Events,
     mut changes: broadcast::Receiver<ProxyEvent>,
     lines: mpsc::Sender<Bytes>,
     state: ApiState,
+    _slot: OwnedSemaphorePermit,
 ) {
     loop {
         let change = tokio::select! {
@@ -63,7 +71,7 @@ async fn stream(
         for event in found {
             let Ok(mut line) = serde_json::to_vec(&event) else { continue };
             line.push(b'\n');
-            if lines.send(Bytes::from(line)).await.is_err() {
+            if !send_chunk(&lines, Bytes::from(line)).await {
                 return;
             }
         }

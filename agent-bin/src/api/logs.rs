@@ -12,6 +12,7 @@ use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::Extension;
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, Query, State};
 use axum::http::{StatusCode, header};
@@ -46,6 +47,7 @@ pub(crate) async fn get_logs(
     State(state): State<ApiState>,
     Path(id): Path<String>,
     Query(query): Query<LogsQuery>,
+    Extension(slots): Extension<super::StreamSlots>,
 ) -> Result<Response, ApiError> {
     let id = super::known_proxy(&state, &id)?;
     let (stdout, stderr) = DataDir::log_file_names(&id);
@@ -71,11 +73,12 @@ pub(crate) async fn get_logs(
     if !query.follow.unwrap_or(false) {
         return Ok((text, tail).into_response());
     }
+    let slot = slots.take()?;
     let (chunks, receiver) = mpsc::channel(16);
     if !tail.is_empty() {
         let _unreachable = chunks.try_send(Bytes::from(tail));
     }
-    let follower = Follower { dir, name, file, offset: end, chunks };
+    let follower = Follower { dir, name, file, offset: end, chunks, _slot: slot };
     tokio::spawn(follower.run(state.shutdown.clone()));
     Ok((text, Body::new(ChannelBody(receiver))).into_response())
 }
@@ -142,6 +145,8 @@ struct Follower {
     file: Option<Arc<File>>,
     offset: u64,
     chunks: mpsc::Sender<Bytes>,
+    /// Its listener's stream slot, held while it runs.
+    _slot: tokio::sync::OwnedSemaphorePermit,
 }
 
 impl Follower {
@@ -155,7 +160,7 @@ impl Follower {
             }
             match self.read_new().await {
                 Ok(Some(chunk)) => {
-                    if self.chunks.send(chunk).await.is_err() {
+                    if !super::send_chunk(&self.chunks, chunk).await {
                         return;
                     }
                 }

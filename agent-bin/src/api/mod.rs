@@ -16,6 +16,7 @@ use std::convert::Infallible;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::{Path, State};
@@ -28,7 +29,7 @@ use hyper::body::Frame;
 use tether_manager::{ManagerHandle, ProxyStatus};
 use tether_state::config::{self, Format, Origin};
 use tether_state::{CatalogError, IdError, ProxyId, ServiceId};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 
 use crate::agent::sources::{RegisterError, Sources};
 use crate::metrics::Metrics;
@@ -76,6 +77,49 @@ fn known_proxy(state: &ApiState, name: &str) -> Result<ProxyId, ApiError> {
     })
 }
 
+/// How long a stream may wait for its client to take the next chunk before it is closed:
+/// a client that reads nothing must not hold its slot and the agent's memory forever.
+pub(crate) const STREAM_STALL: Duration = Duration::from_secs(30);
+
+/// The slots of one listener for the answers that stay open (event streams, log follows,
+/// blocking queries). There are fewer of them than the listener's connections, so that the
+/// reads that answer at once (health, status, metrics, the page) always find room.
+#[derive(Debug, Clone)]
+pub(crate) struct StreamSlots {
+    slots: Arc<Semaphore>,
+    cap: usize,
+}
+
+impl StreamSlots {
+    /// `cap` slots.
+    pub(crate) fn new(cap: usize) -> Self {
+        Self { slots: Arc::new(Semaphore::new(cap)), cap }
+    }
+
+    /// Takes a slot for one stream; it is free again when the permit is dropped.
+    ///
+    /// # Errors
+    ///
+    /// 503 when every slot is taken: the answer closes its connection, so that a refused
+    /// client holds no connection either.
+    pub(crate) fn take(&self) -> Result<OwnedSemaphorePermit, ApiError> {
+        self.slots.clone().try_acquire_owned().map_err(|_| {
+            let message = format!("{} streams are open on this listener, the most it holds; try again later", self.cap);
+            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, message)
+        })
+    }
+}
+
+/// Sends one chunk of a stream. `false` when the client went away, or took nothing for
+/// [`STREAM_STALL`]: the stream is then over.
+///
+/// # Cancel safety
+///
+/// Cancel-safe: a chunk is either sent or dropped with the future.
+pub(crate) async fn send_chunk(chunks: &mpsc::Sender<Bytes>, chunk: Bytes) -> bool {
+    matches!(tokio::time::timeout(STREAM_STALL, chunks.send(chunk)).await, Ok(Ok(())))
+}
+
 /// A request to stop every proxy and exit; answered once the proxies are stopped.
 pub(crate) type LeaveRequest = oneshot::Sender<Result<(), String>>;
 
@@ -110,7 +154,12 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, Json(ErrorDto { error: self.message })).into_response()
+        let mut response = (self.status, Json(ErrorDto { error: self.message })).into_response();
+        if self.status == StatusCode::SERVICE_UNAVAILABLE {
+            // Busy or shutting down: the connection is not kept for another request.
+            response.headers_mut().insert(header::CONNECTION, header::HeaderValue::from_static("close"));
+        }
+        response
     }
 }
 
@@ -128,8 +177,8 @@ impl From<RegisterError> for ApiError {
     }
 }
 
-/// The routes of `agent.sock`: everything.
-pub(crate) fn socket_router(state: ApiState) -> Router {
+/// The routes of `agent.sock`: everything, with `streams` slots for answers that stay open.
+pub(crate) fn socket_router(state: ApiState, streams: usize) -> Router {
     let routes = read_routes()
         .route("/v1/agent/service/register", put(register))
         .route("/v1/agent/service/deregister/{id}", put(deregister))
@@ -140,12 +189,16 @@ pub(crate) fn socket_router(state: ApiState) -> Router {
         .route("/v1/agent/proxy/{id}/start", put(start))
         // Socket only: a proxy's output may hold secrets.
         .route("/v1/agent/proxy/{id}/logs", get(logs::get_logs));
-    with_json_errors(routes).with_state(state)
+    with_json_errors(routes).layer(axum::Extension(StreamSlots::new(streams))).with_state(state)
 }
 
-/// The routes of `--http-addr`: reading only, for requests that name the loopback.
-pub(crate) fn http_router(state: ApiState) -> Router {
-    with_json_errors(read_routes()).layer(middleware::from_fn(host::require_loopback)).with_state(state)
+/// The routes of `--http-addr`: reading only, for requests that name the loopback, with
+/// `streams` slots for answers that stay open.
+pub(crate) fn http_router(state: ApiState, streams: usize) -> Router {
+    with_json_errors(read_routes())
+        .layer(middleware::from_fn(host::require_loopback))
+        .layer(axum::Extension(StreamSlots::new(streams)))
+        .with_state(state)
 }
 
 /// Adds the answers for an unknown path and a method a path does not take, makes every

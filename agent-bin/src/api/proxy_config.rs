@@ -7,14 +7,14 @@
 
 use std::time::Duration;
 
-use axum::Json;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
 use serde::{Deserialize, Serialize};
 use tether_state::{Catalog, Entry, LocalState, ProxyConfigMap, ProxyId, ProxyToken, Revision};
 
-use super::{ApiError, ApiState};
+use super::{ApiError, ApiState, StreamSlots};
 
 /// The header that carries a proxy's token.
 pub(crate) const TOKEN_HEADER: &str = "x-tether-proxy-token";
@@ -75,6 +75,7 @@ pub(crate) async fn get_config(
     State(state): State<ApiState>,
     Path(id): Path<String>,
     Query(query): Query<ConfigQuery>,
+    Extension(slots): Extension<StreamSlots>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     let token = headers.get(TOKEN_HEADER).and_then(|v| v.to_str().ok()).ok_or_else(forbidden)?.to_owned();
@@ -90,6 +91,8 @@ pub(crate) async fn get_config(
             None => DEFAULT_WAIT,
         }
         .min(MAX_WAIT);
+        // A query that waits holds one of the listener's stream slots while it waits.
+        let _slot = if entry.revision <= Revision::new(index) { Some(slots.take()?) } else { None };
         let deadline = tokio::time::sleep(wait);
         tokio::pin!(deadline);
         while entry.revision <= Revision::new(index) {

@@ -267,3 +267,146 @@ fn the_http_address_answers_only_requests_that_name_the_loopback() {
     let raw = "GET /v1/agent/proxies HTTP/1.1\r\nHost: rebound.example\r\nConnection: close\r\n\r\n";
     assert_eq!(unix_exchange(&dirs.socket(), raw.as_bytes()).unwrap().status, 200);
 }
+
+/// Opens a connection and asks for an answer that stays open, then reads only its head.
+fn open_stream<S: Read + Write>(mut stream: S, host: &str, path: &str) -> (S, u16) {
+    let head = format!("GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n");
+    stream.write_all(head.as_bytes()).unwrap();
+    let mut seen = Vec::new();
+    let mut byte = [0_u8; 1];
+    while !seen.ends_with(b"\r\n\r\n") {
+        match stream.read(&mut byte) {
+            Ok(1) => seen.push(byte[0]),
+            _ => break,
+        }
+    }
+    let status = String::from_utf8_lossy(&seen).split_whitespace().nth(1).and_then(|code| code.parse().ok());
+    (stream, status.unwrap_or(0))
+}
+
+/// Raises this process's soft descriptor limit to its hard one, for tests that hold many
+/// connections.
+fn raise_own_descriptor_limit() -> u64 {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
+    setrlimit(Resource::RLIMIT_NOFILE, hard, hard).unwrap();
+    hard
+}
+
+#[test]
+fn streams_held_by_the_thousand_leave_room_for_the_reads_that_answer_at_once() {
+    if raise_own_descriptor_limit() < 4096 {
+        eprintln!("skipped: this process may not open the 2 000 connections the test holds");
+        return;
+    }
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    let (agent, addr) = agent_with_http(&dirs, None);
+    let socket = dirs.socket();
+
+    let mut held_tcp = Vec::new();
+    let mut held_unix = Vec::new();
+    let mut refused_tcp = 0;
+    for _ in 0..1000 {
+        // Over the cap, a connection is closed at once: no status line at all.
+        match open_stream(TcpStream::connect(&addr).unwrap(), &addr, "/v1/agent/events") {
+            (stream, 200) => held_tcp.push(stream),
+            _ => refused_tcp += 1,
+        }
+        // The socket's slots follow the descriptor limit: thousands here, fewer elsewhere.
+        let (stream, status) = open_stream(UnixStream::connect(&socket).unwrap(), "localhost", "/v1/agent/events");
+        if status == 200 {
+            held_unix.push(stream);
+        }
+    }
+    assert!(!held_tcp.is_empty() && refused_tcp > 0, "held {}, refused {refused_tcp}", held_tcp.len());
+    assert!(!held_unix.is_empty(), "held none on the socket");
+
+    // Every listener still answers the reads that answer at once, and the CLI works.
+    let health = wait_until("health on the TCP address", || {
+        tcp_exchange(
+            &addr,
+            format!("GET /v1/agent/health HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+        .map_err(|err| err.to_string())
+    });
+    assert_eq!(health.status, 200, "{}", health.body);
+    let health = get(&socket, "/v1/agent/health").unwrap();
+    assert_eq!(health.status, 200, "{}", health.body);
+    let metrics =
+        tcp_exchange(&addr, format!("GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes())
+            .unwrap();
+    assert_eq!(metrics.status, 200);
+    assert_cmd::Command::from_std(tether())
+        .args(["status", "--data-dir"])
+        .arg(&dirs.data)
+        .timeout(DEADLINE)
+        .assert()
+        .code(0)
+        .stdout(predicates::str::contains("web-proxy"));
+    // A stream over the listener's slots is refused with 503, and the refusal closes.
+    let (mut over, status) = open_stream(TcpStream::connect(&addr).unwrap(), &addr, "/v1/agent/events");
+    assert_eq!(status, 503);
+    over.set_read_timeout(Some(DEADLINE)).unwrap();
+    let mut rest = Vec::new();
+    over.read_to_end(&mut rest).unwrap();
+    drop((held_tcp, held_unix));
+    drop(agent);
+}
+
+#[test]
+fn under_a_low_descriptor_limit_streams_on_the_socket_leave_the_cli_working() {
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    // 64 descriptors: the socket holds 16 connections, 12 of them streams.
+    let (agent, _addr) = agent_with_http(&dirs, Some(64));
+    let socket = dirs.socket();
+    let held: Vec<_> = (0..16)
+        .map(|_| open_stream(UnixStream::connect(&socket).unwrap(), "localhost", "/v1/agent/events"))
+        .filter(|(_, status)| *status == 200)
+        .collect();
+    assert_eq!(held.len(), 12);
+    assert_cmd::Command::from_std(tether())
+        .args(["status", "--data-dir"])
+        .arg(&dirs.data)
+        .timeout(DEADLINE)
+        .assert()
+        .code(0)
+        .stdout(predicates::str::contains("web-proxy"));
+    drop(held);
+    drop(agent);
+}
+
+#[test]
+fn a_stream_whose_client_reads_nothing_is_closed_and_frees_its_slot() {
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    // A megabyte a second into the log: enough to fill what a follow buffers, soon.
+    dirs.write_config(
+        "loud.toml",
+        "[[service]]\nname = \"loud\"\n[service.proxy]\n\
+         command = [\"/bin/sh\", \"-c\", \"while :; do head -c 1048576 /dev/zero; sleep 1; done\"]\nkill_timeout = \"1s\"\n",
+    );
+    // 64 descriptors: the socket holds 12 streams.
+    let (agent, _addr) = agent_with_http(&dirs, Some(64));
+    agent.wait_state("loud-proxy", "running");
+    let socket = dirs.socket();
+    let follow = "/v1/agent/proxy/loud/logs?follow=true&lines=0";
+    let silent: Vec<_> =
+        (0..12).map(|_| open_stream(UnixStream::connect(&socket).unwrap(), "localhost", follow)).collect();
+    assert!(silent.iter().all(|(_, status)| *status == 200));
+    assert_eq!(open_stream(UnixStream::connect(&socket).unwrap(), "localhost", follow).1, 503);
+    // The silent clients read nothing: once their buffers are full, each stream waits 30 s
+    // for them, then ends, and its slot is free for a client that reads.
+    let start = Instant::now();
+    loop {
+        let (_stream, status) = open_stream(UnixStream::connect(&socket).unwrap(), "localhost", follow);
+        if status == 200 {
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(120), "the silent streams still hold every slot");
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    drop(silent);
+    drop(agent);
+}
