@@ -3,7 +3,7 @@
 //!
 //! - [`ServiceId`] and [`ProxyId`]: validated ids, safe to use as file names.
 //! - [`Service`], [`ProxySpec`] and [`ManagedProxy`]: what a service and its managed proxy
-//!   are, with SPEC's defaults, and [`ManagedProxy::change_to`]: whether a change needs a
+//!   are, with the config's defaults, and [`ManagedProxy::change_to`]: whether a change needs a
 //!   restart or applies in place.
 //! - [`config`]: the TOML/JSON schema, with errors that name file, line and field.
 //! - [`LocalState`] and the [`Catalog`] trait: the desired set, with revisions, and

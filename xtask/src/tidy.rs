@@ -8,7 +8,8 @@ use std::path::{Path, PathBuf};
 /// The crates whose sources are checked.
 const CRATES: &[&str] = &["state", "manager", "proxy-daemon", "agent-bin", "xtask"];
 
-/// The one module allowed to create processes in production code (STYLE.md §7).
+/// The one module allowed to create processes in production code: every spawn goes through
+/// it, so that process groups, descriptors and cgroups are handled in one place.
 const SPAWN_MODULE: &str = "proxy-daemon/src/spawn.rs";
 
 /// A line that may name a process API for a reviewed reason carries this marker.
