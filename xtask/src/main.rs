@@ -21,7 +21,8 @@ usage: cargo xtask <task>
 tasks:
   ci      everything CI runs: fmt --check, clippy -D warnings, tests (nextest), doctests, examples, docs, tidy, deps
   test    the test suite only (nextest, then doctests)
-  tidy    module docs present, no #[should_panic], no bare #[ignore], no process spawning outside proxy-daemon
+  tidy    module docs present, no #[should_panic], no bare #[ignore], no process spawning outside proxy-daemon,
+          no reference to a document outside the repository
   deps    the crate graph against the allow-list
   bench   every crate's benchmarks, then the end-to-end benchmarks of the tether binary
   fuzz    every fuzz target for a bounded time
