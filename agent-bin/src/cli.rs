@@ -1,4 +1,5 @@
-//! The command line: every subcommand and flag of SPEC's CLI table, as clap structs.
+//! The command line: every subcommand and flag of `tether`, as clap structs
+//! (`docs/reference.md` documents them).
 //!
 //! Parsing only: no command runs here.
 

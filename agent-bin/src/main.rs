@@ -1,7 +1,7 @@
 //! The `tether` binary: parses the command line and hands each command to its module.
 //!
 //! This is the only place that maps errors to exit codes: 0 success, 1 runtime failure,
-//! 2 usage or config error (SPEC's CLI table).
+//! 2 usage or config error, for every command.
 
 mod agent;
 mod api;

@@ -19,7 +19,7 @@ use tokio::sync::watch;
 /// A boxed error from a backend's own layer, kept as the `source` of a [`BackendError`].
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
-/// The state of a proxy, as SPEC names it.
+/// The state of a proxy, as `tether status`, the API and the metrics name it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 #[non_exhaustive]
@@ -44,7 +44,7 @@ pub enum ProxyState {
 }
 
 impl ProxyState {
-    /// The state's name, as SPEC and the API spell it.
+    /// The state's name, as the CLI, the API and the metrics spell it.
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Pending => "pending",

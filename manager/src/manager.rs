@@ -24,12 +24,15 @@ use crate::snapshot::{EncodedService, SnapshotError, SnapshotStore, WriterMessag
 use crate::status::{ManagerHandle, ProxyStatus, Published, Request, RequestError, UpdateStatus};
 use crate::users::UserLookup;
 
-/// How the engine behaves. `Default` gives SPEC's defaults.
+/// How the engine behaves. `Default` gives the agent's defaults (those of `tether agent`'s
+/// flags).
 #[derive(Debug, Clone)]
 pub struct ManagerConfig {
-    /// Sync after this long without a further catalog change (SPEC: 500ms).
+    /// Sync after this long without a further catalog change (default 500ms, as
+    /// `--sync-quiescent`).
     pub sync_quiescent: Duration,
-    /// Sync at most this long after the first unsynced change (SPEC: 5s).
+    /// Sync at most this long after the first unsynced change (default 5s, as
+    /// `--sync-max-delay`).
     pub sync_max_delay: Duration,
     /// Actions (start, stop, restart, update) running at once, at least 1.
     pub max_concurrent_actions: usize,

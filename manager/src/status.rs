@@ -53,7 +53,8 @@ pub struct UpdateStatus {
 }
 
 impl ProxyStatus {
-    /// Whether it is ready: `running` means started and ready (SPEC's states).
+    /// Whether it is ready: `running` means started and ready (its readiness check, if it
+    /// has one, passed).
     pub fn ready(&self) -> bool {
         self.state == ProxyState::Running
     }

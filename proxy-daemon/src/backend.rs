@@ -1,8 +1,8 @@
 //! The adapter between `tether-manager`'s backend traits and the [`Supervisor`]: the only
 //! module that speaks both vocabularies.
 //!
-//! It builds a [`ProcessSpec`] from a `ManagedProxy` (SPEC's environment, log files, pid
-//! file, policies), forwards the supervisor's observations as the manager's status, and
+//! It builds a [`ProcessSpec`] from a `ManagedProxy` (the proxy's environment, log files,
+//! pid file, policies), forwards the supervisor's observations as the manager's status, and
 //! records in snapshots only what proves identity: never a token or an environment value.
 
 mod record;
@@ -28,8 +28,8 @@ use crate::status::{ProcessState, ProcessStatus};
 use crate::supervisor::{ProcessHandle, Supervisor};
 use record::{Read, Record};
 
-/// What the agent tells every proxy about itself (SPEC's `TETHER_SOCKET`,
-/// `TETHER_HTTP_ADDR`).
+/// What the agent tells every proxy about itself (`TETHER_SOCKET`, and
+/// `TETHER_HTTP_ADDR` when it serves one).
 #[derive(Debug, Clone)]
 pub struct AgentEnvironment {
     /// The absolute path of `agent.sock`.
@@ -125,7 +125,7 @@ impl OsProcessBackend {
         self.shared.supervisor.foreign_notifications()
     }
 
-    /// The process spec that runs `proxy`, as SPEC describes it: own environment (agent's
+    /// The process spec that runs `proxy`: its own environment (agent's
     /// `PATH` and `HOME`, then `TETHER_*`, then the proxy's `env`; or the agent's whole
     /// environment with `inherit_env`), log and pid files under the data dir.
     ///

@@ -9,7 +9,8 @@ use std::path::PathBuf;
 
 use crate::status::ProcessState;
 
-/// A process name that breaks SPEC.md's id rule.
+/// A process name that breaks the id rule: an ASCII letter or digit, then letters, digits,
+/// `.`, `_` and `-`, at most 134 bytes.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("invalid process name {name:?}: it must match ^[A-Za-z0-9][A-Za-z0-9._-]{{0,133}}$")]
 pub struct InvalidName {

@@ -34,6 +34,54 @@
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! # Cargo features
+//!
+//! | feature | default | what it does |
+//! |---|---|---|
+//! | `manager` | on | `OsProcessBackend`, the implementation of `tether-manager`'s backend traits (`ProxyBackend`, `ProxyHandle`); turns on `serde`. Without it (`default-features = false`), the crate does not depend on the engine |
+//! | `serde` | with `manager` | `Serialize` and `Deserialize` for [`Identity`], so that a tool that detaches processes can store what proves them |
+//!
+//! With `manager`, the engine runs OS processes through [`OsProcessBackend`] (not run
+//! here: it would supervise real processes):
+//!
+#![cfg_attr(feature = "manager", doc = "```no_run")]
+#![cfg_attr(not(feature = "manager"), doc = "```ignore")]
+//! use std::sync::Arc;
+//!
+//! use tether_manager::{FileSnapshotStore, Manager, ManagerConfig};
+//! use tether_proxy_daemon::{AgentEnvironment, OsProcessBackend};
+//! use tether_state::LocalState;
+//! use tether_state::persist::DataDir;
+//!
+//! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
+//! let data = DataDir::open("/var/lib/tether")?;
+//! // What every proxy is told about the agent (`TETHER_SOCKET`, `TETHER_HTTP_ADDR`).
+//! let environment = AgentEnvironment { socket: data.socket_path(), http_addr: None };
+//! let backend = Arc::new(OsProcessBackend::new(data.clone(), environment)?);
+//! let store = Arc::new(FileSnapshotStore::in_data_dir(&data));
+//! let catalog = Arc::new(LocalState::new());
+//! let manager = Manager::new(catalog, backend, store, ManagerConfig::default());
+//! # drop(manager);
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! With `serde`, an [`Identity`] (what [`ProcessHandle::detach`] returns) can be written
+//! anywhere and read back for [`Supervisor::adopt`]:
+//!
+#![cfg_attr(feature = "serde", doc = "```")]
+#![cfg_attr(not(feature = "serde"), doc = "```ignore")]
+//! fn storable<T: serde::Serialize + serde::de::DeserializeOwned>() {}
+//! storable::<tether_proxy_daemon::Identity>();
+//! ```
+//!
+//! # Testing
+//!
+//! The crate has no mocks: its behaviour is tested against real processes. To test code
+//! that drives a backend, enable `tether-manager`'s `mock` feature from
+//! `[dev-dependencies]`; its `MockProxyBackend` and `MockProxyHandle` stand in for
+//! [`OsProcessBackend`] and its handles.
 
 #![deny(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
@@ -68,3 +116,8 @@ pub use spec::{
 };
 pub use status::{ExitReason, ProcessState, ProcessStatus};
 pub use supervisor::{ProcessHandle, Supervisor};
+
+// The README is the crate's page on crates.io: its example is compiled as a doctest too.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

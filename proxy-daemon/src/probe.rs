@@ -1,5 +1,5 @@
-//! Running one health probe against an instance: `tcp`, `http` and `exec` (SPEC.md's
-//! "Health"), each bounded by its timeout.
+//! Running one health probe against an instance: `tcp` (a connect), `http` (a plain-HTTP
+//! `GET` that answers 2xx) and `exec` (a program that exits 0), each bounded by its timeout.
 //!
 //! This module owns probe I/O and nothing else: when to probe, and what a result means for
 //! the process, is `supervisor/checks.rs`'s. An `exec` probe starts through the one spawn

@@ -1,7 +1,7 @@
 //! What to run and how to treat it: [`ProcessSpec`] and its policies.
 //!
 //! This module owns the plain data a caller hands to the supervisor, and its defaults
-//! (SPEC.md). It never performs I/O and never validates anything beyond the name: the
+//! (those of the config file, from tether-state). It never performs I/O and never validates anything beyond the name: the
 //! caller (the agent) has validated the configuration already.
 
 use std::ffi::OsString;
@@ -17,7 +17,7 @@ use crate::error::InvalidName;
 /// The name of a supervised process: the proxy id, such as `web-proxy`.
 ///
 /// It becomes part of file names (pid file, log files) and appears in tracing fields as
-/// `proxy`, so it follows SPEC.md's id rule, with room for a proxy id: an ASCII letter or
+/// `proxy`, so it follows the service id rule, with room for a proxy id: an ASCII letter or
 /// digit, then letters, digits, `.`, `_` and `-`, at most 134 bytes
 /// ([`tether_state::check_process_name`]).
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -71,7 +71,7 @@ impl fmt::Debug for ProcessName {
 /// [`KillPolicy`] (how it is stopped: its [`KillSignal`] to the group, then SIGKILL after the
 /// timeout), [`RestartPolicy`] (when an exited process is started again, with its schedule
 /// in [`RestartPolicy::delay_before`]) and [`LogPolicy`] (the size limits of its log files).
-/// Their defaults are SPEC.md's, written once there.
+/// Their defaults are the config file's, written once there.
 pub use tether_state::{KillPolicy, KillSignal, LogPolicy, ResourceLimits, RestartPolicy};
 
 /// When an instance counts as ready, and when it is restarted because it stopped answering
@@ -181,7 +181,7 @@ pub struct ProcessSpec {
 }
 
 impl ProcessSpec {
-    /// A spec with SPEC.md's file layout in `data` and default policies.
+    /// A spec with the data dir's file layout in `data` and default policies.
     ///
     /// The pid file is `<data dir>/pids/<name>.pid`, the logs are `<name>-stdout.log` and
     /// `-stderr.log` in the data dir's `logs/`. The environment is empty and the working

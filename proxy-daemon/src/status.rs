@@ -8,8 +8,8 @@ use std::time::SystemTime;
 
 use crate::proc::Identity;
 
-/// The lifecycle state of a supervised process (SPEC.md's proxy states, minus the ones
-/// only the engine knows).
+/// The lifecycle state of a supervised process (the proxy states, minus `pending` and
+/// `blocked`, which only the engine knows).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum ProcessState {
@@ -35,7 +35,7 @@ impl ProcessState {
         matches!(self, Self::Stopped | Self::Failed)
     }
 
-    /// The lowercase name used by SPEC.md (`running`, `backoff`, …).
+    /// The lowercase name that the CLI and the API show (`running`, `backoff`, …).
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Starting => "starting",

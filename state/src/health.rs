@@ -1,6 +1,6 @@
 //! A proxy's health checks: when a started proxy counts as ready ([`Readiness`]) and when a
 //! running one is restarted because it stopped answering ([`Liveness`]), each through one
-//! [`Probe`] (SPEC.md's "Health").
+//! [`Probe`].
 //!
 //! This module owns the checks' values and their rules; it never probes anything: probing
 //! is I/O, done by whoever runs the proxy.

@@ -3,7 +3,7 @@
 //!
 //! - [`ServiceId`] and [`ProxyId`]: validated ids, safe to use as file names.
 //! - [`Service`], [`ProxySpec`] and [`ManagedProxy`]: what a service and its managed proxy
-//!   are, with SPEC's defaults, and [`ManagedProxy::change_to`]: whether a change needs a
+//!   are, with the config's defaults, and [`ManagedProxy::change_to`]: whether a change needs a
 //!   restart or applies in place.
 //! - [`config`]: the TOML/JSON schema, with errors that name file, line and field.
 //! - [`LocalState`] and the [`Catalog`] trait: the desired set, with revisions, and
@@ -51,6 +51,59 @@
 //! assert_eq!(changes.upserted[0].proxy.id().as_str(), "db-proxy");
 //! # }
 //! ```
+//!
+//! # Cargo features
+//!
+//! | feature | default | what it does |
+//! |---|---|---|
+//! | `mock` | off | exports `MockCatalog`, a [`mockall`](https://docs.rs/mockall) mock of the [`Catalog`] trait |
+//!
+//! # Testing against the mocks
+//!
+//! Code that reads a catalog through the [`Catalog`] trait can be tested against
+//! `MockCatalog`, which answers what each test tells it to. Enable the `mock` feature from
+//! `[dev-dependencies]` only, so that it stays out of release builds:
+//!
+//! ```toml
+//! [dev-dependencies]
+//! tether-state = { version = "0.1", features = ["mock"] }
+//! ```
+//!
+//! A test of a function that lists the proxies a catalog wants (compiled and run by
+//! `cargo test --doc --features mock`):
+//!
+#![cfg_attr(feature = "mock", doc = "```")]
+#![cfg_attr(not(feature = "mock"), doc = "```ignore")]
+//! use std::sync::Arc;
+//!
+//! use tether_state::{
+//!     Catalog, Changes, DesiredProxy, ManagedProxy, MockCatalog, ProxySpec, ProxyToken, Revision, Service,
+//!     ServiceId, ServiceName,
+//! };
+//!
+//! /// The code under test: the ids of the proxies that `catalog` wants running, sorted.
+//! fn wanted(catalog: &dyn Catalog) -> Vec<String> {
+//!     let changes = catalog.changes_since(None);
+//!     let mut ids: Vec<String> = changes.upserted.iter().map(|desired| desired.proxy.id().to_string()).collect();
+//!     ids.sort();
+//!     ids
+//! }
+//!
+//! let web = Service::new(ServiceId::new("web").unwrap(), ServiceName::new("web").unwrap())
+//!     .with_proxy(ProxySpec::default());
+//! let proxy = Arc::new(ManagedProxy::new(Arc::new(web), ProxyToken::generate().unwrap()).unwrap());
+//!
+//! let mut catalog = MockCatalog::new();
+//! catalog.expect_changes_since().withf(|since| since.is_none()).times(1).returning(move |_| Changes {
+//!     revision: Revision::new(1),
+//!     complete: true,
+//!     upserted: vec![DesiredProxy { revision: Revision::new(1), proxy: proxy.clone() }],
+//!     removed: Vec::new(),
+//! });
+//!
+//! assert_eq!(wanted(&catalog), ["web-proxy"]);
+//! // Dropping the mock checks that every expectation was met.
+//! ```
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
@@ -85,6 +138,11 @@ pub use service::{
     ProxyConfigMap, ProxySpec, RestartPolicy, Service, ServiceName,
 };
 pub use token::{ProxyToken, TokenError, TokenFingerprint};
+
+// The README is the crate's page on crates.io: its examples run as doctests too.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
 
 /// An error and its sources on one line, `outer: inner: innermost`: how every tether crate
 /// shows an error in a status, a log field or an API answer.

@@ -79,7 +79,8 @@ const REGISTRATIONS: &str = "registrations";
 const PIDS: &str = "pids";
 const LOGS: &str = "logs";
 
-/// The agent's data directory and its layout (SPEC's table); cheap to clone.
+/// The agent's data directory and its layout (the table in `docs/reference.md`); cheap to
+/// clone.
 ///
 /// [`DataDir::open`] opens the root and its subdirectories once, without following a link
 /// below the root; every file is then reached through those handles ([`PrivateDir`]).

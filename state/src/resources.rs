@@ -1,5 +1,6 @@
 //! A proxy's resource limits: what its cgroup's `memory.max`, `cpu.max` and `pids.max`
-//! say (SPEC, "Resource control").
+//! say. The agent writes them into the proxy's own cgroup, and again, in place, when they
+//! change.
 
 use std::fmt;
 

@@ -409,7 +409,11 @@ impl ManagedProxy {
         &self.token
     }
 
-    /// What going from `self` to `new` requires (SPEC's rule).
+    /// What going from `self` to `new` requires: a restart when the token or what shapes the
+    /// process changes (exec mode, command, working directory, environment, `inherit_env`,
+    /// user, listeners), a change in place for everything else.
+    ///
+    /// This is the one place that classifies a setting; a new setting is added here.
     ///
     /// ```
     /// use std::sync::Arc;

@@ -21,7 +21,8 @@ usage: cargo xtask <task>
 tasks:
   ci      everything CI runs: fmt --check, clippy -D warnings, tests (nextest), doctests, examples, docs, tidy, deps
   test    the test suite only (nextest, then doctests)
-  tidy    module docs present, no #[should_panic], no bare #[ignore], no process spawning outside proxy-daemon
+  tidy    module docs present, no #[should_panic], no bare #[ignore], no process spawning outside proxy-daemon,
+          no reference to a document outside the repository
   deps    the crate graph against the allow-list
   bench   every crate's benchmarks, then the end-to-end benchmarks of the tether binary
   fuzz    every fuzz target for a bounded time
@@ -99,7 +100,8 @@ fn test() -> Result<(), String> {
         eprintln!("xtask: cargo-nextest is not installed; running the tests with `cargo test` instead");
         run("tests", &["test", "--workspace", "--lib", "--bins", "--tests"])?;
     }
-    run("doctests", &["test", "--workspace", "--doc"])
+    // Every feature on: the crate docs' tests against the mocks need `mock`.
+    run("doctests", &["test", "--workspace", "--doc", "--all-features"])
 }
 
 fn ci() -> Result<(), String> {
@@ -109,8 +111,9 @@ fn ci() -> Result<(), String> {
     report(deps::check(&cargo(), &workspace_root()))?;
     test()?;
     examples()?;
-    // Warnings denied: a broken intra-doc link fails CI like a compiler warning does.
-    run_with_env("docs", &["doc", "--workspace", "--no-deps"], &[("RUSTDOCFLAGS", "-D warnings")])?;
+    // Warnings denied: a broken intra-doc link fails CI like a compiler warning does. Every
+    // feature on, as docs.rs builds the library crates' pages.
+    run_with_env("docs", &["doc", "--workspace", "--no-deps", "--all-features"], &[("RUSTDOCFLAGS", "-D warnings")])?;
     eprintln!("xtask: ci passed");
     Ok(())
 }

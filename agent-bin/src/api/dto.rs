@@ -1,7 +1,8 @@
 //! The wire shapes of the control API, owned by the binary so that a change to the wire
 //! format never forces a change in a library crate.
 //!
-//! `ProxyStatusDto` is exactly SPEC's `status --json` object. Nothing here holds a secret.
+//! `ProxyStatusDto` is exactly the `status --json` object that `docs/reference.md`
+//! documents. Nothing here holds a secret.
 
 use std::time::SystemTime;
 
@@ -28,8 +29,8 @@ pub(crate) struct ProxyStatusDto {
     /// Its own account of itself (sd_notify's `STATUS=`).
     #[serde(default)]
     pub(crate) status_text: Option<String>,
-    /// What it uses, read from its cgroup; `null` without cgroups (SPEC), which this agent
-    /// does not place proxies in yet.
+    /// What it uses, read from its cgroup; `null` without cgroups, or while no instance
+    /// runs.
     #[serde(default)]
     pub(crate) resources: Option<ResourcesDto>,
     /// The new instance of an overlapping update while it starts beside the one above;
@@ -66,7 +67,7 @@ pub(crate) struct HealthDto {
     pub(crate) status: String,
 }
 
-/// RFC 3339 in UTC to the second, as SPEC's `started_at`.
+/// RFC 3339 in UTC to the second, as `started_at` is shown.
 pub(crate) fn rfc3339(time: SystemTime) -> String {
     humantime::format_rfc3339_seconds(time).to_string()
 }

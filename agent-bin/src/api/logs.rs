@@ -23,7 +23,7 @@ use tokio::sync::mpsc;
 
 use super::{ApiError, ApiState, ChannelBody};
 
-/// Lines shown when the request names no count (SPEC: 20).
+/// Lines shown when the request names no count: 20, as `tether logs` without `-n`.
 const DEFAULT_LINES: usize = 20;
 
 /// The most of a log that one answer starts with, whatever the line count asked for.

@@ -2,8 +2,8 @@
 //! (no agent needed).
 //!
 //! Input is checked locally first (exit 2: a bad file, node, id or TLS option); a failure
-//! to reach or ask etcd is exit 1. Values are written in SPEC's JSON schema, one service
-//! per key, so that every agent parses them exactly as the register API would.
+//! to reach or ask etcd is exit 1. Values are written in the register API's JSON schema,
+//! one service per key, so that every agent parses them exactly as the register API would.
 
 use std::io::Write;
 use std::process::ExitCode;

@@ -1,7 +1,7 @@
 //! The fleet catalog: services that a cluster store (etcd v3) holds for this node.
 //!
 //! Keys are `<prefix>/nodes/<node>/services/<service id>`; each value is one service object
-//! in SPEC's JSON schema. This module owns the key layout, the parsing of values into
+//! in the register API's JSON schema. This module owns the key layout, the parsing of values into
 //! services (an invalid value is a per-key report, never a failure of the whole set), and
 //! the connection options shared by the agent's follower (`follow`) and the operators'
 //! commands (`cli`). Its services enter `LocalState` as `Source::External("etcd")`. It

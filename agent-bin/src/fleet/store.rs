@@ -29,7 +29,7 @@ struct FleetFile {
     node: String,
     /// The etcd revision the set reflects.
     revision: i64,
-    /// Every valid service, by id, as a service object of SPEC's JSON schema.
+    /// Every valid service, by id, as a service object of the register API's JSON schema.
     services: BTreeMap<String, serde_json::Value>,
     /// Keys whose values were skipped, with the problem.
     #[serde(default)]

@@ -1,4 +1,4 @@
-//! A cgroup per proxy (SPEC, "Resource control"): a stop kills what escaped the process
+//! A cgroup per proxy: a stop kills what escaped the process
 //! group, an agent that lost its data dir stops the orphans of its predecessor, adoption
 //! keeps every pid, and `status` shows the CPU time a proxy used.
 //!

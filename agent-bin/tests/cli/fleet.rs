@@ -323,7 +323,7 @@ fn a_put_starts_a_proxy_an_update_restarts_or_applies_in_place_and_a_delete_stop
     // Another node's keys are not ours.
     put_sleeper(&etcd, &dirs, "n2", "other", 3600);
 
-    // A new command restarts the proxy (SPEC: stop, then start).
+    // A new command restarts the proxy (stop, then start: `update = "restart"`).
     put_sleeper(&etcd, &dirs, "n1", "web", 3601);
     let second = wait_for("web-proxy to restart with the new command", || {
         agent.proxy("web-proxy").filter(|p| p["state"] == "running" && p["pid"].as_i64() != Some(first))

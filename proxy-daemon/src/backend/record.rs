@@ -93,7 +93,7 @@ impl Record {
                     boot_id: first.boot_id,
                     cgroup: None,
                 },
-                // The first format wrote nix's names, which are SPEC's (`SIGTERM`).
+                // The first format wrote nix's names, which are also the config's (`SIGTERM`).
                 kill: kill_policy(KillSignal::from_name(&first.kill_signal).unwrap_or_default(), first.kill_timeout_ms),
             }),
         })

@@ -1,5 +1,6 @@
 //! When to probe an instance, and what the results mean: its readiness until the first
-//! pass, then its liveness, with a failure count (SPEC.md's "Health"). Polled probes
+//! pass, then its liveness, with a failure count (the rules are in `docs/reference.md`,
+//! "Health checks"). Polled probes
 //! (`tcp`, `http`, `exec`) run on a timer; `notify` checks wait for the instance's own
 //! notices (`READY=1`, and `WATCHDOG=1` at least once per interval).
 //!

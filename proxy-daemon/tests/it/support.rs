@@ -114,7 +114,8 @@ impl Fixture {
         self.dir.path()
     }
 
-    /// A spec running the helper with `args`, with the SPEC's environment and a token.
+    /// A spec running the helper with `args`, with a proxy's environment (`PATH`, `HOME`,
+    /// `TETHER_PROXY_ID`, `TETHER_PROXY_TOKEN`) and a token.
     pub fn spec(&self, name: &str, args: &[&str]) -> ProcessSpec {
         let mut spec = ProcessSpec::new(ProcessName::new(name).unwrap(), helper(), &self.data);
         spec.args = args.iter().map(OsString::from).collect();

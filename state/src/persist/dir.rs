@@ -1,7 +1,7 @@
 //! [`PrivateDir`]: a directory of the data dir, opened once, and the files in it, always
 //! reached relative to that descriptor without following symbolic links.
 //!
-//! The data dir is hostile ground (STYLE.md §12): anything may have been planted in it.
+//! The data dir is hostile ground: anything may have been planted in it.
 //! This module owns the rules for what is found inside it. A symbolic link, a file with
 //! other hard links or a special file where tether expects its own file is reported and
 //! replaced (or refused, when reading), never followed or written through, and whatever it
@@ -32,7 +32,9 @@ use crate::config::DisplayPath;
 /// created or removed by someone else) before it gives up.
 const ATTEMPTS: usize = 8;
 
-/// How much a replaced file must survive (STYLE.md §12, "Durability has classes").
+/// How much a replaced file must survive. Durability has classes: what nothing else can
+/// rebuild must survive a power loss; what describes processes that die with the machine
+/// needs only to survive a crash of the agent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Durability {
     /// A power loss: the file is fsynced before the rename, the directory after it.
@@ -549,7 +551,7 @@ impl PrivateDir {
             Err(Errno::ENOENT) if self.recreate_if_removed() => openat(self.fd(), name, flags, mode)?,
             opened => opened?,
         };
-        // The umask may have taken bits away; SPEC's mode is exact.
+        // The umask may have taken bits away; every file of the data dir is exactly 0600.
         let stat = fstat(&fd)?;
         if stat.st_mode & 0o7777 != FILE_MODE {
             fchmod(&fd, Mode::from_bits_truncate(FILE_MODE))?;
