@@ -4,15 +4,18 @@
 //! file once it passes its cap: `<file>.N-1` becomes `<file>.N`, …, the file is copied to
 //! `<file>.1` and truncated, so the process keeps appending to the same fd. It never
 //! polls: a file is watched with `IN_MODIFY | IN_ONESHOT`, so a burst of writes costs one
-//! wake-up, the size is checked with `fstat`, and the watch is re-armed a second later.
-//! An idle agent therefore never wakes up here. It never opens a log for the process
-//! and never deletes a live log file.
+//! wake-up, and the size is checked with one `stat`. The watch is re-armed after a pause
+//! that follows how fast the file grows: at most a second for a file that grows slowly,
+//! and short enough for a fast writer that the file cannot pass its cap by more than
+//! 2.5 % before the next check ([`rearm_delay`]). An idle agent therefore never
+//! wakes up here. It never opens a log for the process and never deletes a live log file.
 //!
 //! Every file is reached through the log directory's handle, never by path: a link
 //! planted at a log's name or at a rotated copy's name is never followed, its target never
 //! read, written or truncated. Copies are new 0600 files.
 
-use std::collections::{HashMap, VecDeque};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, RawFd};
@@ -26,8 +29,27 @@ use tokio::time::Instant;
 
 use crate::spec::{LogFile, LogPolicy};
 
-/// How long a file that was just written stays unwatched: the rate limit of the checks.
-const REARM_AFTER: Duration = Duration::from_secs(1);
+/// The longest a file that was just written stays unwatched: the rate limit of the checks
+/// of a file that grows slowly.
+const REARM_MAX: Duration = Duration::from_secs(1);
+
+/// The shortest pause between two checks of one file, however fast it grows.
+const REARM_MIN: Duration = Duration::from_millis(2);
+
+/// How long a file stays unwatched after a check that found it at `size`, given how fast
+/// it grew since the check before (`rate`, bytes per second; `None` when unknown): half
+/// the time it would take to reach its cap plus a fortieth, so that however fast it grows
+/// it is checked again before it passes its cap by more than 2.5 %, which leaves the rest
+/// of a tenth for the copy (at once while the rate is not known yet); a second at most.
+fn rearm_delay(size: u64, max_size: u64, rate: Option<f64>) -> Duration {
+    let headroom = (max_size + max_size / 40).saturating_sub(size) as f64;
+    let seconds = match rate {
+        Some(rate) if rate > 0.0 => headroom / rate / 2.0,
+        Some(_) => return REARM_MAX,
+        None => return REARM_MIN,
+    };
+    Duration::try_from_secs_f64(seconds).unwrap_or(REARM_MAX).clamp(REARM_MIN, REARM_MAX)
+}
 
 /// One stream of one supervised process.
 type FileKey = (u64, u8);
@@ -94,20 +116,22 @@ struct Watched {
     file: LogFile,
     limits: LogPolicy,
     watch: Option<WatchDescriptor>,
+    /// When the file was last checked, and its size then: its growth tells the next pause.
+    checked: Option<(Instant, u64)>,
 }
 
 struct State {
     inotify: AsyncFd<InotifyFd>,
     files: HashMap<FileKey, Watched>,
     by_watch: HashMap<WatchDescriptor, FileKey>,
-    /// Files to watch again, in deadline order (every delay is the same).
-    rearm: VecDeque<(Instant, FileKey)>,
+    /// Files to watch again, the earliest deadline first.
+    rearm: BinaryHeap<Reverse<(Instant, FileKey)>>,
 }
 
 async fn run(inotify: AsyncFd<InotifyFd>, mut commands: mpsc::UnboundedReceiver<Command>) {
-    let mut state = State { inotify, files: HashMap::new(), by_watch: HashMap::new(), rearm: VecDeque::new() };
+    let mut state = State { inotify, files: HashMap::new(), by_watch: HashMap::new(), rearm: BinaryHeap::new() };
     loop {
-        let next_rearm = state.rearm.front().map(|(deadline, _)| *deadline);
+        let next_rearm = state.rearm.peek().map(|Reverse((deadline, _))| *deadline);
         tokio::select! {
             // Every branch is cancel-safe: `recv` and `readable` lose nothing, and the
             // sleep is rebuilt from the queue's front every time round.
@@ -137,11 +161,11 @@ async fn run(inotify: AsyncFd<InotifyFd>, mut commands: mpsc::UnboundedReceiver<
             },
             () = sleep_until(next_rearm) => {
                 let now = Instant::now();
-                while let Some(&(deadline, key)) = state.rearm.front() {
+                while let Some(&Reverse((deadline, key))) = state.rearm.peek() {
                     if deadline > now {
                         break;
                     }
-                    state.rearm.pop_front();
+                    state.rearm.pop();
                     state.arm(key).await;
                 }
             }
@@ -163,7 +187,7 @@ impl State {
                 for (stream, file) in (0u8..).zip(files) {
                     let key = (process, stream);
                     let watch = self.files.remove(&key).and_then(|old| old.watch);
-                    self.files.insert(key, Watched { file, limits, watch });
+                    self.files.insert(key, Watched { file, limits, watch, checked: None });
                     self.arm(key).await;
                 }
             }
@@ -203,8 +227,16 @@ impl State {
             // process creates it again and registers it anew.
             return;
         }
-        self.check(key).await;
-        self.rearm.push_back((Instant::now() + REARM_AFTER, key));
+        let size = self.check(key).await;
+        let now = Instant::now();
+        let Some(watched) = self.files.get_mut(&key) else { return };
+        let rate = watched.checked.and_then(|(then, before)| {
+            let seconds = now.duration_since(then).as_secs_f64();
+            // A file smaller than before was rotated: its growth since is not known.
+            (size >= before && seconds > 0.0).then(|| (size - before) as f64 / seconds)
+        });
+        watched.checked = Some((now, size));
+        self.rearm.push(Reverse((now + rearm_delay(size, watched.limits.max_size, rate), key)));
     }
 
     /// Watches `key`'s file (again), then checks it: writes since the last event may
@@ -232,28 +264,30 @@ impl State {
         self.check(key).await;
     }
 
-    async fn check(&mut self, key: FileKey) {
+    /// Rotates `key`'s file if it is past its cap; returns its size after the check (0
+    /// after a rotation, or when it cannot be read).
+    async fn check(&mut self, key: FileKey) -> u64 {
         let Some(watched) = self.files.get(&key) else {
-            return;
+            return 0;
         };
         let (log, limits) = (watched.file.clone(), watched.limits);
         // Most checks find a small file: one stat says so, without opening it.
-        if log.dir().regular_size(log.name()).is_some_and(|size| size <= limits.max_size) {
-            return;
+        if let Some(size) = log.dir().regular_size(log.name()).filter(|&size| size <= limits.max_size) {
+            return size;
         }
         let (live, size) = match open_live(&log) {
             Ok(Some(live)) => live,
             Ok(None) => {
                 tracing::debug!(path = %log.path().display(), "no log file to check");
-                return;
+                return 0;
             }
             Err(error) => {
                 tracing::warn!(path = %log.path().display(), error = %cause(&error), "log file not checked for rotation");
-                return;
+                return 0;
             }
         };
         if size <= limits.max_size {
-            return;
+            return size;
         }
         // Copying up to `max_size` bytes blocks: keep it off the runtime's threads.
         let rotated = tokio::task::spawn_blocking(move || rotate(&log, &live, limits.keep).map(|()| log)).await;
@@ -264,6 +298,7 @@ impl State {
             }
             Err(error) => tracing::warn!(%error, "log rotation task failed"),
         }
+        0
     }
 }
 
@@ -328,6 +363,22 @@ mod tests {
     use tether_state::persist::{DataDir, UnsafeEntry};
 
     use super::*;
+
+    #[test]
+    fn a_fast_writer_is_checked_before_it_passes_its_cap_by_a_twentieth_and_a_slow_one_once_a_second() {
+        const MIB: u64 = 1 << 20;
+        let max = 10 * MIB;
+        // 50 MB/s: wherever the file is, the next check comes before it passes the cap + 2.5 %.
+        for size in [0, MIB, 5 * MIB, 9 * MIB, 10 * MIB, 10 * MIB + MIB / 8] {
+            let delay = rearm_delay(size, max, Some(50e6));
+            let grown = size as f64 + 50e6 * delay.as_secs_f64();
+            assert!(grown <= (max + max / 40) as f64 || delay == REARM_MIN, "{size}: {delay:?}");
+        }
+        assert_eq!(rearm_delay(0, max, Some(1000.0)), REARM_MAX);
+        assert_eq!(rearm_delay(MIB, max, Some(0.0)), REARM_MAX);
+        assert_eq!(rearm_delay(MIB, max, None), REARM_MIN);
+        assert_eq!(rearm_delay(20 * MIB, max, Some(50e6)), REARM_MIN);
+    }
 
     /// `web-proxy-stdout.log` in a new data dir's `logs/`.
     fn log_file() -> (tempfile::TempDir, LogFile) {

@@ -42,6 +42,13 @@ fn main() {
             }
             "--print-cwd" => println!("{}", std::env::current_dir().unwrap_or_default().display()),
             "--write-bytes" => write_bytes(value().parse().unwrap_or_else(|_| fail("bad byte count"))),
+            "--write-rate" => {
+                let spec = value();
+                let (rate, seconds) = spec.split_once(':').unwrap_or_else(|| fail("expected BYTES_PER_SECOND:SECONDS"));
+                let rate = rate.parse().unwrap_or_else(|_| fail("bad rate"));
+                let seconds = seconds.parse().unwrap_or_else(|_| fail("bad duration"));
+                write_at_rate(rate, seconds);
+            }
             "--exit" => {
                 let _ = std::io::stdout().flush();
                 std::process::exit(value().parse().unwrap_or_else(|_| fail("bad exit code")));
@@ -140,6 +147,25 @@ fn fork_worker(pid_file: &str) {
         }
         Err(error) => fail(&format!("fork failed: {error}")),
     }
+}
+
+/// Writes lines to stdout at `rate` bytes a second for `seconds`, in 64 KiB writes paced
+/// against the clock, so that a slow moment is made up for.
+fn write_at_rate(rate: u64, seconds: f64) {
+    let block: Vec<u8> = (0..64 << 10).map(|at| if at % 1024 == 1023 { b'\n' } else { b'x' }).collect();
+    let mut stdout = std::io::stdout().lock();
+    let start = std::time::Instant::now();
+    let mut written = 0_u64;
+    while start.elapsed().as_secs_f64() < seconds {
+        let due = start.elapsed().as_secs_f64() * rate as f64;
+        if (written as f64) < due {
+            let _ = stdout.write_all(&block);
+            written += block.len() as u64;
+        } else {
+            std::thread::sleep(std::time::Duration::from_micros(500));
+        }
+    }
+    let _ = stdout.flush();
 }
 
 fn write_bytes(count: usize) {

@@ -109,3 +109,38 @@ async fn links_planted_at_a_log_file_and_its_rotated_copy_are_never_followed() {
     }
     within("stop", handle.stop()).await;
 }
+
+/// Runs alone (`exclusive_`): how far a log passes its cap depends on how soon the agent
+/// gets a core after the writer filled its file.
+#[tokio::test]
+#[allow(clippy::print_stderr)] // the figures belong in the test output
+async fn exclusive_a_log_written_at_50_mb_a_second_never_passes_its_cap_by_a_tenth() {
+    const CAP: u64 = 10 << 20;
+    const RATE: u64 = 50_000_000;
+    let fx = Fixture::new();
+    let mut spec = fx.spec("loud-proxy", &["--write-rate", &format!("{RATE}:3"), "--sleep"]);
+    spec.logs.limits = LogPolicy { max_size: CAP, keep: 30 };
+    let stdout = spec.logs.stdout.path();
+    let handle = fx.supervisor.spawn(spec).await.unwrap();
+    let start = std::time::Instant::now();
+    let mut largest = 0;
+    // The writer writes for 3 s; the live file is sampled all the while.
+    while start.elapsed() < std::time::Duration::from_millis(3500) {
+        largest = largest.max(size(&stdout));
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    let copies: Vec<u64> = (1..=30).map(|index| size(&rotated(&stdout, index))).filter(|&size| size > 0).collect();
+    let written = copies.iter().sum::<u64>() + size(&stdout);
+    assert!(copies.len() >= 5, "{} rotations for {written} bytes", copies.len());
+    let limit = CAP + CAP / 10;
+    assert!(largest <= limit, "the live log reached {largest} bytes (cap {CAP})");
+    for (index, copy) in copies.iter().enumerate() {
+        assert!(*copy <= limit, "copy {} holds {copy} bytes (cap {CAP})", index + 1);
+    }
+    eprintln!(
+        "{written} bytes written, {} copies, the largest {} bytes, the live log at most {largest}",
+        copies.len(),
+        copies.iter().max().unwrap()
+    );
+    within("stop", handle.stop()).await;
+}
