@@ -3,6 +3,8 @@
 //!
 //! This module only describes errors; it never reads, parses or writes anything.
 
+use std::borrow::Cow;
+
 use super::*;
 
 /// Where a piece of configuration came from, for error messages.
@@ -67,11 +69,14 @@ impl fmt::Display for DisplayPath<'_> {
 }
 
 /// One thing wrong with the configuration.
+///
+/// It shows as ``location: field `path`: message`` ([`ConfigError::location`],
+/// [`ConfigError::field`], [`ConfigError::message`]), the field only when there is one. The
+/// cause of a [`ConfigError::Read`] is its [`source`](std::error::Error::source).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ConfigError {
     /// A file or directory could not be read.
-    #[error("{location}: cannot read")]
     Read {
         /// The file or directory.
         location: Location,
@@ -80,25 +85,21 @@ pub enum ConfigError {
         source: std::io::Error,
     },
     /// A file is larger than [`MAX_FILE_SIZE`].
-    #[error("{location}: file is larger than {MAX_FILE_SIZE} bytes")]
     TooLarge {
         /// The file.
         location: Location,
     },
     /// A `*.toml` or `*.json` entry that is not a regular file.
-    #[error("{location}: not a regular file")]
     NotAFile {
         /// The entry.
         location: Location,
     },
     /// A file is not UTF-8 text.
-    #[error("{location}: not valid UTF-8")]
     NotUtf8 {
         /// Where the first invalid byte is.
         location: Location,
     },
     /// The text does not follow the schema: a syntax error, an unknown key or an invalid value.
-    #[error("{location}: {}{message}", field_prefix(.field))]
     Invalid {
         /// Where.
         location: Location,
@@ -108,7 +109,6 @@ pub enum ConfigError {
         message: String,
     },
     /// Two services share an id.
-    #[error("{location}: duplicate service id `{id}`: already defined at {first}")]
     Duplicate {
         /// The second definition.
         location: Location,
@@ -119,15 +119,9 @@ pub enum ConfigError {
     },
 }
 
-fn field_prefix(field: &Option<String>) -> String {
-    match field {
-        Some(field) if !field.is_empty() => format!("field `{field}`: "),
-        _ => String::new(),
-    }
-}
-
 impl ConfigError {
     /// Where the error is.
+    #[must_use]
     pub fn location(&self) -> &Location {
         match self {
             Self::Read { location, .. }
@@ -137,6 +131,42 @@ impl ConfigError {
             | Self::Invalid { location, .. }
             | Self::Duplicate { location, .. } => location,
         }
+    }
+
+    /// The path of the field at fault, such as `service[0].proxy.kill_timeout`, when the
+    /// error is about one field.
+    #[must_use]
+    pub fn field(&self) -> Option<&str> {
+        match self {
+            Self::Invalid { field: Some(field), .. } if !field.is_empty() => Some(field),
+            _ => None,
+        }
+    }
+
+    /// What is wrong, without the location and the field: the parser's words for
+    /// [`ConfigError::Invalid`]. The cause of a [`ConfigError::Read`] is not part of it.
+    #[must_use]
+    pub fn message(&self) -> Cow<'_, str> {
+        match self {
+            Self::Read { .. } => Cow::Borrowed("cannot read"),
+            Self::TooLarge { .. } => Cow::Owned(format!("file is larger than {MAX_FILE_SIZE} bytes")),
+            Self::NotAFile { .. } => Cow::Borrowed("not a regular file"),
+            Self::NotUtf8 { .. } => Cow::Borrowed("not valid UTF-8"),
+            Self::Invalid { message, .. } => Cow::Borrowed(message),
+            Self::Duplicate { id, first, .. } => {
+                Cow::Owned(format!("duplicate service id `{id}`: already defined at {first}"))
+            }
+        }
+    }
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: ", self.location())?;
+        if let Some(field) = self.field() {
+            write!(f, "field `{field}`: ")?;
+        }
+        f.write_str(&self.message())
     }
 }
 

@@ -1,0 +1,49 @@
+//! What a config error says: its location, its field when it has one, and its message.
+
+use super::*;
+
+fn at(path: &str, line: usize, column: usize) -> Location {
+    Location::at(&Origin::File(path.into()), line, column)
+}
+
+fn invalid(location: Location, field: Option<&str>, message: &str) -> ConfigError {
+    ConfigError::Invalid { location, field: field.map(str::to_owned), message: message.to_owned() }
+}
+
+fn duplicate(location: Location, id: &str, first: Location) -> ConfigError {
+    ConfigError::Duplicate { location, id: ServiceId::new(id).unwrap(), first: Box::new(first) }
+}
+
+#[test]
+fn every_error_has_a_location_and_a_message_and_some_a_field() {
+    let file = Location::file(Path::new("conf.d/web.toml"));
+    let cases = [
+        (
+            ConfigError::Read { location: file.clone(), source: std::io::ErrorKind::NotFound.into() },
+            None,
+            "cannot read",
+        ),
+        (ConfigError::TooLarge { location: file.clone() }, None, "file is larger than 16777216 bytes"),
+        (ConfigError::NotAFile { location: file.clone() }, None, "not a regular file"),
+        (ConfigError::NotUtf8 { location: at("conf.d/web.toml", 2, 9) }, None, "not valid UTF-8"),
+        (
+            invalid(at("conf.d/web.toml", 3, 1), Some("service[0].prot"), "unknown field `prot`"),
+            Some("service[0].prot"),
+            "unknown field `prot`",
+        ),
+        (invalid(at("conf.d/web.toml", 1, 1), None, "expected `=`"), None, "expected `=`"),
+        (invalid(at("conf.d/web.toml", 1, 1), Some(""), "expected `=`"), None, "expected `=`"),
+        (
+            duplicate(at("conf.d/web.toml", 4, 1), "web", at("conf.d/web.toml", 1, 1)),
+            None,
+            "duplicate service id `web`: already defined at conf.d/web.toml:1:1",
+        ),
+    ];
+    for (error, field, message) in cases {
+        assert_eq!(error.location().origin, Origin::File("conf.d/web.toml".into()));
+        assert_eq!(error.field(), field, "{error}");
+        assert_eq!(error.message(), message, "{error}");
+        let field = field.map(|field| format!("field `{field}`: ")).unwrap_or_default();
+        assert_eq!(error.to_string(), format!("{}: {field}{message}", error.location()));
+    }
+}
