@@ -57,22 +57,29 @@ pub struct DisplayPath<'a>(pub &'a Path);
 
 impl fmt::Display for DisplayPath<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        for c in self.0.to_string_lossy().chars() {
-            if c.is_control() {
-                write!(f, "{}", c.escape_default())?;
-            } else {
-                fmt::Write::write_char(f, c)?;
-            }
-        }
-        Ok(())
+        write_escaped(f, &self.0.to_string_lossy())
     }
+}
+
+/// Writes `text` with control characters escaped (`\n`, `\u{1b}`), so that it stays on one
+/// line and cannot drive a terminal.
+fn write_escaped(f: &mut fmt::Formatter<'_>, text: &str) -> fmt::Result {
+    for c in text.chars() {
+        if c.is_control() {
+            write!(f, "{}", c.escape_default())?;
+        } else {
+            fmt::Write::write_char(f, c)?;
+        }
+    }
+    Ok(())
 }
 
 /// One thing wrong with the configuration.
 ///
-/// It shows as ``location: field `path`: message`` ([`ConfigError::location`],
-/// [`ConfigError::field`], [`ConfigError::message`]), the field only when there is one. The
-/// cause of a [`ConfigError::Read`] is its [`source`](std::error::Error::source).
+/// It shows on one line as ``location: field `path`: message`` ([`ConfigError::location`],
+/// [`ConfigError::field`], [`ConfigError::message`]), the field only when there is one, and
+/// control characters escaped. The cause of a [`ConfigError::Read`] is its
+/// [`source`](std::error::Error::source).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ConfigError {
@@ -134,7 +141,8 @@ impl ConfigError {
     }
 
     /// The path of the field at fault, such as `service[0].proxy.kill_timeout`, when the
-    /// error is about one field.
+    /// error is about one field. It is as the file spells its keys: only the error's
+    /// `Display` escapes control characters.
     #[must_use]
     pub fn field(&self) -> Option<&str> {
         match self {
@@ -144,7 +152,8 @@ impl ConfigError {
     }
 
     /// What is wrong, without the location and the field: the parser's words for
-    /// [`ConfigError::Invalid`]. The cause of a [`ConfigError::Read`] is not part of it.
+    /// [`ConfigError::Invalid`], unescaped as [`ConfigError::field`] is. The cause of a
+    /// [`ConfigError::Read`] is not part of it.
     #[must_use]
     pub fn message(&self) -> Cow<'_, str> {
         match self {
@@ -163,10 +172,14 @@ impl ConfigError {
 impl fmt::Display for ConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}: ", self.location())?;
+        // Field paths and messages quote the file's keys and values: escaped, a key cannot
+        // break the error over two lines or drive a terminal.
         if let Some(field) = self.field() {
-            write!(f, "field `{field}`: ")?;
+            f.write_str("field `")?;
+            write_escaped(f, field)?;
+            f.write_str("`: ")?;
         }
-        f.write_str(&self.message())
+        write_escaped(f, &self.message())
     }
 }
 

@@ -1,4 +1,5 @@
-//! What a config error says: its location, its field when it has one, and its message.
+//! What a config error says, on one line: its location, its field when it has one, and its
+//! message.
 
 use super::*;
 
@@ -46,4 +47,17 @@ fn every_error_has_a_location_and_a_message_and_some_a_field() {
         let field = field.map(|field| format!("field `{field}`: ")).unwrap_or_default();
         assert_eq!(error.to_string(), format!("{}: {field}{message}", error.location()));
     }
+}
+
+#[test]
+fn control_characters_in_keys_and_values_are_escaped_on_display_only() {
+    let error =
+        parse_file("[[service]]\nname = \"web\"\n\"a\\nb\\u001b[2J\" = 1\n", Format::Toml, &Origin::Body).unwrap_err();
+    assert_eq!(error.field(), Some("service[0].a\nb\x1b[2J"));
+    let shown = error.to_string();
+    assert!(!shown.contains(['\n', '\x1b']), "{shown:?}");
+    assert!(
+        shown.starts_with("request body:3:1: field `service[0].a\\nb\\u{1b}[2J`: unknown field `a\\nb\\u{1b}[2J`"),
+        "{shown}"
+    );
 }
