@@ -1,5 +1,5 @@
 //! Where configuration comes from and what is wrong with it: [`Origin`], [`Location`],
-//! [`ConfigError`] and [`DisplayPath`].
+//! [`ConfigError`], [`ConfigErrors`] and [`DisplayPath`].
 //!
 //! This module only describes errors; it never reads, parses or writes anything.
 
@@ -183,7 +183,106 @@ impl fmt::Display for ConfigError {
     }
 }
 
-/// Every error found in a set of config dirs.
-#[derive(Debug, thiserror::Error)]
-#[error("{} error(s) in the configuration", .0.len())]
-pub struct ConfigErrors(pub Vec<ConfigError>);
+/// Every error found in a set of config dirs: never none.
+///
+/// It shows as one error a line, each with its causes
+/// (``file:line:column: field `path`: message``), so that printing it prints them all; its
+/// own [`source`](std::error::Error::source) is therefore `None`.
+///
+/// # Examples
+///
+/// ```
+/// use tether_state::config::{load_dirs, Origin};
+///
+/// let dir = tempfile::tempdir().unwrap();
+/// let file = dir.path().join("web.toml");
+/// std::fs::write(&file, "[[service]]\nname = \"web\"\nprot = 8080\n").unwrap();
+///
+/// let errors = load_dirs(&[dir.path()]).unwrap_err();
+/// assert_eq!(errors.len(), 1);
+/// let error = errors.first();
+/// assert_eq!(error.location().origin, Origin::File(file.clone()));
+/// assert_eq!((error.location().line, error.location().column), (Some(3), Some(1)));
+/// assert_eq!(error.field(), Some("service[0].prot"));
+/// assert!(error.message().starts_with("unknown field `prot`"), "{error}");
+/// assert_eq!(errors.to_string(), error.to_string());
+/// ```
+#[derive(Debug)]
+pub struct ConfigErrors {
+    /// At least one.
+    errors: Vec<ConfigError>,
+}
+
+impl ConfigErrors {
+    /// The errors, or `None` when there are none.
+    pub(super) fn new(errors: Vec<ConfigError>) -> Option<Self> {
+        (!errors.is_empty()).then_some(Self { errors })
+    }
+
+    /// How many errors there are: at least one.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.errors.len()
+    }
+
+    /// Always `false`: a [`ConfigErrors`] holds at least one error.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.errors.is_empty()
+    }
+
+    /// The first error, in the order they are shown.
+    #[must_use]
+    pub fn first(&self) -> &ConfigError {
+        &self.errors[0]
+    }
+
+    /// The errors, in the order they are shown.
+    #[must_use]
+    pub fn as_slice(&self) -> &[ConfigError] {
+        &self.errors
+    }
+
+    /// Iterates over the errors, in the order they are shown.
+    pub fn iter(&self) -> std::slice::Iter<'_, ConfigError> {
+        self.errors.iter()
+    }
+
+    /// The errors, in the order they are shown.
+    #[must_use]
+    pub fn into_vec(self) -> Vec<ConfigError> {
+        self.errors
+    }
+}
+
+impl fmt::Display for ConfigErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (index, error) in self.errors.iter().enumerate() {
+            if index > 0 {
+                f.write_str("\n")?;
+            }
+            f.write_str(&crate::error_chain(error))?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for ConfigErrors {}
+
+impl<'a> IntoIterator for &'a ConfigErrors {
+    type Item = &'a ConfigError;
+    type IntoIter = std::slice::Iter<'a, ConfigError>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.errors.iter()
+    }
+}
+
+impl IntoIterator for ConfigErrors {
+    type Item = ConfigError;
+    type IntoIter = std::vec::IntoIter<ConfigError>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.errors.into_iter()
+    }
+}

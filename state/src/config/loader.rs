@@ -207,10 +207,10 @@ impl Scan {
                 first: Box::new(self.files[first_file].location_of(first_index)),
             });
         }
-        if !self.errors.is_empty() {
-            return Err(ConfigErrors(self.errors));
+        match ConfigErrors::new(self.errors) {
+            Some(errors) => Err(errors),
+            None => Ok(self.files),
         }
-        Ok(self.files)
     }
 }
 

@@ -1,5 +1,4 @@
-//! What a config error says, on one line: its location, its field when it has one, and its
-//! message.
+//! What a config error says, on one line each, and what a list of them gives access to.
 
 use super::*;
 
@@ -13,6 +12,52 @@ fn invalid(location: Location, field: Option<&str>, message: &str) -> ConfigErro
 
 fn duplicate(location: Location, id: &str, first: Location) -> ConfigError {
     ConfigError::Duplicate { location, id: ServiceId::new(id).unwrap(), first: Box::new(first) }
+}
+
+#[test]
+fn a_list_of_errors_shows_each_on_its_own_line_with_its_cause() {
+    let errors = ConfigErrors::new(vec![
+        ConfigError::Read {
+            location: Location::file(Path::new("conf.d/a.toml")),
+            source: std::io::Error::from_raw_os_error(13),
+        },
+        invalid(at("conf.d/b.toml", 3, 1), Some("service[0].prot"), "unknown field `prot`"),
+        duplicate(at("conf.d/b.toml", 5, 1), "web", at("conf.d/b.toml", 1, 1)),
+    ])
+    .unwrap();
+    assert_eq!(
+        errors.to_string(),
+        "conf.d/a.toml: cannot read: Permission denied (os error 13)\n\
+         conf.d/b.toml:3:1: field `service[0].prot`: unknown field `prot`\n\
+         conf.d/b.toml:5:1: duplicate service id `web`: already defined at conf.d/b.toml:1:1"
+    );
+    // Each cause is in its line already: a chain would repeat one of them.
+    assert!(std::error::Error::source(&errors).is_none());
+    assert_eq!(crate::error_chain(&errors), errors.to_string());
+}
+
+#[test]
+fn a_list_of_errors_gives_each_error_in_order_and_is_never_empty() {
+    assert!(ConfigErrors::new(Vec::new()).is_none());
+    let errors = ConfigErrors::new(vec![
+        invalid(at("a.toml", 2, 1), Some("service[0].port"), "invalid value"),
+        duplicate(at("b.toml", 1, 1), "web", at("a.toml", 1, 1)),
+    ])
+    .unwrap();
+    assert_eq!(errors.len(), 2);
+    assert!(!errors.is_empty());
+    assert_eq!(errors.first().field(), Some("service[0].port"));
+    assert_eq!(errors.as_slice()[1].location(), &at("b.toml", 1, 1));
+    let lines: Vec<String> = errors.iter().map(ToString::to_string).collect();
+    assert_eq!(lines, errors.to_string().lines().collect::<Vec<_>>());
+    let mut borrowed = 0;
+    for error in &errors {
+        assert!(matches!(error, ConfigError::Invalid { .. } | ConfigError::Duplicate { .. }));
+        borrowed += 1;
+    }
+    assert_eq!(borrowed, 2);
+    let owned: Vec<ConfigError> = errors.into_iter().collect();
+    assert!(matches!(&owned[1], ConfigError::Duplicate { id, .. } if id.as_str() == "web"));
 }
 
 #[test]
