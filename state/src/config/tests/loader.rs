@@ -72,6 +72,34 @@ fn ids_defined_again_in_a_second_file_show_one_line_each_in_that_files_order() {
 }
 
 #[test]
+fn an_id_defined_twice_in_one_file_is_reported_at_the_second_definition() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(dir.path(), "a.toml", "[[service]]\nname = \"web\"\n[[service]]\nname = \"web\"\n");
+    let errors = load_dirs(&[dir.path()]).unwrap_err();
+    assert_eq!(
+        errors.to_string(),
+        format!("{0}:3:1: duplicate service id `web`: already defined at {0}:1:1", file.display())
+    );
+}
+
+#[test]
+fn an_id_defined_again_in_a_later_dir_is_reported_there_even_when_its_file_sorts_first() {
+    let one = tempfile::tempdir().unwrap();
+    let two = tempfile::tempdir().unwrap();
+    let late = write(one.path(), "z.toml", "[[service]]\nname = \"web\"\n");
+    let early = write(two.path(), "a.json", "{\"service\": [{\"name\": \"web\"}]}");
+    let message = |dirs: &[&Path]| load_dirs(dirs).unwrap_err().to_string();
+    assert_eq!(
+        message(&[one.path(), two.path()]),
+        format!("{}:1:14: duplicate service id `web`: already defined at {}:1:1", early.display(), late.display())
+    );
+    assert_eq!(
+        message(&[two.path(), one.path()]),
+        format!("{}:1:1: duplicate service id `web`: already defined at {}:1:14", late.display(), early.display())
+    );
+}
+
+#[test]
 fn unreadable_inputs_are_clear_errors() {
     let dir = tempfile::tempdir().unwrap();
     let missing = dir.path().join("missing");
