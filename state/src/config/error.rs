@@ -185,7 +185,8 @@ impl fmt::Display for ConfigError {
 
 /// Every error found in a set of config dirs: never none.
 ///
-/// It shows as one error a line, each with its causes
+/// The errors come in the order the files were read ([`load_dirs`] says which), and by
+/// position within a file. It shows as one error a line, each with its causes
 /// (``file:line:column: field `path`: message``), so that printing it prints them all; its
 /// own [`source`](std::error::Error::source) is therefore `None`.
 ///

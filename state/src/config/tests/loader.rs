@@ -100,6 +100,29 @@ fn an_id_defined_again_in_a_later_dir_is_reported_there_even_when_its_file_sorts
 }
 
 #[test]
+fn errors_come_in_the_order_the_files_were_read_with_their_causes() {
+    let one = tempfile::tempdir().unwrap();
+    let two = tempfile::tempdir().unwrap();
+    let missing = one.path().join("missing");
+    let first = write(one.path(), "a.toml", "[[service]]\nname = \"web\"\n");
+    let again = write(one.path(), "b.toml", "[[service]]\nname = \"web\"\n");
+    let broken = write(one.path(), "c.toml", "[[service]]\nname = \"db\"\nprot = 1\n");
+    let last = write(two.path(), "a.toml", "[[service]]\nname = \"web\"\n");
+    let errors = load_dirs(&[one.path(), &missing, two.path()]).unwrap_err();
+    let lines: Vec<String> = errors.to_string().lines().map(str::to_owned).collect();
+    assert_eq!(lines.len(), 4, "{errors}");
+    let (first, again, broken, last) = (first.display(), again.display(), broken.display(), last.display());
+    assert_eq!(lines[0], format!("{again}:1:1: duplicate service id `web`: already defined at {first}:1:1"));
+    assert!(
+        lines[1].starts_with(&format!("{broken}:3:1: field `service[0].prot`: unknown field `prot`")),
+        "{}",
+        lines[1]
+    );
+    assert_eq!(lines[2], format!("{}: cannot read: No such file or directory (os error 2)", missing.display()));
+    assert_eq!(lines[3], format!("{last}:1:1: duplicate service id `web`: already defined at {first}:1:1"));
+}
+
+#[test]
 fn unreadable_inputs_are_clear_errors() {
     let dir = tempfile::tempdir().unwrap();
     let missing = dir.path().join("missing");
