@@ -16,11 +16,7 @@ pub(crate) fn run(args: &ValidateArgs) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Err(errors) => {
-            let mut stderr = std::io::stderr().lock();
-            for error in &errors.0 {
-                writeln!(stderr, "{}", crate::error_chain(error))?;
-            }
-            writeln!(stderr, "{} error(s)", errors.0.len())?;
+            writeln!(std::io::stderr(), "{errors}\n{} error(s)", errors.len())?;
             Ok(ExitCode::from(2))
         }
     }

@@ -148,10 +148,7 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
     let lock = lock_data_dir(&data).await?;
     let sources = match Sources::open(data.clone(), options.config_dirs.clone(), options.allow_api_commands) {
         Ok(sources) => Arc::new(sources),
-        Err(errors) => {
-            let lines: Vec<String> = errors.0.iter().map(|e| crate::error_chain(e)).collect();
-            return Err(UsageError(format!("invalid config:\n{}", lines.join("\n"))).into());
-        }
+        Err(errors) => return Err(UsageError(format!("invalid config:\n{errors}")).into()),
     };
     // Before the engine's first reconcile, so that it adopts the fleet's running proxies.
     let follower = options.fleet.map(|fleet| Follower::new(fleet.layout, fleet.etcd, sources.clone(), &data));

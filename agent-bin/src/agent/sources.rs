@@ -216,7 +216,8 @@ impl Sources {
         let loaded = config.loader.load_files();
         let files = config.loader.last_stats();
         let loaded = loaded.inspect_err(|errors| {
-            for error in &errors.0 {
+            // One event per error, so that each log line names one file.
+            for error in errors {
                 tracing::error!(error = %crate::error_chain(error), "config reload refused");
             }
         })?;

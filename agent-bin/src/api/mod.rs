@@ -428,12 +428,8 @@ async fn reload(State(state): State<ApiState>) -> Result<Json<serde_json::Value>
             "files_read": report.files.read,
             "files_unchanged": report.files.reused,
         }))),
-        // Every error, one a line: the previous config stays in force.
-        Err(crate::agent::sources::ReloadError::Config(errors)) => {
-            let lines: Vec<String> = errors.0.iter().map(|error| crate::error_chain(error)).collect();
-            Err(ApiError::new(StatusCode::BAD_REQUEST, lines.join("\n")))
-        }
-        Err(other) => Err(ApiError::new(StatusCode::BAD_REQUEST, crate::error_chain(&other))),
+        // The previous config stays in force. Invalid files show every error, one a line.
+        Err(err) => Err(ApiError::new(StatusCode::BAD_REQUEST, crate::error_chain(&err))),
     }
 }
 

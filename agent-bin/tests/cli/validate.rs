@@ -48,6 +48,28 @@ fn every_error_of_every_dir_is_reported() {
 }
 
 #[test]
+fn errors_are_listed_one_a_line_in_the_order_the_files_were_read() {
+    let one = Dirs::new();
+    let two = Dirs::new();
+    one.write_config("z.toml", "[[service]]\nname = \"web\"\n");
+    two.write_config("a.toml", "[[service]]\nname = \"web\"\n");
+    two.write_config("b.toml", "[[service]]\nname = \"db\"\nprot = 1\n");
+    let output = tether().arg("validate").arg(&one.config).arg(&two.config).output().unwrap();
+    assert_eq!(output.status.code(), Some(2));
+    let stderr = String::from_utf8(output.stderr).unwrap();
+    let lines: Vec<&str> = stderr.lines().collect();
+    let (first, second, broken) = (one.config.join("z.toml"), two.config.join("a.toml"), two.config.join("b.toml"));
+    assert_eq!(lines.len(), 3, "{stderr}");
+    // The id is reported where it is defined again, though that file sorts first.
+    assert_eq!(
+        lines[0],
+        format!("{}:1:1: duplicate service id `web`: already defined at {}:1:1", second.display(), first.display())
+    );
+    assert!(lines[1].starts_with(&format!("{}:3:1: field `service[0].prot`: ", broken.display())), "{stderr}");
+    assert_eq!(lines[2], "2 error(s)");
+}
+
+#[test]
 fn cli_commands_without_an_agent_fail_with_exit_one_and_say_why() {
     let dirs = Dirs::new();
     tether()

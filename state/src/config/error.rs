@@ -1,7 +1,9 @@
 //! Where configuration comes from and what is wrong with it: [`Origin`], [`Location`],
-//! [`ConfigError`] and [`DisplayPath`].
+//! [`ConfigError`], [`ConfigErrors`] and [`DisplayPath`].
 //!
 //! This module only describes errors; it never reads, parses or writes anything.
+
+use std::borrow::Cow;
 
 use super::*;
 
@@ -55,23 +57,33 @@ pub struct DisplayPath<'a>(pub &'a Path);
 
 impl fmt::Display for DisplayPath<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        for c in self.0.to_string_lossy().chars() {
-            if c.is_control() {
-                write!(f, "{}", c.escape_default())?;
-            } else {
-                fmt::Write::write_char(f, c)?;
-            }
-        }
-        Ok(())
+        write_escaped(f, &self.0.to_string_lossy())
     }
 }
 
+/// Writes `text` with control characters escaped (`\n`, `\u{1b}`), so that it stays on one
+/// line and cannot drive a terminal.
+fn write_escaped(f: &mut fmt::Formatter<'_>, text: &str) -> fmt::Result {
+    for c in text.chars() {
+        if c.is_control() {
+            write!(f, "{}", c.escape_default())?;
+        } else {
+            fmt::Write::write_char(f, c)?;
+        }
+    }
+    Ok(())
+}
+
 /// One thing wrong with the configuration.
+///
+/// It shows on one line as ``location: field `path`: message`` ([`ConfigError::location`],
+/// [`ConfigError::field`], [`ConfigError::message`]), the field only when there is one, and
+/// control characters escaped. The cause of a [`ConfigError::Read`] is its
+/// [`source`](std::error::Error::source).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ConfigError {
     /// A file or directory could not be read.
-    #[error("{location}: cannot read")]
     Read {
         /// The file or directory.
         location: Location,
@@ -80,25 +92,21 @@ pub enum ConfigError {
         source: std::io::Error,
     },
     /// A file is larger than [`MAX_FILE_SIZE`].
-    #[error("{location}: file is larger than {MAX_FILE_SIZE} bytes")]
     TooLarge {
         /// The file.
         location: Location,
     },
     /// A `*.toml` or `*.json` entry that is not a regular file.
-    #[error("{location}: not a regular file")]
     NotAFile {
         /// The entry.
         location: Location,
     },
     /// A file is not UTF-8 text.
-    #[error("{location}: not valid UTF-8")]
     NotUtf8 {
         /// Where the first invalid byte is.
         location: Location,
     },
     /// The text does not follow the schema: a syntax error, an unknown key or an invalid value.
-    #[error("{location}: {}{message}", field_prefix(.field))]
     Invalid {
         /// Where.
         location: Location,
@@ -108,7 +116,6 @@ pub enum ConfigError {
         message: String,
     },
     /// Two services share an id.
-    #[error("{location}: duplicate service id `{id}`: already defined at {first}")]
     Duplicate {
         /// The second definition.
         location: Location,
@@ -119,15 +126,9 @@ pub enum ConfigError {
     },
 }
 
-fn field_prefix(field: &Option<String>) -> String {
-    match field {
-        Some(field) if !field.is_empty() => format!("field `{field}`: "),
-        _ => String::new(),
-    }
-}
-
 impl ConfigError {
     /// Where the error is.
+    #[must_use]
     pub fn location(&self) -> &Location {
         match self {
             Self::Read { location, .. }
@@ -138,9 +139,151 @@ impl ConfigError {
             | Self::Duplicate { location, .. } => location,
         }
     }
+
+    /// The path of the field at fault, such as `service[0].proxy.kill_timeout`, when the
+    /// error is about one field. It is as the file spells its keys: only the error's
+    /// `Display` escapes control characters.
+    #[must_use]
+    pub fn field(&self) -> Option<&str> {
+        match self {
+            Self::Invalid { field: Some(field), .. } if !field.is_empty() => Some(field),
+            _ => None,
+        }
+    }
+
+    /// What is wrong, without the location and the field: the parser's words for
+    /// [`ConfigError::Invalid`], unescaped as [`ConfigError::field`] is. The cause of a
+    /// [`ConfigError::Read`] is not part of it.
+    #[must_use]
+    pub fn message(&self) -> Cow<'_, str> {
+        match self {
+            Self::Read { .. } => Cow::Borrowed("cannot read"),
+            Self::TooLarge { .. } => Cow::Owned(format!("file is larger than {MAX_FILE_SIZE} bytes")),
+            Self::NotAFile { .. } => Cow::Borrowed("not a regular file"),
+            Self::NotUtf8 { .. } => Cow::Borrowed("not valid UTF-8"),
+            Self::Invalid { message, .. } => Cow::Borrowed(message),
+            Self::Duplicate { id, first, .. } => {
+                Cow::Owned(format!("duplicate service id `{id}`: already defined at {first}"))
+            }
+        }
+    }
 }
 
-/// Every error found in a set of config dirs.
-#[derive(Debug, thiserror::Error)]
-#[error("{} error(s) in the configuration", .0.len())]
-pub struct ConfigErrors(pub Vec<ConfigError>);
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: ", self.location())?;
+        // Field paths and messages quote the file's keys and values: escaped, a key cannot
+        // break the error over two lines or drive a terminal.
+        if let Some(field) = self.field() {
+            f.write_str("field `")?;
+            write_escaped(f, field)?;
+            f.write_str("`: ")?;
+        }
+        write_escaped(f, &self.message())
+    }
+}
+
+/// Every error found in a set of config dirs: never none.
+///
+/// The errors come in the order the files were read ([`load_dirs`] says which), and by
+/// position within a file. It shows as one error a line, each with its causes
+/// (``file:line:column: field `path`: message``), so that printing it prints them all; its
+/// own [`source`](std::error::Error::source) is therefore `None`.
+///
+/// # Examples
+///
+/// ```
+/// use tether_state::config::{load_dirs, Origin};
+///
+/// let dir = tempfile::tempdir().unwrap();
+/// let file = dir.path().join("web.toml");
+/// std::fs::write(&file, "[[service]]\nname = \"web\"\nprot = 8080\n").unwrap();
+///
+/// let errors = load_dirs(&[dir.path()]).unwrap_err();
+/// assert_eq!(errors.len(), 1);
+/// let error = errors.first();
+/// assert_eq!(error.location().origin, Origin::File(file.clone()));
+/// assert_eq!((error.location().line, error.location().column), (Some(3), Some(1)));
+/// assert_eq!(error.field(), Some("service[0].prot"));
+/// assert!(error.message().starts_with("unknown field `prot`"), "{error}");
+/// assert_eq!(errors.to_string(), error.to_string());
+/// ```
+#[derive(Debug)]
+pub struct ConfigErrors {
+    /// At least one.
+    errors: Vec<ConfigError>,
+}
+
+impl ConfigErrors {
+    /// The errors, or `None` when there are none.
+    pub(super) fn new(errors: Vec<ConfigError>) -> Option<Self> {
+        (!errors.is_empty()).then_some(Self { errors })
+    }
+
+    /// How many errors there are: at least one.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.errors.len()
+    }
+
+    /// Always `false`: a [`ConfigErrors`] holds at least one error.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.errors.is_empty()
+    }
+
+    /// The first error, in the order they are shown.
+    #[must_use]
+    pub fn first(&self) -> &ConfigError {
+        &self.errors[0]
+    }
+
+    /// The errors, in the order they are shown.
+    #[must_use]
+    pub fn as_slice(&self) -> &[ConfigError] {
+        &self.errors
+    }
+
+    /// Iterates over the errors, in the order they are shown.
+    pub fn iter(&self) -> std::slice::Iter<'_, ConfigError> {
+        self.errors.iter()
+    }
+
+    /// The errors, in the order they are shown.
+    #[must_use]
+    pub fn into_vec(self) -> Vec<ConfigError> {
+        self.errors
+    }
+}
+
+impl fmt::Display for ConfigErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (index, error) in self.errors.iter().enumerate() {
+            if index > 0 {
+                f.write_str("\n")?;
+            }
+            f.write_str(&crate::error_chain(error))?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for ConfigErrors {}
+
+impl<'a> IntoIterator for &'a ConfigErrors {
+    type Item = &'a ConfigError;
+    type IntoIter = std::slice::Iter<'a, ConfigError>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.errors.iter()
+    }
+}
+
+impl IntoIterator for ConfigErrors {
+    type Item = ConfigError;
+    type IntoIter = std::vec::IntoIter<ConfigError>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.errors.into_iter()
+    }
+}

@@ -11,7 +11,9 @@ use super::*;
 /// # Errors
 ///
 /// Every error found, across all files: unreadable or invalid files, and service ids
-/// defined twice (in one file or in two).
+/// defined twice (in one file or in two). An id defined twice is reported at the definition
+/// read second, pointing at the first. The errors come in the order the files were read
+/// (the dirs in the order given, each in lexical order), and by position within a file.
 pub fn load_dirs<P: AsRef<Path>>(dirs: &[P]) -> Result<Vec<ConfigEntry>, ConfigErrors> {
     let scan = scan(dirs.iter().map(AsRef::as_ref), &HashMap::new());
     let files = scan.into_result()?;
@@ -179,12 +181,16 @@ impl fmt::Debug for ConfigFile {
 /// The files of one pass over the config dirs, with every error found.
 pub(super) struct Scan {
     files: Vec<Arc<LoadedFile>>,
-    errors: Vec<ConfigError>,
+    /// The place of each of `files` in the pass, counting every file and dir looked at.
+    places: Vec<usize>,
+    /// Every error found so far, with the place of the file or dir it is about.
+    errors: Vec<(usize, ConfigError)>,
     stats: LoadStats,
 }
 
 impl Scan {
-    /// The files, or every error: those of the files, then ids defined in two files.
+    /// The files, or every error: those of the files and ids defined in two files, in the
+    /// order the files were read, and by position within a file.
     fn into_result(mut self) -> Result<Vec<Arc<LoadedFile>>, ConfigErrors> {
         // Cross-file duplicates; positions are worked out only for the files involved.
         let mut seen: HashMap<&ServiceId, (usize, usize)> = HashMap::new();
@@ -201,39 +207,55 @@ impl Scan {
         }
         for ((first_file, first_index), (file_index, service_index)) in duplicates {
             let file = &self.files[file_index];
-            self.errors.push(ConfigError::Duplicate {
+            let duplicate = ConfigError::Duplicate {
                 location: file.location_of(service_index),
                 id: file.services[service_index].id.clone(),
                 first: Box::new(self.files[first_file].location_of(first_index)),
-            });
+            };
+            self.errors.push((self.places[file_index], duplicate));
         }
-        if !self.errors.is_empty() {
-            return Err(ConfigErrors(self.errors));
+        // Stable: a file that loaded has no other error, and its duplicates are already in
+        // the order of its services.
+        self.errors.sort_by_key(|(place, _)| *place);
+        match ConfigErrors::new(self.errors.into_iter().map(|(_, error)| error).collect()) {
+            Some(errors) => Err(errors),
+            None => Ok(self.files),
         }
-        Ok(self.files)
     }
 }
 
 /// Lists `dirs` and loads their files, taking from `cache` those that did not change.
 pub(super) fn scan<'a>(dirs: impl Iterator<Item = &'a Path>, cache: &HashMap<PathBuf, Arc<LoadedFile>>) -> Scan {
-    let mut scan = Scan { files: Vec::new(), errors: Vec::new(), stats: LoadStats::default() };
+    let mut scan = Scan { files: Vec::new(), places: Vec::new(), errors: Vec::new(), stats: LoadStats::default() };
+    let mut place = 0;
     for dir in dirs {
         match config_files(dir) {
             Ok(paths) => {
                 for path in paths {
-                    if let Some(cached) = cache.get(&path).filter(|cached| cached.unchanged()) {
-                        scan.stats.reused += 1;
-                        scan.files.push(cached.clone());
-                        continue;
-                    }
-                    scan.stats.read += 1;
-                    match load_file(&path) {
-                        Ok(loaded) => scan.files.push(Arc::new(loaded)),
-                        Err(err) => scan.errors.push(err),
+                    place += 1;
+                    let loaded = match cache.get(&path).filter(|cached| cached.unchanged()) {
+                        Some(cached) => {
+                            scan.stats.reused += 1;
+                            Ok(cached.clone())
+                        }
+                        None => {
+                            scan.stats.read += 1;
+                            load_file(&path).map(Arc::new)
+                        }
+                    };
+                    match loaded {
+                        Ok(file) => {
+                            scan.files.push(file);
+                            scan.places.push(place);
+                        }
+                        Err(err) => scan.errors.push((place, err)),
                     }
                 }
             }
-            Err(err) => scan.errors.push(err),
+            Err(err) => {
+                place += 1;
+                scan.errors.push((place, err));
+            }
         }
     }
     scan

@@ -522,6 +522,7 @@ fn bad_listeners_and_updates_name_file_line_and_field() {
     );
 }
 
+mod errors;
 mod loader;
 mod round_trip;
 

@@ -34,7 +34,7 @@ fn dirs_report_every_error_and_cross_file_duplicates() {
     let first = write(one_dir.path(), "a.toml", "[[service]]\nname = \"web\"\n");
     write(one_dir.path(), "b.toml", "[[service]]\nname = \"db\"\nprot = 1\n");
     let second = write(two_dir.path(), "c.json", "{\"service\": [\n {\"name\": \"web\"}]}");
-    let errors = load_dirs(&[one_dir.path(), two_dir.path()]).unwrap_err().0;
+    let errors = load_dirs(&[one_dir.path(), two_dir.path()]).unwrap_err();
     let messages: Vec<String> = errors.iter().map(ToString::to_string).collect();
     assert_eq!(messages.len(), 2, "{messages:#?}");
     assert!(messages[0].contains("b.toml:3:1: field `service[0].prot`"), "{}", messages[0]);
@@ -45,10 +45,88 @@ fn dirs_report_every_error_and_cross_file_duplicates() {
 }
 
 #[test]
+fn ids_defined_again_in_a_second_file_show_one_line_each_in_that_files_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let first = write(
+        dir.path(),
+        "a.toml",
+        "[[service]]\nname = \"web\"\n[[service]]\nname = \"db\"\n[[service]]\nname = \"api\"\n",
+    );
+    let second = write(
+        dir.path(),
+        "b.toml",
+        "[[service]]\nname = \"api\"\n[[service]]\nname = \"web\"\n[[service]]\nname = \"db\"\n",
+    );
+    let errors = load_dirs(&[dir.path()]).unwrap_err();
+    let (first, second) = (first.display(), second.display());
+    assert_eq!(
+        errors.to_string(),
+        format!(
+            "{second}:1:1: duplicate service id `api`: already defined at {first}:5:1\n\
+             {second}:3:1: duplicate service id `web`: already defined at {first}:1:1\n\
+             {second}:5:1: duplicate service id `db`: already defined at {first}:3:1"
+        )
+    );
+    assert_eq!(errors.len(), 3);
+    assert_eq!(errors.first().location().line, Some(1));
+}
+
+#[test]
+fn an_id_defined_twice_in_one_file_is_reported_at_the_second_definition() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(dir.path(), "a.toml", "[[service]]\nname = \"web\"\n[[service]]\nname = \"web\"\n");
+    let errors = load_dirs(&[dir.path()]).unwrap_err();
+    assert_eq!(
+        errors.to_string(),
+        format!("{0}:3:1: duplicate service id `web`: already defined at {0}:1:1", file.display())
+    );
+}
+
+#[test]
+fn an_id_defined_again_in_a_later_dir_is_reported_there_even_when_its_file_sorts_first() {
+    let one = tempfile::tempdir().unwrap();
+    let two = tempfile::tempdir().unwrap();
+    let late = write(one.path(), "z.toml", "[[service]]\nname = \"web\"\n");
+    let early = write(two.path(), "a.json", "{\"service\": [{\"name\": \"web\"}]}");
+    let message = |dirs: &[&Path]| load_dirs(dirs).unwrap_err().to_string();
+    assert_eq!(
+        message(&[one.path(), two.path()]),
+        format!("{}:1:14: duplicate service id `web`: already defined at {}:1:1", early.display(), late.display())
+    );
+    assert_eq!(
+        message(&[two.path(), one.path()]),
+        format!("{}:1:1: duplicate service id `web`: already defined at {}:1:14", late.display(), early.display())
+    );
+}
+
+#[test]
+fn errors_come_in_the_order_the_files_were_read_with_their_causes() {
+    let one = tempfile::tempdir().unwrap();
+    let two = tempfile::tempdir().unwrap();
+    let missing = one.path().join("missing");
+    let first = write(one.path(), "a.toml", "[[service]]\nname = \"web\"\n");
+    let again = write(one.path(), "b.toml", "[[service]]\nname = \"web\"\n");
+    let broken = write(one.path(), "c.toml", "[[service]]\nname = \"db\"\nprot = 1\n");
+    let last = write(two.path(), "a.toml", "[[service]]\nname = \"web\"\n");
+    let errors = load_dirs(&[one.path(), &missing, two.path()]).unwrap_err();
+    let lines: Vec<String> = errors.to_string().lines().map(str::to_owned).collect();
+    assert_eq!(lines.len(), 4, "{errors}");
+    let (first, again, broken, last) = (first.display(), again.display(), broken.display(), last.display());
+    assert_eq!(lines[0], format!("{again}:1:1: duplicate service id `web`: already defined at {first}:1:1"));
+    assert!(
+        lines[1].starts_with(&format!("{broken}:3:1: field `service[0].prot`: unknown field `prot`")),
+        "{}",
+        lines[1]
+    );
+    assert_eq!(lines[2], format!("{}: cannot read: No such file or directory (os error 2)", missing.display()));
+    assert_eq!(lines[3], format!("{last}:1:1: duplicate service id `web`: already defined at {first}:1:1"));
+}
+
+#[test]
 fn unreadable_inputs_are_clear_errors() {
     let dir = tempfile::tempdir().unwrap();
     let missing = dir.path().join("missing");
-    let err = load_dirs(&[&missing]).unwrap_err().0.remove(0);
+    let err = load_dirs(&[&missing]).unwrap_err().into_vec().remove(0);
     assert!(matches!(err, ConfigError::Read { .. }), "{err:?}");
     assert_eq!(err.to_string(), format!("{}: cannot read", missing.display()));
 
@@ -57,7 +135,7 @@ fn unreadable_inputs_are_clear_errors() {
     fs::write(&binary, b"[[service]]\nname = \"\xff\"\n").unwrap();
     let huge = dir.path().join("huge.json");
     fs::File::create(&huge).unwrap().set_len(MAX_FILE_SIZE + 1).unwrap();
-    let errors: Vec<String> = load_dirs(&[dir.path()]).unwrap_err().0.iter().map(ToString::to_string).collect();
+    let errors: Vec<String> = load_dirs(&[dir.path()]).unwrap_err().iter().map(ToString::to_string).collect();
     assert_eq!(
         errors,
         [
@@ -91,7 +169,7 @@ fn a_fifo_in_the_config_dir_is_not_a_file_and_is_never_opened() {
     let path = dir.path().to_owned();
     std::thread::spawn(move || sender.send(load_dirs(&[path]).map(|_| ()).unwrap_err()));
     let errors = answer.recv_timeout(Duration::from_secs(10)).expect("load_dirs opened a FIFO and blocked");
-    let errors: Vec<String> = errors.0.iter().map(ToString::to_string).collect();
+    let errors: Vec<String> = errors.iter().map(ToString::to_string).collect();
     assert_eq!(
         errors,
         [
@@ -203,7 +281,7 @@ fn a_loader_reports_exactly_the_errors_of_load_dirs_and_reads_only_the_fix() {
     let broken = write(one_dir.path(), "b.toml", "[[service]]\nname = \"db\"\nprot = 1\n");
     let duplicate = write(two_dir.path(), "c.json", "{\"service\": [\n {\"name\": \"web\"}]}");
     let dirs = [one_dir.path(), two_dir.path()];
-    let messages = |errors: ConfigErrors| errors.0.iter().map(ToString::to_string).collect::<Vec<_>>();
+    let messages = |errors: ConfigErrors| errors.iter().map(ToString::to_string).collect::<Vec<_>>();
     let expected = messages(load_dirs(&dirs).unwrap_err());
     assert_eq!(expected.len(), 2, "{expected:#?}");
     let mut loader = eager_loader(&dirs);
@@ -231,10 +309,10 @@ fn a_cached_file_that_becomes_unreadable_gets_the_error_of_load_dirs() {
     fs::remove_file(&target).unwrap();
     let mode = nix::sys::stat::Mode::from_bits_truncate(0o600);
     nix::unistd::mkfifo(&target, mode).unwrap();
-    let errors: Vec<String> = loader.load().unwrap_err().0.iter().map(ToString::to_string).collect();
+    let errors: Vec<String> = loader.load().unwrap_err().iter().map(ToString::to_string).collect();
     assert_eq!(errors, [format!("{}: not a regular file", link.display())]);
     fs::remove_file(&target).unwrap();
-    let errors: Vec<String> = loader.load().unwrap_err().0.iter().map(ToString::to_string).collect();
+    let errors: Vec<String> = loader.load().unwrap_err().iter().map(ToString::to_string).collect();
     assert_eq!(errors, [format!("{}: cannot read", link.display())]);
 }
 
@@ -242,7 +320,7 @@ fn a_cached_file_that_becomes_unreadable_gets_the_error_of_load_dirs() {
 fn control_characters_in_file_names_are_escaped() {
     let dir = tempfile::tempdir().unwrap();
     write(dir.path(), "evil\n\x1b[31m.toml", "[[oops");
-    let message = load_dirs(&[dir.path()]).unwrap_err().0[0].to_string();
+    let message = load_dirs(&[dir.path()]).unwrap_err().first().to_string();
     assert!(!message.contains('\n') && !message.contains('\x1b'), "{message:?}");
     assert!(message.contains("evil\\n\\u{1b}[31m.toml"), "{message:?}");
 }
