@@ -158,6 +158,9 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
     let environment =
         AgentEnvironment { socket: socket_path.clone(), http_addr: options.http_addr.map(|addr| addr.to_string()) };
     let cgroups = open_cgroups(&options.cgroups, &data)?;
+    // Whichever way the agent ends from here, a start that failed included, it leaves no
+    // empty subtree behind; one that still holds proxies stays for the next agent.
+    let _subtree = cgroups.clone().map(RemoveIfEmpty);
     let backend = Arc::new(
         OsProcessBackend::with_cgroups(data.clone(), environment, cgroups.clone())
             .context("starting the process backend")?,
@@ -303,12 +306,18 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
             }
         }
     }
-    if let Some(cgroups) = &cgroups {
-        // Gone once no proxy is left in it (after `leave`, or with --dev).
-        cgroups.remove_if_empty();
-    }
     tracing::info!("agent stopped");
     Ok(ExitCode::SUCCESS)
+}
+
+/// Removes the proxies' cgroup subtree when dropped, if nothing is left in it: after
+/// `leave`, with `--dev`, or when the agent fails before it started a proxy.
+struct RemoveIfEmpty(Cgroups);
+
+impl Drop for RemoveIfEmpty {
+    fn drop(&mut self) {
+        self.0.remove_if_empty();
+    }
 }
 
 /// How long open requests may take to finish once the API stops.

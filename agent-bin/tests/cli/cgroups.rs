@@ -279,3 +279,27 @@ fn a_cgroup_root_that_is_not_a_cgroup2_directory_is_a_usage_error_naming_the_fla
         "{stderr}"
     );
 }
+
+#[test]
+fn an_agent_that_fails_to_start_leaves_no_cgroup_behind() {
+    needs_cgroups!();
+    let dirs = Dirs::new();
+    // Its --http-addr is taken: the agent fails once its subtree exists.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let output = tether()
+        .args(["agent", "--log-format", "json", "--config-dir"])
+        .arg(&dirs.config)
+        .arg("--data-dir")
+        .arg(&dirs.data)
+        .args(["--http-addr", &addr])
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("cannot listen on --http-addr"), "{stderr}");
+    let line = stderr.lines().find(|line| line.contains("a cgroup per proxy")).unwrap_or_else(|| panic!("{stderr}"));
+    let subtree: serde_json::Value = serde_json::from_str(line).unwrap();
+    let subtree = PathBuf::from(subtree["subtree"].as_str().unwrap());
+    assert!(!subtree.exists(), "{} is left behind", subtree.display());
+}
