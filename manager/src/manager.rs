@@ -342,6 +342,11 @@ impl Manager {
     ///
     /// [`ShutdownError::Snapshot`] if the snapshot cannot be written.
     ///
+    /// # Panics
+    ///
+    /// With the `mock` feature (tests), when an action or a detach panicked, such as a
+    /// mock's unmet expectation: raised again here, as by [`Manager::run`].
+    ///
     /// # Cancel safety
     ///
     /// Not cancel safe: a dropped call may leave some proxies detached and others not; the
@@ -353,7 +358,11 @@ impl Manager {
             let handle = installed.handle.clone();
             detaching.spawn(async move { handle.detach().await });
         }
-        while detaching.join_next().await.is_some() {}
+        while let Some(joined) = detaching.join_next().await {
+            if let Err(join) = joined {
+                ended_abnormally("detach", join);
+            }
+        }
         tracing::info!(proxies = self.slots.len(), "manager closed; proxies left running");
         self.flush().await
     }
@@ -365,6 +374,11 @@ impl Manager {
     ///
     /// [`ShutdownError::Stop`] if some proxies did not stop (named in it; they stay in the snapshot),
     /// [`ShutdownError::Snapshot`] if the snapshot cannot be written.
+    ///
+    /// # Panics
+    ///
+    /// With the `mock` feature (tests), when an action or a stop panicked, such as a mock's
+    /// unmet expectation: raised again here, as by [`Manager::run`].
     ///
     /// # Cancel safety
     ///
@@ -385,7 +399,13 @@ impl Manager {
         let mut failed = Vec::new();
         let mut first_error = None;
         while let Some(joined) = stopping.join_next().await {
-            let Ok((id, result)) = joined else { continue };
+            let (id, result) = match joined {
+                Ok(stopped) => stopped,
+                Err(join) => {
+                    ended_abnormally("stop", join);
+                    continue;
+                }
+            };
             match result {
                 Ok(()) => {
                     self.uninstall(&id);
@@ -409,6 +429,10 @@ impl Manager {
     }
 
     /// Waits for every running action and applies its result; starts no new one.
+    ///
+    /// # Panics
+    ///
+    /// With the `mock` feature, as [`Manager::run`].
     async fn finish_actions(&mut self) {
         self.closing = true;
         self.shutting_down.cancel();
@@ -656,3 +680,14 @@ use restore::RestoreStage;
 mod fake;
 #[cfg(test)]
 mod tests;
+
+/// A backend call of a shutdown that ended without an answer. In tests a panic there is most
+/// often a mock's unmet expectation: raised again, so that the test fails instead of passing
+/// with the complaint in its output. An agent logs it and goes on with the other proxies.
+fn ended_abnormally(call: &'static str, join: tokio::task::JoinError) {
+    #[cfg(any(test, feature = "mock"))]
+    if join.is_panic() {
+        std::panic::resume_unwind(join.into_panic());
+    }
+    tracing::error!(call, error = %join, "a backend call ended abnormally during shutdown");
+}
