@@ -7,7 +7,7 @@
 //! Without a user switch or a handed descriptor it adds no `pre_exec` hook, so the
 //! standard library keeps its `posix_spawn` fast path.
 
-use std::ffi::CString;
+use std::ffi::{CString, OsString};
 use std::fs::{self, File};
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
@@ -195,8 +195,11 @@ fn queue(spec: &ProcessSpec, cgroup: Option<&OwnedFd>, birth: Birth) -> Result<P
     // `LISTEN_PID` must be the child's own pid, known only after the fork: the child execs
     // itself, with the pid written into an environment prepared here. A child born in its
     // cgroup execs from the same preparation.
-    let exec =
-        (!spec.listeners.is_empty() || cgroup.is_some()).then(|| Exec::new(spec)).transpose().map_err(exec_error)?;
+    let env = spec.environment();
+    let exec = (!spec.listeners.is_empty() || cgroup.is_some())
+        .then(|| Exec::new(spec, &env))
+        .transpose()
+        .map_err(exec_error)?;
     let dir_c =
         cgroup.is_some().then(|| CString::new(spec.working_dir.as_os_str().as_encoded_bytes())).transpose().map_err(
             |_| SpawnError::WorkingDir {
@@ -211,8 +214,7 @@ fn queue(spec: &ProcessSpec, cgroup: Option<&OwnedFd>, birth: Birth) -> Result<P
     passed.extend(handed.iter().map(|(fd, _)| *fd));
     let enters_cgroup = cgroup.is_some();
     let targets: Vec<RawFd> = handed.iter().map(|(_, target)| *target).collect();
-    let (program, args, env, dir) =
-        (spec.program.clone(), spec.args.clone(), spec.env.clone(), spec.working_dir.clone());
+    let (program, args, dir) = (spec.program.clone(), spec.args.clone(), spec.working_dir.clone());
     let reply = thread::queue(&passed, move |fds| {
         let mut fds = fds.into_iter();
         let (Some(stdout), Some(stderr)) = (fds.next(), fds.next()) else {
@@ -434,7 +436,8 @@ fn write_listen_pid(buffer: &mut [u8; 32], mut pid: u32) {
 }
 
 impl Exec {
-    fn new(spec: &ProcessSpec) -> io::Result<Self> {
+    /// `env` is the spec's [`ProcessSpec::environment`].
+    fn new(spec: &ProcessSpec, env: &[(OsString, OsString)]) -> io::Result<Self> {
         use std::os::unix::ffi::OsStrExt;
         let c_string = |bytes: &[u8]| {
             CString::new(bytes).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a NUL byte in the command"))
@@ -444,7 +447,7 @@ impl Exec {
         strings.extend(spec.args.iter().map(|arg| c_string(arg.as_bytes())).collect::<io::Result<Vec<_>>>()?);
         let arg_count = strings.len();
         let reserved = |key: &[u8]| matches!(key, b"LISTEN_FDS" | b"LISTEN_PID" | b"LISTEN_FDNAMES");
-        for (key, value) in &spec.env {
+        for (key, value) in env {
             if !reserved(key.as_bytes()) {
                 strings.push(c_string(&[key.as_bytes(), b"=", value.as_bytes()].concat())?);
             }
@@ -590,6 +593,60 @@ mod tests {
         // Nothing was left in the cgroups, so the subtree goes.
         cgroups.remove_if_empty();
         assert!(!cgroups.dir().exists());
+    }
+
+    /// The entries of `/proc/<pid>/environ` once the exec has recorded them (`until` is one
+    /// of them), or whatever was there at the deadline.
+    async fn environ_of(pid: u32, until: &str) -> Vec<String> {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            let environ = fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+            let entries: Vec<String> = environ
+                .split(|&b| b == 0)
+                .filter(|entry| !entry.is_empty())
+                .map(|entry| String::from_utf8_lossy(entry).into_owned())
+                .collect();
+            if entries.iter().any(|entry| entry == until) || std::time::Instant::now() > deadline {
+                return entries;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    }
+
+    /// Both ways into a cgroup, as root where cgroup2 is writable: the child gets each
+    /// variable once, with the value of its last entry, as on every other way.
+    #[tokio::test]
+    #[allow(clippy::print_stderr)] // a skipped test says why
+    async fn both_ways_into_a_cgroup_pass_each_variable_once_with_its_last_value() {
+        let temp = tempfile::tempdir().unwrap();
+        let cgroups = match crate::cgroup::Cgroups::open(None, temp.path()) {
+            Ok(cgroups) => cgroups,
+            Err(unavailable) => {
+                eprintln!("skipped: {unavailable}");
+                return;
+            }
+        };
+        let data = DataDir::open(temp.path().join("data")).unwrap();
+        for birth in [Birth::IntoCgroup, Birth::EnteringCgroup] {
+            let name = crate::spec::ProcessName::new("env-proxy").unwrap();
+            let cgroup = cgroups.create(name.as_str(), &tether_state::ResourceLimits::default()).unwrap();
+            let mut spec = ProcessSpec::new(name, "/bin/sleep", &data);
+            spec.args = vec!["30".into()];
+            spec.env =
+                [("PATH", "/usr/bin:/bin"), ("LAYER", "agent"), ("PATH", "/opt/bin:/usr/bin:/bin"), ("LAYER", "env")]
+                    .into_iter()
+                    .map(|(key, value)| (key.into(), value.into()))
+                    .collect();
+            let Spawned { mut child, pid, .. } =
+                queue(&spec, Some(&cgroup.dir), birth).unwrap().finish(&spec.program).await.unwrap();
+            let mut environ = environ_of(pid, "LAYER=env").await;
+            environ.sort_unstable();
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL);
+            child.wait().unwrap();
+            cgroups.sweep(&cgroup.name).await;
+            assert_eq!(environ, ["LAYER=env", "PATH=/opt/bin:/usr/bin:/bin"], "{birth:?}");
+        }
+        cgroups.remove_if_empty();
     }
 
     /// A child that nobody claims (its start was cancelled while it was being made) is

@@ -4,7 +4,8 @@
 //! (SPEC.md). It never performs I/O and never validates anything beyond the name: the
 //! caller (the agent) has validated the configuration already.
 
-use std::ffi::OsString;
+use std::collections::HashMap;
+use std::ffi::{OsStr, OsString};
 use std::fmt;
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
@@ -147,7 +148,9 @@ pub struct ProcessSpec {
     pub program: PathBuf,
     /// The arguments, without the program name.
     pub args: Vec<OsString>,
-    /// The complete environment of the process, in order.
+    /// The complete environment of the process, in layers: a later entry of a name
+    /// replaces an earlier one ([`ProcessSpec::environment`]), so that a caller appends its
+    /// own layers (defaults, then what was configured) without looking for duplicates.
     pub env: Vec<(OsString, OsString)>,
     /// The working directory (default `/`).
     pub working_dir: PathBuf,
@@ -210,6 +213,28 @@ impl ProcessSpec {
             limits: ResourceLimits::default(),
             name,
         }
+    }
+}
+
+impl ProcessSpec {
+    /// The environment the process gets: each variable of `env` once, where it first
+    /// appears, with the value of its last entry. Every way of creating the process passes
+    /// exactly this, so that a variable set twice (an inherited `PATH`, then a configured
+    /// one) is never seen twice by the process, where `getenv` would return the first.
+    pub fn environment(&self) -> Vec<(OsString, OsString)> {
+        use std::collections::hash_map::Entry;
+        let mut merged: Vec<(OsString, OsString)> = Vec::with_capacity(self.env.len());
+        let mut places: HashMap<&OsStr, usize> = HashMap::with_capacity(self.env.len());
+        for (key, value) in &self.env {
+            match places.entry(key.as_os_str()) {
+                Entry::Occupied(place) => merged[*place.get()].1.clone_from(value),
+                Entry::Vacant(place) => {
+                    place.insert(merged.len());
+                    merged.push((key.clone(), value.clone()));
+                }
+            }
+        }
+        merged
     }
 }
 
@@ -305,6 +330,31 @@ mod tests {
         let debug = format!("{spec:?}");
         assert!(debug.contains("TETHER_PROXY_TOKEN"), "{debug}");
         assert!(!debug.contains("s3cr3t"), "{debug}");
+    }
+
+    #[test]
+    fn environment_has_each_variable_once_with_its_last_value() {
+        let temp = tempfile::tempdir().unwrap();
+        let data = DataDir::open(temp.path()).unwrap();
+        let mut spec = ProcessSpec::new(ProcessName::new("web-proxy").unwrap(), "/bin/true", &data);
+        let pair = |key: &str, value: &str| (OsString::from(key), OsString::from(value));
+        spec.env = vec![
+            pair("PATH", "/usr/bin:/bin"),
+            pair("HOME", "/root"),
+            pair("TETHER_PROXY_ID", "web-proxy"),
+            pair("PATH", "/opt/envoy/bin"),
+            pair("LOG_LEVEL", "info"),
+            pair("LOG_LEVEL", "debug"),
+        ];
+        assert_eq!(
+            spec.environment(),
+            [
+                pair("PATH", "/opt/envoy/bin"),
+                pair("HOME", "/root"),
+                pair("TETHER_PROXY_ID", "web-proxy"),
+                pair("LOG_LEVEL", "debug"),
+            ]
+        );
     }
 
     #[test]
