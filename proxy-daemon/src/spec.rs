@@ -144,7 +144,11 @@ pub struct LogSpec {
 pub struct ProcessSpec {
     /// The proxy id; used in tracing fields, and by [`ProcessSpec::new`] in file names.
     pub name: ProcessName,
-    /// The program to execute. An absolute path: there is no `PATH` search by the agent.
+    /// The program to execute: an absolute path, or a bare name (no `/`) looked up as
+    /// `execvp` does in the `PATH` of the process's own [`environment`](Self::environment)
+    /// (`/bin:/usr/bin` without one), skipping empty and relative directories
+    /// ([`find_program`](crate::find_program)). A process that switches user looks as that
+    /// user. It is also the process's `argv[0]`. A relative path with a `/` is refused.
     pub program: PathBuf,
     /// The arguments, without the program name.
     pub args: Vec<OsString>,

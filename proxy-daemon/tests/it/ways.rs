@@ -1,4 +1,5 @@
-//! Every way a process is created, seen from outside: the standard library's
+//! Every way a process is created, seen from outside — the environment it gets, and how
+//! a bare program name is found in its `PATH`: the standard library's
 //! `posix_spawn` (no code in the child), a child that places inherited listeners and execs
 //! itself, a user switch, and a birth in the process's cgroup (`clone3`), with and without
 //! a user switch. (The way into a cgroup through `cgroup.procs`, which only a refused
@@ -13,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use tether_proxy_daemon::{Cgroups, InheritedSocket, ProcessSpec, ProcessState, Supervisor};
+use tether_proxy_daemon::{Cgroups, InheritedSocket, ProcessSpec, ProcessState, SpawnError, Supervisor};
 
 use crate::support::*;
 
@@ -148,6 +149,14 @@ impl PublicDir {
         self.dir.path()
     }
 
+    /// A directory `name` in it, that anyone may traverse.
+    fn subdir(&self, name: &str) -> PathBuf {
+        let dir = self.path().join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        dir
+    }
+
     /// A copy of the helper at `dir/name`, executable by anyone.
     fn helper_at(&self, dir: &Path, name: &str) -> PathBuf {
         let program = dir.join(name);
@@ -185,6 +194,175 @@ fn pair(key: &str, value: &str) -> (OsString, OsString) {
     (key.into(), value.into())
 }
 
+/// What `pid` runs once its exec has recorded it: the file (`/proc/<pid>/exe`) and its
+/// `argv[0]`.
+async fn running_program(pid: u32, expected_arg0: &str) -> (PathBuf, String) {
+    let mut seen = (PathBuf::new(), String::new());
+    eventually("the command line in /proc/<pid>/cmdline", || {
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let arg0 = cmdline.split(|&b| b == 0).next().map(|arg| String::from_utf8_lossy(arg).into_owned());
+        seen = (std::fs::read_link(format!("/proc/{pid}/exe")).unwrap_or_default(), arg0.unwrap_or_default());
+        seen.1 == expected_arg0
+    })
+    .await;
+    seen
+}
+
+/// Whether the cgroup subtree of `setup` has no cgroup left in it.
+fn no_cgroup_left(setup: &Setup) -> bool {
+    let Some(cgroups) = &setup.cgroups else { return true };
+    std::fs::read_dir(cgroups.dir()).into_iter().flatten().flatten().all(|entry| !entry.path().is_dir())
+}
+
+#[tokio::test]
+async fn a_bare_name_is_found_in_the_path_that_env_sets_on_every_way() {
+    let test = "a_bare_name_is_found_in_the_path_that_env_sets_on_every_way";
+    let fx = Fixture::new();
+    let public = PublicDir::new();
+    let name = "tether-found-proxy";
+    // In the order of the PATH below: a directory that does not exist; one where the name
+    // is a file nobody may execute; one where it is a directory; then the program.
+    let missing = public.path().join("missing");
+    let denied = public.subdir("denied");
+    std::fs::write(denied.join(name), "#!/bin/sh\nexit 3\n").unwrap();
+    std::fs::set_permissions(denied.join(name), std::fs::Permissions::from_mode(0o644)).unwrap();
+    let shadowed = public.subdir("shadowed");
+    std::fs::create_dir(shadowed.join(name)).unwrap();
+    let bin = public.subdir("bin");
+    let program = public.helper_at(&bin, name);
+    // An empty entry and `.` would find this one, in the working directory: they are
+    // skipped.
+    let work = public.subdir("work");
+    public.helper_at(&work, name);
+    let path = format!(":.:{}:{}:{}:{}", missing.display(), denied.display(), shadowed.display(), bin.display());
+
+    for way in WAYS {
+        let Some(setup) = Setup::new(&fx, way, test) else { continue };
+        let mut spec = fx.spec(&format!("found-{}", way.slug()), &["--sleep"]);
+        spec.program = name.into();
+        spec.working_dir = work.clone();
+        // After the fixture's own `PATH`, which does not hold the name: the later one is
+        // searched.
+        spec.env.push(pair("PATH", &path));
+        setup.apply(&mut spec);
+        let handle = within("spawn", setup.supervisor.spawn(spec))
+            .await
+            .unwrap_or_else(|e| panic!("{way:?}: {}", tether_state::error_chain(&e)));
+        let status = handle.status();
+        assert_eq!(status.state, ProcessState::Running, "{way:?}");
+        let pid = status.pid.unwrap();
+        assert!(!is_dead(pid), "{way:?}");
+        let (exe, arg0) = running_program(pid, name).await;
+        assert_eq!(exe, program, "{way:?}: the first place where the program may be executed");
+        assert_eq!(arg0, name, "{way:?}: argv[0] is the name as configured");
+        let stopped = within("stop", handle.stop()).await;
+        assert_eq!(stopped.state, ProcessState::Stopped, "{way:?}");
+    }
+}
+
+#[tokio::test]
+async fn a_name_found_nowhere_fails_naming_the_program_and_the_path_on_every_way() {
+    let test = "a_name_found_nowhere_fails_naming_the_program_and_the_path_on_every_way";
+    let fx = Fixture::new();
+    let public = PublicDir::new();
+    let (empty, other) = (public.subdir("empty"), public.subdir("other"));
+    // The agent's own PATH holds `sleep`, but the configured one, later, is searched.
+    let path = format!("{}:{}", empty.display(), other.display());
+    for way in WAYS {
+        let Some(setup) = Setup::new(&fx, way, test) else { continue };
+        let mut spec = fx.spec(&format!("missing-{}", way.slug()), &["30"]);
+        spec.program = "sleep".into();
+        spec.env.push(pair("PATH", &path));
+        setup.apply(&mut spec);
+        let error = within("spawn", setup.supervisor.spawn(spec)).await.unwrap_err();
+        let SpawnError::ProgramNotFound(not_found) = &error else { panic!("{way:?}: {error:?}") };
+        assert_eq!(not_found.program, Path::new("sleep"), "{way:?}");
+        assert_eq!(not_found.path, OsString::from(&path), "{way:?}");
+        assert!(!not_found.denied, "{way:?}");
+        assert_eq!(error.to_string(), format!("program `sleep` not found in PATH `{path}`"), "{way:?}");
+        assert!(fx.marked_processes().is_empty(), "{way:?}: nothing was started");
+        assert!(no_cgroup_left(&setup), "{way:?}: the cgroup made for it is gone");
+    }
+}
+
+/// The child looks for the program as the user it becomes: a place that its user may not
+/// reach is passed over for the next one, as `execvp` in that child would, although the
+/// agent (root) could run the first.
+#[tokio::test]
+async fn a_child_that_switches_user_looks_for_its_program_as_that_user() {
+    let test = "a_child_that_switches_user_looks_for_its_program_as_that_user";
+    let fx = Fixture::new();
+    let public = PublicDir::new();
+    let name = "tether-user-proxy";
+    let private = public.subdir("private");
+    public.helper_at(&private, name);
+    std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let bin = public.subdir("bin");
+    let program = public.helper_at(&bin, name);
+    let path = format!("{}:{}", private.display(), bin.display());
+    for way in WAYS.into_iter().filter(|way| way.switches_user()) {
+        let Some(setup) = Setup::new(&fx, way, test) else { continue };
+        let mut spec = fx.spec(&format!("user-{}", way.slug()), &["--sleep"]);
+        spec.program = name.into();
+        spec.env.push(pair("PATH", &path));
+        setup.apply(&mut spec);
+        let handle = within("spawn", setup.supervisor.spawn(spec))
+            .await
+            .unwrap_or_else(|e| panic!("{way:?}: {}", tether_state::error_chain(&e)));
+        let pid = handle.status().pid.unwrap();
+        let (exe, _) = running_program(pid, name).await;
+        assert_eq!(exe, program, "{way:?}: the place `nobody` may reach");
+        within("stop", handle.stop()).await;
+
+        // Where `nobody` may reach none, the start fails and names the program.
+        let mut spec = fx.spec(&format!("user-none-{}", way.slug()), &["--sleep"]);
+        spec.program = name.into();
+        spec.env.push(pair("PATH", &private.to_string_lossy()));
+        setup.apply(&mut spec);
+        let error = within("spawn", setup.supervisor.spawn(spec)).await.unwrap_err();
+        assert!(
+            matches!(&error, SpawnError::Exec { program, source }
+                if program == Path::new(name) && source.raw_os_error() == Some(libc::EACCES)),
+            "{way:?}: {error:?}"
+        );
+        assert!(fx.marked_processes().is_empty(), "{way:?}: nothing was left running");
+    }
+}
+
+/// A program that is gone when its process must restart (an upgrade in progress, a package
+/// removed) does not hold the process down: the restart is retried on the backoff, and
+/// succeeds once the program is back.
+#[tokio::test]
+async fn a_restart_whose_program_is_gone_is_retried_until_it_is_back() {
+    let fx = Fixture::new();
+    let public = PublicDir::new();
+    let name = "tether-late-proxy";
+    let bin = public.subdir("bin");
+    let program = public.helper_at(&bin, name);
+    let mut spec = fx.spec("late-proxy", &["--sleep"]);
+    spec.program = name.into();
+    spec.env.push(pair("PATH", &bin.to_string_lossy()));
+    spec.restart.max_delay = std::time::Duration::from_millis(200);
+    let handle = within("spawn", fx.supervisor.spawn(spec)).await.unwrap();
+    let first = handle.status().pid.unwrap();
+
+    std::fs::remove_file(&program).unwrap();
+    send(first, nix::sys::signal::Signal::SIGKILL);
+    let waiting = status_where(&handle, "a failed restart", |status| {
+        status.state == ProcessState::Backoff
+            && status.error.as_deref().is_some_and(|e| e.contains("not found in PATH"))
+    })
+    .await;
+    let error = waiting.error.unwrap();
+    assert!(error.contains(&format!("program `{name}` not found in PATH `{}`", bin.display())), "{error}");
+
+    public.helper_at(&bin, name);
+    let second = restarted(&handle, first).await;
+    let (exe, _) = running_program(second, name).await;
+    assert_eq!(exe, program);
+    within("stop", handle.stop()).await;
+}
+
 #[tokio::test]
 async fn each_variable_appears_once_and_the_last_entry_wins_on_every_way() {
     let test = "each_variable_appears_once_and_the_last_entry_wins_on_every_way";
@@ -204,8 +382,9 @@ async fn each_variable_appears_once_and_the_last_entry_wins_on_every_way() {
             pair("LOG_LEVEL", "debug"),
         ]);
         setup.apply(&mut spec);
-        let handle =
-            within("spawn", setup.supervisor.spawn(spec.clone())).await.unwrap_or_else(|e| panic!("{way:?}: {e}"));
+        let handle = within("spawn", setup.supervisor.spawn(spec.clone()))
+            .await
+            .unwrap_or_else(|e| panic!("{way:?}: {}", tether_state::error_chain(&e)));
         assert_eq!(handle.status().state, ProcessState::Running, "{way:?}");
         let pid = handle.status().pid.unwrap();
         if setup.cgroups.is_some() {
