@@ -58,7 +58,7 @@ mod status;
 mod supervisor;
 
 #[cfg(feature = "manager")]
-pub use backend::{AgentEnvironment, BUILT_IN_PROXY_ARG, OsProcessBackend};
+pub use backend::{AgentEnvironment, BUILT_IN_PROXY_ARG, MissingProgram, OsProcessBackend, missing_programs};
 pub use cgroup::{CgroupError, CgroupUnavailable, Cgroups, Usage};
 pub use error::{DetachError, InvalidName, ProgramNotFound, SpawnError};
 pub use listen::{ListenError, bind as bind_listener, listens_on};
