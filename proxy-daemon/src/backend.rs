@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use async_trait::async_trait;
 use tether_manager::{BackendError, BackendRecord, ProxyBackend, ProxyHandle, ProxyState};
 use tether_state::persist::DataDir;
-use tether_state::{ListenAddress, ManagedProxy, ProxyCommand, ProxyId};
+use tether_state::{CommandLine, ListenAddress, Liveness, ManagedProxy, Probe, ProxyCommand, ProxyId, Readiness};
 use tokio::sync::watch;
 
 use crate::cgroup::Cgroups;
@@ -145,11 +145,7 @@ impl Shared {
             ProxyCommand::BuiltIn => (own_executable(), vec![OsString::from(BUILT_IN_PROXY_ARG)]),
             ProxyCommand::Exec(line) => (line.program().to_owned(), line.args().iter().map(OsString::from).collect()),
         };
-        let mut env: Vec<(OsString, OsString)> = if spec.inherit_env {
-            std::env::vars_os().filter(|(key, _)| !key.to_string_lossy().starts_with("TETHER_")).collect()
-        } else {
-            ["PATH", "HOME"].into_iter().filter_map(|key| Some((OsString::from(key), std::env::var_os(key)?))).collect()
-        };
+        let mut env = agent_layer(spec);
         let identity_env = vec![
             (OsString::from(PROXY_ID_VAR), OsString::from(id.as_str())),
             (OsString::from("TETHER_PROXY_TOKEN"), OsString::from(proxy.token().expose())),
@@ -160,7 +156,7 @@ impl Shared {
         if let Some(addr) = &self.environment.http_addr {
             env.push(("TETHER_HTTP_ADDR".into(), addr.into()));
         }
-        env.extend(spec.env.iter().map(|(key, value)| (OsString::from(key), OsString::from(value))));
+        env.extend(configured_layer(spec));
         let (stdout, stderr) = DataDir::log_file_names(id);
         let (stdout, stderr) =
             (LogFile::new(self.data.logs().clone(), stdout), LogFile::new(self.data.logs().clone(), stderr));
@@ -230,6 +226,65 @@ fn take_listening(pid: u32, proxy: Option<&ManagedProxy>) -> Vec<OwnedFd> {
         tracing::warn!(pid, %error, "cannot take the listening sockets of the running instance");
         Vec::new()
     })
+}
+
+/// The layer of a proxy's environment that comes from the agent, first: its whole
+/// environment with `inherit_env` (but tether's own variables), else its `PATH` and `HOME`.
+fn agent_layer(spec: &tether_state::ProxySpec) -> Vec<(OsString, OsString)> {
+    if spec.inherit_env {
+        std::env::vars_os().filter(|(key, _)| !key.to_string_lossy().starts_with("TETHER_")).collect()
+    } else {
+        ["PATH", "HOME"].into_iter().filter_map(|key| Some((OsString::from(key), std::env::var_os(key)?))).collect()
+    }
+}
+
+/// The layer of a proxy's environment that its `env` sets, last: it replaces the others.
+fn configured_layer(spec: &tether_state::ProxySpec) -> impl Iterator<Item = (OsString, OsString)> + '_ {
+    spec.env.iter().map(|(key, value)| (OsString::from(key), OsString::from(value)))
+}
+
+/// A program of a proxy that this host does not have ([`missing_programs`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct MissingProgram {
+    /// Where the proxy names it, below `[service.proxy]`: `command`, `readiness.exec` or
+    /// `liveness.exec`.
+    pub field: &'static str,
+    /// The name, and the `PATH` it was looked for in.
+    pub error: crate::ProgramNotFound,
+}
+
+/// The programs of a proxy (its `command`'s, its `exec` probes') that are bare names not
+/// found on this host: looked for as its start will look for them, in the `PATH` of the
+/// environment this process would give it (its `env`'s `PATH`, else this process's own),
+/// as this process's user.
+///
+/// Worth a warning, not an error: the program may be installed before the proxy starts,
+/// and a start that fails for want of it is retried on the restart backoff. The built-in
+/// proxy is the agent's own executable and is never missing.
+pub fn missing_programs(spec: &tether_state::ProxySpec) -> Vec<MissingProgram> {
+    let mut named: Vec<(&'static str, &CommandLine)> = Vec::new();
+    if let ProxyCommand::Exec(command) = &spec.command {
+        named.push(("command", command));
+    }
+    if let Some(Readiness { probe: Probe::Exec(command), .. }) = &spec.readiness {
+        named.push(("readiness.exec", command));
+    }
+    if let Some(Liveness { probe: Probe::Exec(command), .. }) = &spec.liveness {
+        named.push(("liveness.exec", command));
+    }
+    if named.is_empty() {
+        return Vec::new();
+    }
+    let mut env = agent_layer(spec);
+    env.extend(configured_layer(spec));
+    named
+        .into_iter()
+        .filter_map(|(field, command)| {
+            let error = crate::find_program(command.program(), &env).err()?;
+            Some(MissingProgram { field, error })
+        })
+        .collect()
 }
 
 fn health_checks(spec: &tether_state::ProxySpec) -> HealthChecks {
@@ -614,5 +669,47 @@ impl ProxyHandle for OsProxyHandle {
             state.record = Some(Record { identity, kill });
         }
         state.record.as_ref().map_or_else(BackendRecord::none, Record::encode)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tether_state::config::{Format, Origin, parse_service};
+
+    use super::*;
+
+    fn proxy(lines: &str) -> tether_state::ProxySpec {
+        let text = format!("name = \"web\"\n[proxy]\n{lines}\n");
+        parse_service(&text, Format::Toml, &Origin::Body).unwrap().proxy.unwrap()
+    }
+
+    #[test]
+    fn missing_programs_are_bare_names_found_nowhere_in_the_path_the_proxy_gets() {
+        assert_eq!(missing_programs(&proxy("")), [], "the built-in proxy");
+        assert_eq!(
+            missing_programs(&proxy("command = [\"sh\", \"-c\", \"true\"]\nenv = { PATH = \"/bin:/usr/bin\" }")),
+            []
+        );
+        assert_eq!(missing_programs(&proxy("command = [\"/nonexistent/envoy\"]")), [], "a path is not looked for");
+
+        let missing = missing_programs(&proxy(
+            "command = [\"tether-not-installed-xyz\", \"-c\"]\nenv = { PATH = \"/nonexistent/bin\" }\n\
+             [proxy.readiness]\nexec = [\"tether-no-check-xyz\"]\n[proxy.liveness]\nexec = [\"/nonexistent/check\"]",
+        ));
+        let found: Vec<(&str, String)> =
+            missing.iter().map(|missing| (missing.field, missing.error.to_string())).collect();
+        assert_eq!(
+            found,
+            [
+                ("command", "program `tether-not-installed-xyz` not found in PATH `/nonexistent/bin`".to_owned()),
+                ("readiness.exec", "program `tether-no-check-xyz` not found in PATH `/nonexistent/bin`".to_owned()),
+            ]
+        );
+
+        // Without `env.PATH`, the agent's own.
+        let missing = missing_programs(&proxy("command = [\"tether-not-installed-xyz\"]"));
+        let agent_path = std::env::var_os("PATH").unwrap_or_else(|| "/bin:/usr/bin".into());
+        assert_eq!(missing.len(), 1);
+        assert_eq!(missing[0].error.path, agent_path);
     }
 }

@@ -2,8 +2,9 @@
 //!
 //! This module owns the error types and their messages. It never formats a cause into a
 //! message (causes are `#[source]`s) and never carries environment values, which may be
-//! secrets.
+//! secrets, but the `PATH` a program was looked for in, which only lists directories.
 
+use std::ffi::OsString;
 use std::io;
 use std::path::PathBuf;
 
@@ -18,12 +19,32 @@ pub struct InvalidName {
     pub name: String,
 }
 
+/// A bare program name that no directory of the `PATH` searched holds as a file that may
+/// be executed ([`find_program`](crate::find_program)).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "program `{}` not found in PATH `{}`{}",
+    .program.display(),
+    .path.to_string_lossy(),
+    if *.denied { " (a file of that name may not be executed)" } else { "" }
+)]
+#[non_exhaustive]
+pub struct ProgramNotFound {
+    /// The name looked for.
+    pub program: PathBuf,
+    /// The `PATH` searched: the environment's, or `execvp`'s default when it has none.
+    pub path: OsString,
+    /// Whether some directory holds a file of that name that may not be executed (by the
+    /// user who looked), rather than none at all: `execvp`'s `EACCES`.
+    pub denied: bool,
+}
+
 /// Why a process could not be started.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum SpawnError {
-    /// The program could not be executed (missing, not executable, or the user switch
-    /// failed in the child).
+    /// The program could not be executed (missing, not executable, not found in `PATH` by
+    /// the user the process switched to, or the user switch failed in the child).
     #[error("failed to execute `{}`", .program.display())]
     Exec {
         /// The program.
@@ -32,6 +53,11 @@ pub enum SpawnError {
         #[source]
         source: io::Error,
     },
+
+    /// The program is a bare name that no directory of the `PATH` of the process's
+    /// environment holds.
+    #[error(transparent)]
+    ProgramNotFound(#[from] ProgramNotFound),
 
     /// The user to run as does not exist.
     #[error("unknown user {user:?}")]

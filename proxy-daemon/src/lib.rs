@@ -98,6 +98,7 @@ mod pidfile;
 mod probe;
 pub use probe::{PROBE_BUCKETS, ProbeDurations};
 mod proc;
+mod program;
 mod rotate;
 mod spawn;
 mod spec;
@@ -105,11 +106,12 @@ mod status;
 mod supervisor;
 
 #[cfg(feature = "manager")]
-pub use backend::{AgentEnvironment, BUILT_IN_PROXY_ARG, OsProcessBackend};
+pub use backend::{AgentEnvironment, BUILT_IN_PROXY_ARG, MissingProgram, OsProcessBackend, missing_programs};
 pub use cgroup::{CgroupError, CgroupUnavailable, Cgroups, Usage};
-pub use error::{DetachError, InvalidName, SpawnError};
+pub use error::{DetachError, InvalidName, ProgramNotFound, SpawnError};
 pub use listen::{ListenError, bind as bind_listener, listens_on};
 pub use proc::Identity;
+pub use program::find_program;
 pub use spec::{
     HealthChecks, InheritedSocket, KillPolicy, KillSignal, LogFile, LogPolicy, LogSpec, ProcessName, ProcessSpec,
     ProcessUpdate, ResourceLimits, RestartPolicy,

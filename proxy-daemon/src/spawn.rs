@@ -6,8 +6,13 @@
 //! (that is `supervisor`'s job), never runs a shell, and never starts a thread per spawn.
 //! Without a user switch or a handed descriptor it adds no `pre_exec` hook, so the
 //! standard library keeps its `posix_spawn` fast path.
+//!
+//! A bare program name is looked for in the `PATH` of the process's own environment
+//! (`program`): first here, as the agent's user, which fails a name found nowhere before
+//! anything is made and gives the plain spawn the path it runs; then, wherever code runs in
+//! the child, by the child itself, place after place, as the user it has become.
 
-use std::ffi::CString;
+use std::ffi::{CString, OsString};
 use std::fs::{self, File};
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
@@ -20,6 +25,7 @@ use tether_state::{Probe, Readiness};
 
 use crate::error::SpawnError;
 use crate::proc::{self, Pidfd};
+use crate::program;
 use crate::spec::{LogFile, ProcessSpec};
 
 mod clone;
@@ -158,12 +164,22 @@ enum Birth {
 
 /// Prepares `spec`'s process and queues its creation on the spawn thread.
 fn queue(spec: &ProcessSpec, cgroup: Option<&OwnedFd>, birth: Birth) -> Result<Pending, SpawnError> {
-    if !spec.program.is_absolute() {
-        // There is no `PATH` search: a relative name would be found relative to the working
-        // directory, which is rarely what was meant.
-        let source = io::Error::new(io::ErrorKind::InvalidInput, "the program must be an absolute path");
-        return Err(SpawnError::Exec { program: spec.program.clone(), source });
+    let exec_error = |source| SpawnError::Exec { program: spec.program.clone(), source };
+    if spec.program.is_relative() && !program::is_bare_name(&spec.program) {
+        // It would be found relative to the working directory, which is rarely what was
+        // meant (the config refuses it too).
+        let source = io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "a relative path: give an absolute path, or a bare name to look up in PATH",
+        );
+        return Err(exec_error(source));
     }
+    let env = spec.environment();
+    let path = program::search_path(&env);
+    // Looked for as this process's user before anything is made, so that a name found
+    // nowhere fails here, naming the PATH searched. What is found is what a plain spawn
+    // runs; a child that runs code before its exec looks again, as the user it has become.
+    let found = program::find_in(&spec.program, &path)?;
     let credentials = spec.user.as_deref().map(resolve_user).transpose()?;
     match fs::metadata(&spec.working_dir) {
         Ok(metadata) if metadata.is_dir() => {}
@@ -177,7 +193,6 @@ fn queue(spec: &ProcessSpec, cgroup: Option<&OwnedFd>, birth: Birth) -> Result<P
     }
     let stdout = open_log(&spec.logs.stdout)?;
     let stderr = open_log(&spec.logs.stderr)?;
-    let exec_error = |source| SpawnError::Exec { program: spec.program.clone(), source };
 
     // Descriptors the child holds at fixed numbers: the listeners from 3, then the write
     // end of its notification pipe.
@@ -192,11 +207,11 @@ fn queue(spec: &ProcessSpec, cgroup: Option<&OwnedFd>, birth: Birth) -> Result<P
     if let Some(((_, write), fd)) = &pipe {
         handed.push((write.as_fd(), RawFd::try_from(*fd).unwrap_or(RawFd::MAX)));
     }
-    // `LISTEN_PID` must be the child's own pid, known only after the fork: the child execs
-    // itself, with the pid written into an environment prepared here. A child born in its
-    // cgroup execs from the same preparation.
-    let exec =
-        (!spec.listeners.is_empty() || cgroup.is_some()).then(|| Exec::new(spec)).transpose().map_err(exec_error)?;
+    // A child that runs code before its exec execs itself, from what is prepared here: it
+    // looks for the program as the user it has become, and `LISTEN_PID` must be its own
+    // pid, known only after the fork. A child born in its cgroup execs the same way.
+    let runs_code = !handed.is_empty() || cgroup.is_some() || credentials.is_some();
+    let exec = runs_code.then(|| Exec::new(spec, &env, &path)).transpose().map_err(exec_error)?;
     let dir_c =
         cgroup.is_some().then(|| CString::new(spec.working_dir.as_os_str().as_encoded_bytes())).transpose().map_err(
             |_| SpawnError::WorkingDir {
@@ -211,8 +226,7 @@ fn queue(spec: &ProcessSpec, cgroup: Option<&OwnedFd>, birth: Birth) -> Result<P
     passed.extend(handed.iter().map(|(fd, _)| *fd));
     let enters_cgroup = cgroup.is_some();
     let targets: Vec<RawFd> = handed.iter().map(|(_, target)| *target).collect();
-    let (program, args, env, dir) =
-        (spec.program.clone(), spec.args.clone(), spec.env.clone(), spec.working_dir.clone());
+    let (arg0, args, dir) = (spec.program.clone(), spec.args.clone(), spec.working_dir.clone());
     let reply = thread::queue(&passed, move |fds| {
         let mut fds = fds.into_iter();
         let (Some(stdout), Some(stderr)) = (fds.next(), fds.next()) else {
@@ -228,7 +242,7 @@ fn queue(spec: &ProcessSpec, cgroup: Option<&OwnedFd>, birth: Birth) -> Result<P
             let pairs: Vec<(RawFd, RawFd)> =
                 handed.iter().map(AsRawFd::as_raw_fd).zip(targets.iter().copied()).collect();
             let mut plan = clone::ChildPlan {
-                program: exec.program.clone(),
+                candidates: exec.candidates.iter().map(|candidate| candidate.as_ptr()).collect(),
                 argv: exec.argv.iter().map(|&address| address as *const libc::c_char).collect(),
                 envp: exec.envp.iter().map(|&address| address as *const libc::c_char).collect(),
                 dir,
@@ -253,8 +267,9 @@ fn queue(spec: &ProcessSpec, cgroup: Option<&OwnedFd>, birth: Birth) -> Result<P
                 }
             }
         }
-        let mut command = std::process::Command::new(&program); // std, for `process_group`
+        let mut command = std::process::Command::new(&found); // std, for `process_group`
         command
+            .arg0(&arg0) // the name as configured, as `execvp` passes it
             .args(&args)
             .env_clear() // proxies get only what the spec says, never the agent's secrets
             .envs(env.iter().map(|(key, value)| (key, value)))
@@ -274,8 +289,8 @@ fn queue(spec: &ProcessSpec, cgroup: Option<&OwnedFd>, birth: Birth) -> Result<P
             let pairs = handed.iter().map(AsRawFd::as_raw_fd).zip(targets).collect();
             give_fds_before_exec(&mut command, pairs);
         }
-        if let Some(exec) = exec.filter(|exec| exec.listen_pid.is_some()) {
-            exec_with_listen_pid(&mut command, exec);
+        if let Some(exec) = exec {
+            exec_from_child(&mut command, exec);
         }
         // `handed` and `procs` live until the child has its copies.
         let child = command.spawn().map(|child| Unclaimed(Child::new(child.id())));
@@ -396,11 +411,13 @@ fn give_fds_before_exec(command: &mut std::process::Command, handed: Vec<(RawFd,
     }
 }
 
-/// What a child execs, prepared in the parent: the program, its arguments and its
-/// environment, with `LISTEN_FDS`, `LISTEN_FDNAMES` and a slot for `LISTEN_PID` when it
-/// inherits listeners, so that the child only writes its pid and execs.
+/// What a child execs, prepared in the parent: the places where the program may be, its
+/// arguments and its environment, with `LISTEN_FDS`, `LISTEN_FDNAMES` and a slot for
+/// `LISTEN_PID` when it inherits listeners, so that the child only writes its pid and
+/// tries each place.
 struct Exec {
-    program: CString,
+    /// The program itself, or where a bare name may be, in order ([`program::candidates`]).
+    candidates: Vec<CString>,
     /// Owns what `argv` and `envp` point to.
     _strings: Vec<CString>,
     /// Addresses of NUL-terminated strings, then 0: `char *const argv[]`.
@@ -434,17 +451,21 @@ fn write_listen_pid(buffer: &mut [u8; 32], mut pid: u32) {
 }
 
 impl Exec {
-    fn new(spec: &ProcessSpec) -> io::Result<Self> {
+    /// `env` is the spec's [`ProcessSpec::environment`], `path` its `PATH`.
+    fn new(spec: &ProcessSpec, env: &[(OsString, OsString)], path: &std::ffi::OsStr) -> io::Result<Self> {
         use std::os::unix::ffi::OsStrExt;
         let c_string = |bytes: &[u8]| {
             CString::new(bytes).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a NUL byte in the command"))
         };
-        let program = c_string(spec.program.as_os_str().as_bytes())?;
-        let mut strings = vec![program.clone()];
+        let candidates = program::candidates(&spec.program, path)
+            .iter()
+            .map(|candidate| c_string(candidate.as_os_str().as_bytes()))
+            .collect::<io::Result<Vec<_>>>()?;
+        let mut strings = vec![c_string(spec.program.as_os_str().as_bytes())?];
         strings.extend(spec.args.iter().map(|arg| c_string(arg.as_bytes())).collect::<io::Result<Vec<_>>>()?);
         let arg_count = strings.len();
         let reserved = |key: &[u8]| matches!(key, b"LISTEN_FDS" | b"LISTEN_PID" | b"LISTEN_FDNAMES");
-        for (key, value) in &spec.env {
+        for (key, value) in env {
             if !reserved(key.as_bytes()) {
                 strings.push(c_string(&[key.as_bytes(), b"=", value.as_bytes()].concat())?);
             }
@@ -470,18 +491,21 @@ impl Exec {
             listen_pid[..LISTEN_PID_PREFIX.len()].copy_from_slice(LISTEN_PID_PREFIX);
             listen_pid
         });
-        Ok(Self { program, _strings: strings, argv, envp, listen_pid, listen_pid_slot })
+        Ok(Self { candidates, _strings: strings, argv, envp, listen_pid, listen_pid_slot })
     }
 }
 
-/// Makes the child exec itself, with `LISTEN_PID` its own pid; registered last, after
-/// every other hook.
-fn exec_with_listen_pid(command: &mut std::process::Command, mut exec: Exec) {
+/// Makes the child exec itself from `exec`: with `LISTEN_PID` its own pid, and the program
+/// looked for as the user it has become ([`exec_first`]). Registered last, after every
+/// other hook.
+fn exec_from_child(command: &mut std::process::Command, mut exec: Exec) {
     #[allow(unsafe_code)]
     // SAFETY: the hook runs in the forked child, where only async-signal-safe calls are
     // allowed: getpid and execve, digits written into a buffer allocated in the parent,
     // pointers (prepared in the parent to strings it owns) stored into a vector that is
-    // never grown. execve returns only on failure, with errno.
+    // never grown, and a walk over vectors the parent filled. `exec_first` returns only on
+    // failure, with the errno, which `io::Error::from_raw_os_error` wraps without
+    // allocating.
     unsafe {
         command.pre_exec(move || {
             // The whole struct, not only the fields used below: `_strings` must live as
@@ -491,14 +515,47 @@ fn exec_with_listen_pid(command: &mut std::process::Command, mut exec: Exec) {
                 write_listen_pid(listen_pid, libc::getpid().unsigned_abs());
                 exec.envp[exec.listen_pid_slot] = listen_pid.as_ptr() as usize;
             }
-            libc::execve(
-                exec.program.as_ptr(),
+            let errno = exec_first(
+                exec.candidates.iter().map(|candidate| candidate.as_ptr()),
                 exec.argv.as_ptr().cast::<*const libc::c_char>(),
                 exec.envp.as_ptr().cast::<*const libc::c_char>(),
             );
-            Err(io::Error::last_os_error())
+            Err(io::Error::from_raw_os_error(errno))
         });
     }
+}
+
+/// In a child, between its creation and its exec: execs the first of `candidates` that can
+/// be, as `execvpe` does (past places where nothing is, and past those this user may not
+/// execute). Returns only when none could, with the errno to report: the one that ended the
+/// search, else `EACCES` when some place was refused, else the last place's.
+///
+/// # Safety
+///
+/// `candidates` yields NUL-terminated strings and `argv` and `envp` are null-terminated
+/// arrays of them, all valid until the exec. It makes system calls and compares integers,
+/// nothing else: fit for a child that may not allocate.
+#[allow(unsafe_code)]
+unsafe fn exec_first(
+    candidates: impl Iterator<Item = *const libc::c_char>,
+    argv: *const *const libc::c_char,
+    envp: *const *const libc::c_char,
+) -> i32 {
+    let mut denied = false;
+    let mut last = libc::ENOENT;
+    for candidate in candidates {
+        // SAFETY: as the caller promises; execve returns only on failure.
+        let errno = unsafe {
+            libc::execve(candidate, argv, envp);
+            *libc::__errno_location()
+        };
+        match program::after_failure(errno) {
+            program::Next::Absent => last = errno,
+            program::Next::Denied => denied = true,
+            program::Next::Stop => return errno,
+        }
+    }
+    if denied { libc::EACCES } else { last }
 }
 
 /// Makes the child enter the cgroup whose `cgroup.procs` is `procs` between fork and exec.
@@ -590,6 +647,80 @@ mod tests {
         // Nothing was left in the cgroups, so the subtree goes.
         cgroups.remove_if_empty();
         assert!(!cgroups.dir().exists());
+    }
+
+    /// The entries of `/proc/<pid>/environ` once the exec has recorded them (`until` is one
+    /// of them), or whatever was there at the deadline.
+    async fn environ_of(pid: u32, until: &str) -> Vec<String> {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            let environ = fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+            let entries: Vec<String> = environ
+                .split(|&b| b == 0)
+                .filter(|entry| !entry.is_empty())
+                .map(|entry| String::from_utf8_lossy(entry).into_owned())
+                .collect();
+            if entries.iter().any(|entry| entry == until) || std::time::Instant::now() > deadline {
+                return entries;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    }
+
+    /// Both ways into a cgroup (born there, or entering through `cgroup.procs`, the way
+    /// where `clone3` is refused), as root where cgroup2 is writable: the child gets each
+    /// variable once, with the value of its last entry, finds a bare name in that `PATH`,
+    /// and a name found nowhere fails before anything is made, naming the `PATH`.
+    #[tokio::test]
+    #[allow(clippy::print_stderr)] // a skipped test says why
+    async fn both_ways_into_a_cgroup_find_a_bare_name_in_the_last_path_and_pass_each_variable_once() {
+        let temp = tempfile::tempdir().unwrap();
+        let cgroups = match crate::cgroup::Cgroups::open(None, temp.path()) {
+            Ok(cgroups) => cgroups,
+            Err(unavailable) => {
+                eprintln!("skipped: {unavailable}");
+                return;
+            }
+        };
+        let data = DataDir::open(temp.path().join("data")).unwrap();
+        let bin = temp.path().join("bin");
+        fs::create_dir(&bin).unwrap();
+        fs::copy("/bin/sleep", bin.join("tether-sleep")).unwrap();
+        let path = format!("{}:{}", temp.path().join("missing").display(), bin.display());
+        let layers = |path: &str| -> Vec<(OsString, OsString)> {
+            [("PATH", "/usr/bin:/bin"), ("LAYER", "agent"), ("PATH", path), ("LAYER", "env")]
+                .into_iter()
+                .map(|(key, value)| (key.into(), value.into()))
+                .collect()
+        };
+        for birth in [Birth::IntoCgroup, Birth::EnteringCgroup] {
+            let name = crate::spec::ProcessName::new("env-proxy").unwrap();
+            let cgroup = cgroups.create(name.as_str(), &tether_state::ResourceLimits::default()).unwrap();
+            let mut spec = ProcessSpec::new(name.clone(), "tether-sleep", &data);
+            spec.args = vec!["30".into()];
+            spec.env = layers(&path);
+            let Spawned { mut child, pid, .. } =
+                queue(&spec, Some(&cgroup.dir), birth).unwrap().finish(&spec.program).await.unwrap();
+            let mut environ = environ_of(pid, "LAYER=env").await;
+            environ.sort_unstable();
+            let exe = fs::read_link(format!("/proc/{pid}/exe"));
+            let member = cgroups.membership(pid);
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL);
+            child.wait().unwrap();
+            assert_eq!(environ, ["LAYER=env".to_owned(), format!("PATH={path}")], "{birth:?}");
+            assert_eq!(exe.unwrap(), bin.join("tether-sleep"), "{birth:?}");
+            assert_eq!(member.unwrap().as_deref(), Some(&*cgroup.name), "{birth:?}");
+
+            let mut missing = ProcessSpec::new(name, "sleep", &data);
+            missing.env = layers(&bin.to_string_lossy());
+            let error = queue(&missing, Some(&cgroup.dir), birth).map(|_| ()).unwrap_err();
+            assert!(
+                matches!(&error, SpawnError::ProgramNotFound(e) if e.path == bin.as_os_str()),
+                "{birth:?}: {error:?}"
+            );
+            cgroups.sweep(&cgroup.name).await;
+        }
+        cgroups.remove_if_empty();
     }
 
     /// A child that nobody claims (its start was cancelled while it was being made) is

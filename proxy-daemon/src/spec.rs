@@ -4,7 +4,8 @@
 //! (those of the config file, from tether-state). It never performs I/O and never validates anything beyond the name: the
 //! caller (the agent) has validated the configuration already.
 
-use std::ffi::OsString;
+use std::collections::HashMap;
+use std::ffi::{OsStr, OsString};
 use std::fmt;
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
@@ -143,11 +144,17 @@ pub struct LogSpec {
 pub struct ProcessSpec {
     /// The proxy id; used in tracing fields, and by [`ProcessSpec::new`] in file names.
     pub name: ProcessName,
-    /// The program to execute. An absolute path: there is no `PATH` search by the agent.
+    /// The program to execute: an absolute path, or a bare name (no `/`) looked up as
+    /// `execvp` does in the `PATH` of the process's own [`environment`](Self::environment)
+    /// (`/bin:/usr/bin` without one), skipping empty and relative directories
+    /// ([`find_program`](crate::find_program)). A process that switches user looks as that
+    /// user. It is also the process's `argv[0]`. A relative path with a `/` is refused.
     pub program: PathBuf,
     /// The arguments, without the program name.
     pub args: Vec<OsString>,
-    /// The complete environment of the process, in order.
+    /// The complete environment of the process, in layers: a later entry of a name
+    /// replaces an earlier one ([`ProcessSpec::environment`]), so that a caller appends its
+    /// own layers (defaults, then what was configured) without looking for duplicates.
     pub env: Vec<(OsString, OsString)>,
     /// The working directory (default `/`).
     pub working_dir: PathBuf,
@@ -210,6 +217,28 @@ impl ProcessSpec {
             limits: ResourceLimits::default(),
             name,
         }
+    }
+}
+
+impl ProcessSpec {
+    /// The environment the process gets: each variable of `env` once, where it first
+    /// appears, with the value of its last entry. Every way of creating the process passes
+    /// exactly this, so that a variable set twice (an inherited `PATH`, then a configured
+    /// one) is never seen twice by the process, where `getenv` would return the first.
+    pub fn environment(&self) -> Vec<(OsString, OsString)> {
+        use std::collections::hash_map::Entry;
+        let mut merged: Vec<(OsString, OsString)> = Vec::with_capacity(self.env.len());
+        let mut places: HashMap<&OsStr, usize> = HashMap::with_capacity(self.env.len());
+        for (key, value) in &self.env {
+            match places.entry(key.as_os_str()) {
+                Entry::Occupied(place) => merged[*place.get()].1.clone_from(value),
+                Entry::Vacant(place) => {
+                    place.insert(merged.len());
+                    merged.push((key.clone(), value.clone()));
+                }
+            }
+        }
+        merged
     }
 }
 
@@ -305,6 +334,31 @@ mod tests {
         let debug = format!("{spec:?}");
         assert!(debug.contains("TETHER_PROXY_TOKEN"), "{debug}");
         assert!(!debug.contains("s3cr3t"), "{debug}");
+    }
+
+    #[test]
+    fn environment_has_each_variable_once_with_its_last_value() {
+        let temp = tempfile::tempdir().unwrap();
+        let data = DataDir::open(temp.path()).unwrap();
+        let mut spec = ProcessSpec::new(ProcessName::new("web-proxy").unwrap(), "/bin/true", &data);
+        let pair = |key: &str, value: &str| (OsString::from(key), OsString::from(value));
+        spec.env = vec![
+            pair("PATH", "/usr/bin:/bin"),
+            pair("HOME", "/root"),
+            pair("TETHER_PROXY_ID", "web-proxy"),
+            pair("PATH", "/opt/envoy/bin"),
+            pair("LOG_LEVEL", "info"),
+            pair("LOG_LEVEL", "debug"),
+        ];
+        assert_eq!(
+            spec.environment(),
+            [
+                pair("PATH", "/opt/envoy/bin"),
+                pair("HOME", "/root"),
+                pair("TETHER_PROXY_ID", "web-proxy"),
+                pair("LOG_LEVEL", "debug"),
+            ]
+        );
     }
 
     #[test]

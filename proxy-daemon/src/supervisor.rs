@@ -257,8 +257,9 @@ pub struct ProcessHandle {
 
 impl ProcessHandle {
     /// Whether the running process was started from `spec`: the same command line, the
-    /// same working directory, and every variable of `spec.env` in its environment (the
-    /// agent's own `PATH` and `HOME` excepted, which may legitimately have changed).
+    /// same working directory, and every variable of [`ProcessSpec::environment`] in its
+    /// environment (the agent's own `PATH` and `HOME` excepted, which may legitimately have
+    /// changed).
     /// `false` when nothing runs or `/proc` cannot tell.
     pub fn runs(&self, spec: &ProcessSpec) -> bool {
         let Some(pid) = self.status.borrow().pid else { return false };
@@ -266,7 +267,8 @@ impl ProcessHandle {
         expected.extend(spec.args.iter().cloned());
         let same_command = proc::read_cmdline(pid).is_ok_and(|words| words == expected);
         let same_dir = proc::read_cwd(pid).is_ok_and(|dir| dir == spec.working_dir);
-        let pairs: Vec<_> = spec.env.iter().filter(|(key, _)| key != "PATH" && key != "HOME").cloned().collect();
+        let mut pairs = spec.environment();
+        pairs.retain(|(key, _)| key != "PATH" && key != "HOME");
         let same_env = proc::read_environ(pid).is_ok_and(|environ| proc::environ_contains(&environ, &pairs));
         same_command && same_dir && same_env
     }

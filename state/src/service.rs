@@ -149,14 +149,41 @@ pub struct CommandLine {
 }
 
 impl CommandLine {
-    /// A command line from its words. `None` when there is no program.
-    pub fn from_words(words: Vec<String>) -> Option<Self> {
+    /// A command line from its words: the program, then its arguments.
+    ///
+    /// The program is an absolute path, or a bare name (no `/`) that the proxy's start looks
+    /// up in the `PATH` of the proxy's environment, as `execvp` does.
+    ///
+    /// # Errors
+    ///
+    /// When there is no program, or when it is a relative path with a `/` (`bin/envoy`):
+    /// that would be found relative to a working directory, which is rarely what was meant,
+    /// and neither systemd nor s6 takes one.
+    ///
+    /// ```
+    /// use tether_state::CommandLine;
+    ///
+    /// assert!(CommandLine::from_words(vec!["envoy".into(), "-c".into(), "/etc/envoy.yaml".into()]).is_ok());
+    /// assert!(CommandLine::from_words(vec!["/usr/bin/envoy".into()]).is_ok());
+    /// assert!(CommandLine::from_words(vec!["bin/envoy".into()]).unwrap_err().contains("relative path"));
+    /// assert!(CommandLine::from_words(Vec::new()).is_err());
+    /// ```
+    pub fn from_words(words: Vec<String>) -> Result<Self, String> {
         let mut words = words.into_iter();
-        let program = PathBuf::from(words.next().filter(|p| !p.is_empty())?);
-        Some(Self { program, args: words.collect() })
+        let Some(program) = words.next().filter(|p| !p.is_empty()).map(PathBuf::from) else {
+            return Err("command must name a program; leave `command` out for the built-in proxy".to_owned());
+        };
+        if program.is_relative() && program.as_os_str().as_encoded_bytes().contains(&b'/') {
+            return Err(format!(
+                "program {:?} is a relative path: give an absolute path, or a bare name (no `/`) to look up in PATH",
+                program.display().to_string()
+            ));
+        }
+        Ok(Self { program, args: words.collect() })
     }
 
-    /// The program: absolute, or a name looked up in the proxy's `PATH`.
+    /// The program: an absolute path, or a bare name looked up in the `PATH` of the
+    /// proxy's environment.
     pub fn program(&self) -> &Path {
         &self.program
     }

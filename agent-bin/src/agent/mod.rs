@@ -91,6 +91,27 @@ fn open_cgroups(choice: &CgroupChoice, data: &DataDir) -> Result<Option<Cgroups>
     }
 }
 
+/// Warns, once per proxy at start, of each program that this host does not have, as
+/// `tether validate` does: its start fails until the program is installed (and is retried
+/// on the restart backoff meanwhile).
+fn warn_of_missing_programs(state: &tether_state::LocalState) {
+    for entry in state.entries() {
+        let Some(proxy) = &entry.proxy else { continue };
+        for missing in tether_proxy_daemon::missing_programs(proxy.spec()) {
+            tracing::warn!(
+                proxy = %proxy.id(),
+                service = %entry.service.id,
+                source = %entry.source,
+                field = %format_args!("proxy.{}", missing.field),
+                program = %missing.error.program.display(),
+                path = %missing.error.path.to_string_lossy(),
+                denied = missing.error.denied,
+                "program not found in PATH; the proxy cannot start until it is installed"
+            );
+        }
+    }
+}
+
 /// How the agent is told to end.
 enum Ending {
     /// SIGTERM or SIGINT: leave proxies running for the next agent.
@@ -150,6 +171,7 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
         Ok(sources) => Arc::new(sources),
         Err(errors) => return Err(UsageError(format!("invalid config:\n{errors}")).into()),
     };
+    warn_of_missing_programs(sources.state());
     // Before the engine's first reconcile, so that it adopts the fleet's running proxies.
     let follower = options.fleet.map(|fleet| Follower::new(fleet.layout, fleet.etcd, sources.clone(), &data));
     let fleet_status = follower.as_ref().map(Follower::status);

@@ -12,6 +12,7 @@ mod fleet;
 mod health;
 mod lifecycle;
 mod limits;
+mod lookup;
 mod operations;
 mod operator;
 mod page;

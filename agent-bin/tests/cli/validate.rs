@@ -128,3 +128,53 @@ fn help_lists_every_command() {
         assert!(out.contains(command), "{command} missing from:\n{out}");
     }
 }
+
+#[test]
+fn a_program_not_installed_is_a_warning_that_names_it_and_the_path_searched() {
+    let dirs = Dirs::new();
+    dirs.write_config(
+        "web.toml",
+        "[[service]]\nname = \"web\"\n[service.proxy]\ncommand = [\"/bin/sleep\", \"1\"]\n\
+         [[service]]\nname = \"api\"\n[service.proxy]\ncommand = [\"definitely-not-installed-xyz\", \"-v\"]\n\
+         [[service]]\nname = \"db\"\n[service.proxy]\ncommand = [\"sh\"]\nenv = { PATH = \"/opt/db/bin\" }\n",
+    );
+    let file = dirs.config.join("web.toml");
+    let assert = tether()
+        .arg("validate")
+        .arg(&dirs.config)
+        // The PATH that `validate` runs with is the one searched, unless `env` sets one.
+        .env("PATH", "/nonexistent/a:/bin:/usr/bin")
+        .assert()
+        .code(0)
+        .stdout(predicate::str::contains("valid: 3 service(s), 3 with a managed proxy"));
+    let stderr = String::from_utf8(assert.get_output().stderr.clone()).unwrap();
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(
+        lines,
+        [
+            format!(
+                "warning: {}: field `service[1].proxy.command`: program `definitely-not-installed-xyz` not found in \
+                 PATH `/nonexistent/a:/bin:/usr/bin`; the proxy cannot start until it is installed",
+                file.display()
+            ),
+            format!(
+                "warning: {}: field `service[2].proxy.command`: program `sh` not found in PATH `/opt/db/bin`; the \
+                 proxy cannot start until it is installed",
+                file.display()
+            ),
+        ],
+        "{stderr}"
+    );
+}
+
+#[test]
+fn a_relative_program_path_is_a_config_error_naming_file_line_and_field() {
+    let dirs = Dirs::new();
+    dirs.write_config("web.toml", "[[service]]\nname = \"web\"\n[service.proxy]\ncommand = [\"bin/envoy\", \"-c\"]\n");
+    let file = dirs.config.join("web.toml");
+    tether().arg("validate").arg(&dirs.config).assert().code(2).stderr(predicate::str::contains(format!(
+        "{}:4:11: field `service[0].proxy.command`: program \"bin/envoy\" is a relative path: give an absolute path, \
+         or a bare name (no `/`) to look up in PATH",
+        file.display()
+    )));
+}

@@ -19,7 +19,9 @@ use std::os::fd::RawFd;
 
 /// What the child does between its birth and its exec, all prepared by the caller.
 pub(super) struct ChildPlan {
-    pub(super) program: CString,
+    /// Where the program may be, in order: pointers into strings the caller keeps. The
+    /// child tries each, as `execvpe` does, as the user it has become.
+    pub(super) candidates: Vec<*const libc::c_char>,
     /// `char *const argv[]`: pointers into strings the caller keeps, then null.
     pub(super) argv: Vec<*const libc::c_char>,
     /// `char *const envp[]`, likewise; the `LISTEN_PID` slot is filled in by the child.
@@ -225,8 +227,8 @@ extern "C" fn child(plan: *mut ChildPlan) -> ! {
         let mut empty = std::mem::MaybeUninit::<libc::sigset_t>::uninit();
         libc::sigemptyset(empty.as_mut_ptr());
         libc::pthread_sigmask(libc::SIG_SETMASK, empty.as_ptr(), std::ptr::null_mut());
-        libc::execve(plan.program.as_ptr(), plan.argv.as_ptr(), plan.envp.as_ptr());
-        fail(plan)
+        let errno = super::exec_first(plan.candidates.iter().copied(), plan.argv.as_ptr(), plan.envp.as_ptr());
+        fail_with(plan, errno)
     }
 }
 
@@ -237,12 +239,20 @@ extern "C" fn child(plan: *mut ChildPlan) -> ! {
 /// Only in the child of [`spawn_into`].
 #[allow(unsafe_code)]
 unsafe fn fail(plan: &mut ChildPlan) -> ! {
-    // SAFETY: errno is this thread's; `_exit` ends the child at once.
+    // SAFETY: errno is this thread's; the caller's promise is passed on.
+    unsafe { fail_with(plan, *libc::__errno_location()) }
+}
+
+/// Records `errno` in `plan` and ends the child without running anything of the parent's.
+///
+/// # Safety
+///
+/// Only in the child of [`spawn_into`].
+#[allow(unsafe_code)]
+unsafe fn fail_with(plan: &mut ChildPlan, errno: i32) -> ! {
+    plan.failed = if errno == 0 { libc::EINVAL } else { errno };
+    // SAFETY: `_exit` ends the child at once.
     unsafe {
-        plan.failed = *libc::__errno_location();
-        if plan.failed == 0 {
-            plan.failed = libc::EINVAL;
-        }
         libc::syscall(libc::SYS_exit_group, 127);
         core::hint::unreachable_unchecked()
     }

@@ -130,6 +130,45 @@ async fn an_exec_probe_runs_like_the_proxy_and_passes_on_exit_zero() {
     within("stop", handle.stop()).await;
 }
 
+#[tokio::test]
+async fn an_exec_probe_finds_a_bare_name_in_the_path_of_the_proxys_environment() {
+    use std::os::unix::fs::PermissionsExt;
+    let fx = Fixture::new();
+    let checks = fx.data_dir().join("checks");
+    std::fs::create_dir(&checks).unwrap();
+    let script = checks.join("tether-check");
+    std::fs::write(&script, "#!/bin/sh\nexit 0\n").unwrap();
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let path = format!("{}:/usr/bin:/bin", checks.display());
+    let readiness = |word: &str| {
+        let mut readiness = Readiness::new(Probe::Exec(CommandLine::from_words(vec![word.into()]).unwrap()));
+        readiness.interval = Duration::from_millis(100);
+        HealthChecks { readiness: Some(readiness), liveness: None }
+    };
+
+    let mut spec = fx.spec("found-check-proxy", &["--sleep"]);
+    spec.env.push(("PATH".into(), path.clone().into()));
+    spec.health = readiness("tether-check");
+    let handle = fx.supervisor.spawn(spec).await.unwrap();
+    let ready = status_where(&handle, "readiness", |status| status.ready).await;
+    assert_eq!((ready.state, ready.error), (ProcessState::Running, None));
+    within("stop", handle.stop()).await;
+
+    let mut spec = fx.spec("missing-check-proxy", &["--sleep"]);
+    spec.env.push(("PATH".into(), path.clone().into()));
+    spec.health = readiness("tether-no-such-check");
+    let handle = fx.supervisor.spawn(spec).await.unwrap();
+    let failing = status_where(&handle, "a failed probe", |status| status.error.is_some()).await;
+    assert_eq!(
+        failing.error.unwrap(),
+        format!(
+            "readiness probe exec tether-no-such-check: cannot start: program `tether-no-such-check` not found in PATH `{path}`"
+        )
+    );
+    assert_eq!(failing.state, ProcessState::Starting);
+    within("stop", handle.stop()).await;
+}
+
 fn notify_checks(readiness: bool, liveness: Option<(u64, u32)>) -> HealthChecks {
     HealthChecks {
         readiness: readiness.then(|| Readiness::new(Probe::Notify)),

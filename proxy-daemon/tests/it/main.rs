@@ -13,3 +13,4 @@ mod root;
 mod spawn;
 mod stop;
 mod support;
+mod ways;

@@ -108,11 +108,11 @@ async fn missing_program_and_missing_working_dir_are_spawn_errors() {
     let error = fx.supervisor.spawn(spec).await.unwrap_err();
     assert!(matches!(&error, SpawnError::WorkingDir { .. }), "{error:?}");
 
-    // No `PATH` search, and no program relative to the working dir.
+    // No program relative to the working dir.
     let mut spec = fx.spec("missing-proxy", &[]);
-    spec.program = "sleep".into();
+    spec.program = "bin/sleep".into();
     let error = fx.supervisor.spawn(spec).await.unwrap_err();
     let message = tether_state::error_chain(&error);
-    assert!(message.contains("the program must be an absolute path"), "{message}");
+    assert!(message.contains("failed to execute `bin/sleep`: a relative path"), "{message}");
     assert!(fx.marked_processes().is_empty());
 }

@@ -412,9 +412,7 @@ impl<'de> Deserialize<'de> for CommandDef {
         if words.iter().any(|w| w.contains('\0')) {
             return Err(de::Error::custom("command words must not contain NUL bytes"));
         }
-        CommandLine::from_words(words)
-            .map(Self)
-            .ok_or_else(|| de::Error::custom("command must name a program; leave `command` out for the built-in proxy"))
+        CommandLine::from_words(words).map(Self).map_err(de::Error::custom)
     }
 }
 

@@ -258,6 +258,26 @@ fn commands_must_name_a_program() {
 }
 
 #[test]
+fn a_program_is_an_absolute_path_or_a_bare_name_never_a_relative_path() {
+    for program in ["/usr/bin/envoy", "envoy", "sleep", ".envoy"] {
+        let service =
+            one(&format!("[[service]]\nname = \"web\"\n[service.proxy]\ncommand = [\"{program}\", \"-c\"]\n"));
+        let ProxyCommand::Exec(command) = &service.proxy.unwrap().command else { panic!("{program}: not a command") };
+        assert_eq!(command.program(), Path::new(program));
+    }
+    assert_eq!(
+        proxy_error("command = [\"bin/envoy\", \"-c\", \"envoy.yaml\"]"),
+        "conf.d/web.toml:4:11: field `service[0].proxy.command`: program \"bin/envoy\" is a relative path: give an absolute path, or a bare name (no `/`) to look up in PATH"
+    );
+    assert!(proxy_error("command = [\"./envoy\"]").contains("program \"./envoy\" is a relative path"));
+    let probe = proxy_error("[service.proxy.readiness]\nexec = [\"checks/ready\"]");
+    assert!(
+        probe.contains("field `service[0].proxy.readiness.exec`: program \"checks/ready\" is a relative path"),
+        "{probe}"
+    );
+}
+
+#[test]
 fn working_dir_must_be_absolute() {
     assert!(
         proxy_error("working_dir = \"srv\"")

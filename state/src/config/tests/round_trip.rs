@@ -9,6 +9,16 @@ fn word() -> impl Strategy<Value = String> {
     "[A-Za-z0-9 ._/:=-]{1,12}"
 }
 
+/// A command line: an absolute program or a bare name, then arguments of any words.
+fn command_words() -> impl Strategy<Value = Vec<String>> {
+    let program = prop_oneof!["/[a-z]{1,8}(/[a-z]{1,8}){0,2}", "[A-Za-z0-9._-]{1,12}"];
+    (program, prop::collection::vec(word(), 0..3)).prop_map(|(program, args)| {
+        let mut words = vec![program];
+        words.extend(args);
+        words
+    })
+}
+
 fn duration() -> impl Strategy<Value = Duration> {
     prop_oneof![
         (0u64..100_000).prop_map(Duration::from_millis),
@@ -38,7 +48,7 @@ fn probe(for_liveness: bool) -> impl Strategy<Value = Probe> {
         (1u16..).prop_map(|port| Probe::Tcp(TcpTarget::parse(&format!("127.0.0.1:{port}")).unwrap())),
         ("[a-z]{1,8}", "(/[a-z0-9]{1,6}){0,3}")
             .prop_map(|(host, path)| Probe::Http(HttpTarget::parse(&format!("http://{host}:8080{path}")).unwrap())),
-        prop::collection::vec(word(), 1..3).prop_map(|words| Probe::Exec(CommandLine::from_words(words).unwrap())),
+        command_words().prop_map(|words| Probe::Exec(CommandLine::from_words(words).unwrap())),
         Just(Probe::Notify),
         "[a-z][a-z .*]{0,11}".prop_map(|pattern| Probe::LogLine(LinePattern::new(&pattern).unwrap())),
         (3u32..=1020).prop_map(Probe::Fd),
@@ -99,7 +109,7 @@ fn proxy_spec() -> impl Strategy<Value = ProxySpec> {
 
 fn proxy_spec_without_health() -> impl Strategy<Value = ProxySpec> {
     (
-        prop::option::of(prop::collection::vec(word(), 1..4)),
+        prop::option::of(command_words()),
         prop::option::of("/[a-z]{1,8}(/[a-z]{1,8}){0,2}"),
         prop::collection::btree_map(
             "[A-Z_][A-Z0-9_]{0,8}".prop_filter("reserved", |k| !k.starts_with("TETHER_")),
@@ -134,7 +144,7 @@ fn proxy_spec_without_health() -> impl Strategy<Value = ProxySpec> {
                 ProxySpec {
                     exec_mode: ExecMode::Daemon,
                     command: command
-                        .and_then(CommandLine::from_words)
+                        .map(|words| CommandLine::from_words(words).unwrap())
                         .map_or(ProxyCommand::BuiltIn, ProxyCommand::Exec),
                     working_dir: working_dir.map(PathBuf::from),
                     env,
