@@ -6,8 +6,10 @@
 //! polls: a file is watched with `IN_MODIFY | IN_ONESHOT`, so a burst of writes costs one
 //! wake-up, and the size is checked with one `stat`. The watch is re-armed after a pause
 //! that follows how fast the file grows: at most a second for a file that grows slowly,
-//! and short enough for a fast writer that the file cannot pass its cap by more than
-//! 2.5 % before the next check ([`rearm_delay`]). An idle agent therefore never
+//! and short enough for a fast writer that the file cannot pass its threshold by more than
+//! 2.5 % of its cap before the next check ([`rearm_delay`]). The threshold is the cap, less
+//! what a fast writer would add while the file is copied ([`rotation_threshold`]), so that a
+//! log stays within a tenth of its cap at 50 MB/s. An idle agent therefore never
 //! wakes up here. It never opens a log for the process and never deletes a live log file.
 //!
 //! Every file is reached through the log directory's handle, never by path: a link
@@ -36,19 +38,53 @@ const REARM_MAX: Duration = Duration::from_secs(1);
 /// The shortest pause between two checks of one file, however fast it grows.
 const REARM_MIN: Duration = Duration::from_millis(2);
 
-/// How long a file stays unwatched after a check that found it at `size`, given how fast
-/// it grew since the check before (`rate`, bytes per second; `None` when unknown): half
-/// the time it would take to reach its cap plus a fortieth, so that however fast it grows
-/// it is checked again before it passes its cap by more than 2.5 %, which leaves the rest
-/// of a tenth for the copy (at once while the rate is not known yet); a second at most.
-fn rearm_delay(size: u64, max_size: u64, rate: Option<f64>) -> Duration {
-    let headroom = (max_size + max_size / 40).saturating_sub(size) as f64;
+/// How long a file stays unwatched after a check that found it at `size`, given the size
+/// at which it is rotated (`threshold`) and how fast it grew since the check before
+/// (`rate`, bytes per second; `None` when unknown): half the time it would take to pass
+/// its threshold by a fortieth of its cap, so that however fast it grows it is checked again
+/// before that (at once while the rate is not known yet); a second at most.
+fn rearm_delay(size: u64, threshold: u64, max_size: u64, rate: Option<f64>) -> Duration {
+    let headroom = (threshold + max_size / 40).saturating_sub(size) as f64;
     let seconds = match rate {
         Some(rate) if rate > 0.0 => headroom / rate / 2.0,
         Some(_) => return REARM_MAX,
         None => return REARM_MIN,
     };
     Duration::try_from_secs_f64(seconds).unwrap_or(REARM_MAX).clamp(REARM_MIN, REARM_MAX)
+}
+
+/// How fast a file grew from `before` to `size` in `elapsed`, in bytes a second; `None`
+/// when it shrank (truncated by someone else) or no time passed.
+fn growth(elapsed: Duration, before: u64, size: u64) -> Option<f64> {
+    let seconds = elapsed.as_secs_f64();
+    (size >= before && seconds > 0.0).then(|| (size - before) as f64 / seconds)
+}
+
+/// The rate to plan with after a new `sample` taken over `elapsed`: a faster sample at
+/// once; a slower one lowers it by half at most, and only when it spans long enough to
+/// mean something ([`RATE_SPAN`]), so that a check right after another (the watch re-armed,
+/// then its first event) never reads a pause between two writes as a writer gone quiet.
+fn next_rate(rate: Option<f64>, sample: Option<f64>, elapsed: Duration) -> Option<f64> {
+    match (rate, sample) {
+        (Some(rate), Some(sample)) if sample < rate => {
+            Some(if elapsed >= RATE_SPAN { sample.max(rate / 2.0) } else { rate })
+        }
+        (rate, None) => rate,
+        (_, sample) => sample,
+    }
+}
+
+/// The shortest span whose growth may lower a file's rate.
+const RATE_SPAN: Duration = Duration::from_millis(20);
+
+/// The size past which a file is rotated: its cap, less what it would grow by during a
+/// rotation (twice the last one's length at its current rate), at most a tenth of the cap.
+/// A copy then ends near the cap, instead of past it by what a fast writer wrote while the
+/// file was being copied.
+fn rotation_threshold(max_size: u64, rate: Option<f64>, rotation_took: Duration) -> u64 {
+    let during = rate.unwrap_or(0.0) * rotation_took.as_secs_f64() * 2.0;
+    let early = (during as u64).min(max_size / 10);
+    max_size - early
 }
 
 /// One stream of one supervised process.
@@ -118,6 +154,16 @@ struct Watched {
     watch: Option<WatchDescriptor>,
     /// When the file was last checked, and its size then: its growth tells the next pause.
     checked: Option<(Instant, u64)>,
+    /// How fast it grew between its last two checks, in bytes a second.
+    rate: Option<f64>,
+    /// How long its last rotation took.
+    rotation_took: Duration,
+}
+
+impl Watched {
+    fn threshold(&self) -> u64 {
+        rotation_threshold(self.limits.max_size, self.rate, self.rotation_took)
+    }
 }
 
 struct State {
@@ -187,7 +233,10 @@ impl State {
                 for (stream, file) in (0u8..).zip(files) {
                     let key = (process, stream);
                     let watch = self.files.remove(&key).and_then(|old| old.watch);
-                    self.files.insert(key, Watched { file, limits, watch, checked: None });
+                    self.files.insert(
+                        key,
+                        Watched { file, limits, watch, checked: None, rate: None, rotation_took: Duration::ZERO },
+                    );
                     self.arm(key).await;
                 }
             }
@@ -228,15 +277,9 @@ impl State {
             return;
         }
         let size = self.check(key).await;
-        let now = Instant::now();
-        let Some(watched) = self.files.get_mut(&key) else { return };
-        let rate = watched.checked.and_then(|(then, before)| {
-            let seconds = now.duration_since(then).as_secs_f64();
-            // A file smaller than before was rotated: its growth since is not known.
-            (size >= before && seconds > 0.0).then(|| (size - before) as f64 / seconds)
-        });
-        watched.checked = Some((now, size));
-        self.rearm.push(Reverse((now + rearm_delay(size, watched.limits.max_size, rate), key)));
+        let Some(watched) = self.files.get(&key) else { return };
+        let delay = rearm_delay(size, watched.threshold(), watched.limits.max_size, watched.rate);
+        self.rearm.push(Reverse((Instant::now() + delay, key)));
     }
 
     /// Watches `key`'s file (again), then checks it: writes since the last event may
@@ -264,15 +307,25 @@ impl State {
         self.check(key).await;
     }
 
-    /// Rotates `key`'s file if it is past its cap; returns its size after the check (0
-    /// after a rotation, or when it cannot be read).
+    /// Rotates `key`'s file if it is past its threshold; returns its size after the check
+    /// (0 after a rotation, or when it cannot be read). Notes the file's growth.
     async fn check(&mut self, key: FileKey) -> u64 {
-        let Some(watched) = self.files.get(&key) else {
+        let Some(watched) = self.files.get_mut(&key) else {
             return 0;
         };
         let (log, limits) = (watched.file.clone(), watched.limits);
         // Most checks find a small file: one stat says so, without opening it.
-        if let Some(size) = log.dir().regular_size(log.name()).filter(|&size| size <= limits.max_size) {
+        let seen = log.dir().regular_size(log.name());
+        let now = Instant::now();
+        if let Some(size) = seen {
+            if let Some((then, before)) = watched.checked {
+                let sample = growth(now.duration_since(then), before, size);
+                watched.rate = next_rate(watched.rate, sample, now.duration_since(then));
+            }
+            watched.checked = Some((now, size));
+        }
+        let threshold = watched.threshold();
+        if let Some(size) = seen.filter(|&size| size <= threshold) {
             return size;
         }
         let (live, size) = match open_live(&log) {
@@ -286,11 +339,17 @@ impl State {
                 return 0;
             }
         };
-        if size <= limits.max_size {
+        if size <= threshold {
             return size;
         }
         // Copying up to `max_size` bytes blocks: keep it off the runtime's threads.
+        let started = Instant::now();
         let rotated = tokio::task::spawn_blocking(move || rotate(&log, &live, limits.keep).map(|()| log)).await;
+        let ended = Instant::now();
+        if let Some(watched) = self.files.get_mut(&key) {
+            watched.rotation_took = ended.duration_since(started);
+            watched.checked = Some((ended, 0));
+        }
         match rotated {
             Ok(Ok(log)) => tracing::info!(path = %log.path().display(), size, "log file rotated"),
             Ok(Err(error)) => {
@@ -370,14 +429,41 @@ mod tests {
         let max = 10 * MIB;
         // 50 MB/s: wherever the file is, the next check comes before it passes the cap + 2.5 %.
         for size in [0, MIB, 5 * MIB, 9 * MIB, 10 * MIB, 10 * MIB + MIB / 8] {
-            let delay = rearm_delay(size, max, Some(50e6));
+            let delay = rearm_delay(size, max, max, Some(50e6));
             let grown = size as f64 + 50e6 * delay.as_secs_f64();
             assert!(grown <= (max + max / 40) as f64 || delay == REARM_MIN, "{size}: {delay:?}");
         }
-        assert_eq!(rearm_delay(0, max, Some(1000.0)), REARM_MAX);
-        assert_eq!(rearm_delay(MIB, max, Some(0.0)), REARM_MAX);
-        assert_eq!(rearm_delay(MIB, max, None), REARM_MIN);
-        assert_eq!(rearm_delay(20 * MIB, max, Some(50e6)), REARM_MIN);
+        assert_eq!(rearm_delay(0, max, max, Some(1000.0)), REARM_MAX);
+        assert_eq!(rearm_delay(MIB, max, max, Some(0.0)), REARM_MAX);
+        assert_eq!(rearm_delay(MIB, max, max, None), REARM_MIN);
+        assert_eq!(rearm_delay(20 * MIB, max, max, Some(50e6)), REARM_MIN);
+    }
+
+    #[test]
+    fn a_rate_rises_at_once_and_falls_by_half_at_most_over_a_span_that_means_something() {
+        let second = Duration::from_secs(1);
+        assert_eq!(next_rate(None, Some(100.0), second), Some(100.0));
+        assert_eq!(next_rate(Some(100.0), Some(500.0), Duration::from_millis(1)), Some(500.0));
+        assert_eq!(next_rate(Some(100.0), Some(0.0), Duration::from_millis(1)), Some(100.0));
+        assert_eq!(next_rate(Some(100.0), Some(0.0), second), Some(50.0));
+        assert_eq!(next_rate(Some(100.0), Some(80.0), second), Some(80.0));
+        assert_eq!(next_rate(Some(100.0), None, second), Some(100.0));
+        assert_eq!(growth(second, 10, 5), None);
+        assert_eq!(growth(Duration::ZERO, 5, 10), None);
+        assert_eq!(growth(second / 2, 0, 100), Some(200.0));
+    }
+
+    #[test]
+    fn a_fast_writer_is_rotated_early_by_what_it_writes_during_a_rotation_and_a_slow_one_at_its_cap() {
+        const MIB: u64 = 1 << 20;
+        let max = 10 * MIB;
+        // 50 MB/s and 10 ms a rotation: a megabyte early, so that the copy ends near the cap.
+        assert_eq!(rotation_threshold(max, Some(50e6), Duration::from_millis(10)), max - 1_000_000);
+        // Never more than a tenth early, however slow the copy.
+        assert_eq!(rotation_threshold(max, Some(50e6), Duration::from_secs(1)), max - max / 10);
+        assert_eq!(rotation_threshold(max, Some(100.0), Duration::from_millis(10)), max - 2);
+        assert_eq!(rotation_threshold(max, None, Duration::from_millis(10)), max);
+        assert_eq!(rotation_threshold(max, Some(50e6), Duration::ZERO), max);
     }
 
     /// `web-proxy-stdout.log` in a new data dir's `logs/`.
