@@ -268,6 +268,17 @@ fn the_http_address_answers_only_requests_that_name_the_loopback() {
     assert_eq!(unix_exchange(&dirs.socket(), raw.as_bytes()).unwrap().status, 200);
 }
 
+/// Asserts that `tether status` works and lists `id`.
+fn status_lists(dirs: &Dirs, id: &str) {
+    assert_cmd::Command::from_std(tether())
+        .args(["status", "--data-dir"])
+        .arg(&dirs.data)
+        .timeout(DEADLINE)
+        .assert()
+        .code(0)
+        .stdout(predicates::str::contains(id));
+}
+
 /// Opens a connection and asks for an answer that stays open, then reads only its head.
 fn open_stream<S: Read + Write>(mut stream: S, host: &str, path: &str) -> (S, u16) {
     let head = format!("GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n");
@@ -337,13 +348,7 @@ fn streams_held_by_the_thousand_leave_room_for_the_reads_that_answer_at_once() {
         tcp_exchange(&addr, format!("GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes())
             .unwrap();
     assert_eq!(metrics.status, 200);
-    assert_cmd::Command::from_std(tether())
-        .args(["status", "--data-dir"])
-        .arg(&dirs.data)
-        .timeout(DEADLINE)
-        .assert()
-        .code(0)
-        .stdout(predicates::str::contains("web-proxy"));
+    status_lists(&dirs, "web-proxy");
     // A stream over the listener's slots is refused with 503, and the refusal closes.
     let (mut over, status) = open_stream(TcpStream::connect(&addr).unwrap(), &addr, "/v1/agent/events");
     assert_eq!(status, 503);
@@ -366,13 +371,7 @@ fn under_a_low_descriptor_limit_streams_on_the_socket_leave_the_cli_working() {
         .filter(|(_, status)| *status == 200)
         .collect();
     assert_eq!(held.len(), 12);
-    assert_cmd::Command::from_std(tether())
-        .args(["status", "--data-dir"])
-        .arg(&dirs.data)
-        .timeout(DEADLINE)
-        .assert()
-        .code(0)
-        .stdout(predicates::str::contains("web-proxy"));
+    status_lists(&dirs, "web-proxy");
     drop(held);
     drop(agent);
 }
