@@ -245,10 +245,11 @@ pub(crate) struct AgentArgs {
     /// Allow the register API to set a proxy's `command`.
     #[arg(long)]
     pub(crate) allow_api_commands: bool,
-    /// Sync after this long without a further catalog change.
+    /// While catalog changes keep coming, sync after this long without a further one (the
+    /// first change after a quiet period is synced at once).
     #[arg(long, value_name = "DUR", default_value = "500ms", value_parser = humantime::parse_duration)]
     pub(crate) sync_quiescent: Duration,
-    /// Sync at most this long after the first unsynced change.
+    /// While catalog changes keep coming, sync at most this long after the first unsynced one.
     #[arg(long, value_name = "DUR", default_value = "5s", value_parser = humantime::parse_duration)]
     pub(crate) sync_max_delay: Duration,
     /// The least severe log level shown: error, warn, info, debug or trace.

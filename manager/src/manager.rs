@@ -194,6 +194,8 @@ pub struct Manager {
     catalog_open: bool,
     seen: Option<Revision>,
     unsynced: Option<Unsynced>,
+    /// When the catalog last said it changed: a change after a quiet period is synced at once.
+    last_change: Option<Instant>,
     desired: HashMap<ProxyId, DesiredProxy>,
     /// Boxed: the table keeps spare room for a quarter to a half of its entries, which
     /// would otherwise each be a whole slot.
@@ -259,6 +261,7 @@ impl Manager {
             catalog_open: true,
             seen: None,
             unsynced: None,
+            last_change: None,
             desired: HashMap::new(),
             slots: HashMap::new(),
             dirty: HashSet::new(),
@@ -454,8 +457,18 @@ impl Manager {
         result.map_err(|source| ShutdownError::Snapshot { source })
     }
 
+    /// Coalesces bursts, not changes: the first change after a quiet period (no change for
+    /// `sync_quiescent`) is synced at once; changes that keep coming after it wait for a
+    /// quiet `sync_quiescent`, at most `sync_max_delay` after the first of them.
     fn note_change(&mut self) {
         let now = Instant::now();
+        let quiet = self.unsynced.is_none()
+            && self.last_change.is_none_or(|last| now.duration_since(last) >= self.config.sync_quiescent);
+        self.last_change = Some(now);
+        if quiet {
+            self.sync();
+            return;
+        }
         let first = self.unsynced.map_or(now, |u| u.first);
         self.unsynced = Some(Unsynced { first, last: now });
     }

@@ -512,6 +512,28 @@ impl LocalState {
         Revision(self.lock().revision)
     }
 
+    /// The token that the proxy `proxy` has, or that an upsert of its service would give it
+    /// if it is not in the catalog: the one it had before, when one is known, else a new one,
+    /// kept for that upsert. A caller can so persist a new proxy's token before the proxy
+    /// enters the catalog, and so before an engine can start it.
+    ///
+    /// # Errors
+    ///
+    /// [`CatalogError::Token`] if a token cannot be made.
+    pub fn token_for(&self, proxy: &ProxyId) -> Result<ProxyToken, CatalogError> {
+        let mut inner = self.lock();
+        let current = inner.entries.get(&proxy.service_id()).and_then(|entry| entry.proxy.as_ref());
+        if let Some(current) = current {
+            return Ok(current.token().clone());
+        }
+        if let Some(kept) = inner.restored_tokens.get(proxy) {
+            return Ok(kept.clone());
+        }
+        let token = ProxyToken::generate().map_err(|source| CatalogError::Token { id: proxy.clone(), source })?;
+        inner.restored_tokens.insert(proxy.clone(), token.clone());
+        Ok(token)
+    }
+
     /// The token of every proxy in the catalog, for persisting.
     pub fn tokens(&self) -> BTreeMap<ProxyId, ProxyToken> {
         self.lock()

@@ -5,11 +5,10 @@
 //! which `policy` defines; config-vs-API ownership) and keeps the catalog and the data dir
 //! in step. It never starts a process.
 //!
-//! A new API registration enters the catalog before it is written to disk, so that the
-//! engine's quiescent period runs while the disk syncs; the client is answered only once
-//! the registration is durable, and a failed write takes the service out of the catalog
-//! again. A change to an existing registration is written first, as before: rolling it
-//! back could restart a proxy that was running fine.
+//! An API registration is written to disk, with its proxy's token, before it enters the
+//! catalog: the engine acts on a change at once, and must never start a proxy that is not
+//! durably registered, or whose token a crash could lose. The client is answered once the
+//! registration is durable and in the catalog; a failed write changes nothing.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -301,28 +300,45 @@ impl Sources {
         Ok(())
     }
 
-    /// A new service: into the catalog first, so that the engine's quiescent period starts
-    /// now, then to disk, the registration and the tokens at the same time.
+    /// A new service: to disk first, its registration and its proxy's token, so that the
+    /// engine, which acts on a change at once, never starts a proxy that was not registered
+    /// or whose token a crash could lose; then into the catalog., the registration and the tokens at the same time.
     fn add_registration(&self, service: Service) -> Result<(), RegisterError> {
         let registrations = self.data.registrations();
         let id = service.id.clone();
-        let written = service.clone();
-        // Config reloads and the fleet refuse ids that the API owns, and other API changes
-        // wait for `api_changes`: until the rollback below, the entry stays this one.
-        self.state.upsert(service, Source::Api)?;
+        let mut tokens = self.state.tokens();
+        if service.proxy.is_some() {
+            let proxy = id.proxy_id();
+            let token = self.state.token_for(&proxy)?;
+            tokens.insert(proxy, token);
+        }
+        let mut saved_tokens = lock(&self.saved_tokens);
         let saved = std::thread::scope(|scope| {
-            let registration = scope.spawn(|| registrations.save(&written));
-            self.save_tokens();
-            registration.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+            let registration = scope.spawn(|| registrations.save(&service));
+            let tokens_saved = self.data.tokens().save(&tokens);
+            let registration = registration.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+            registration.and(tokens_saved)
         });
+        // Written or not, the tokens file's content is known only when it was written.
+        *saved_tokens = saved.is_ok().then(|| tokens.clone());
+        drop(saved_tokens);
         if let Err(source) = saved {
-            // The proxy, if the engine already started it, is stopped again: it did not run
-            // before this request, and the client is told that the service is not registered.
-            if let Err(err) = self.state.remove(&id, &SourceKind::Api) {
-                tracing::error!(service = %id, error = %crate::error_chain(&err), "cannot roll back a registration");
-            }
+            // The tokens file lists what the catalog holds, not the token kept for a retry.
             self.save_tokens();
+            // Nothing entered the catalog: no proxy started, and the client is told that the
+            // service is not registered. A registration file that was written goes again.
+            if let Err(err) = registrations.remove(&id) {
+                tracing::error!(service = %id, error = %crate::error_chain(&err), "cannot remove an unregistered service's file");
+            }
             return Err(RegisterError::Persist { id, source });
+        }
+        // Config reloads and the fleet refuse ids that the API owns, but one may have taken
+        // this id while it was written: then the registration is undone on disk.
+        if let Err(err) = self.state.upsert(service, Source::Api) {
+            if let Err(undo) = registrations.remove(&id) {
+                tracing::error!(service = %id, error = %crate::error_chain(&undo), "cannot remove a refused registration");
+            }
+            return Err(err.into());
         }
         Ok(())
     }
@@ -420,7 +436,7 @@ mod tests {
     }
 
     #[test]
-    fn a_new_registration_that_cannot_be_persisted_is_taken_out_of_the_catalog_again() {
+    fn a_new_registration_that_cannot_be_persisted_never_enters_the_catalog() {
         let root = tempfile::tempdir().unwrap();
         let (sources, data) = open(root.path());
         sources.register(service("db", 5432)).unwrap();
@@ -436,10 +452,10 @@ mod tests {
         );
         let id = ServiceId::new("web").unwrap();
         assert!(sources.state().get(&id).is_none());
-        // In and out again: the engine sees the proxy as unwanted, whatever it did meanwhile.
+        // Never in the catalog: the engine, which acts on a change at once, saw nothing.
+        assert_eq!(sources.state().revision(), revision);
         let changes = tether_state::Catalog::changes_since(sources.state(), Some(revision));
-        assert!(changes.upserted.is_empty());
-        assert_eq!(changes.removed, [id.proxy_id()]);
+        assert!(changes.upserted.is_empty() && changes.removed.is_empty());
         assert_eq!(saved_tokens(&data), [ServiceId::new("db").unwrap().proxy_id()]);
 
         std::fs::remove_dir_all(data.registrations_dir().join("web.json")).unwrap();

@@ -565,3 +565,20 @@ fn tls_with_a_private_ca_and_a_client_certificate_reaches_etcd() {
     pid_of(&agent, "web-proxy");
     assert_eq!(fleet_status(&agent)["connected"], true);
 }
+
+#[test]
+fn the_first_change_after_a_quiet_period_applies_at_once_from_etcd() {
+    let Some(etcd) = Etcd::start("fleet latency") else { return };
+    let dirs = Dirs::new();
+    let _sweep = support::SweepOnDrop(dirs.socket());
+    let url = etcd.url();
+    // Coalescing windows no test can wait out: a change that waited for one would never apply.
+    let mut flags = vec!["--etcd", url.as_str(), "--node", "n1", "--sync-quiescent", "1h", "--sync-max-delay", "2h"];
+    if is_root() {
+        flags.push("--allow-root");
+    }
+    let agent = Agent::start(&dirs, &flags);
+    wait_for("the watch on etcd", || fleet_status(&agent)["connected"].as_bool().filter(|connected| *connected));
+    put_sleeper(&etcd, &dirs, "n1", "web", 3600);
+    agent.wait_state("web-proxy", "running");
+}

@@ -408,3 +408,34 @@ fn a_snapshot_of_the_first_format_is_adopted_from_and_written_again_in_the_curre
     });
     assert!(snapshot.contains("\"process\":{\"identity\":{"), "{snapshot}");
 }
+
+/// Coalescing windows no test can wait out: a change that waited for one would never apply.
+const HOUR_WINDOWS: [&str; 4] = ["--sync-quiescent", "1h", "--sync-max-delay", "2h"];
+
+#[test]
+fn the_first_change_after_a_quiet_period_applies_at_once_from_a_config_reload() {
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    let mut flags = root_flags();
+    flags.extend(HOUR_WINDOWS);
+    let agent = Agent::start(&dirs, &flags);
+    dirs.write_config("web.toml", &sleeper("web"));
+    tether().args(["reload", "--data-dir"]).arg(&dirs.data).assert().code(0);
+    agent.wait_state("web-proxy", "running");
+}
+
+#[test]
+fn the_first_change_after_a_quiet_period_applies_at_once_from_the_api() {
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    let mut flags = root_flags();
+    flags.extend(HOUR_WINDOWS);
+    let agent = Agent::start(&dirs, &flags);
+    let body = r#"{"name": "api", "port": 9000, "proxy": {"config": {"bind_port": 0}}}"#;
+    let response = put(&dirs.socket(), "/v1/agent/service/register", Some(body)).unwrap();
+    assert_eq!(response.status, 200, "{}", response.body);
+    // Started: it has a pid or an exit (bind_port 0 makes the built-in proxy exit).
+    wait_for("api-proxy started", || {
+        agent.proxy("api-proxy").filter(|status| !status["pid"].is_null() || !status["last_exit"].is_null())
+    });
+}

@@ -144,20 +144,15 @@ impl Agent {
             .arg(&dirs.config)
             .arg("--data-dir")
             .arg(&dirs.data)
-            .args([
-                "--sync-quiescent",
-                "20ms",
-                "--sync-max-delay",
-                "200ms",
-                "--log-format",
-                "json",
-                "--log-level",
-                "debug",
-            ])
+            .args(["--log-format", "json", "--log-level", "debug"])
             .args(extra)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(stderr);
+        // Fast coalescing, unless the test sets its own.
+        if !extra.contains(&"--sync-quiescent") {
+            command.args(["--sync-quiescent", "20ms", "--sync-max-delay", "200ms"]);
+        }
         configure(&mut command);
         let child = command.spawn().unwrap();
         Self { child: Some(child), socket: dirs.socket(), log }

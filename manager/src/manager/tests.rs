@@ -121,35 +121,40 @@ async fn initial_sync_starts_every_wanted_proxy_at_once() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn added_service_starts_after_the_quiescent_window_to_the_millisecond() {
+async fn the_first_change_after_a_quiet_period_is_synced_at_once() {
     let running = run(&[]);
-    tokio::time::sleep(Duration::from_millis(10)).await;
+    tokio::time::sleep(QUIESCENT).await;
     let t0 = Instant::now();
     running.state.upsert(service("web"), Source::Api).unwrap();
     let starts = running.fake.wait_calls(Call::Start, 1).await;
-    assert_eq!(starts[0].0 - t0, QUIESCENT);
+    assert_eq!(starts[0].0, t0, "an idle engine does not wait");
     running.until_state(&pid("web"), ProxyState::Running).await;
     running.stop().await;
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_further_change_restarts_the_quiescent_window() {
+async fn a_change_soon_after_another_waits_for_a_quiet_window() {
     let running = run(&[]);
-    tokio::time::sleep(Duration::from_millis(10)).await;
+    tokio::time::sleep(QUIESCENT).await;
+    let t0 = Instant::now();
     running.state.upsert(service("web"), Source::Api).unwrap();
-    tokio::time::sleep(Duration::from_millis(499)).await;
-    let t1 = Instant::now();
+    tokio::time::sleep(Duration::from_millis(100)).await;
     running.state.upsert(service("db"), Source::Api).unwrap();
-    let starts = running.fake.wait_calls(Call::Start, 2).await;
-    assert!(starts.iter().all(|(at, _)| *at - t1 == QUIESCENT), "{starts:?} vs {t1:?}");
-    assert_eq!(running.handle.stats().passes, 2, "both changes fold into one pass");
+    tokio::time::sleep(Duration::from_millis(399)).await;
+    let t1 = Instant::now();
+    running.state.upsert(service("cache"), Source::Api).unwrap();
+    let starts = running.fake.wait_calls(Call::Start, 3).await;
+    assert_eq!(starts[0], (t0, pid("web")), "the first change of the burst at once");
+    // The rest of the burst: once it has been quiet for the window after its last change.
+    assert!(starts[1..].iter().all(|(at, _)| *at - t1 == QUIESCENT), "{starts:?} vs {t1:?}");
+    assert_eq!(running.handle.stats().passes, 3, "the start, the first change, and the rest of the burst");
     running.stop().await;
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_stream_of_changes_is_synced_at_most_max_delay_after_the_first() {
+async fn a_stream_of_changes_is_synced_at_most_max_delay_after_its_first_unsynced_change() {
     let running = run(&[]);
-    tokio::time::sleep(Duration::from_millis(10)).await;
+    tokio::time::sleep(QUIESCENT).await;
     let t0 = Instant::now();
     // A change every 400ms never leaves 500ms of quiet.
     for port in 0..20u16 {
@@ -157,12 +162,14 @@ async fn a_stream_of_changes_is_synced_at_most_max_delay_after_the_first() {
         web.port = Some(port);
         running.state.upsert(web, Source::Api).unwrap();
         tokio::time::sleep(Duration::from_millis(400)).await;
-        if !running.fake.calls_of(Call::Start).is_empty() {
+        if !running.fake.calls_of(Call::Update).is_empty() {
             break;
         }
     }
     let starts = running.fake.wait_calls(Call::Start, 1).await;
-    assert_eq!(starts[0].0 - t0, Duration::from_secs(5));
+    assert_eq!(starts[0].0, t0, "the first change at once");
+    let updates = running.fake.wait_calls(Call::Update, 1).await;
+    assert_eq!(updates[0].0 - t0, Duration::from_millis(400) + Duration::from_secs(5));
     running.stop().await;
 }
 
@@ -170,11 +177,13 @@ async fn a_stream_of_changes_is_synced_at_most_max_delay_after_the_first() {
 async fn coalescing_windows_are_configurable() {
     let config = ManagerConfig { sync_quiescent: Duration::from_millis(20), ..ManagerConfig::default() };
     let running = run_with(&catalog(&[]), &Fake::new(), &Arc::new(MemorySnapshotStore::new()), config);
-    tokio::time::sleep(Duration::from_millis(10)).await;
-    let t0 = Instant::now();
+    tokio::time::sleep(Duration::from_millis(20)).await;
     running.state.upsert(service("web"), Source::Api).unwrap();
-    let starts = running.fake.wait_calls(Call::Start, 1).await;
-    assert_eq!(starts[0].0 - t0, Duration::from_millis(20));
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let t1 = Instant::now();
+    running.state.upsert(service("db"), Source::Api).unwrap();
+    let starts = running.fake.wait_calls(Call::Start, 2).await;
+    assert_eq!(starts[1], (t1 + Duration::from_millis(20), pid("db")));
     running.stop().await;
 }
 
@@ -237,12 +246,13 @@ async fn a_slow_stop_delays_no_other_action() {
     running.state.remove(&ServiceId::new("slow").unwrap(), &tether_state::SourceKind::Api).unwrap();
     running.state.upsert(service("fast"), Source::Api).unwrap();
     let starts = running.fake.wait_calls(Call::Start, 2).await;
-    assert_eq!(starts[1], (t0 + QUIESCENT, pid("fast")));
+    // Both changes came before the engine looked, after a quiet period: one sync, at once.
+    assert_eq!(starts[1], (t0, pid("fast")));
     let fast = running.until_state(&pid("fast"), ProxyState::Running).await;
     assert_eq!(fast.state, ProxyState::Running);
     assert_eq!(running.handle.proxy(&pid("slow")).map(|s| s.state), Some(ProxyState::Stopping));
     running.until_gone(&pid("slow")).await;
-    assert_eq!(Instant::now() - t0, QUIESCENT + Duration::from_secs(5));
+    assert_eq!(Instant::now() - t0, Duration::from_secs(5));
     running.stop().await;
 }
 

@@ -91,6 +91,20 @@ fn tokens_survive_updates_and_are_new_after_removal() {
 }
 
 #[test]
+fn a_token_asked_for_before_an_upsert_is_the_one_the_upsert_gives() {
+    let state = LocalState::new();
+    let proxy = sid("a").proxy_id();
+    let token = state.token_for(&proxy).unwrap();
+    assert_eq!(state.token_for(&proxy).unwrap(), token, "kept until the upsert");
+    assert!(state.tokens().is_empty(), "not in the catalog yet");
+    let revision = state.revision();
+    state.upsert(service("a"), Source::Api).unwrap();
+    assert_eq!(state.tokens()[&proxy], token);
+    assert_eq!(state.token_for(&proxy).unwrap(), token, "the proxy's own");
+    assert!(state.revision() > revision);
+}
+
+#[test]
 fn restored_tokens_are_given_back_to_their_proxies() {
     let token = ProxyToken::generate().unwrap();
     let state = LocalState::with_tokens(BTreeMap::from([(sid("a").proxy_id(), token.clone())]));
