@@ -22,8 +22,8 @@
 //!
 //! use tether_manager::tether_state::{LocalState, ManagedProxy, ProxySpec, Service, ServiceId, ServiceName, Source};
 //! use tether_manager::{
-//!     BackendError, CancellationToken, Manager, ManagerConfig, MemorySnapshotStore, BackendStatus, ProxyBackend,
-//!     ProxyHandle, ProxyState, async_trait, watch,
+//!     BackendError, BackendState, BackendStatus, CancellationToken, Manager, ManagerConfig, MemorySnapshotStore,
+//!     ProxyBackend, ProxyHandle, ProxyState, async_trait, watch,
 //! };
 //!
 //! /// A "process" that is only a status.
@@ -32,7 +32,7 @@
 //! #[async_trait]
 //! impl ProxyHandle for Pretend {
 //!     async fn start(&self) -> Result<(), BackendError> {
-//!         self.0.send_modify(|s| s.state = ProxyState::Running);
+//!         self.0.send_modify(|s| s.state = BackendState::Running);
 //!         Ok(())
 //!     }
 //!     async fn stop(&self) -> Result<(), BackendError> { Ok(()) }
@@ -111,15 +111,15 @@
 //!
 //! use tether_manager::tether_state::{LocalState, ProxyId, ProxySpec, Service, ServiceId, ServiceName, Source};
 //! use tether_manager::{
-//!     BackendRecord, BackendStatus, CancellationToken, Manager, ManagerConfig, MemorySnapshotStore, MockProxyBackend,
-//!     MockProxyHandle, ProxyState, watch,
+//!     BackendRecord, BackendState, BackendStatus, CancellationToken, Manager, ManagerConfig, MemorySnapshotStore,
+//!     MockProxyBackend, MockProxyHandle, watch,
 //! };
 //!
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() {
 //! // The one proxy's handle: started once, then running as pid 42; detached, never stopped.
 //! let (_status, running) =
-//!     watch::channel(BackendStatus { state: ProxyState::Running, pid: Some(42), ..Default::default() });
+//!     watch::channel(BackendStatus { state: BackendState::Running, pid: Some(42), ..Default::default() });
 //! let mut handle = MockProxyHandle::new();
 //! handle.expect_start().times(1).returning(|| Ok(()));
 //! handle.expect_status().returning(move || running.clone());
@@ -170,7 +170,9 @@ mod snapshot;
 mod status;
 mod users;
 
-pub use backend::{BackendError, BackendRecord, BackendStatus, BoxError, ProxyBackend, ProxyHandle, ProxyState};
+pub use backend::{
+    BackendError, BackendRecord, BackendState, BackendStatus, BoxError, ProxyBackend, ProxyHandle, ProxyState,
+};
 #[cfg(any(test, feature = "mock"))]
 pub use backend::{MockProxyBackend, MockProxyHandle};
 pub use manager::{Manager, ManagerConfig, ShutdownError};

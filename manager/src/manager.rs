@@ -627,24 +627,24 @@ impl Manager {
         let process = slot.installed.as_ref().map(|installed| installed.status.borrow().clone()).unwrap_or_default();
         let queued = self.in_backlog.contains(id);
         let update = slot.overlap.as_ref().and_then(|(next, _)| next.borrow().clone()).map(|next| UpdateStatus {
-            state: next.state,
+            state: next.state.into(),
             pid: next.pid,
             started_at: next.started_at,
         });
         let (state, error) = match (&slot.busy, &slot.observed) {
             // The old instance serves while the new one starts beside it.
-            (Some(Action::Restart), _) if slot.overlap.is_some() => (process.state, process.error.clone()),
+            (Some(Action::Restart), _) if slot.overlap.is_some() => (process.state.into(), process.error.clone()),
             (Some(Action::Start), _) => (ProxyState::Starting, None),
             (Some(Action::Stop | Action::Restart), _) => (ProxyState::Stopping, None),
             (_, Observed::Blocked { .. }) => (ProxyState::Blocked, slot.error.clone()),
             (_, Observed::Failed { .. }) if slot.old_serves && slot.installed.is_some() => {
-                (process.state, slot.error.clone())
+                (process.state.into(), slot.error.clone())
             }
             (_, Observed::Failed { .. }) => (ProxyState::Failed, slot.error.clone()),
             (_, Observed::Idle) if slot.installed.is_none() && self.held.contains(id) => (ProxyState::Stopped, None),
             (_, Observed::Idle) => (ProxyState::Pending, None),
             _ if queued && slot.installed.is_none() => (ProxyState::Pending, None),
-            _ => (process.state, process.error.clone()),
+            _ => (process.state.into(), process.error.clone()),
         };
         self.published.set(ProxyStatus {
             id: id.clone(),

@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::{MIN_RETRY_DELAY, Manager, Outcome, encoded_service};
-use crate::backend::{BackendError, BackendStatus, ProxyBackend, ProxyHandle, ProxyState};
+use crate::backend::{BackendError, BackendState, BackendStatus, ProxyBackend, ProxyHandle};
 use crate::plan::{Action, Observed};
 use crate::status::{ActionKind, Request, RequestError};
 
@@ -354,8 +354,8 @@ async fn overlap_update(
             let state = current.state;
             progress.send_replace(Some(current.clone()));
             match state {
-                ProxyState::Running => return Ok(()),
-                ProxyState::Pending | ProxyState::Starting => {}
+                BackendState::Running => return Ok(()),
+                BackendState::Pending | BackendState::Starting => {}
                 _ => return Err(not_ready(&current)),
             }
             tokio::select! {
