@@ -168,6 +168,8 @@ mod manager;
 mod plan;
 mod snapshot;
 mod status;
+#[cfg(feature = "testing")]
+pub mod testing;
 mod users;
 
 pub use backend::{

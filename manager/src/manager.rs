@@ -291,9 +291,10 @@ impl Manager {
     ///
     /// # Panics
     ///
-    /// With the `mock` feature (tests), when an action panicked, such as a mock's unmet
-    /// expectation: raised again here, so that a test fails rather than waits. Without it, the
-    /// proxy is marked failed and the engine goes on.
+    /// With the `testing` feature (tests; `mock` turns it on), when an action panicked, such as
+    /// a mock's unmet expectation or a panic of a test's own callback: raised again here, so
+    /// that a test fails rather than waits. Without it, the proxy is marked failed and the
+    /// engine goes on.
     ///
     /// # Cancel safety
     ///
@@ -344,7 +345,7 @@ impl Manager {
     ///
     /// # Panics
     ///
-    /// With the `mock` feature (tests), when an action or a detach panicked, such as a
+    /// With the `testing` feature (tests), when an action or a detach panicked, such as a
     /// mock's unmet expectation: raised again here, as by [`Manager::run`].
     ///
     /// # Cancel safety
@@ -377,7 +378,7 @@ impl Manager {
     ///
     /// # Panics
     ///
-    /// With the `mock` feature (tests), when an action or a stop panicked, such as a mock's
+    /// With the `testing` feature (tests), when an action or a stop panicked, such as a mock's
     /// unmet expectation: raised again here, as by [`Manager::run`].
     ///
     /// # Cancel safety
@@ -432,7 +433,7 @@ impl Manager {
     ///
     /// # Panics
     ///
-    /// With the `mock` feature, as [`Manager::run`].
+    /// With the `testing` feature, as [`Manager::run`].
     async fn finish_actions(&mut self) {
         self.closing = true;
         self.shutting_down.cancel();
@@ -685,7 +686,7 @@ mod tests;
 /// often a mock's unmet expectation: raised again, so that the test fails instead of passing
 /// with the complaint in its output. An agent logs it and goes on with the other proxies.
 fn ended_abnormally(call: &'static str, join: tokio::task::JoinError) {
-    #[cfg(any(test, feature = "mock"))]
+    #[cfg(any(test, feature = "testing"))]
     if join.is_panic() {
         std::panic::resume_unwind(join.into_panic());
     }

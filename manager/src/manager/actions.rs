@@ -183,7 +183,7 @@ impl Manager {
                 // In tests, a panic in an action is most often a mock's unmet expectation:
                 // raised again here, it fails the test instead of leaving it waiting for a
                 // state that never comes. An agent marks the proxy failed and goes on.
-                #[cfg(any(test, feature = "mock"))]
+                #[cfg(any(test, feature = "testing"))]
                 if join.is_panic() {
                     std::panic::resume_unwind(join.into_panic());
                 }
