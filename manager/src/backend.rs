@@ -346,8 +346,9 @@ pub trait ProxyHandle: Send + Sync {
 /// reads [`ProxyHandle::status`] once, when it takes the handle in, and
 /// [`ProxyHandle::record`] whenever the snapshot needs the proxy's record.
 ///
-/// `tether-proxy-daemon` provides the production implementation; tests use
-/// `MockProxyBackend` (enable the `mock` feature outside this crate) or a fake.
+/// `tether-proxy-daemon` provides the production implementation. Tests use
+/// `testing::RecordingBackend` (feature `testing`), or `MockProxyBackend` (feature `mock`),
+/// which `testing::mock_backend` gives defaults for every method but `create` and `restore`.
 #[cfg_attr(any(test, feature = "mock"), mockall::automock)]
 #[async_trait]
 pub trait ProxyBackend: Send + Sync {
