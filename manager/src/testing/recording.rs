@@ -54,7 +54,7 @@ const FIRST_PID: u32 = 1000;
 /// use tether_manager::tether_state::{LocalState, ProxySpec, Service, ServiceId, ServiceName, Source};
 /// use tether_manager::{Manager, ManagerConfig, MemorySnapshotStore, ProxyState};
 ///
-/// # #[tokio::main(flavor = "current_thread")]
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)]
 /// # async fn main() {
 /// let catalog = LocalState::new();
 /// let web = Service::new(ServiceId::new("web").unwrap(), ServiceName::new("web").unwrap());
