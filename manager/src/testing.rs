@@ -10,7 +10,7 @@
 //!   the condition and the last statuses seen.
 //! - [`RunningManager`]: [`Manager::run`](crate::Manager::run) in a task, stopped, closed or
 //!   killed in one call, with any panic of the engine's carried to the test.
-//! - With the `mock` feature, [`mock_backend`] and [`mock_handle`]: mocks with defaults for
+//! - With the `mock` feature, `mock_backend` and `mock_handle`: mocks with defaults for
 //!   the calls a test is not about.
 //!
 //! Everything works under tokio's paused clock (`#[tokio::test(start_paused = true)]`):
