@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use tether_manager::{
-    BackendError, BackendStatus, Manager, ManagerConfig, MemorySnapshotStore, ProxyBackend, ProxyHandle, ProxyState,
+    BackendError, BackendState, BackendStatus, Manager, ManagerConfig, MemorySnapshotStore, ProxyBackend, ProxyHandle,
+    ProxyState,
 };
 use tether_state::{LocalState, ManagedProxy, ProxySpec, Service, ServiceId, ServiceName, Source};
 use tokio::sync::watch;
@@ -34,7 +35,7 @@ struct FastHandle {
 impl ProxyHandle for FastHandle {
     async fn start(&self) -> Result<(), BackendError> {
         self.status.send_modify(|s| {
-            s.state = ProxyState::Running;
+            s.state = BackendState::Running;
             s.pid = Some(1);
         });
         self.done.send_modify(|n| *n += 1);

@@ -15,8 +15,8 @@ use tether_manager::tether_state::{
     LocalState, ManagedProxy, ProxyId, ProxySpec, Service, ServiceId, ServiceName, Source, SourceKind,
 };
 use tether_manager::{
-    BackendError, BackendStatus, CancellationToken, Manager, ManagerConfig, ManagerHandle, MemorySnapshotStore,
-    ProxyBackend, ProxyHandle, ProxyState, async_trait, watch,
+    BackendError, BackendState, BackendStatus, CancellationToken, Manager, ManagerConfig, ManagerHandle,
+    MemorySnapshotStore, ProxyBackend, ProxyHandle, ProxyState, async_trait, watch,
 };
 
 /// One proxy of the pretend backend: only a status.
@@ -29,7 +29,7 @@ struct PretendProxy {
 impl ProxyHandle for PretendProxy {
     async fn start(&self) -> Result<(), BackendError> {
         // The backend, not the engine, says that the proxy runs.
-        self.status.send_modify(|status| status.state = ProxyState::Running);
+        self.status.send_modify(|status| status.state = BackendState::Running);
         println!("started {}", self.id);
         Ok(())
     }

@@ -65,11 +65,63 @@ impl fmt::Display for ProxyState {
     }
 }
 
+/// The state of one proxy's process as its backend observes it: the part of [`ProxyState`]
+/// that a backend reports.
+///
+/// The other states are the engine's own: `blocked` (refused by policy) and `stopped` (held
+/// down by the operator) are decisions, not observations, and the engine shows `pending`,
+/// `starting` and `stopping` by itself while its actions run. What a backend reports is shown
+/// as the engine's [`ProxyState`] of the same name, converted by `From` in one place.
+///
+/// ```
+/// use tether_manager::{BackendState, ProxyState};
+///
+/// assert_eq!(ProxyState::from(BackendState::Backoff), ProxyState::Backoff);
+/// assert_eq!(BackendState::default(), BackendState::Pending);
+/// assert_eq!(BackendState::Running.to_string(), "running");
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum BackendState {
+    /// Not started: the state of a new handle until its start sets another one.
+    #[default]
+    Pending,
+    /// Being started, or started and not ready yet (its readiness check has not passed).
+    Starting,
+    /// Running, and ready.
+    Running,
+    /// Exited, waiting for the backend to restart it on its backoff.
+    Backoff,
+    /// Being stopped, or stopped: the engine drops the handle once its stop returns.
+    Stopping,
+    /// The backend can no longer run or watch the process; [`BackendStatus::error`] says why.
+    Failed,
+}
+
+impl From<BackendState> for ProxyState {
+    fn from(state: BackendState) -> Self {
+        match state {
+            BackendState::Pending => Self::Pending,
+            BackendState::Starting => Self::Starting,
+            BackendState::Running => Self::Running,
+            BackendState::Backoff => Self::Backoff,
+            BackendState::Stopping => Self::Stopping,
+            BackendState::Failed => Self::Failed,
+        }
+    }
+}
+
+impl fmt::Display for BackendState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(ProxyState::from(*self).as_str())
+    }
+}
+
 /// What a backend observes of one proxy's process.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct BackendStatus {
-    /// One of `starting`, `running`, `backoff`, `stopping` or `failed`.
-    pub state: ProxyState,
+    /// The process's state; [`BackendState::Pending`] until the handle is started.
+    pub state: BackendState,
     /// The process id, while there is a process.
     pub pid: Option<u32>,
     /// How many times the backend restarted the process after an exit.
@@ -220,9 +272,23 @@ impl BackendError {
 /// One proxy as the backend runs it. The engine never runs two operations on one handle at
 /// once, and holds it as `Arc<dyn ProxyHandle>`.
 ///
-/// Dropping a handle must leave its process running, like [`ProxyHandle::detach`]: the
-/// engine drops handles when it is dropped without a shutdown, and a crash of the agent
-/// must not become a restart of every proxy.
+/// # Contract
+///
+/// - A handle is started at most once, and only a handle fresh from
+///   [`ProxyBackend::create`]: a failed start is retried with a new handle, and a restart
+///   creates a new handle too. A handle from [`ProxyBackend::restore`] is never started; it
+///   is updated, stopped or detached.
+/// - Once [`ProxyHandle::start`] has returned `Ok`, the handle's [`BackendStatus`] is what the
+///   engine shows of the proxy, and the backend keeps it current. Restarting the process after
+///   an exit is the handle's job (`backoff`, then `starting` or `running`, with `restarts`
+///   counted): the engine never starts it again on its own.
+/// - Two handles of one proxy may exist at once, during a restart: see
+///   [`ProxyBackend::create`].
+/// - [`ProxyHandle::stop`] may be called again after it failed. [`ProxyHandle::detach`] is
+///   the last call a handle gets.
+/// - Dropping a handle must leave its process running, like [`ProxyHandle::detach`]: the
+///   engine drops handles when it is dropped without a shutdown, and a crash of the agent
+///   must not become a restart of every proxy.
 #[cfg_attr(any(test, feature = "mock"), mockall::automock)]
 #[async_trait]
 pub trait ProxyHandle: Send + Sync {
@@ -230,7 +296,7 @@ pub trait ProxyHandle: Send + Sync {
     /// on the backend restarts it when it exits, with its backoff.
     ///
     /// The engine shows what [`ProxyHandle::status`] says: the backend itself sets the
-    /// status to [`ProxyState::Running`] (or `Starting`, until it counts the proxy as
+    /// status to [`BackendState::Running`] (or `Starting`, until it counts the proxy as
     /// running) when this returns `Ok`. A backend that never does leaves the proxy listed
     /// as `pending`.
     ///
@@ -273,12 +339,40 @@ pub trait ProxyHandle: Send + Sync {
 
 /// Builds [`ProxyHandle`]s: the engine's only way to make something run.
 ///
-/// `tether-proxy-daemon` provides the production implementation; tests use
-/// `MockProxyBackend` (enable the `mock` feature outside this crate) or a fake.
+/// The engine calls [`ProxyBackend::adoption_candidates`] once when its first
+/// [`Manager::run`](crate::Manager::run) begins, then [`ProxyBackend::restore`] for each
+/// snapshot record and candidate, then [`ProxyBackend::restored`] once; only then does it
+/// [create](ProxyBackend::create) handles, one for every start. Of each handle it holds, it
+/// reads [`ProxyHandle::status`] once, when it takes the handle in, and
+/// [`ProxyHandle::record`] whenever the snapshot needs the proxy's record.
+///
+/// `tether-proxy-daemon` provides the production implementation. Tests use
+/// `testing::RecordingBackend` (feature `testing`), or `MockProxyBackend` (feature `mock`),
+/// which `testing::mock_backend` gives defaults for every method but `create` and `restore`.
 #[cfg_attr(any(test, feature = "mock"), mockall::automock)]
 #[async_trait]
 pub trait ProxyBackend: Send + Sync {
     /// A handle for `proxy`, not started yet.
+    ///
+    /// The engine calls it for every start: the first one of a proxy, each retry of a failed
+    /// start, and each restart. A restart creates the new handle *before* it stops the old
+    /// one, so that what the new handle takes when it is created (the proxy's listeners, for
+    /// example) stays held in between; two handles of one proxy id then exist at once:
+    ///
+    /// - A restart (a change that needs one, as `ManagedProxy::change_to` classifies it;
+    ///   [`ManagerHandle::restart`](crate::ManagerHandle::restart); an adopted proxy that
+    ///   cannot be updated in place; a changed proxy whose failed update or stop left its
+    ///   process running): `create` (new), `stop` (old), and `start` (new) once the old one
+    ///   has stopped. When the stop fails, the new handle is dropped without being started
+    ///   and the old one stays.
+    /// - An overlapping update (`update = "overlap"`): `create` (new), `start` (new), and
+    ///   `stop` (old) once the new one reports [`BackendState::Running`]: both run side by side
+    ///   until then. When the new one fails to get ready in time, it is stopped instead and the
+    ///   old one stays.
+    ///
+    /// Either way the old handle is dropped once the restart is over. So `create` must not
+    /// disturb a live handle of the same id, and whatever a backend keeps per proxy id must
+    /// allow for two handles.
     fn create(&self, proxy: Arc<ManagedProxy>) -> Box<dyn ProxyHandle>;
 
     /// Takes over the proxy described by `record` (what [`ProxyHandle::record`] returned
@@ -330,4 +424,27 @@ pub trait ProxyBackend: Send + Sync {
     ///
     /// The default does nothing.
     async fn restored(&self) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_backend_state_is_shown_as_the_engine_state_of_its_name() {
+        let all = [
+            BackendState::Pending,
+            BackendState::Starting,
+            BackendState::Running,
+            BackendState::Backoff,
+            BackendState::Stopping,
+            BackendState::Failed,
+        ];
+        for state in all {
+            let shown = ProxyState::from(state);
+            assert_eq!(shown.as_str(), state.to_string());
+            // The engine's decisions are never a backend's to report.
+            assert!(!matches!(shown, ProxyState::Blocked | ProxyState::Stopped), "{state} is shown as {shown}");
+        }
+    }
 }

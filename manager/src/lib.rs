@@ -11,6 +11,8 @@
 //! - [`ProxyBackend`] and [`ProxyHandle`]: the seam to whatever runs proxies.
 //! - [`SnapshotStore`]: where the snapshot lives ([`FileSnapshotStore`], [`MemorySnapshotStore`]).
 //! - [`ManagerHandle`]: statuses, [`ProxyEvent`]s and [`ReconcileStats`] for the API and metrics.
+//! - `testing` (a feature): a recording backend, waits with deadlines and an engine running in
+//!   a task, for tests of code that drives the engine.
 //!
 //! # Example
 //!
@@ -22,8 +24,8 @@
 //!
 //! use tether_manager::tether_state::{LocalState, ManagedProxy, ProxySpec, Service, ServiceId, ServiceName, Source};
 //! use tether_manager::{
-//!     BackendError, CancellationToken, Manager, ManagerConfig, MemorySnapshotStore, BackendStatus, ProxyBackend,
-//!     ProxyHandle, ProxyState, async_trait, watch,
+//!     BackendError, BackendState, BackendStatus, CancellationToken, Manager, ManagerConfig, MemorySnapshotStore,
+//!     ProxyBackend, ProxyHandle, ProxyState, async_trait, watch,
 //! };
 //!
 //! /// A "process" that is only a status.
@@ -32,7 +34,7 @@
 //! #[async_trait]
 //! impl ProxyHandle for Pretend {
 //!     async fn start(&self) -> Result<(), BackendError> {
-//!         self.0.send_modify(|s| s.state = ProxyState::Running);
+//!         self.0.send_modify(|s| s.state = BackendState::Running);
 //!         Ok(())
 //!     }
 //!     async fn stop(&self) -> Result<(), BackendError> { Ok(()) }
@@ -86,76 +88,121 @@
 //!
 //! | feature | default | what it does |
 //! |---|---|---|
-//! | `mock` | off | exports `MockProxyBackend`, `MockProxyHandle` and `MockSnapshotStore`, [`mockall`](https://docs.rs/mockall) mocks of [`ProxyBackend`], [`ProxyHandle`] and [`SnapshotStore`]; turns on `tether-state`'s `mock` feature too (`MockCatalog`, reachable as `tether_manager::tether_state::MockCatalog`) |
+//! | `testing` | off | exports `tether_manager::testing`, a test kit for code that drives the engine: `RecordingBackend` (a backend that records every call, in order, and can be told to fail starts and to end proxies), waits with deadlines whose errors name what they waited for (`wait_for`, `wait_until_state`, …), and `RunningManager` (the engine in a task, stopped, closed or killed in one call, its panics carried to the test); the engine then raises a panic of an action again rather than marking the proxy failed. No dependency of its own |
+//! | `mock` | off | exports `MockProxyBackend`, `MockProxyHandle` and `MockSnapshotStore`, [`mockall`](https://docs.rs/mockall) mocks of [`ProxyBackend`], [`ProxyHandle`] and [`SnapshotStore`], and, in `tether_manager::testing`, `mock_backend` and `mock_handle`, which give them defaults; turns on `testing`, and `tether-state`'s `mock` feature (`MockCatalog`, reachable as `tether_manager::tether_state::MockCatalog`) |
 //!
-//! # Testing against the mocks
+//! # Testing code that drives the engine
 //!
-//! The engine can be driven against mocks of its seams, so that a test says exactly what
-//! the backend is asked and answers. Enable the `mock` feature from `[dev-dependencies]`
-//! only, so that it stays out of release builds:
+//! Enable the features from `[dev-dependencies]` only, so that they stay out of release
+//! builds:
 //!
 //! ```toml
 //! [dev-dependencies]
-//! tether-manager = { version = "0.1", features = ["mock"] }
+//! tether-manager = { version = "0.1", features = ["testing"] } # or "mock", which includes it
 //! ```
 //!
-//! A mock checks its expectations when it is dropped, and panics if one was not met. Every
-//! method the engine calls needs an expectation, the traits' default methods included
-//! (`adoption_candidates`, `restored`, `record`). A test that the engine starts a new
-//! proxy once, and detaches it rather than stopping it when it closes (compiled and run by
-//! `cargo test --doc --features mock`):
+//! What a backend must do, and what the engine does with it (in which order it calls what,
+//! two handles of one proxy during a restart, which states a backend reports), is on
+//! [`ProxyBackend`] and [`ProxyHandle`].
+//!
+//! ## Against the recording backend
+//!
+//! `testing::RecordingBackend` runs nothing: it reports every started proxy running with a
+//! pid of its own, records what the engine asks, and does what a backend does when a process
+//! exits (it restarts it on the proxy's backoff). A test that a proxy whose process exits is
+//! restarted, and that closing the engine leaves it running (compiled and run by
+//! `cargo test --doc --features testing`, on tokio's paused clock):
+//!
+#![cfg_attr(feature = "testing", doc = "```")]
+#![cfg_attr(not(feature = "testing"), doc = "```ignore")]
+//! use std::sync::Arc;
+//! use std::time::Duration;
+//!
+//! use tether_manager::testing::{CallKind, RecordingBackend, RunningManager, wait_for_proxy, wait_until_state};
+//! use tether_manager::tether_state::{ExitReason, LocalState, ProxySpec, Service, ServiceId, ServiceName, Source};
+//! use tether_manager::{Manager, ManagerConfig, MemorySnapshotStore, ProxyState};
+//!
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)]
+//! # async fn main() {
+//! let catalog = LocalState::new();
+//! let web = Service::new(ServiceId::new("web").unwrap(), ServiceName::new("web").unwrap());
+//! catalog.upsert(web.with_proxy(ProxySpec::default()), Source::Api).unwrap();
+//! let id = ServiceId::new("web").unwrap().proxy_id();
+//!
+//! let backend = RecordingBackend::new();
+//! let store = Arc::new(MemorySnapshotStore::new());
+//! let manager = Manager::new(Arc::new(catalog), Arc::new(backend.clone()), store, ManagerConfig::default());
+//! let running = RunningManager::spawn(manager);
+//! let limit = Duration::from_secs(10);
+//!
+//! let web = wait_until_state(running.handle(), &id, ProxyState::Running, limit).await.unwrap();
+//! assert_eq!(web.pid, Some(1001));
+//!
+//! // Its process exits; the backend restarts it, and counts the restart.
+//! backend.exit(&id, ExitReason::Code(1));
+//! let web = wait_for_proxy(running.handle(), &id, "has restarted", |web| web.restarts == 1, limit).await.unwrap();
+//! assert_eq!((web.state, web.pid), (ProxyState::Running, Some(1002)));
+//!
+//! // Closing detaches the proxy: it keeps running, for the next engine.
+//! running.close().await.unwrap();
+//! use CallKind::{Create, Detach, Start};
+//! assert_eq!(backend.calls_of(&id), [(Create, 1), (Start, 1), (Detach, 1)]);
+//! assert_eq!(backend.running(&id), [1002]);
+//! # }
+//! ```
+//!
+//! A wait that does not see its condition by its deadline fails with what it waited for and
+//! what it saw last: "timed out after 10s waiting until proxy web-proxy is running; last seen:
+//! web-proxy failed (error: cannot start proxy web-proxy: …)". One that outlives the engine
+//! ends at once, and `RunningManager` raises a panic of the engine's again, so that a test
+//! fails with the panic's own message.
+//!
+//! ## Against the mocks
+//!
+//! The mocks let a test say exactly what the backend is asked and answers. A mock checks its
+//! expectations when it is dropped, and panics if one was not met; a call that no
+//! expectation accepts panics at once (the engine raises that panic again). Without help,
+//! every method the engine calls needs an expectation, the traits' default methods included;
+//! `testing::mock_backend` and `testing::mock_handle` set defaults for the calls a test is
+//! rarely about (`adoption_candidates`, `restored`; `status` — running —, `record`,
+//! `detach`), after the test's own expectations, so that those win: mockall answers a call
+//! with the first expectation, in the order they were set, that accepts it. A test that the
+//! engine starts a new proxy once, and never stops it, not even when it closes (compiled and
+//! run by `cargo test --doc --features mock`):
 //!
 #![cfg_attr(feature = "mock", doc = "```")]
 #![cfg_attr(not(feature = "mock"), doc = "```ignore")]
 //! use std::sync::Arc;
+//! use std::time::Duration;
 //!
-//! use tether_manager::tether_state::{LocalState, ProxyId, ProxySpec, Service, ServiceId, ServiceName, Source};
-//! use tether_manager::{
-//!     BackendRecord, BackendStatus, CancellationToken, Manager, ManagerConfig, MemorySnapshotStore, MockProxyBackend,
-//!     MockProxyHandle, ProxyState, watch,
-//! };
+//! use tether_manager::testing::{RunningManager, mock_backend, mock_handle, wait_until_state};
+//! use tether_manager::tether_state::{LocalState, ProxySpec, Service, ServiceId, ServiceName, Source};
+//! use tether_manager::{Manager, ManagerConfig, MemorySnapshotStore, ProxyState};
 //!
-//! # #[tokio::main(flavor = "current_thread")]
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)]
 //! # async fn main() {
-//! // The one proxy's handle: started once, then running as pid 42; detached, never stopped.
-//! let (_status, running) =
-//!     watch::channel(BackendStatus { state: ProxyState::Running, pid: Some(42), ..Default::default() });
-//! let mut handle = MockProxyHandle::new();
-//! handle.expect_start().times(1).returning(|| Ok(()));
-//! handle.expect_status().returning(move || running.clone());
-//! handle.expect_record().returning(BackendRecord::none);
-//! handle.expect_detach().times(1).return_const(());
-//! handle.expect_stop().never();
-//! let mut handle = Some(handle);
-//!
-//! let mut backend = MockProxyBackend::new();
-//! backend.expect_adoption_candidates().returning(Vec::new);
-//! backend.expect_restored().times(1).return_const(());
-//! backend.expect_create().times(1).returning(move |proxy| {
-//!     assert_eq!(proxy.id().as_str(), "web-proxy");
-//!     Box::new(handle.take().expect("created once"))
+//! // Started once, never stopped; its status, record and detach keep the defaults.
+//! let handle = mock_handle(|handle| {
+//!     handle.expect_start().times(1).returning(|| Ok(()));
+//!     handle.expect_stop().never();
+//! });
+//! let backend = mock_backend(|backend| {
+//!     backend.expect_create().times(1).return_once(move |proxy| {
+//!         assert_eq!(proxy.id().as_str(), "web-proxy");
+//!         Box::new(handle)
+//!     });
 //! });
 //!
 //! let catalog = LocalState::new();
 //! let web = Service::new(ServiceId::new("web").unwrap(), ServiceName::new("web").unwrap());
 //! catalog.upsert(web.with_proxy(ProxySpec::default()), Source::Api).unwrap();
 //! let store = Arc::new(MemorySnapshotStore::new());
-//! let mut manager = Manager::new(Arc::new(catalog), Arc::new(backend), store.clone(), ManagerConfig::default());
+//! let manager = Manager::new(Arc::new(catalog), Arc::new(backend), store.clone(), ManagerConfig::default());
+//! let running = RunningManager::spawn(manager);
 //!
-//! let view = manager.handle();
-//! let mut events = view.subscribe();
-//! let shutdown = CancellationToken::new();
-//! let stop = shutdown.clone();
-//! tokio::spawn(async move {
-//!     let web = ProxyId::parse("web-proxy").unwrap();
-//!     while events.recv().await.is_ok() {
-//!         if view.proxy(&web).is_some_and(|status| status.pid == Some(42)) {
-//!             stop.cancel();
-//!         }
-//!     }
-//! });
-//! manager.run(shutdown).await;
-//! manager.close().await.unwrap(); // drops the mocks, which check their expectations
+//! let id = ServiceId::new("web").unwrap().proxy_id();
+//! wait_until_state(running.handle(), &id, ProxyState::Running, Duration::from_secs(10)).await.unwrap();
+//! running.close().await.unwrap(); // drops the mocks, which check their expectations
 //! assert_eq!(store.snapshot().unwrap().proxies[0].id.as_str(), "web-proxy");
 //! # }
 //! ```
@@ -168,9 +215,13 @@ mod manager;
 mod plan;
 mod snapshot;
 mod status;
+#[cfg(feature = "testing")]
+pub mod testing;
 mod users;
 
-pub use backend::{BackendError, BackendRecord, BackendStatus, BoxError, ProxyBackend, ProxyHandle, ProxyState};
+pub use backend::{
+    BackendError, BackendRecord, BackendState, BackendStatus, BoxError, ProxyBackend, ProxyHandle, ProxyState,
+};
 #[cfg(any(test, feature = "mock"))]
 pub use backend::{MockProxyBackend, MockProxyHandle};
 pub use manager::{Manager, ManagerConfig, ShutdownError};

@@ -294,9 +294,10 @@ impl Manager {
     ///
     /// # Panics
     ///
-    /// With the `mock` feature (tests), when an action panicked, such as a mock's unmet
-    /// expectation: raised again here, so that a test fails rather than waits. Without it, the
-    /// proxy is marked failed and the engine goes on.
+    /// With the `testing` feature (tests; `mock` turns it on), when an action panicked, such as
+    /// a mock's unmet expectation or a panic of a test's own callback: raised again here, so
+    /// that a test fails rather than waits. Without it, the proxy is marked failed and the
+    /// engine goes on.
     ///
     /// # Cancel safety
     ///
@@ -347,7 +348,7 @@ impl Manager {
     ///
     /// # Panics
     ///
-    /// With the `mock` feature (tests), when an action or a detach panicked, such as a
+    /// With the `testing` feature (tests), when an action or a detach panicked, such as a
     /// mock's unmet expectation: raised again here, as by [`Manager::run`].
     ///
     /// # Cancel safety
@@ -380,7 +381,7 @@ impl Manager {
     ///
     /// # Panics
     ///
-    /// With the `mock` feature (tests), when an action or a stop panicked, such as a mock's
+    /// With the `testing` feature (tests), when an action or a stop panicked, such as a mock's
     /// unmet expectation: raised again here, as by [`Manager::run`].
     ///
     /// # Cancel safety
@@ -435,7 +436,7 @@ impl Manager {
     ///
     /// # Panics
     ///
-    /// With the `mock` feature, as [`Manager::run`].
+    /// With the `testing` feature, as [`Manager::run`].
     async fn finish_actions(&mut self) {
         self.closing = true;
         self.shutting_down.cancel();
@@ -640,24 +641,24 @@ impl Manager {
         let process = slot.installed.as_ref().map(|installed| installed.status.borrow().clone()).unwrap_or_default();
         let queued = self.in_backlog.contains(id);
         let update = slot.overlap.as_ref().and_then(|(next, _)| next.borrow().clone()).map(|next| UpdateStatus {
-            state: next.state,
+            state: next.state.into(),
             pid: next.pid,
             started_at: next.started_at,
         });
         let (state, error) = match (&slot.busy, &slot.observed) {
             // The old instance serves while the new one starts beside it.
-            (Some(Action::Restart), _) if slot.overlap.is_some() => (process.state, process.error.clone()),
+            (Some(Action::Restart), _) if slot.overlap.is_some() => (process.state.into(), process.error.clone()),
             (Some(Action::Start), _) => (ProxyState::Starting, None),
             (Some(Action::Stop | Action::Restart), _) => (ProxyState::Stopping, None),
             (_, Observed::Blocked { .. }) => (ProxyState::Blocked, slot.error.clone()),
             (_, Observed::Failed { .. }) if slot.old_serves && slot.installed.is_some() => {
-                (process.state, slot.error.clone())
+                (process.state.into(), slot.error.clone())
             }
             (_, Observed::Failed { .. }) => (ProxyState::Failed, slot.error.clone()),
             (_, Observed::Idle) if slot.installed.is_none() && self.held.contains(id) => (ProxyState::Stopped, None),
             (_, Observed::Idle) => (ProxyState::Pending, None),
             _ if queued && slot.installed.is_none() => (ProxyState::Pending, None),
-            _ => (process.state, process.error.clone()),
+            _ => (process.state.into(), process.error.clone()),
         };
         self.published.set(ProxyStatus {
             id: id.clone(),
@@ -698,7 +699,7 @@ mod tests;
 /// often a mock's unmet expectation: raised again, so that the test fails instead of passing
 /// with the complaint in its output. An agent logs it and goes on with the other proxies.
 fn ended_abnormally(call: &'static str, join: tokio::task::JoinError) {
-    #[cfg(any(test, feature = "mock"))]
+    #[cfg(any(test, feature = "testing"))]
     if join.is_panic() {
         std::panic::resume_unwind(join.into_panic());
     }

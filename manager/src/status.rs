@@ -299,6 +299,13 @@ impl ManagerHandle {
         answer.await.unwrap_or(Err(RequestError::Gone))
     }
 
+    /// Returns once the engine is gone (dropped, closed or killed): nothing will change any
+    /// more. A test's waits end on it rather than at their deadline.
+    #[cfg(feature = "testing")]
+    pub(crate) async fn engine_gone(&self) {
+        self.published.requests.closed().await;
+    }
+
     /// Holds proxy `id` down (`hold`: it is stopped, and stays `stopped` through catalog
     /// changes until released), or releases it (it starts again). Returns once the engine
     /// has taken the request, not once the proxy has stopped or started: watch its status.

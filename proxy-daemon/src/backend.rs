@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use async_trait::async_trait;
-use tether_manager::{BackendError, BackendRecord, ProxyBackend, ProxyHandle, ProxyState};
+use tether_manager::{BackendError, BackendRecord, BackendState, ProxyBackend, ProxyHandle};
 use tether_state::persist::DataDir;
 use tether_state::{CommandLine, ListenAddress, Liveness, ManagedProxy, Probe, ProxyCommand, ProxyId, Readiness};
 use tokio::sync::watch;
@@ -568,13 +568,13 @@ impl OsProxyHandle {
 fn translate(status: &ProcessStatus) -> tether_manager::BackendStatus {
     tether_manager::BackendStatus {
         state: match status.state {
-            ProcessState::Starting => ProxyState::Starting,
-            ProcessState::Running => ProxyState::Running,
-            ProcessState::Backoff => ProxyState::Backoff,
-            ProcessState::Stopping => ProxyState::Stopping,
+            ProcessState::Starting => BackendState::Starting,
+            ProcessState::Running => BackendState::Running,
+            ProcessState::Backoff => BackendState::Backoff,
+            ProcessState::Stopping => BackendState::Stopping,
             // A stopped process is no longer wanted; the engine removes it from the list.
-            ProcessState::Stopped => ProxyState::Stopping,
-            _ => ProxyState::Failed,
+            ProcessState::Stopped => BackendState::Stopping,
+            _ => BackendState::Failed,
         },
         pid: status.pid,
         restarts: status.restarts,

@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::{MIN_RETRY_DELAY, Manager, Outcome, encoded_service};
-use crate::backend::{BackendError, BackendStatus, ProxyBackend, ProxyHandle, ProxyState};
+use crate::backend::{BackendError, BackendState, BackendStatus, ProxyBackend, ProxyHandle};
 use crate::plan::{Action, Observed};
 use crate::status::{ActionKind, Request, RequestError};
 
@@ -183,7 +183,7 @@ impl Manager {
                 // In tests, a panic in an action is most often a mock's unmet expectation:
                 // raised again here, it fails the test instead of leaving it waiting for a
                 // state that never comes. An agent marks the proxy failed and goes on.
-                #[cfg(any(test, feature = "mock"))]
+                #[cfg(any(test, feature = "testing"))]
                 if join.is_panic() {
                     std::panic::resume_unwind(join.into_panic());
                 }
@@ -354,8 +354,8 @@ async fn overlap_update(
             let state = current.state;
             progress.send_replace(Some(current.clone()));
             match state {
-                ProxyState::Running => return Ok(()),
-                ProxyState::Pending | ProxyState::Starting => {}
+                BackendState::Running => return Ok(()),
+                BackendState::Pending | BackendState::Starting => {}
                 _ => return Err(not_ready(&current)),
             }
             tokio::select! {

@@ -10,7 +10,7 @@ use tether_state::{ManagedProxy, ProxyId};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::backend::{BackendError, BackendRecord, BackendStatus, ProxyBackend, ProxyHandle, ProxyState};
+use crate::backend::{BackendError, BackendRecord, BackendState, BackendStatus, ProxyBackend, ProxyHandle};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(super) enum Call {
@@ -114,7 +114,7 @@ impl Fake {
 
     fn handle(self: &Arc<Self>, id: ProxyId, proxy: Option<Arc<ManagedProxy>>, pid: Option<u32>) -> FakeHandle {
         let status = BackendStatus {
-            state: if pid.is_some() { ProxyState::Running } else { ProxyState::Pending },
+            state: if pid.is_some() { BackendState::Running } else { BackendState::Pending },
             pid,
             ..BackendStatus::default()
         };
@@ -161,7 +161,7 @@ impl ProxyHandle for FakeHandle {
             let ready = !state.never_ready.contains(&self.id);
             drop(state);
             self.status.send_modify(|s| {
-                s.state = if ready { ProxyState::Running } else { ProxyState::Starting };
+                s.state = if ready { BackendState::Running } else { BackendState::Starting };
                 s.pid = Some(pid);
             });
             Ok(())
@@ -194,7 +194,7 @@ impl ProxyHandle for FakeHandle {
             }
             drop(state);
             self.status.send_modify(|s| {
-                s.state = ProxyState::Stopping;
+                s.state = BackendState::Stopping;
                 s.pid = None;
             });
             Ok(())

@@ -9,7 +9,7 @@ use tokio::task::JoinHandle;
 use super::fake::{Call, Fake};
 use super::*;
 use crate::snapshot::{MemorySnapshotStore, ProxyRecord, Snapshot};
-use crate::{BackendRecord, MockProxyBackend, MockProxyHandle, ProxyEvent};
+use crate::{BackendRecord, BackendState, MockProxyBackend, MockProxyHandle, ProxyEvent};
 
 const LIMIT: Duration = Duration::from_secs(600);
 const QUIESCENT: Duration = Duration::from_millis(500);
@@ -276,7 +276,7 @@ async fn actions_beyond_the_bound_wait_for_a_free_slot() {
 fn mock_handle(start: Result<(), ()>) -> MockProxyHandle {
     let mut handle = MockProxyHandle::new();
     let (status, receiver) =
-        watch::channel(BackendStatus { state: ProxyState::Running, pid: Some(7), ..Default::default() });
+        watch::channel(BackendStatus { state: BackendState::Running, pid: Some(7), ..Default::default() });
     let status = Arc::new(status);
     handle.expect_start().times(1).returning(move || match start {
         Ok(()) => Ok(()),

@@ -79,7 +79,7 @@ async fn snapshot_is_written_only_when_its_content_changes() {
 async fn a_backend_restart_rewrites_the_snapshot_with_the_new_pid() {
     // The mock handle's status sender lets the test play the backend's supervisor.
     let (status, receiver) =
-        watch::channel(BackendStatus { state: ProxyState::Running, pid: Some(10), ..Default::default() });
+        watch::channel(BackendStatus { state: BackendState::Running, pid: Some(10), ..Default::default() });
     let status = Arc::new(status);
     let mut handle = MockProxyHandle::new();
     handle.expect_start().returning(|| Ok(()));
@@ -100,7 +100,7 @@ async fn a_backend_restart_rewrites_the_snapshot_with_the_new_pid() {
     let mut saves = store.saves();
     tokio::time::timeout(LIMIT, saves.wait_for(|n| *n == 1)).await.unwrap().unwrap();
     status.send_modify(|s| {
-        s.state = ProxyState::Running;
+        s.state = BackendState::Running;
         s.pid = Some(11);
         s.restarts = 1;
         s.last_exit = Some(crate::ExitReason::Code(3));

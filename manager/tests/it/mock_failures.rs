@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use tether_manager::tether_state::{LocalState, ProxyId, ProxySpec, Service, ServiceId, ServiceName, Source};
 use tether_manager::{
-    BackendRecord, BackendStatus, CancellationToken, Manager, ManagerConfig, MemorySnapshotStore, MockProxyBackend,
-    MockProxyHandle, ProxyState, watch,
+    BackendRecord, BackendState, BackendStatus, CancellationToken, Manager, ManagerConfig, MemorySnapshotStore,
+    MockProxyBackend, MockProxyHandle, watch,
 };
 
 const LIMIT: Duration = Duration::from_secs(30);
@@ -33,7 +33,7 @@ fn backend(handle: MockProxyHandle) -> MockProxyBackend {
 /// A handle that starts and runs as pid 42; `detach` and `stop` are the test's to expect.
 fn running_handle() -> MockProxyHandle {
     let (status, running) =
-        watch::channel(BackendStatus { state: ProxyState::Running, pid: Some(42), ..Default::default() });
+        watch::channel(BackendStatus { state: BackendState::Running, pid: Some(42), ..Default::default() });
     // Kept alive with the handle, so that the status never closes.
     let status = Arc::new(status);
     let mut handle = MockProxyHandle::new();

@@ -1,0 +1,91 @@
+//! The backend contract as the engine keeps it, seen from a backend: a restart creates the
+//! new handle before it stops the old one, an overlapping update runs both handles, and what
+//! a backend reports is what the engine shows.
+
+use tether_manager::testing::{CallKind, RecordingBackend, RunningManager, mock_backend, mock_handle, wait_for_proxy};
+use tether_manager::tether_state::{Source, UpdatePolicy, UpdateStrategy};
+use tether_manager::{BackendState, BackendStatus, ProxyState, watch};
+
+use crate::support::{LIMIT, catalog, id, manager, service, with_proxy};
+
+use CallKind::{Create, Start, Stop};
+
+#[tokio::test(start_paused = true)]
+async fn a_restart_creates_the_new_handle_before_it_stops_the_old_one() {
+    let catalog = catalog(&[service("web")]);
+    let backend = RecordingBackend::new();
+    let running = RunningManager::spawn(manager(&catalog, backend.clone()));
+    let runs = |pid| {
+        move |status: &tether_manager::ProxyStatus| status.state == ProxyState::Running && status.pid == Some(pid)
+    };
+    wait_for_proxy(running.handle(), &id("web"), "runs as pid 1001", runs(1001), LIMIT).await.unwrap();
+
+    // A new environment needs a restart.
+    let changed = with_proxy(service("web"), |spec| _ = spec.env.insert("LOG_LEVEL".into(), "debug".into()));
+    catalog.upsert(changed, Source::Api).unwrap();
+    wait_for_proxy(running.handle(), &id("web"), "runs as pid 1002", runs(1002), LIMIT).await.unwrap();
+    // Handle 2 exists while handle 1 still runs: created before the stop, started after it.
+    assert_eq!(backend.calls_of(&id("web")), [(Create, 1), (Start, 1), (Create, 2), (Stop, 1), (Start, 2)]);
+    let created = backend.calls().into_iter().find(|call| call.kind == Create && call.handle == 2).unwrap();
+    assert_eq!(created.proxy.unwrap().spec().env["LOG_LEVEL"], "debug");
+
+    // A restart asked through the handle keeps the same order.
+    running.handle().restart(&id("web")).await.unwrap();
+    assert_eq!(backend.calls_of(&id("web"))[5..], [(Create, 3), (Stop, 2), (Start, 3)]);
+    running.close().await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_overlapping_update_runs_the_new_handle_beside_the_old_one_until_it_is_running() {
+    let overlap = |spec: &mut tether_manager::tether_state::ProxySpec| {
+        spec.update = UpdatePolicy { strategy: UpdateStrategy::Overlap, ..UpdatePolicy::default() };
+    };
+    let catalog = catalog(&[with_proxy(service("web"), overlap)]);
+    let backend = RecordingBackend::new();
+    let running = RunningManager::spawn(manager(&catalog, backend.clone()));
+    let first = tether_manager::testing::wait_until_state(running.handle(), &id("web"), ProxyState::Running, LIMIT)
+        .await
+        .unwrap();
+
+    let changed = with_proxy(service("web"), |spec| {
+        overlap(spec);
+        spec.env.insert("LOG_LEVEL".into(), "debug".into());
+    });
+    catalog.upsert(changed, Source::Api).unwrap();
+    let second =
+        wait_for_proxy(running.handle(), &id("web"), "has a new process", |s| s.pid != first.pid, LIMIT).await.unwrap();
+    assert_eq!(second.pid, Some(1002));
+    // Both handles started, and the old one stopped only after the new one ran.
+    assert_eq!(backend.calls_of(&id("web")), [(Create, 1), (Start, 1), (Create, 2), (Start, 2), (Stop, 1)]);
+    assert_eq!(backend.running(&id("web")), [1002]);
+    running.close().await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn what_a_backend_reports_is_shown_as_the_engine_state_of_its_name() {
+    let (status, observed) = watch::channel(BackendStatus { state: BackendState::Running, ..BackendStatus::default() });
+    let backend = mock_backend(|backend| {
+        let handle = mock_handle(|handle| {
+            handle.expect_start().times(1).returning(|| Ok(()));
+            // Set before the defaults, so this status is the one the engine reads.
+            handle.expect_status().returning(move || observed.clone());
+        });
+        backend.expect_create().times(1).return_once(move |_| Box::new(handle));
+    });
+    let running = RunningManager::spawn(manager(&catalog(&[service("web")]), backend));
+    let states = [
+        BackendState::Running,
+        BackendState::Backoff,
+        BackendState::Starting,
+        BackendState::Failed,
+        BackendState::Stopping,
+        BackendState::Pending,
+    ];
+    for state in states {
+        status.send_modify(|status| status.state = state);
+        let shown = ProxyState::from(state);
+        let condition = format!("is {shown}");
+        wait_for_proxy(running.handle(), &id("web"), &condition, |s| s.state == shown, LIMIT).await.unwrap();
+    }
+    running.close().await.unwrap();
+}
