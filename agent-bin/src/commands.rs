@@ -12,9 +12,9 @@ use hyper::{Method, StatusCode};
 use tether_state::ServiceId;
 use tether_state::config::{self, Format, Origin};
 
-use crate::UsageError;
 use crate::api::dto::ProxyStatusDto;
 use crate::client::{self, Response};
+use crate::error::UsageError;
 use tether_state::ExitReason;
 
 fn refused(what: &str, response: &Response) -> anyhow::Error {
@@ -121,7 +121,7 @@ pub(crate) async fn register(socket: &Path, file: &Path) -> anyhow::Result<ExitC
     let text =
         std::fs::read_to_string(file).map_err(|err| UsageError(format!("{}: cannot read: {err}", file.display())))?;
     let services = config::parse_file(&text, format, &Origin::File(file.to_owned()))
-        .map_err(|err| UsageError(crate::error_chain(&err)))?;
+        .map_err(|err| UsageError(crate::error::error_chain(&err)))?;
     if services.is_empty() {
         return Err(UsageError(format!("{}: no [[service]] to register", file.display())).into());
     }

@@ -23,9 +23,9 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::UsageError;
-use crate::api::proxy_config::{ProxyConfigDto, TOKEN_HEADER};
+use crate::api::dto::{ProxyConfigDto, TOKEN_HEADER};
 use crate::client;
+use crate::error::UsageError;
 
 /// The longest pause between two attempts to reach the agent.
 const MAX_RETRY: Duration = Duration::from_secs(5);
@@ -167,7 +167,7 @@ async fn follow_config(
             Ok(response) => {
                 Err(format!("the agent refused the config request: {}: {}", response.status, response.error_message()))
             }
-            Err(err) => Err(crate::error_chain(&err)),
+            Err(err) => Err(crate::error::error_chain(&err)),
         };
         match config {
             Ok(config) => {

@@ -6,8 +6,8 @@ use std::io::IsTerminal;
 
 use tracing_subscriber::EnvFilter;
 
-use crate::UsageError;
 use crate::cli::LogFormat;
+use crate::error::UsageError;
 
 /// Logs to stderr at `level` (or `RUST_LOG` when set) in `format`; text has colours only
 /// on a terminal, and never with `NO_COLOR` set, so that journald and log files get

@@ -5,6 +5,7 @@
 
 mod agent;
 mod api;
+mod catalog;
 mod cli;
 mod client;
 mod commands;
@@ -21,7 +22,7 @@ use clap::Parser;
 
 use crate::cli::{Cli, Command, LogFormat};
 
-pub(crate) use error::{UsageError, error_chain};
+use crate::error::UsageError;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();

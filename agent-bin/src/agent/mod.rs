@@ -6,10 +6,7 @@
 //! leave`) stops every proxy in parallel and removes the snapshot.
 
 pub(crate) mod dev;
-pub(crate) mod held;
-pub(crate) mod policy;
 mod serve;
-pub(crate) mod sources;
 
 use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
@@ -29,12 +26,13 @@ use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::UsageError;
 use crate::api::{self, ApiState, LeaveRequest};
+use crate::catalog::sources::Sources;
+use crate::catalog::{held, policy};
+use crate::error::UsageError;
 use crate::fleet::FleetOptions;
 use crate::fleet::follow::{FleetCollector, Follower};
 use crate::metrics::Metrics;
-use sources::Sources;
 
 /// What `tether agent` runs with, after `--dev` has been resolved.
 pub(crate) struct AgentOptions {
@@ -305,7 +303,7 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
             // could not keeps its pid file and its identity in its environment, through which
             // the next agent finds it. The answer names the ones that did not stop.
             remove_snapshot(&data);
-            let reply = result.as_ref().map(|_| ()).map_err(|err| crate::error_chain(err));
+            let reply = result.as_ref().map(|_| ()).map_err(|err| crate::error::error_chain(err));
             let _ = request.send(reply);
             // Let the answer reach the client before the socket closes.
             stop_servers(&api_stop, &mut servers).await;

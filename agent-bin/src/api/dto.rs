@@ -2,12 +2,14 @@
 //! format never forces a change in a library crate.
 //!
 //! `ProxyStatusDto` is exactly the `status --json` object that `docs/reference.md`
-//! documents. Nothing here holds a secret.
+//! documents; `ProxyConfigDto` is what a proxy reads about itself (and what the built-in
+//! proxy parses); `EventDto` is a line of the events stream; `FleetDto` the etcd follower's
+//! status. Nothing here holds a secret: a proxy's token travels only in its own header.
 
 use std::time::SystemTime;
 
 use serde::{Deserialize, Serialize};
-use tether_state::ExitReason;
+use tether_state::{ExitReason, ProxyConfigMap};
 
 /// One proxy, as `GET /v1/agent/proxies` and `tether status --json` show it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -70,6 +72,59 @@ pub(crate) struct HealthDto {
 /// RFC 3339 in UTC to the second, as `started_at` is shown.
 pub(crate) fn rfc3339(time: SystemTime) -> String {
     humantime::format_rfc3339_seconds(time).to_string()
+}
+
+/// The header that carries a proxy's token.
+pub(crate) const TOKEN_HEADER: &str = "x-tether-proxy-token";
+
+/// The header that carries the config's index, as in the body.
+pub(crate) const INDEX_HEADER: &str = "x-tether-index";
+
+/// What a proxy learns about itself.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct ProxyConfigDto {
+    pub(crate) proxy_id: String,
+    pub(crate) service: ServiceDto,
+    pub(crate) config: ProxyConfigMap,
+    /// Passes when the service or its proxy changes: the `index` of the next blocking query.
+    pub(crate) index: u64,
+}
+
+/// The service a proxy fronts.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct ServiceDto {
+    pub(crate) id: String,
+    pub(crate) name: String,
+    pub(crate) address: String,
+    pub(crate) port: Option<u16>,
+}
+
+/// One event, as a line of the stream.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub(crate) struct EventDto {
+    /// When it was seen, RFC 3339 with milliseconds.
+    pub(crate) time: String,
+    pub(crate) proxy: String,
+    pub(crate) event: &'static str,
+    pub(crate) pid: Option<u32>,
+    pub(crate) detail: Option<String>,
+}
+
+/// The etcd follower's status, as `GET /v1/agent/fleet` shows it.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct FleetDto {
+    pub(crate) node: String,
+    pub(crate) prefix: String,
+    /// Whether a watch on etcd is established now.
+    pub(crate) connected: bool,
+    /// The etcd revision the applied set reflects (0: none read yet).
+    pub(crate) revision: i64,
+    /// Services applied to the catalog.
+    pub(crate) services: usize,
+    /// Keys skipped, with why: invalid values, or ids that another source owns.
+    pub(crate) invalid: std::collections::BTreeMap<String, String>,
+    /// The last connection or watch error, while disconnected.
+    pub(crate) last_error: Option<String>,
 }
 
 #[cfg(test)]

@@ -15,23 +15,12 @@ use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
-use serde::Serialize;
 use tether_manager::{ExitReason, ProxyEvent, ProxyState, ProxyStatus};
 use tether_state::ProxyId;
 use tokio::sync::{OwnedSemaphorePermit, broadcast, mpsc};
 
+use super::dto::EventDto;
 use super::{ApiError, ApiState, ChannelBody, StreamSlots, send_chunk};
-
-/// One event, as a line of the stream.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub(crate) struct EventDto {
-    /// When it was seen, RFC 3339 with milliseconds.
-    pub(crate) time: String,
-    pub(crate) proxy: String,
-    pub(crate) event: &'static str,
-    pub(crate) pid: Option<u32>,
-    pub(crate) detail: Option<String>,
-}
 
 pub(crate) async fn get_events(
     State(state): State<ApiState>,

@@ -31,7 +31,7 @@ use tether_state::config::{self, Format, Origin};
 use tether_state::{CatalogError, IdError, ProxyId, ServiceId};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 
-use crate::agent::sources::{RegisterError, Sources};
+use crate::catalog::sources::{RegisterError, Sources};
 use crate::metrics::Metrics;
 use dto::{ErrorDto, HealthDto, ProxyStatusDto};
 
@@ -135,7 +135,7 @@ pub(crate) struct ApiState {
     /// The fleet follower's status, when the agent follows etcd.
     pub(crate) fleet: Option<crate::fleet::follow::SharedStatus>,
     /// The proxies held down by `tether stop`, as kept in the data dir.
-    pub(crate) held: Arc<crate::agent::held::Held>,
+    pub(crate) held: Arc<crate::catalog::held::Held>,
     /// The proxies' cgroup subtree, whose accounting `resources` shows.
     pub(crate) cgroups: Option<tether_proxy_daemon::Cgroups>,
 }
@@ -173,7 +173,7 @@ impl From<RegisterError> for ApiError {
             RegisterError::Catalog(CatalogError::NotFound { .. }) => StatusCode::NOT_FOUND,
             RegisterError::Catalog(_) | RegisterError::Persist { .. } => StatusCode::INTERNAL_SERVER_ERROR,
         };
-        Self::new(status, crate::error_chain(&err))
+        Self::new(status, crate::error::error_chain(&err))
     }
 }
 
@@ -297,10 +297,19 @@ pub(crate) fn status_dto(status: &ProxyStatus, cgroups: Option<&tether_proxy_dae
 }
 
 /// `GET /v1/agent/fleet`: the etcd follower's status; 404 when the agent follows no etcd.
-async fn fleet(State(state): State<ApiState>) -> Result<Json<crate::fleet::follow::FleetStatus>, ApiError> {
+async fn fleet(State(state): State<ApiState>) -> Result<Json<dto::FleetDto>, ApiError> {
     let status =
         state.fleet.as_ref().ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, "the agent follows no etcd"))?;
-    Ok(Json(status.get()))
+    let status = status.get();
+    Ok(Json(dto::FleetDto {
+        node: status.node,
+        prefix: status.prefix,
+        connected: status.connected,
+        revision: status.revision,
+        services: status.services,
+        invalid: status.invalid,
+        last_error: status.last_error,
+    }))
 }
 
 async fn proxies(State(state): State<ApiState>) -> Json<Vec<ProxyStatusDto>> {
@@ -318,7 +327,7 @@ async fn register(State(state): State<ApiState>, body: Bytes) -> Result<Json<ser
     let text = std::str::from_utf8(&body).map_err(|_| ApiError::new(StatusCode::BAD_REQUEST, "body is not UTF-8"))?;
     state.sources.check_register_body(text)?;
     let service = config::parse_service(text, Format::Json, &Origin::Body)
-        .map_err(|err| ApiError::new(StatusCode::BAD_REQUEST, crate::error_chain(&err)))?;
+        .map_err(|err| ApiError::new(StatusCode::BAD_REQUEST, crate::error::error_chain(&err)))?;
     let id = service.id.clone();
     let sources = state.sources.clone();
     // Persisting fsyncs: keep it off the runtime's worker threads.
@@ -343,7 +352,7 @@ async fn deregister(
     let proxy = id.proxy_id();
     let released = tokio::task::spawn_blocking(move || held.set(&proxy, false)).await;
     if let Ok(Err(err)) = released {
-        tracing::warn!(service = %id, error = %crate::error_chain(&err), "cannot release the hold of a deregistered proxy");
+        tracing::warn!(service = %id, error = %crate::error::error_chain(&err), "cannot release the hold of a deregistered proxy");
     }
     Ok(Json(serde_json::json!({ "deregistered": id.as_str() })))
 }
@@ -401,7 +410,7 @@ async fn hold(state: ApiState, id: String, hold: bool) -> Result<Json<ProxyStatu
     tokio::task::spawn_blocking(move || held.set(&target, hold))
         .await
         .map_err(|join| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, join.to_string()))?
-        .map_err(|err| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, crate::error_chain(&err)))?;
+        .map_err(|err| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, crate::error::error_chain(&err)))?;
     state.manager.hold(&id, hold).await.map_err(|err| {
         let status = match err {
             tether_manager::RequestError::NotFound(_) => StatusCode::NOT_FOUND,
@@ -429,7 +438,7 @@ async fn reload(State(state): State<ApiState>) -> Result<Json<serde_json::Value>
             "files_unchanged": report.files.reused,
         }))),
         // The previous config stays in force. Invalid files show every error, one a line.
-        Err(err) => Err(ApiError::new(StatusCode::BAD_REQUEST, crate::error_chain(&err))),
+        Err(err) => Err(ApiError::new(StatusCode::BAD_REQUEST, crate::error::error_chain(&err))),
     }
 }
 

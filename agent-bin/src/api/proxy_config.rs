@@ -11,16 +11,11 @@ use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
-use serde::{Deserialize, Serialize};
-use tether_state::{Catalog, Entry, LocalState, ProxyConfigMap, ProxyId, ProxyToken, Revision};
+use serde::Deserialize;
+use tether_state::{Catalog, Entry, LocalState, ProxyId, ProxyToken, Revision};
 
+use super::dto::{INDEX_HEADER, ProxyConfigDto, ServiceDto, TOKEN_HEADER};
 use super::{ApiError, ApiState, StreamSlots};
-
-/// The header that carries a proxy's token.
-pub(crate) const TOKEN_HEADER: &str = "x-tether-proxy-token";
-
-/// The header that carries the config's index, as in the body.
-pub(crate) const INDEX_HEADER: &str = "x-tether-index";
 
 /// How long a blocking query waits when it does not say.
 const DEFAULT_WAIT: Duration = Duration::from_secs(300);
@@ -32,25 +27,6 @@ const MAX_WAIT: Duration = Duration::from_secs(600);
 pub(crate) struct ConfigQuery {
     index: Option<u64>,
     wait: Option<String>,
-}
-
-/// What a proxy learns about itself.
-#[derive(Debug, Serialize, Deserialize)]
-pub(crate) struct ProxyConfigDto {
-    pub(crate) proxy_id: String,
-    pub(crate) service: ServiceDto,
-    pub(crate) config: ProxyConfigMap,
-    /// Passes when the service or its proxy changes: the `index` of the next blocking query.
-    pub(crate) index: u64,
-}
-
-/// The service a proxy fronts.
-#[derive(Debug, Serialize, Deserialize)]
-pub(crate) struct ServiceDto {
-    pub(crate) id: String,
-    pub(crate) name: String,
-    pub(crate) address: String,
-    pub(crate) port: Option<u16>,
 }
 
 fn forbidden() -> ApiError {

@@ -12,15 +12,15 @@ use tether_state::ServiceId;
 use tether_state::config::{self, Format, Origin};
 
 use super::{EtcdError, EtcdOptions, Layout, etcd, key_id, parse_entry, timed};
-use crate::UsageError;
 use crate::cli::{FleetCommand, FleetEtcdArgs};
+use crate::error::UsageError;
 
 fn usage(message: String) -> anyhow::Error {
     UsageError(message).into()
 }
 
 fn etcd_failure(err: EtcdError) -> anyhow::Error {
-    if err.is_usage() { usage(crate::error_chain(&err)) } else { err.into() }
+    if err.is_usage() { usage(crate::error::error_chain(&err)) } else { err.into() }
 }
 
 fn setup(args: &FleetEtcdArgs, node: &str) -> anyhow::Result<(EtcdOptions, Layout)> {
@@ -46,7 +46,7 @@ async fn put(args: &FleetEtcdArgs, node: &str, file: &std::path::Path) -> anyhow
         .ok_or_else(|| usage(format!("{}: a service file ends in .toml or .json", file.display())))?;
     let text = std::fs::read_to_string(file).map_err(|err| usage(format!("{}: cannot read: {err}", file.display())))?;
     let services = config::parse_file(&text, format, &Origin::File(file.to_owned()))
-        .map_err(|err| usage(crate::error_chain(&err)))?;
+        .map_err(|err| usage(crate::error::error_chain(&err)))?;
     if services.is_empty() {
         return Err(usage(format!("{}: no [[service]] to put", file.display())));
     }
@@ -75,7 +75,7 @@ async fn ls(args: &FleetEtcdArgs, node: &str) -> anyhow::Result<ExitCode> {
         };
         let status = match parse_entry(&layout, &kv.key, &kv.value) {
             Ok(_) => "ok".to_owned(),
-            Err(err) => format!("invalid: {}", crate::error_chain(&err)),
+            Err(err) => format!("invalid: {}", crate::error::error_chain(&err)),
         };
         rows.push([id, kv.mod_revision.to_string(), status]);
     }

@@ -26,7 +26,7 @@ use tokio_util::sync::CancellationToken;
 use super::etcd::{self, Client, WatchStream};
 use super::store::FleetStore;
 use super::{Desired, EtcdError, EtcdOptions, Layout, SOURCE_NAME, source_kind, timed};
-use crate::agent::sources::Sources;
+use crate::catalog::sources::Sources;
 
 /// The first delay before reconnecting, doubled after each failure up to [`BACKOFF_MAX`].
 const BACKOFF_FIRST: Duration = Duration::from_millis(250);
@@ -34,7 +34,7 @@ const BACKOFF_FIRST: Duration = Duration::from_millis(250);
 pub(crate) const BACKOFF_MAX: Duration = Duration::from_secs(10);
 
 /// What the follower shows: the API's `GET /v1/agent/fleet` and the `tether_fleet_*` metrics.
-#[derive(Debug, Clone, Default, serde::Serialize)]
+#[derive(Debug, Clone, Default)]
 pub(crate) struct FleetStatus {
     pub(crate) node: String,
     pub(crate) prefix: String,
@@ -48,7 +48,6 @@ pub(crate) struct FleetStatus {
     pub(crate) invalid: BTreeMap<String, String>,
     /// The last connection or watch error, while disconnected.
     pub(crate) last_error: Option<String>,
-    #[serde(skip)]
     counters: Counters,
 }
 
@@ -140,7 +139,7 @@ impl Follower {
                 ended = self.session(&mut delay) => ended,
             };
             let Err(ended) = ended;
-            let error = crate::error_chain(&ended);
+            let error = crate::error::error_chain(&ended);
             let wait = jittered(delay);
             {
                 let mut shown = self.status.lock();
@@ -276,7 +275,7 @@ impl Follower {
                     services.retain(|(service, _)| service.id != id);
                 }
                 Err(err) => {
-                    tracing::error!(error = %crate::error_chain(&err), "fleet: cannot apply the set; the previous one stays in force");
+                    tracing::error!(error = %crate::error::error_chain(&err), "fleet: cannot apply the set; the previous one stays in force");
                     services.clear();
                     break;
                 }
@@ -287,7 +286,7 @@ impl Follower {
             match self.store.save(&self.layout, &next) {
                 Ok(()) => false,
                 Err(err) => {
-                    tracing::error!(error = %crate::error_chain(&err), "fleet: cannot persist the set");
+                    tracing::error!(error = %crate::error::error_chain(&err), "fleet: cannot persist the set");
                     true
                 }
             }

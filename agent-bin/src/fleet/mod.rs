@@ -141,7 +141,7 @@ impl Desired {
                 None
             }
             Err(err) => {
-                let problem = crate::error_chain(&err);
+                let problem = crate::error::error_chain(&err);
                 self.invalid.insert(shown, problem.clone());
                 Some(problem)
             }
@@ -182,14 +182,14 @@ impl FleetOptions {
     ///
     /// # Errors
     ///
-    /// A [`crate::UsageError`] for an invalid node or prefix, unreadable TLS files, or a
+    /// A [`crate::error::UsageError`] for an invalid node or prefix, unreadable TLS files, or a
     /// password without a user: the agent does not start on options it cannot use.
     pub(crate) fn of_agent(args: &crate::cli::AgentArgs) -> anyhow::Result<Option<Self>> {
         let Some(node) = &args.node else { return Ok(None) };
-        let usage = |message: String| anyhow::Error::from(crate::UsageError(message));
+        let usage = |message: String| anyhow::Error::from(crate::error::UsageError(message));
         let layout = Layout::new(&args.etcd_options.etcd_prefix, node).map_err(|err| usage(err.to_string()))?;
         let etcd = EtcdOptions::from_args(args.etcd.clone(), &args.etcd_options);
-        etcd.connect_options().map_err(|err| usage(crate::error_chain(&err)))?;
+        etcd.connect_options().map_err(|err| usage(crate::error::error_chain(&err)))?;
         Ok(Some(Self { layout, etcd }))
     }
 }
@@ -356,7 +356,7 @@ mod tests {
     fn an_invalid_value_names_the_key_and_the_field() {
         let layout = layout();
         let err = parse_entry(&layout, b"/tether/nodes/n1/services/web", br#"{"name": "web", "prot": 1}"#).unwrap_err();
-        let text = crate::error_chain(&err);
+        let text = crate::error::error_chain(&err);
         assert!(text.contains("/tether/nodes/n1/services/web:1:"), "{text}");
         assert!(text.contains("prot"), "{text}");
     }

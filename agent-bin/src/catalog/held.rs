@@ -36,7 +36,7 @@ impl Held {
                 }
             },
             Err(err) => {
-                tracing::warn!(error = %crate::error_chain(&err), "cannot read held.json; no proxy is held");
+                tracing::warn!(error = %crate::error::error_chain(&err), "cannot read held.json; no proxy is held");
                 BTreeSet::new()
             }
         };

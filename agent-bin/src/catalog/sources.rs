@@ -167,7 +167,7 @@ impl Sources {
             let files = config.loader.load_files()?;
             if let Err(err) = sources.apply_config(&mut config.applied, files) {
                 // The loader already refused duplicates; a token failure is all that is left.
-                tracing::error!(error = %crate::error_chain(&err), "cannot load the config into the catalog");
+                tracing::error!(error = %crate::error::error_chain(&err), "cannot load the config into the catalog");
             }
         }
         sources.load_registrations();
@@ -179,7 +179,7 @@ impl Sources {
         let loaded = match self.data.registrations().load() {
             Ok(loaded) => loaded,
             Err(err) => {
-                tracing::error!(error = %crate::error_chain(&err), "cannot read API registrations");
+                tracing::error!(error = %crate::error::error_chain(&err), "cannot read API registrations");
                 return;
             }
         };
@@ -193,7 +193,7 @@ impl Sources {
                 continue;
             }
             if let Err(err) = self.state.upsert(service, Source::Api) {
-                tracing::error!(service = %id, error = %crate::error_chain(&err), "persisted registration not loaded");
+                tracing::error!(service = %id, error = %crate::error::error_chain(&err), "persisted registration not loaded");
             }
         }
     }
@@ -217,12 +217,12 @@ impl Sources {
         let loaded = loaded.inspect_err(|errors| {
             // One event per error, so that each log line names one file.
             for error in errors {
-                tracing::error!(error = %crate::error_chain(error), "config reload refused");
+                tracing::error!(error = %crate::error::error_chain(error), "config reload refused");
             }
         })?;
         let catalog = self.apply_config(&mut config.applied, loaded).inspect_err(|err| {
             // A config service that an API registration owns: the registration stays.
-            tracing::error!(error = %crate::error_chain(err), "config reload refused");
+            tracing::error!(error = %crate::error::error_chain(err), "config reload refused");
         })?;
         drop(config);
         self.save_tokens();
@@ -328,7 +328,7 @@ impl Sources {
             // Nothing entered the catalog: no proxy started, and the client is told that the
             // service is not registered. A registration file that was written goes again.
             if let Err(err) = registrations.remove(&id) {
-                tracing::error!(service = %id, error = %crate::error_chain(&err), "cannot remove an unregistered service's file");
+                tracing::error!(service = %id, error = %crate::error::error_chain(&err), "cannot remove an unregistered service's file");
             }
             return Err(RegisterError::Persist { id, source });
         }
@@ -336,7 +336,7 @@ impl Sources {
         // this id while it was written: then the registration is undone on disk.
         if let Err(err) = self.state.upsert(service, Source::Api) {
             if let Err(undo) = registrations.remove(&id) {
-                tracing::error!(service = %id, error = %crate::error_chain(&undo), "cannot remove a refused registration");
+                tracing::error!(service = %id, error = %crate::error::error_chain(&undo), "cannot remove a refused registration");
             }
             return Err(err.into());
         }
@@ -353,7 +353,7 @@ impl Sources {
             // The id is the API's, so only a token for a new proxy can have failed: the old
             // definition stays in force, and on disk too.
             if let Err(undo) = registrations.save(old) {
-                tracing::error!(service = %id, error = %crate::error_chain(&undo), "cannot restore the previous registration");
+                tracing::error!(service = %id, error = %crate::error::error_chain(&undo), "cannot restore the previous registration");
             }
             return Err(err.into());
         }
@@ -395,7 +395,7 @@ impl Sources {
             Err(err) => {
                 // Written or not, the file's content is unknown now: write it next time.
                 *saved = None;
-                tracing::error!(error = %crate::error_chain(&err), "cannot persist proxy tokens");
+                tracing::error!(error = %crate::error::error_chain(&err), "cannot persist proxy tokens");
             }
         }
     }
@@ -446,9 +446,9 @@ mod tests {
         let err = sources.register(service("web", 8080)).unwrap_err();
         assert!(matches!(&err, RegisterError::Persist { id, .. } if id.as_str() == "web"), "{err:?}");
         assert!(
-            crate::error_chain(&err).starts_with("service web was not changed: cannot persist the registration"),
+            crate::error::error_chain(&err).starts_with("service web was not changed: cannot persist the registration"),
             "{}",
-            crate::error_chain(&err)
+            crate::error::error_chain(&err)
         );
         let id = ServiceId::new("web").unwrap();
         assert!(sources.state().get(&id).is_none());

@@ -1,0 +1,10 @@
+//! The catalog's inputs, and what the agent keeps about them: config dirs and API
+//! registrations (`sources`), what the register API may set (`policy`), and the proxies
+//! held down by `tether stop` (`held`).
+//!
+//! The agent's wiring, the API and the fleet follower use it; it uses none of them, and it
+//! never starts a process.
+
+pub(crate) mod held;
+pub(crate) mod policy;
+pub(crate) mod sources;
