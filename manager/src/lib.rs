@@ -101,9 +101,9 @@
 //!
 //! A mock checks its expectations when it is dropped, and panics if one was not met. Every
 //! method the engine calls needs an expectation, the traits' default methods included
-//! (`adoption_candidates`, `restored`, `record`). A test that the engine starts a new
-//! proxy once, and detaches it rather than stopping it when it closes (compiled and run by
-//! `cargo test --doc --features mock`):
+//! (`adoption_candidates`, `restored`, `record`, and `adopted` of a restored handle). A
+//! test that the engine starts a new proxy once, and detaches it rather than stopping it
+//! when it closes (compiled and run by `cargo test --doc --features mock`):
 //!
 #![cfg_attr(feature = "mock", doc = "```")]
 #![cfg_attr(not(feature = "mock"), doc = "```ignore")]
@@ -170,7 +170,9 @@ mod snapshot;
 mod status;
 mod users;
 
-pub use backend::{BackendError, BackendRecord, BackendStatus, BoxError, ProxyBackend, ProxyHandle, ProxyState};
+pub use backend::{
+    Adopted, BackendError, BackendRecord, BackendStatus, BoxError, ProxyBackend, ProxyHandle, ProxyState,
+};
 #[cfg(any(test, feature = "mock"))]
 pub use backend::{MockProxyBackend, MockProxyHandle};
 pub use manager::{Manager, ManagerConfig, ShutdownError};
