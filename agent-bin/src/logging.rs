@@ -19,7 +19,14 @@ pub(crate) fn install(level: &str, format: LogFormat) -> Result<(), UsageError> 
     }
     .map_err(|err| UsageError(format!("invalid --log-level {level:?}: {err}")))?;
     let colours = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|value| value.is_empty());
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(colours);
+    // A line that cannot be written (stderr is a log file on a full file system) is lost,
+    // and nothing else happens: by default the subscriber reports it with `eprintln!`, which
+    // panics when stderr fails too, so a full disk would end a proxy at its next line.
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(colours)
+        .log_internal_errors(false);
     let installed = match format {
         LogFormat::Text => builder.try_init(),
         LogFormat::Json => builder.json().flatten_event(true).with_current_span(false).try_init(),

@@ -225,6 +225,28 @@ impl PartialEq for BackendRecord {
 
 impl Eq for BackendRecord {}
 
+/// What the process behind a handle that [`ProxyBackend::restore`] returned runs, as far as
+/// the backend proved it: what the engine then keeps, or replaces.
+///
+/// After a crash the record a proxy is restored from may name another process than the one
+/// that serves (an overlapping update was under way, or the snapshot could not be written),
+/// and the backend keeps the process that serves; this says what that one runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum Adopted {
+    /// What it was restored as: the service and token of its snapshot record, or, for an
+    /// adoption candidate, the `desired` proxy it was restored with (which the backend
+    /// proved it runs).
+    #[default]
+    AsRecorded,
+    /// The `desired` proxy it was restored with, whatever its record says: the backend kept
+    /// another process than the record's, and proved that it runs `desired`.
+    Desired,
+    /// Neither is proven: the engine replaces it as it replaces a proxy whose spec changed
+    /// (a restart, or an overlapping update, before which it keeps serving).
+    Unknown,
+}
+
 /// An operation on a proxy that the backend could not carry out.
 ///
 /// A proxy that exits non-zero is not an error: it shows up in [`BackendStatus`].
@@ -335,6 +357,15 @@ pub trait ProxyHandle: Send + Sync {
     fn record(&self) -> BackendRecord {
         BackendRecord::none()
     }
+
+    /// For a handle that [`ProxyBackend::restore`] returned: what its process runs. Asked
+    /// once, right after the restore; the engine then keeps the process, or replaces it.
+    ///
+    /// The default, [`Adopted::AsRecorded`], is right for a backend that only ever takes
+    /// over the process a record names.
+    fn adopted(&self) -> Adopted {
+        Adopted::AsRecorded
+    }
 }
 
 /// Builds [`ProxyHandle`]s: the engine's only way to make something run.
@@ -384,7 +415,9 @@ pub trait ProxyBackend: Send + Sync {
     /// differs from `desired` is the engine's decision, taken after the restore.
     ///
     /// Returns `None` unless the backend can prove that a live process is that proxy's
-    /// (a pid alone proves nothing); the engine then forgets the record.
+    /// (a pid alone proves nothing); the engine then forgets the record. The process taken
+    /// over need not be the one the record names, when that one is gone or no longer serves:
+    /// [`ProxyHandle::adopted`] then says what it runs.
     ///
     /// # Cancel safety
     ///

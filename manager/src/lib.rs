@@ -165,7 +165,7 @@
 //! every method the engine calls needs an expectation, the traits' default methods included;
 //! `testing::mock_backend` and `testing::mock_handle` set defaults for the calls a test is
 //! rarely about (`adoption_candidates`, `restored`; `status` — running —, `record`,
-//! `detach`), after the test's own expectations, so that those win: mockall answers a call
+//! `detach`, and `adopted` of a restored handle), after the test's own expectations, so that those win: mockall answers a call
 //! with the first expectation, in the order they were set, that accepts it. A test that the
 //! engine starts a new proxy once, and never stops it, not even when it closes (compiled and
 //! run by `cargo test --doc --features mock`):
@@ -220,7 +220,7 @@ pub mod testing;
 mod users;
 
 pub use backend::{
-    BackendError, BackendRecord, BackendState, BackendStatus, BoxError, ProxyBackend, ProxyHandle, ProxyState,
+    Adopted, BackendError, BackendRecord, BackendState, BackendStatus, BoxError, ProxyBackend, ProxyHandle, ProxyState,
 };
 #[cfg(any(test, feature = "mock"))]
 pub use backend::{MockProxyBackend, MockProxyHandle};

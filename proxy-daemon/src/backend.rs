@@ -6,6 +6,7 @@
 //! records in snapshots only what proves identity: never a token or an environment value.
 
 mod record;
+mod restore;
 
 use std::collections::{BTreeSet, HashMap};
 use std::ffi::OsString;
@@ -14,7 +15,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use async_trait::async_trait;
-use tether_manager::{BackendError, BackendRecord, BackendState, ProxyBackend, ProxyHandle};
+use tether_manager::{Adopted, BackendError, BackendRecord, BackendState, ProxyBackend, ProxyHandle};
 use tether_state::persist::DataDir;
 use tether_state::{CommandLine, ListenAddress, Liveness, ManagedProxy, Probe, ProxyCommand, ProxyId, Readiness};
 use tokio::sync::watch;
@@ -26,7 +27,7 @@ use crate::spec::{
 };
 use crate::status::{ProcessState, ProcessStatus};
 use crate::supervisor::{ProcessHandle, Supervisor};
-use record::{Read, Record};
+use record::Record;
 
 /// What the agent tells every proxy about itself (`TETHER_SOCKET`, and
 /// `TETHER_HTTP_ADDR` when it serves one).
@@ -214,20 +215,6 @@ impl Shared {
     }
 }
 
-/// Copies of the listening sockets of process `pid`, an instance started by an earlier
-/// agent, so that the sockets outlive it too; none when it cannot be read (it is gone, or
-/// the agent may not take descriptors from it: it then binds them again when it can).
-fn take_listening(pid: u32, proxy: Option<&ManagedProxy>) -> Vec<OwnedFd> {
-    if proxy.is_none_or(|proxy| proxy.spec().listeners.is_empty()) {
-        return Vec::new();
-    }
-    let taken = crate::proc::Pidfd::open(pid).and_then(|pidfd| crate::listen::take_listening(&pidfd, pid));
-    taken.unwrap_or_else(|error| {
-        tracing::warn!(pid, %error, "cannot take the listening sockets of the running instance");
-        Vec::new()
-    })
-}
-
 /// The layer of a proxy's environment that comes from the agent, first: its whole
 /// environment with `inherit_env` (but tether's own variables), else its `PATH` and `HOME`.
 fn agent_layer(spec: &tether_state::ProxySpec) -> Vec<(OsString, OsString)> {
@@ -327,61 +314,7 @@ impl ProxyBackend for OsProcessBackend {
         record: BackendRecord,
         desired: Option<Arc<ManagedProxy>>,
     ) -> Option<Box<dyn ProxyHandle>> {
-        let desired_proxy = desired.as_deref();
-        let record = match Record::read(&record) {
-            Ok(record) => record,
-            Err(err) => {
-                tracing::info!(proxy = %id, error = %err, "snapshot record unreadable; not adopting");
-                return None;
-            }
-        };
-        let process = if let Read::Process(record) = record {
-            let mut spec = self.adoption_spec(&id, desired_proxy, record.kill);
-            spec.listeners = self.adopted_listeners(desired_proxy, record.identity.pid);
-            let process = self.shared.supervisor.adopt(spec, &record.identity)?;
-            // Any other instance of the proxy was started by an agent that crashed before
-            // it could record it: it must not run beside the adopted one.
-            for pid in self.take_found(&id) {
-                if pid != record.identity.pid {
-                    self.stop_duplicate(&id, desired_proxy, pid).await;
-                }
-            }
-            process
-        } else {
-            // Every instance found of this proxy: the one its pid file names first, then
-            // those found by their environment (a pid file may be missing or stale after a
-            // crash, or a write that failed).
-            let mut pids: Vec<u32> = crate::pidfile::read(&self.shared.data.pid_file(&id)).into_iter().collect();
-            for pid in self.take_found(&id) {
-                if !pids.contains(&pid) {
-                    pids.push(pid);
-                }
-            }
-            let mut kept = None;
-            for pid in pids {
-                if kept.is_none() {
-                    kept = self.adopt_candidate(&id, desired_proxy, pid);
-                    if kept.is_some() {
-                        continue;
-                    }
-                }
-                self.stop_duplicate(&id, desired_proxy, pid).await;
-            }
-            let process = kept?;
-            if let Some(proxy) = desired_proxy {
-                if !process.runs(&self.shared.process_spec(proxy)) {
-                    // Its id and token prove it is this proxy's, so it may be signalled; it
-                    // runs an older command or environment, so it is replaced.
-                    tracing::info!(proxy = %id, "adopted, but it runs another spec; stopping it");
-                    process.stop().await;
-                    return None;
-                }
-            }
-            process
-        };
-        let handle = OsProxyHandle::new(self.shared.clone(), id, desired);
-        handle.attach(process);
-        Some(Box::new(handle))
+        self.restore_proxy(id, record, desired).await
     }
 
     async fn adoption_candidates(&self) -> Vec<(ProxyId, BackendRecord)> {
@@ -458,49 +391,6 @@ impl OsProcessBackend {
         spec
     }
 
-    /// Adopts `pid` as `id`'s instance: proven by the desired proxy's id and token, or, for a
-    /// proxy no longer wanted (its token is gone), by its id and this agent's socket, so
-    /// that it can be stopped.
-    fn adopt_candidate(&self, id: &ProxyId, desired: Option<&ManagedProxy>, pid: u32) -> Option<ProcessHandle> {
-        let spec = match desired {
-            Some(proxy) => {
-                let mut spec = self.shared.process_spec(proxy);
-                spec.listeners = self.adopted_listeners(desired, pid);
-                spec
-            }
-            None => self.stop_spec(id, None),
-        };
-        self.shared.supervisor.adopt_by_environment(spec, pid)
-    }
-
-    /// The listeners of `desired` for adopting `pid`: taken from it when they are not open
-    /// here. Copies taken from a process that then fails its proof are closed unused; the
-    /// process keeps its own.
-    fn adopted_listeners(&self, desired: Option<&ManagedProxy>, pid: u32) -> Vec<InheritedSocket> {
-        let Some(proxy) = desired else { return Vec::new() };
-        match self.shared.listeners(proxy, take_listening(pid, desired)) {
-            Ok(sockets) => sockets,
-            Err(error) => {
-                // The instance serves on; its next restart fails to start and says why.
-                tracing::warn!(proxy = %proxy.id(), pid, %error, "cannot keep the listeners of the adopted instance");
-                Vec::new()
-            }
-        }
-    }
-
-    /// Stops `pid` if it proves to be an instance of `id` started from this data dir: a
-    /// second instance, or one that runs with an outdated token.
-    async fn stop_duplicate(&self, id: &ProxyId, desired: Option<&ManagedProxy>, pid: u32) {
-        match self.shared.supervisor.stop_by_environment(self.stop_spec(id, desired), pid).await {
-            Some(status) => {
-                tracing::warn!(proxy = %id, pid, last_exit = ?status.last_exit, "another instance of the proxy was running; stopped it");
-            }
-            None => {
-                tracing::info!(proxy = %id, pid, "a process found for the proxy is not proven to be its instance; left alone")
-            }
-        }
-    }
-
     /// The pids found for `id` by [`ProxyBackend::adoption_candidates`], taken once.
     fn take_found(&self, id: &ProxyId) -> Vec<u32> {
         lock(&self.shared.found).remove(id).unwrap_or_default()
@@ -513,6 +403,8 @@ struct OsProxyHandle {
     id: ProxyId,
     state: Mutex<HandleState>,
     status: watch::Sender<tether_manager::BackendStatus>,
+    /// What its process runs, when restore took it over.
+    adopted: Adopted,
 }
 
 struct HandleState {
@@ -532,6 +424,7 @@ impl OsProxyHandle {
             id,
             state: Mutex::new(HandleState { proxy, process: None, record: None, listeners: None }),
             status,
+            adopted: Adopted::AsRecorded,
         }
     }
 
@@ -659,6 +552,10 @@ impl ProxyHandle for OsProxyHandle {
 
     fn status(&self) -> watch::Receiver<tether_manager::BackendStatus> {
         self.status.subscribe()
+    }
+
+    fn adopted(&self) -> Adopted {
+        self.adopted
     }
 
     fn record(&self) -> BackendRecord {

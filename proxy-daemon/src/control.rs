@@ -1,6 +1,7 @@
 //! The commands a [`ProcessHandle`](crate::ProcessHandle) sends to the task that supervises
-//! its process: stop, detach, and changes applied in place; and the observer that the task
-//! tells of every change of the status.
+//! its process: stop (or finish a stop that an earlier supervisor began), detach, and
+//! changes applied in place; and the observer that the task tells of every change of the
+//! status.
 //!
 //! This module owns that one-to-one link and nothing else. It is a slot of pending commands
 //! and a wake-up, not a queue: a handle sends few commands in its life, and every
@@ -31,8 +32,8 @@ pub(crate) struct Commands {
     /// Changes to apply in place, merged in the order they were sent. Boxed: the link
     /// lasts as long as its process, and an update is rare and large.
     pub(crate) update: Option<Box<ProcessUpdate>>,
-    /// Stop the process.
-    pub(crate) stop: bool,
+    /// Stop the process, and how.
+    pub(crate) stop: Option<Stop>,
     /// Leave the process running and report its identity.
     pub(crate) detach: Option<DetachReply>,
     /// The handle is gone: leave the process running, unsupervised.
@@ -41,8 +42,19 @@ pub(crate) struct Commands {
 
 impl Commands {
     fn is_empty(&self) -> bool {
-        self.update.is_none() && !self.stop && self.detach.is_none() && !self.handle_gone
+        self.update.is_none() && self.stop.is_none() && self.detach.is_none() && !self.handle_gone
     }
+}
+
+/// How a stop ends the process. Of two stops asked, the one that signals wins.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Stop {
+    /// It was asked to stop already, by a supervisor that died since: wait up to its kill
+    /// timeout for it to exit, without a second kill signal (which makes many proxies drop
+    /// the connections they are finishing), then SIGKILL its group.
+    Awaited,
+    /// Its kill signal, then SIGKILL after its kill timeout.
+    Signalled,
 }
 
 #[derive(Debug, Default)]
@@ -104,9 +116,9 @@ impl Sender {
         true
     }
 
-    /// Asks the task to stop the process.
-    pub(crate) fn stop(&self) -> bool {
-        self.send(|commands| commands.stop = true)
+    /// Asks the task to stop the process, as `how` says.
+    pub(crate) fn stop(&self, how: Stop) -> bool {
+        self.send(|commands| commands.stop = commands.stop.max(Some(how)))
     }
 
     /// Asks the task to detach the process and answer on `reply`. `Err` gives `reply`
@@ -224,7 +236,8 @@ mod tests {
         assert!(sender.update(ProcessUpdate { kill: Some(kill), ..ProcessUpdate::default() }));
         let limits = crate::spec::LogPolicy { max_size: 10, keep: 1 };
         assert!(sender.update(ProcessUpdate { log_limits: Some(limits), ..ProcessUpdate::default() }));
-        assert!(sender.stop());
+        assert!(sender.stop(Stop::Signalled));
+        assert!(sender.stop(Stop::Awaited), "a second stop is taken, and the first one's signal kept");
         let taken = tokio::time::timeout(Duration::from_secs(10), receiver.recv()).await.unwrap();
         assert_eq!(
             taken.update.map(|update| *update),
@@ -236,7 +249,7 @@ mod tests {
                 limits: None
             })
         );
-        assert!(taken.stop && taken.detach.is_none() && !taken.handle_gone);
+        assert!(taken.stop == Some(Stop::Signalled) && taken.detach.is_none() && !taken.handle_gone);
     }
 
     #[tokio::test]
@@ -244,11 +257,11 @@ mod tests {
         let (sender, receiver) = link();
         let (first_taken, first) = oneshot::channel();
         let waiting = tokio::spawn(async move {
-            let _ = first_taken.send(receiver.recv().await.stop);
+            let _ = first_taken.send(receiver.recv().await.stop == Some(Stop::Awaited));
             receiver.recv().await.handle_gone
         });
         tokio::task::yield_now().await;
-        assert!(sender.stop());
+        assert!(sender.stop(Stop::Awaited));
         assert!(tokio::time::timeout(Duration::from_secs(10), first).await.unwrap().unwrap());
         // The task waits again, with nothing pending, when the handle goes.
         tokio::task::yield_now().await;
@@ -263,7 +276,7 @@ mod tests {
         assert!(sender.detach(reply).is_ok());
         drop(receiver);
         assert!(answer.await.is_err(), "the detach that was not taken is dropped");
-        assert!(!sender.stop());
+        assert!(!sender.stop(Stop::Signalled));
         let (reply, _answer) = oneshot::channel();
         assert!(sender.detach(reply).is_err(), "the reply is handed back");
     }

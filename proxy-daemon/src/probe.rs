@@ -177,6 +177,9 @@ async fn exec(command: &CommandLine, spec: &ProcessSpec) -> Outcome {
     probe.program = command.program().to_owned();
     probe.args = command.args().iter().map(OsString::from).collect();
     probe.env.retain(|(key, _)| key != TOKEN_VAR);
+    // Nor its listeners: a probe that held them would keep them open, and would look like
+    // an instance that serves to an agent that finds it after a crash.
+    probe.listeners = Vec::new();
     let slot = spawn::slot().await;
     let spawned = spawn::spawn(&probe, None, &slot)
         .await

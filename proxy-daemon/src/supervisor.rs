@@ -31,6 +31,8 @@ mod checks;
 mod lines;
 mod task;
 
+#[cfg(feature = "manager")] // the engine adapter's
+pub(crate) use adopt::Proven;
 use task::{Instance, InstanceKind, Task};
 
 /// Spawns, supervises, restarts, stops and adopts OS processes.
@@ -310,7 +312,24 @@ impl ProcessHandle {
     ///
     /// Cancel-safe: the stop proceeds once requested, even if the future is dropped.
     pub async fn stop(&self) -> ProcessStatus {
-        let _already_ended = self.commands.stop();
+        self.stop_as(control::Stop::Signalled).await
+    }
+
+    /// Finishes the stop of a process that was asked to stop already, by a supervisor that
+    /// died since: [`ProcessHandle::stop`] without the kill signal, which the process had
+    /// (a second one makes many proxies drop the connections they are finishing). Waits up
+    /// to its kill timeout for it to exit, then SIGKILLs the group.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe: the stop proceeds once requested, even if the future is dropped.
+    #[cfg_attr(not(feature = "manager"), allow(dead_code))] // the engine adapter's
+    pub(crate) async fn finish_stop(&self) -> ProcessStatus {
+        self.stop_as(control::Stop::Awaited).await
+    }
+
+    async fn stop_as(&self, how: control::Stop) -> ProcessStatus {
+        let _already_ended = self.commands.stop(how);
         let mut status = self.status.clone();
         let result = status.wait_for(|status| status.state.is_final()).await.map(|status| status.clone());
         result.unwrap_or_else(|_task_gone| status.borrow().clone())
@@ -392,5 +411,69 @@ impl<F: Future> Future for InProxySpan<F> {
         let span = tracing::info_span!(parent: None, "proxy", proxy = %this.name);
         let _entered = span.enter();
         this.future.poll(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use tether_state::persist::DataDir;
+
+    use super::*;
+    use crate::spec::ProcessName;
+    use crate::status::{ExitReason, ProcessState};
+
+    const LIMIT: Duration = Duration::from_secs(10);
+
+    /// `/bin/sh -c script`, with a kill timeout of `kill_timeout`.
+    fn shell(data: &DataDir, name: &str, script: &str, kill_timeout: Duration) -> ProcessSpec {
+        let mut spec = ProcessSpec::new(ProcessName::new(name).unwrap(), "/bin/sh", data);
+        spec.args = vec!["-c".into(), script.into()];
+        spec.kill.timeout = kill_timeout;
+        spec
+    }
+
+    #[tokio::test]
+    async fn finishing_a_stop_sends_no_signal_and_waits_for_the_exit() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = DataDir::open(dir.path()).unwrap();
+        let supervisor = Supervisor::new().unwrap();
+        let signalled = dir.path().join("signalled");
+        // Finishes its work (a fifth of a second) and exits 0, unless its kill signal (SIGINT,
+        // the default) comes first.
+        let script = format!("trap 'touch {}; exit 1' INT; sleep 0.2 & wait; exit 0", signalled.display());
+        let spec = shell(&data, "draining", &script, Duration::from_secs(5));
+
+        let handle = supervisor.spawn(spec.clone()).await.unwrap();
+        let last = tokio::time::timeout(LIMIT, handle.finish_stop()).await.unwrap();
+        assert_eq!((last.state, last.last_exit), (ProcessState::Stopped, Some(ExitReason::Code(0))));
+        assert!(!signalled.exists(), "no kill signal was sent");
+
+        // For contrast: a stop signals it.
+        let handle = supervisor.spawn(spec).await.unwrap();
+        // Its trap is set once its first line ran: wait for the shell to reach `wait`.
+        let pid = handle.status().pid.unwrap();
+        let started = Instant::now();
+        while !std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).is_ok_and(|c| !c.is_empty()) {
+            assert!(started.elapsed() < LIMIT, "the shell never started its work");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let last = tokio::time::timeout(LIMIT, handle.stop()).await.unwrap();
+        assert_eq!((last.state, last.last_exit), (ProcessState::Stopped, Some(ExitReason::Code(1))));
+        assert!(signalled.exists(), "a stop sends the kill signal");
+    }
+
+    #[tokio::test]
+    async fn finishing_a_stop_kills_a_process_that_does_not_exit_within_its_kill_timeout() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = DataDir::open(dir.path()).unwrap();
+        let supervisor = Supervisor::new().unwrap();
+        let spec = shell(&data, "stuck", "exec sleep 30", Duration::from_millis(200));
+        let handle = supervisor.spawn(spec).await.unwrap();
+        let started = Instant::now();
+        let last = tokio::time::timeout(LIMIT, handle.finish_stop()).await.unwrap();
+        assert!(started.elapsed() >= Duration::from_millis(200), "killed after {:?}", started.elapsed());
+        assert_eq!((last.state, last.last_exit), (ProcessState::Stopped, Some(ExitReason::Signal(9))));
     }
 }

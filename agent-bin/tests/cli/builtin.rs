@@ -3,6 +3,7 @@
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
@@ -310,4 +311,45 @@ fn dev_mode_serves_the_demo_through_the_built_in_proxy_and_leaves_nothing_behind
     assert!(status.success());
     assert!(proxies_of(&data_dir.join("agent.sock")).is_empty(), "--dev stops its proxies on exit");
     assert!(!data_dir.exists(), "--dev leaves no data dir behind");
+}
+
+#[test]
+fn the_built_in_proxy_carries_on_when_its_log_cannot_be_written() {
+    // Its stderr is a file on a full file system: each line it logs is lost, and it goes on.
+    // The "agent" here is a socket that hangs up on every request: the proxy logs a warning
+    // after each, then asks again, so a second request means it survived a lost line.
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("agent.sock");
+    let agent = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    let mut proxy = command(Path::new(env!("CARGO_BIN_EXE_tether")))
+        .arg("connect-proxy")
+        .env("TETHER_PROXY_ID", "web-proxy")
+        .env("TETHER_PROXY_TOKEN", "0123456789abcdef0123456789abcdef")
+        .env("TETHER_SOCKET", &socket)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::OpenOptions::new().write(true).open("/dev/full").unwrap())
+        .spawn()
+        .unwrap();
+    let (answered, asked) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for request in agent.incoming().take(3) {
+            drop(request);
+            if answered.send(()).is_err() {
+                return;
+            }
+        }
+    });
+    for n in 1..=3 {
+        let start = Instant::now();
+        while asked.recv_timeout(Duration::from_millis(20)).is_err() {
+            let exited = proxy.try_wait().unwrap();
+            if exited.is_some() || start.elapsed() > DEADLINE {
+                let _ = proxy.kill();
+                panic!("request {n} never came; the proxy exited: {exited:?}");
+            }
+        }
+    }
+    let _ = proxy.kill();
+    proxy.wait().unwrap();
 }

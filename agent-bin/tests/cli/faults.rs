@@ -1026,3 +1026,214 @@ fn a_service_with_the_longest_valid_id_runs() {
     });
     assert!(dirs.data.join(format!("logs/{proxy_id}-stdout.log")).exists());
 }
+
+// ---------------------------------------------------------------------------------------
+// Overlapping updates, each with the agent SIGKILLed at a random moment of it: the old
+// instance may still serve, be draining, or be gone, and the new one may be starting,
+// ready, or the only one left; the snapshot and the pid file may name either, or (on a full
+// disk) one long dead. Each next agent must take the listener from an instance that is
+// alive, keep the one that serves, and run the proxy once, without refusing or cutting a
+// connection.
+
+const OVERLAP_ROUNDS: u32 = 16;
+/// The kill lands this long (at most) after the reload that starts an update: the update
+/// itself, the old instance's drain of the slow client's connections, and a little after.
+const OVERLAP_KILL_WINDOW_MS: usize = 800;
+/// How long the slow client holds each connection before its request: an old instance told
+/// to stop finishes them, so it stays alive without serving for about that long.
+const SLOW_CLIENT_HOLD: Duration = Duration::from_millis(300);
+/// How long the new instance's readiness probe takes: both instances serve meanwhile.
+const READINESS_PROBE: Duration = Duration::from_millis(250);
+
+/// Where a test's agents run: on the data dir as it is, or (`full`) on a tmpfs filled up,
+/// in a mount namespace of their own that the next agent joins through a live proxy.
+struct Site<'a> {
+    dirs: &'a Dirs,
+    full: bool,
+    /// The data dir, as the running agent sees it.
+    inside: PathBuf,
+    started: usize,
+}
+
+impl<'a> Site<'a> {
+    fn new(dirs: &'a Dirs, full: bool) -> Self {
+        Self { dirs, full, inside: dirs.data.clone(), started: 0 }
+    }
+
+    fn socket(&self) -> PathBuf {
+        self.inside.join("agent.sock")
+    }
+
+    /// Starts an agent and waits for its socket.
+    fn start(&mut self) -> Agent {
+        self.started += 1;
+        if !self.full {
+            return Agent::start(self.dirs, &root_flags());
+        }
+        let log = format!("agent-{}.log", self.started);
+        let (agent, inside) = match web_instances(self.dirs).first() {
+            None => agent_on_tmpfs(self.dirs, &log),
+            Some(live) => {
+                // The namespace lives on in the proxies; `nsenter` execs, so its pid is the agent's.
+                let mut nsenter = command(Path::new("nsenter"));
+                nsenter.args(["--target", &live.to_string(), "--mount", "--"]);
+                let log = self.dirs.temp.path().join(log);
+                let child = agent_command(nsenter, self.dirs, &log).spawn().unwrap();
+                started_inside(Agent { child: Some(child), socket: self.dirs.socket(), log }, self.dirs)
+            }
+        };
+        self.inside = inside;
+        agent
+    }
+
+    /// Fills the tmpfs up again (a failed pid-file write frees the page of the file it
+    /// removes), so that the next snapshot and pid-file writes fail.
+    fn fill(&self) {
+        if !self.full {
+            return;
+        }
+        let mut file = std::fs::OpenOptions::new().create(true).append(true).open(self.inside.join("filler")).unwrap();
+        let page = vec![0_u8; 4096];
+        let full = (0..=64 + 16).find_map(|_| std::io::Write::write_all(&mut file, &page).err()).expect("full");
+        assert_eq!(full.raw_os_error(), Some(nix::errno::Errno::ENOSPC as i32), "{full}");
+    }
+}
+
+/// The instances of `web-proxy` on the machine: processes that lead their own group and carry
+/// its token (an exec probe carries the proxy's id, not its token).
+fn web_instances(dirs: &Dirs) -> Vec<i32> {
+    let mut found = instances(&dirs.socket()).remove("web-proxy").unwrap_or_default();
+    found.retain(|&pid| environ_var(pid, "TETHER_PROXY_TOKEN").is_some());
+    found
+}
+
+/// Waits until `web-proxy` is listed running, with no update in flight, as the one instance
+/// of the proxy on the machine, started from `generation`; returns its pid.
+#[track_caller]
+fn one_instance_of(site: &Site<'_>, generation: u32, what: &str) -> i32 {
+    wait_until(what, || {
+        let proxies = proxies_at(&site.socket())?;
+        let status = proxies.iter().find(|p| p["id"] == "web-proxy").ok_or("web-proxy not listed")?;
+        let pid = status["pid"].as_i64().and_then(|pid| i32::try_from(pid).ok());
+        let Some(pid) = pid.filter(|_| status["state"] == "running" && status["update"].is_null()) else {
+            return Err(format!("listed {status}"));
+        };
+        let running = web_instances(site.dirs);
+        let others: Vec<String> = instances(&site.dirs.socket()).into_keys().filter(|id| id != "web-proxy").collect();
+        if running != [pid] || !others.is_empty() {
+            return Err(format!("listed pid {pid}, instances {running:?}, of other proxies {others:?}"));
+        }
+        match environ_var(pid, "GENERATION") {
+            Some(found) if found == generation.to_string() => Ok(pid),
+            found => Err(format!("pid {pid} runs generation {found:?}")),
+        }
+    })
+}
+
+fn overlapping_updates_with_the_agent_killed_at_random_moments(full: bool) {
+    use crate::zero_downtime::{Load, config, upstream};
+
+    let started = Instant::now();
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    if full {
+        std::fs::create_dir(&dirs.data).unwrap();
+        if let Some(reason) = private_tmpfs_unavailable(&dirs.data) {
+            eprintln!("skipped: {reason}");
+            return;
+        }
+    }
+    let seed = seed();
+    eprintln!("TETHER_FAULT_SEED={seed} replays the kill moments");
+    let mut random = SplitMix(seed);
+    let (listen, upstream) = (free_loopback_addr(), upstream());
+    // Ready after a probe of a few hundred milliseconds rather than at its first notice, so
+    // that the kill also lands while both instances serve, the new one not ready yet.
+    let make = |generation| {
+        config(&listen, &upstream, "overlap", true, generation).replace(
+            "[service.proxy.readiness]\nnotify = true\n",
+            &format!(
+                "[service.proxy.readiness]\nexec = [\"/bin/sh\", \"-c\", \"sleep {}\"]\ninterval = \"50ms\"\n",
+                READINESS_PROBE.as_secs_f64()
+            ),
+        )
+    };
+    dirs.write_config("web.toml", &make(0));
+    assert!(std::fs::read_to_string(dirs.config.join("web.toml")).unwrap().contains("exec = "));
+    let mut site = Site::new(&dirs, full);
+    // Every agent's guard is kept to the end: dropping one kills the proxies.
+    let mut retired = Vec::new();
+    let mut agent = site.start();
+    one_instance_of(&site, 0, "the first instance");
+    let load = Load::start(&listen);
+    let slow = Load::holding(&listen, SLOW_CLIENT_HOLD);
+    site.fill();
+
+    let mut alive_at_kill = Vec::new();
+    for generation in 1..=OVERLAP_ROUNDS {
+        let kill_after = Duration::from_millis(random.below(OVERLAP_KILL_WINDOW_MS) as u64);
+        dirs.write_config("web.toml", &make(generation));
+        agent.signal(Signal::SIGHUP);
+        std::thread::sleep(kill_after); // the fault's moment, not a synchronisation
+        agent.signal(Signal::SIGKILL);
+        agent.wait();
+        let alive = web_instances(&dirs);
+        alive_at_kill.push(alive.len());
+        retired.push(std::mem::replace(&mut agent, site.start()));
+        site.fill();
+        let pid = one_instance_of(
+            &site,
+            generation,
+            &format!("round {generation} (killed {kill_after:?} into the update, instances {alive:?}, seed {seed})"),
+        );
+        let (requests, refused, failed) = load.counts();
+        let (slow_requests, slow_refused, slow_failed) = slow.counts();
+        eprintln!(
+            "round {generation}: killed after {kill_after:?} with instances {alive:?}; {pid} serves; \
+             {requests} requests ({refused} refused, {failed} failed), slow {slow_requests} \
+             ({slow_refused} refused, {slow_failed} failed), at {:?}",
+            started.elapsed()
+        );
+    }
+    // The last instance serves: more requests go through it.
+    let served = load.counts().0;
+    wait_for("requests after the last round", || (load.counts().0 > served + 20).then_some(()));
+    let (requests, refused, failed) = load.counts();
+    let (slow_requests, slow_refused, slow_failed) = slow.counts();
+    drop((load, slow));
+    eprintln!(
+        "{OVERLAP_ROUNDS} rounds in {:?}; instances alive at each kill: {alive_at_kill:?}; \
+         {requests} requests ({refused} refused, {failed} failed), slow {slow_requests} ({slow_refused} refused, \
+         {slow_failed} failed)",
+        started.elapsed()
+    );
+    if full {
+        // The agents did meet the full disk: snapshot and pid-file writes failed.
+        let logs: Vec<String> = (1..=site.started)
+            .map(|n| std::fs::read_to_string(dirs.temp.path().join(format!("agent-{n}.log"))).unwrap_or_default())
+            .collect();
+        let failed = |what: &str| {
+            logs.iter().filter(|log| log.lines().any(|l| l.contains(what) && l.contains("No space left"))).count()
+        };
+        let (snapshots, pid_files) = (failed("cannot write the snapshot"), failed("failed to write pid file"));
+        eprintln!("of {} agents, {snapshots} failed to write the snapshot, {pid_files} a pid file", logs.len());
+        assert!(snapshots > 0 && pid_files > 0, "the disk was not full for the agents");
+    }
+    assert!(alive_at_kill.contains(&2), "no kill landed while two instances ran: {alive_at_kill:?}");
+    assert_eq!(
+        (refused, failed, slow_refused, slow_failed),
+        (0, 0, 0, 0),
+        "refused and failed connections, of {requests} and {slow_requests} slow ones (seed {seed})"
+    );
+    drop(retired);
+}
+
+#[test]
+fn overlapping_updates_with_the_agent_killed_at_random_moments_refuse_no_connection_and_run_once() {
+    overlapping_updates_with_the_agent_killed_at_random_moments(false);
+}
+
+#[test]
+fn overlapping_updates_with_the_agent_killed_at_random_moments_on_a_full_disk_refuse_no_connection() {
+    overlapping_updates_with_the_agent_killed_at_random_moments(true);
+}

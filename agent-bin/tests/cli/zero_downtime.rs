@@ -22,7 +22,7 @@ fn root_flags() -> Vec<&'static str> {
 }
 
 /// An upstream that answers one line per connection with `ok: <line>`, and closes.
-fn upstream() -> String {
+pub(crate) fn upstream() -> String {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let address = listener.local_addr().unwrap().to_string();
     std::thread::spawn(move || {
@@ -51,14 +51,20 @@ struct Counts {
 
 /// A client that connects to `address` every millisecond, one request per connection,
 /// until dropped.
-struct Load {
+pub(crate) struct Load {
     counts: Arc<Counts>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl Load {
-    fn start(address: &str) -> Self {
+    pub(crate) fn start(address: &str) -> Self {
+        Self::holding(address, Duration::ZERO)
+    }
+
+    /// [`Load::start`], with each connection held open for `hold` before its request is
+    /// sent: a slow client, whose connections an instance told to stop has to finish.
+    pub(crate) fn holding(address: &str, hold: Duration) -> Self {
         let counts = Arc::new(Counts::default());
         let stop = Arc::new(AtomicBool::new(false));
         let (address, seen, stopped) = (address.to_owned(), counts.clone(), stop.clone());
@@ -67,12 +73,14 @@ impl Load {
             while !stopped.load(Ordering::Relaxed) {
                 n += 1;
                 seen.requests.fetch_add(1, Ordering::Relaxed);
-                match request(&address, n) {
+                match request(&address, n, hold) {
                     Ok(()) => {}
                     Err(error) if error.kind() == std::io::ErrorKind::ConnectionRefused => {
                         seen.refused.fetch_add(1, Ordering::Relaxed);
                     }
-                    Err(_) => {
+                    Err(error) => {
+                        // Told as it happens, so that a failed run shows when.
+                        eprintln!("request {n} to {address} failed: {error}");
                         seen.failed.fetch_add(1, Ordering::Relaxed);
                     }
                 }
@@ -83,7 +91,7 @@ impl Load {
     }
 
     /// (requests, refused, failed) so far.
-    fn counts(&self) -> (u64, u64, u64) {
+    pub(crate) fn counts(&self) -> (u64, u64, u64) {
         let c = &self.counts;
         (c.requests.load(Ordering::Relaxed), c.refused.load(Ordering::Relaxed), c.failed.load(Ordering::Relaxed))
     }
@@ -98,9 +106,13 @@ impl Drop for Load {
     }
 }
 
-fn request(address: &str, n: u64) -> std::io::Result<()> {
+fn request(address: &str, n: u64, hold: Duration) -> std::io::Result<()> {
     let mut stream = TcpStream::connect(address)?;
     stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    if !hold.is_zero() {
+        // The client's pace, not a synchronisation: the connection is in flight meanwhile.
+        std::thread::sleep(hold);
+    }
     stream.write_all(format!("request {n}\n").as_bytes())?;
     let mut answer = String::new();
     stream.read_to_string(&mut answer)?;
@@ -114,7 +126,7 @@ fn request(address: &str, n: u64) -> std::io::Result<()> {
 /// The service: the built-in proxy to `upstream`, on a listener at `listen` (or binding
 /// `listen` itself, without one), with `update`; `generation` is a variable of its
 /// environment, whose change restarts it.
-fn config(listen: &str, upstream: &str, update: &str, listener: bool, generation: u32) -> String {
+pub(crate) fn config(listen: &str, upstream: &str, update: &str, listener: bool, generation: u32) -> String {
     let port = listen.rsplit_once(':').unwrap().1;
     let (bind, listener) = if listener {
         (String::new(), format!("[[service.proxy.listener]]\nname = \"public\"\naddress = \"{listen}\"\n"))
@@ -314,12 +326,12 @@ fn a_listener_closes_when_its_address_changes_and_when_its_proxy_goes() {
     dirs.write_config("web.toml", &config(&first, &upstream, "overlap", true, 0));
     let agent = Agent::start(&dirs, &root_flags());
     let pid = agent.wait_state("web-proxy", "running")["pid"].as_i64().unwrap();
-    request(&first, 1).expect("served on the first address");
+    request(&first, 1, Duration::ZERO).expect("served on the first address");
 
     dirs.write_config("web.toml", &config(&second, &upstream, "overlap", true, 0));
     reload(&dirs);
     replaced(&agent, pid);
-    request(&second, 2).expect("served on the new address");
+    request(&second, 2, Duration::ZERO).expect("served on the new address");
     let refused = TcpStream::connect(&first).map(drop).unwrap_err();
     assert_eq!(refused.kind(), std::io::ErrorKind::ConnectionRefused, "the old address is closed");
 

@@ -10,7 +10,7 @@ use tether_state::{ManagedProxy, ProxyId};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::backend::{BackendError, BackendRecord, BackendState, BackendStatus, ProxyBackend, ProxyHandle};
+use crate::backend::{Adopted, BackendError, BackendRecord, BackendState, BackendStatus, ProxyBackend, ProxyHandle};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(super) enum Call {
@@ -39,6 +39,8 @@ pub(super) struct FakeState {
     pub(super) candidates: Vec<ProxyId>,
     /// Proxies whose instances stay `starting`: never ready.
     pub(super) never_ready: HashSet<ProxyId>,
+    /// What a restored handle says its process runs, when not as recorded.
+    pub(super) adopted: HashMap<ProxyId, Adopted>,
     /// The pid of the instance that runs, by proxy: a stop removes only its own.
     live_pid: HashMap<ProxyId, u32>,
     /// The instance an overlapping start ran beside, until one of the two stops.
@@ -118,7 +120,8 @@ impl Fake {
             pid,
             ..BackendStatus::default()
         };
-        FakeHandle { fake: self.clone(), id, proxy: Mutex::new(proxy), status: watch::Sender::new(status) }
+        let adopted = self.state().adopted.get(&id).copied().unwrap_or_default();
+        FakeHandle { fake: self.clone(), id, proxy: Mutex::new(proxy), status: watch::Sender::new(status), adopted }
     }
 }
 
@@ -127,6 +130,7 @@ pub(super) struct FakeHandle {
     id: ProxyId,
     proxy: Mutex<Option<Arc<ManagedProxy>>>,
     pub(super) status: watch::Sender<BackendStatus>,
+    adopted: Adopted,
 }
 
 fn failure(what: &str) -> crate::BoxError {
@@ -224,6 +228,10 @@ impl ProxyHandle for FakeHandle {
 
     fn status(&self) -> watch::Receiver<BackendStatus> {
         self.status.subscribe()
+    }
+
+    fn adopted(&self) -> Adopted {
+        self.adopted
     }
 
     fn record(&self) -> BackendRecord {

@@ -13,6 +13,7 @@ use tether_state::{ManagedProxy, ProxyId};
 use tokio_util::sync::CancellationToken;
 
 use super::{Manager, Slot};
+use crate::backend::Adopted;
 use crate::plan::{Observed, Origin};
 use crate::snapshot::{EncodedRecord, EncodedService, ProxyRecord};
 
@@ -20,7 +21,8 @@ use crate::snapshot::{EncodedRecord, EncodedService, ProxyRecord};
 pub(super) enum RestoreStage {
     Load,
     Adopt {
-        queue: VecDeque<(ProxyRecord, Option<Origin>)>,
+        /// Each record, and whether it is an adoption candidate (not a snapshot record).
+        queue: VecDeque<(ProxyRecord, bool)>,
         wanted: HashMap<ProxyId, Arc<ManagedProxy>>,
         /// The records of the snapshot as loaded, encoded: what the file says now.
         saved: Option<BTreeMap<ProxyId, EncodedRecord>>,
@@ -67,15 +69,14 @@ impl Manager {
             // adopted is skipped, so nothing is taken over twice.
             let mut candidate_ids = HashSet::new();
             let candidates = self.candidates(shutdown).await;
-            records.extend(candidates.into_iter().filter(|record| candidate_ids.insert(record.id.clone())));
+            let mut queue: VecDeque<_> = records.into_iter().map(|record| (record, false)).collect();
+            queue.extend(
+                candidates
+                    .into_iter()
+                    .filter(|record| candidate_ids.insert(record.id.clone()))
+                    .map(|record| (record, true)),
+            );
             seen.extend(candidate_ids);
-            let queue: VecDeque<_> = records
-                .into_iter()
-                .map(|record| {
-                    let origin = origin_of(&record);
-                    (record, origin)
-                })
-                .collect();
             // What the catalog wants of those proxies: the backend restarts an adopted
             // process from it, and proves candidates with its token.
             let wanted = if queue.is_empty() {
@@ -119,20 +120,37 @@ impl Manager {
             restored = self.backend.restore(id.clone(), backend_record, desired) => restored,
         };
         let RestoreStage::Adopt { queue, wanted, .. } = &mut self.restore else { return true };
-        let Some((mut record, mut origin)) = queue.pop_front() else { return true };
+        let Some((mut record, candidate)) = queue.pop_front() else { return true };
         match restored {
             Some(handle) => {
                 tracing::info!(proxy = %id, "proxy adopted");
                 self.published.lock().stats.adopted += 1;
-                // A candidate without a snapshot record that the backend proved against the
-                // wanted proxy runs that proxy, by the backend's contract.
-                if record.service.is_none() && record.token.is_none() {
-                    if let Some(proxy) = wanted.get(&id) {
+                // What the process runs decides whether the first reconcile keeps it or
+                // replaces it. A candidate that the backend proved against the wanted proxy
+                // runs that proxy, by the backend's contract; so does another process than
+                // the record's that the backend kept and proved. A process whose spec is not
+                // known has no origin, and is replaced (its record says so, should the agent
+                // die before).
+                let adopted = handle.adopted();
+                let runs_wanted = match adopted {
+                    Adopted::AsRecorded => candidate,
+                    Adopted::Desired => true,
+                    Adopted::Unknown => false,
+                };
+                match wanted.get(&id) {
+                    Some(proxy) if runs_wanted => {
                         record.service = Some(proxy.service().clone());
                         record.token = Some(proxy.token().fingerprint());
-                        origin = origin_of(&record);
+                    }
+                    // The process its record names, or a candidate no longer wanted.
+                    _ if adopted == Adopted::AsRecorded => {}
+                    _ => {
+                        tracing::info!(proxy = %id, "the adopted process may run another spec; it will be replaced");
+                        record.service = None;
+                        record.token = None;
                     }
                 }
+                let origin = origin_of(&record);
                 let service = record.service.as_ref().and_then(|service| EncodedService::new(service).ok());
                 let mut slot = Slot::new();
                 slot.observed = Observed::Adopted { origin };

@@ -2,9 +2,12 @@
 //! process found by its environment, and stopping a second instance found so.
 //!
 //! Every way in proves the process first, with a pidfd opened before `/proc` is read and
-//! liveness checked after; a process that is not proven is never signalled.
+//! liveness checked after; a process that is not proven is never signalled. A caller that
+//! finds several instances of one spec proves each ([`Proven`]), looks at them (which
+//! serves, which is the oldest), and only then adopts one and stops the others.
 
 use std::ffi::{OsStr, OsString};
+use std::os::fd::OwnedFd;
 use std::os::unix::ffi::OsStrExt;
 use std::time::SystemTime;
 
@@ -31,6 +34,14 @@ impl Supervisor {
     pub fn adopt(&self, spec: ProcessSpec, identity: &Identity) -> Option<ProcessHandle> {
         let span = tracing::info_span!("proxy.adopt", proxy = %spec.name, pid = identity.pid);
         let _entered = span.enter();
+        let proven = self.prove(identity)?;
+        self.adopt_proven(spec, proven, true)
+    }
+
+    /// Proves that `identity` still denotes a live process (the proof of
+    /// [`Supervisor::adopt`], without the cgroup, which the adoption checks), without
+    /// adopting it. Call within a span that names the process: refusals are logged.
+    pub(crate) fn prove(&self, identity: &Identity) -> Option<Proven> {
         if identity.boot_id != self.shared.boot_id {
             tracing::info!("not adopting: the machine rebooted since the process was detached");
             return None;
@@ -47,7 +58,7 @@ impl Supervisor {
             tracing::info!("not adopting: the pid belongs to another process now");
             return None;
         }
-        self.adopt_proven(spec, pidfd, identity.pid, stat, identity.cgroup.as_deref(), true)
+        Some(Proven { pidfd, pid: identity.pid, stat, recorded_cgroup: identity.cgroup.clone() })
     }
 
     /// Takes back the process named in `spec.pid_file`, if its environment proves that it
@@ -76,8 +87,16 @@ impl Supervisor {
     pub fn adopt_by_environment(&self, spec: ProcessSpec, pid: u32) -> Option<ProcessHandle> {
         let span = tracing::info_span!("proxy.adopt", proxy = %spec.name, pid);
         let _entered = span.enter();
-        let (pidfd, stat) = prove_by_environment(&spec, pid)?;
-        self.adopt_proven(spec, pidfd, pid, stat, None, true)
+        let proven = environment_proof(&spec, pid)?;
+        self.adopt_proven(spec, proven, true)
+    }
+
+    /// Proves that `pid` is `spec`'s process by its environment (the proof of
+    /// [`Supervisor::adopt_by_environment`]), without adopting it. Call within a span that
+    /// names the process: refusals are logged.
+    #[cfg_attr(not(feature = "manager"), allow(dead_code))] // the engine adapter's
+    pub(crate) fn prove_by_environment(&self, spec: &ProcessSpec, pid: u32) -> Option<Proven> {
+        environment_proof(spec, pid)
     }
 
     /// Stops process `pid`, if its environment proves that it is this spec's process (the
@@ -92,8 +111,8 @@ impl Supervisor {
         let handle = {
             let span = tracing::info_span!("proxy.adopt", proxy = %spec.name, pid);
             let _entered = span.enter();
-            let (pidfd, stat) = prove_by_environment(&spec, pid)?;
-            self.adopt_proven(spec, pidfd, pid, stat, None, false)?
+            let proven = environment_proof(&spec, pid)?;
+            self.adopt_proven(spec, proven, false)?
         };
         Some(handle.stop().await)
     }
@@ -129,20 +148,20 @@ impl Supervisor {
         found
     }
 
-    /// Finishes an adoption once `/proc` has vouched for `pid`: with cgroups, it must be in
-    /// a cgroup of this spec's process (`recorded`, if the identity names one) or, started
-    /// without one, in none of the subtree; and the pidfd, opened before `/proc` was read,
-    /// must still refer to a live process.
+    /// Finishes an adoption once `/proc` has vouched for the process: with cgroups, it must
+    /// be in a cgroup of this spec's process (the recorded one, if its identity names one)
+    /// or, started without one, in none of the subtree; and the pidfd, opened before `/proc`
+    /// was read, must still refer to a live process.
     /// `write_pid_file`: whether the pid file is to name it (not for a second instance).
-    pub(super) fn adopt_proven(
+    /// Call within a span that names the process: refusals are logged.
+    pub(crate) fn adopt_proven(
         &self,
         spec: ProcessSpec,
-        pidfd: Pidfd,
-        pid: u32,
-        stat: proc::Stat,
-        recorded: Option<&str>,
+        proven: Proven,
         write_pid_file: bool,
     ) -> Option<ProcessHandle> {
+        let Proven { pidfd, pid, stat, recorded_cgroup } = proven;
+        let recorded = recorded_cgroup.as_deref();
         let cgroup = match &self.shared.cgroups {
             Some(cgroups) => match cgroups.membership(pid) {
                 Ok(Some(name)) => {
@@ -193,6 +212,41 @@ impl Supervisor {
     }
 }
 
+/// A live process proven to be an instance of some spec (by its recorded identity, or by its
+/// environment), not supervised yet: the pidfd through which it was proven, and what
+/// `/proc` said of it meanwhile. Dropping it leaves the process alone.
+#[derive(Debug)]
+pub(crate) struct Proven {
+    pidfd: Pidfd,
+    pid: u32,
+    stat: proc::Stat,
+    /// The cgroup its recorded identity names, if it was proven by one.
+    recorded_cgroup: Option<String>,
+}
+
+#[cfg_attr(not(feature = "manager"), allow(dead_code))] // the engine adapter's
+impl Proven {
+    pub(crate) fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// When it started, in clock ticks after boot: of two instances, the smaller started
+    /// first.
+    pub(crate) fn start_time(&self) -> u64 {
+        self.stat.start_time
+    }
+
+    /// Copies of every listening socket it holds, taken through the pidfd it was proven
+    /// with (see [`crate::listen::take_listening`]); it keeps its own.
+    ///
+    /// # Errors
+    ///
+    /// When its descriptors cannot be read (it is gone).
+    pub(crate) fn listening_sockets(&self) -> std::io::Result<Vec<OwnedFd>> {
+        crate::listen::take_listening(&self.pidfd, self.pid)
+    }
+}
+
 /// The pid that `spec.pid_file` names, if it is a readable pid file (not behind a link).
 fn read_pid_file(spec: &ProcessSpec) -> Option<u32> {
     let pid = crate::pidfile::read(&spec.pid_file);
@@ -203,8 +257,9 @@ fn read_pid_file(spec: &ProcessSpec) -> Option<u32> {
 }
 
 /// Proves that `pid` is `spec`'s process by the identity in its environment; see
-/// [`Supervisor::adopt_by_environment`].
-fn prove_by_environment(spec: &ProcessSpec, pid: u32) -> Option<(Pidfd, proc::Stat)> {
+/// [`Supervisor::adopt_by_environment`]. Call within a span that names the process:
+/// refusals are logged.
+fn environment_proof(spec: &ProcessSpec, pid: u32) -> Option<Proven> {
     if spec.identity_env.is_empty() {
         tracing::info!("not adopting: the spec has no identity to prove");
         return None;
@@ -216,7 +271,7 @@ fn prove_by_environment(spec: &ProcessSpec, pid: u32) -> Option<(Pidfd, proc::St
         return None;
     }
     match proc::read_stat(pid) {
-        Ok(stat) if stat.pgid == pid => Some((pidfd, stat)),
+        Ok(stat) if stat.pgid == pid => Some(Proven { pidfd, pid, stat, recorded_cgroup: None }),
         _ => {
             tracing::info!("not adopting: the process does not lead its own group");
             None

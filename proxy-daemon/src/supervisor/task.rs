@@ -14,7 +14,7 @@ use super::checks::{self, Checked, Checks};
 use super::{Shared, lines};
 use crate::backoff;
 use crate::cgroup::Cgroups;
-use crate::control::{self, Commands};
+use crate::control::{self, Commands, Stop};
 use crate::error::{DetachError, SpawnError};
 use crate::proc::{self, Identity, Pidfd};
 use crate::spawn::{self, Spawned};
@@ -227,7 +227,7 @@ impl Task {
                             // Stopped as on a stop (its kill signal, then SIGKILL after the
                             // timeout), then restarted on the backoff like any exit.
                             tracing::warn!(pid = instance.pid, error = %message, "process unhealthy; restarting it");
-                            let _unsignalled = Box::pin(self.terminate(&instance)).await;
+                            let _unsignalled = Box::pin(self.terminate(&instance, Stop::Signalled)).await;
                             let Some(next) = Box::pin(self.restart_after_exit(instance, Some(message))).await else {
                                 return;
                             };
@@ -244,8 +244,8 @@ impl Task {
                             }
                             self.apply(*update);
                         }
-                        if commands.stop {
-                            return Box::pin(self.stop(instance)).await;
+                        if let Some(how) = commands.stop {
+                            return Box::pin(self.stop(instance, how)).await;
                         }
                         if let Some(reply) = commands.detach {
                             let _caller_gone = reply.send(self.detach(&mut instance));
@@ -398,11 +398,11 @@ impl Task {
         })
     }
 
-    /// Stops the running instance and ends supervision.
-    async fn stop(mut self, mut instance: Instance) {
+    /// Stops the running instance, as `how` says, and ends supervision.
+    async fn stop(mut self, mut instance: Instance, how: Stop) {
         let pid = instance.pid;
         self.set_status(|status| status.state = ProcessState::Stopping);
-        let error = self.terminate(&instance).await;
+        let error = self.terminate(&instance, how).await;
         // Grandchildren that outlived the leader; the unreaped leader still holds the id.
         instance.sweep(self.shared.cgroups.as_ref()).await;
         let last_exit = instance.reap().await;
@@ -411,10 +411,10 @@ impl Task {
         self.finish(ProcessState::Stopped, last_exit, error).await;
     }
 
-    /// Ends the instance's main process: its kill signal to the group, then SIGKILL after
-    /// the kill timeout. Returns once it exited (not reaped), with what went wrong, if
-    /// anything did.
-    async fn terminate(&self, instance: &Instance) -> Option<String> {
+    /// Ends the instance's main process: its kill signal to the group (unless `how` says it
+    /// was asked already), then SIGKILL after the kill timeout. Returns once it exited (not
+    /// reaped), with what went wrong, if anything did.
+    async fn terminate(&self, instance: &Instance, how: Stop) -> Option<String> {
         let (pid, kill) = (instance.pid, self.spec.kill);
         // The leader is alive or an unreaped zombie while its pidfd is not readable or it
         // is our child, so the group id cannot have been reused.
@@ -422,8 +422,10 @@ impl Task {
             matches!(instance.kind, InstanceKind::Child(_)) || matches!(instance.pidfd.has_exited(), Ok(false));
         let mut error = None;
         if leader_known {
-            if let Err(cause) = proc::signal_group(instance.pgid, kill.signal.into()) {
-                error = Some(format!("failed to signal process group {}: {cause}", instance.pgid));
+            if how == Stop::Signalled {
+                if let Err(cause) = proc::signal_group(instance.pgid, kill.signal.into()) {
+                    error = Some(format!("failed to signal process group {}: {cause}", instance.pgid));
+                }
             }
             if tokio::time::timeout(kill.timeout, instance.pidfd.exited()).await.is_err() {
                 tracing::warn!(
@@ -589,7 +591,7 @@ impl Task {
                     if let Some(update) = commands.update {
                         self.apply(*update);
                     }
-                    if commands.stop {
+                    if commands.stop.is_some() {
                         self.commands.close();
                         tracing::info!("process stopped during backoff");
                         self.finish(ProcessState::Stopped, None, None).await;

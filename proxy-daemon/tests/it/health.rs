@@ -118,8 +118,13 @@ async fn an_exec_probe_that_hangs_is_killed_at_its_timeout() {
 async fn an_exec_probe_runs_like_the_proxy_and_passes_on_exit_zero() {
     let fx = Fixture::new();
     let mut spec = fx.spec("checked-proxy", &["--sleep"]);
-    // The probe sees the proxy's environment, but not its token.
-    let check = "test -n \"$TETHER_PROXY_ID\" && test -z \"$TETHER_PROXY_TOKEN\"";
+    let address = tether_state::ListenAddress::Unix(fx.data_dir().join("checked.sock"));
+    let socket = std::sync::Arc::new(tether_proxy_daemon::bind_listener(&address).unwrap());
+    spec.listeners = vec![tether_proxy_daemon::InheritedSocket { name: "public".into(), socket }];
+    // The probe sees the proxy's environment, but not its token, nor its listeners: it
+    // must not hold them, nor be taken for an instance that serves.
+    let check = "test -n \"$TETHER_PROXY_ID\" && test -z \"$TETHER_PROXY_TOKEN\" \
+                 && test -z \"$LISTEN_FDS\" && ! test -e /proc/$$/fd/3";
     let probe = Probe::Exec(CommandLine::from_words(vec!["/bin/sh".into(), "-c".into(), check.into()]).unwrap());
     let mut readiness = Readiness::new(probe);
     readiness.interval = Duration::from_millis(100);

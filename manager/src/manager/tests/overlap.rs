@@ -139,3 +139,59 @@ async fn a_shutdown_does_not_wait_for_an_overlap_and_keeps_the_old_instance() {
     assert_eq!(fake.state().live[&pid("web")].spec().env.get("LOG_LEVEL"), None, "the old instance runs on");
     assert!(first.pid.is_some());
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_restored_process_whose_spec_is_not_known_is_replaced_by_an_overlap() {
+    // After a crash during an update, the backend kept the old instance, which serves, and
+    // cannot say which spec it runs: the update is done again, the old one serving meanwhile.
+    let web = overlapping("web", Duration::from_secs(30));
+    let state = catalog(&[changed(web.clone(), "debug")]);
+    let fake = Fake::new();
+    let old = catalog(std::slice::from_ref(&web)).changes_since(None).upserted[0].proxy.clone();
+    fake.state().live.insert(pid("web"), old);
+    fake.state().candidates.push(pid("web"));
+    fake.state().adopted.insert(pid("web"), crate::Adopted::Unknown);
+    let store = Arc::new(MemorySnapshotStore::corrupt());
+    let running = run_with(&state, &fake, &store, ManagerConfig::default());
+    fake.wait_calls(Call::Stop, 1).await;
+    let calls: Vec<Call> = fake.state().calls.iter().map(|(_, _, call)| *call).collect();
+    assert_eq!(calls, [Call::Restore, Call::Start, Call::Stop], "the new instance starts first");
+    assert_eq!(fake.state().live[&pid("web")].spec().env["LOG_LEVEL"], "debug");
+    let after = running.until_state(&pid("web"), ProxyState::Running).await;
+    assert!(after.update.is_none() && after.error.is_none(), "{after:?}");
+    running.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_process_kept_instead_of_its_record_and_proven_to_run_the_wanted_proxy_is_not_restarted() {
+    // The snapshot still names the old instance of an update that completed: the backend
+    // kept the new one, which runs what is wanted.
+    let web = overlapping("web", Duration::from_secs(30));
+    let state = catalog(&[changed(web.clone(), "debug")]);
+    let wanted = state.changes_since(None).upserted[0].proxy.clone();
+    let fake = Fake::new();
+    fake.state().live.insert(pid("web"), wanted.clone());
+    fake.state().adopted.insert(pid("web"), crate::Adopted::Desired);
+    let stale = ProxyRecord {
+        id: pid("web"),
+        service: Some(web),
+        token: Some(wanted.token().fingerprint()),
+        backend: record_of(serde_json::json!({ "proof": "web-proxy", "pid": 5 })),
+    };
+    let store = Arc::new(MemorySnapshotStore::with_snapshot(Snapshot::new(vec![stale])));
+    let running = run_with(&state, &fake, &store, ManagerConfig::default());
+    running.until_state(&pid("web"), ProxyState::Running).await;
+    let mut saves = store.saves();
+    tokio::time::timeout(LIMIT, saves.wait_for(|_| store.snapshot().is_some_and(|s| s.proxies.len() == 1)))
+        .await
+        .unwrap()
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    assert!(fake.calls_of(Call::Start).is_empty() && fake.calls_of(Call::Stop).is_empty(), "kept as it runs");
+    let record = &store.snapshot().unwrap().proxies[0];
+    assert_eq!(
+        record.service.as_ref().and_then(|s| s.proxy.as_ref()).map(|p| &p.env["LOG_LEVEL"]),
+        Some(&"debug".into())
+    );
+    running.stop().await;
+}
