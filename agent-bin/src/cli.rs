@@ -9,6 +9,9 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+/// The subcommand that runs the built-in proxy: the agent starts its own binary with it.
+pub(crate) const CONNECT_PROXY: &str = "connect-proxy";
+
 /// The key prefix of the fleet's keys in etcd when none is given.
 pub(crate) const DEFAULT_ETCD_PREFIX: &str = "/tether";
 
@@ -50,6 +53,7 @@ pub(crate) enum Command {
     /// Check config dirs without an agent: exit 0 if valid, 2 and every error otherwise.
     Validate(ValidateArgs),
     /// The built-in TCP proxy; normally started by the agent.
+    #[command(name = CONNECT_PROXY)]
     ConnectProxy,
     /// Put, list and remove a node's services in etcd, the fleet catalog.
     #[command(subcommand)]
@@ -276,4 +280,20 @@ pub(crate) struct AgentArgs {
     /// Run on the embedded demo config in a temporary data dir; stop every proxy on exit.
     #[arg(long, conflicts_with_all = ["config_dirs", "data_dir", "etcd"])]
     pub(crate) dev: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::*;
+
+    #[test]
+    fn the_agent_starts_the_built_in_proxy_with_a_subcommand_that_exists() {
+        let command = Cli::command();
+        let found = command.find_subcommand(CONNECT_PROXY).map(|sub| sub.get_name().to_owned());
+        assert_eq!(found.as_deref(), Some(CONNECT_PROXY));
+        let parsed = Cli::try_parse_from(["tether", CONNECT_PROXY]).unwrap();
+        assert!(matches!(parsed.command, Command::ConnectProxy));
+    }
 }

@@ -14,6 +14,7 @@ use std::io;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
+use tether_state::proxy_env;
 
 use anyhow::Context;
 use hyper::StatusCode;
@@ -100,9 +101,9 @@ fn identity() -> Result<Identity, UsageError> {
         })
     };
     Ok(Identity {
-        proxy_id: var("TETHER_PROXY_ID")?,
-        token: var("TETHER_PROXY_TOKEN")?,
-        socket: var("TETHER_SOCKET")?.into(),
+        proxy_id: var(proxy_env::PROXY_ID)?,
+        token: var(proxy_env::PROXY_TOKEN)?,
+        socket: var(proxy_env::SOCKET)?.into(),
     })
 }
 

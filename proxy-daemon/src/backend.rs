@@ -17,6 +17,7 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use async_trait::async_trait;
 use tether_manager::{Adopted, BackendError, BackendRecord, BackendState, ProxyBackend, ProxyHandle};
 use tether_state::persist::DataDir;
+use tether_state::proxy_env;
 use tether_state::{CommandLine, ListenAddress, Liveness, ManagedProxy, Probe, ProxyCommand, ProxyId, Readiness};
 use tokio::sync::watch;
 
@@ -30,17 +31,17 @@ use crate::supervisor::{ProcessHandle, Supervisor};
 use record::Record;
 
 /// What the agent tells every proxy about itself (`TETHER_SOCKET`, and
-/// `TETHER_HTTP_ADDR` when it serves one).
+/// `TETHER_HTTP_ADDR` when it serves one), and what runs a proxy whose `command` is the
+/// built-in proxy: the agent's, which alone knows what its own binary is.
 #[derive(Debug, Clone)]
 pub struct AgentEnvironment {
     /// The absolute path of `agent.sock`.
     pub socket: PathBuf,
     /// The loopback HTTP address, when the agent serves one.
     pub http_addr: Option<String>,
+    /// The program and arguments that run the built-in proxy.
+    pub built_in: (PathBuf, Vec<OsString>),
 }
-
-/// The argument that makes the agent's own binary run the built-in proxy.
-pub const BUILT_IN_PROXY_ARG: &str = "connect-proxy";
 
 /// [`ProxyBackend`] for `exec_mode = "daemon"`: every proxy is an OS process supervised by
 /// a [`Supervisor`].
@@ -143,19 +144,19 @@ impl Shared {
         let spec = proxy.spec();
         let name = process_name(id);
         let (program, args): (PathBuf, Vec<OsString>) = match &spec.command {
-            ProxyCommand::BuiltIn => (own_executable(), vec![OsString::from(BUILT_IN_PROXY_ARG)]),
+            ProxyCommand::BuiltIn => self.environment.built_in.clone(),
             ProxyCommand::Exec(line) => (line.program().to_owned(), line.args().iter().map(OsString::from).collect()),
         };
         let mut env = agent_layer(spec);
         let identity_env = vec![
-            (OsString::from(PROXY_ID_VAR), OsString::from(id.as_str())),
-            (OsString::from("TETHER_PROXY_TOKEN"), OsString::from(proxy.token().expose())),
+            (OsString::from(proxy_env::PROXY_ID), OsString::from(id.as_str())),
+            (OsString::from(proxy_env::PROXY_TOKEN), OsString::from(proxy.token().expose())),
         ];
         env.extend(identity_env.iter().cloned());
-        env.push(("TETHER_SERVICE_ID".into(), proxy.service().id.as_str().into()));
-        env.push((SOCKET_VAR.into(), self.environment.socket.clone().into_os_string()));
+        env.push((proxy_env::SERVICE_ID.into(), proxy.service().id.as_str().into()));
+        env.push((proxy_env::SOCKET.into(), self.environment.socket.clone().into_os_string()));
         if let Some(addr) = &self.environment.http_addr {
-            env.push(("TETHER_HTTP_ADDR".into(), addr.into()));
+            env.push((proxy_env::HTTP_ADDR.into(), addr.into()));
         }
         env.extend(configured_layer(spec));
         let (stdout, stderr) = DataDir::log_file_names(id);
@@ -219,7 +220,7 @@ impl Shared {
 /// environment with `inherit_env` (but tether's own variables), else its `PATH` and `HOME`.
 fn agent_layer(spec: &tether_state::ProxySpec) -> Vec<(OsString, OsString)> {
     if spec.inherit_env {
-        std::env::vars_os().filter(|(key, _)| !key.to_string_lossy().starts_with("TETHER_")).collect()
+        std::env::vars_os().filter(|(key, _)| !key.to_string_lossy().starts_with(proxy_env::PREFIX)).collect()
     } else {
         ["PATH", "HOME"].into_iter().filter_map(|key| Some((OsString::from(key), std::env::var_os(key)?))).collect()
     }
@@ -283,16 +284,6 @@ fn process_name(id: &ProxyId) -> ProcessName {
     ProcessName::of_proxy(id)
 }
 
-/// The running executable. When an upgrade replaced the file, the kernel reports the old
-/// inode as `<path> (deleted)`: the new binary is at `<path>`.
-fn own_executable() -> PathBuf {
-    let exe = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("/proc/self/exe"));
-    match exe.to_str().and_then(|path| path.strip_suffix(" (deleted)")) {
-        Some(path) => PathBuf::from(path),
-        None => exe,
-    }
-}
-
 fn kill_policy(proxy: &ManagedProxy) -> KillPolicy {
     proxy.spec().kill
 }
@@ -330,9 +321,9 @@ impl ProxyBackend for OsProcessBackend {
                 ids.insert(id);
             }
         }
-        let socket = [(OsString::from(SOCKET_VAR), self.shared.environment.socket.clone().into_os_string())];
+        let socket = [(OsString::from(proxy_env::SOCKET), self.shared.environment.socket.clone().into_os_string())];
         let mut found: HashMap<ProxyId, Vec<u32>> = HashMap::new();
-        for (pid, id) in self.shared.supervisor.find_by_environment(&socket, PROXY_ID_VAR) {
+        for (pid, id) in self.shared.supervisor.find_by_environment(&socket, proxy_env::PROXY_ID) {
             let Some(id) = id.to_str().and_then(|id| ProxyId::parse(id).ok()) else { continue };
             found.entry(id).or_default().push(pid);
         }
@@ -353,9 +344,6 @@ impl ProxyBackend for OsProcessBackend {
         }
     }
 }
-
-const PROXY_ID_VAR: &str = "TETHER_PROXY_ID";
-const SOCKET_VAR: &str = "TETHER_SOCKET";
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     // Every critical section only moves values in or out.
@@ -385,8 +373,8 @@ impl OsProcessBackend {
         let kill = desired.map(kill_policy).unwrap_or_default();
         let mut spec = self.adoption_spec(id, None, kill);
         spec.identity_env = vec![
-            (OsString::from(PROXY_ID_VAR), OsString::from(id.as_str())),
-            (OsString::from(SOCKET_VAR), self.shared.environment.socket.clone().into_os_string()),
+            (OsString::from(proxy_env::PROXY_ID), OsString::from(id.as_str())),
+            (OsString::from(proxy_env::SOCKET), self.shared.environment.socket.clone().into_os_string()),
         ];
         spec
     }

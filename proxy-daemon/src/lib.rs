@@ -56,8 +56,10 @@
 //!
 //! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
 //! let data = DataDir::open("/var/lib/tether")?;
-//! // What every proxy is told about the agent (`TETHER_SOCKET`, `TETHER_HTTP_ADDR`).
-//! let environment = AgentEnvironment { socket: data.socket_path(), http_addr: None };
+//! // What every proxy is told about the agent (`TETHER_SOCKET`, `TETHER_HTTP_ADDR`), and
+//! // what runs the built-in proxy: here, another program of the agent's.
+//! let built_in = ("/usr/libexec/my-agent/proxy".into(), Vec::new());
+//! let environment = AgentEnvironment { socket: data.socket_path(), http_addr: None, built_in };
 //! let backend = Arc::new(OsProcessBackend::new(data.clone(), environment)?);
 //! let store = Arc::new(FileSnapshotStore::in_data_dir(&data));
 //! let catalog = Arc::new(LocalState::new());
@@ -106,7 +108,7 @@ mod status;
 mod supervisor;
 
 #[cfg(feature = "manager")]
-pub use backend::{AgentEnvironment, BUILT_IN_PROXY_ARG, MissingProgram, OsProcessBackend, missing_programs};
+pub use backend::{AgentEnvironment, MissingProgram, OsProcessBackend, missing_programs};
 pub use cgroup::{CgroupError, CgroupUnavailable, Cgroups, Usage};
 pub use error::{DetachError, InvalidName, ProgramNotFound, SpawnError};
 pub use listen::{ListenError, bind as bind_listener, listens_on};

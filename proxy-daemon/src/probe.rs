@@ -62,10 +62,6 @@ impl ProbeStats {
 /// How a probe went: `Err` says what it saw, for the proxy's `error`.
 pub(crate) type Outcome = Result<(), String>;
 
-/// The variable that proves a process to be a proxy's instance; a probe does not get it, so
-/// that a probe's process is never taken for an instance of the proxy.
-const TOKEN_VAR: &str = "TETHER_PROXY_TOKEN";
-
 /// Runs `probe` once against the instance of `spec`, within `timeout`.
 ///
 /// `notify`, `log_line` and `fd` are not probed here: they are told by the instance itself.
@@ -176,7 +172,9 @@ async fn exec(command: &CommandLine, spec: &ProcessSpec) -> Outcome {
     let mut probe = spec.clone();
     probe.program = command.program().to_owned();
     probe.args = command.args().iter().map(OsString::from).collect();
-    probe.env.retain(|(key, _)| key != TOKEN_VAR);
+    // The token proves a process to be an instance of the proxy: a probe does not get it,
+    // so that a probe's process is never taken for an instance.
+    probe.env.retain(|(key, _)| key != tether_state::proxy_env::PROXY_TOKEN);
     // Nor its listeners: a probe that held them would keep them open, and would look like
     // an instance that serves to an agent that finds it after a crash.
     probe.listeners = Vec::new();

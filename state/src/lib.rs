@@ -115,6 +115,7 @@ mod health;
 mod id;
 mod listener;
 pub mod persist;
+pub mod proxy_env;
 mod resources;
 mod service;
 mod token;

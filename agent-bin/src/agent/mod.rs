@@ -175,8 +175,11 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
     let fleet_status = follower.as_ref().map(Follower::status);
     let running_as_root = nix::unistd::geteuid().is_root();
     let socket_path = std::path::absolute(data.socket_path()).context("resolving the socket path")?;
-    let environment =
-        AgentEnvironment { socket: socket_path.clone(), http_addr: options.http_addr.map(|addr| addr.to_string()) };
+    let environment = AgentEnvironment {
+        socket: socket_path.clone(),
+        http_addr: options.http_addr.map(|addr| addr.to_string()),
+        built_in: built_in_proxy(),
+    };
     let cgroups = open_cgroups(&options.cgroups, &data)?;
     // Whichever way the agent ends from here, a start that failed included, it leaves no
     // empty subtree behind; one that still holds proxies stays for the next agent.
@@ -328,6 +331,21 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
     }
     tracing::info!("agent stopped");
     Ok(ExitCode::SUCCESS)
+}
+
+/// What runs the built-in proxy: this binary, with the subcommand that serves it.
+fn built_in_proxy() -> (PathBuf, Vec<std::ffi::OsString>) {
+    (own_executable(), vec![crate::cli::CONNECT_PROXY.into()])
+}
+
+/// The running executable. When an upgrade replaced the file, the kernel reports the old
+/// inode as `<path> (deleted)`: the new binary is at `<path>`, and a new proxy runs it.
+fn own_executable() -> PathBuf {
+    let exe = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("/proc/self/exe"));
+    match exe.to_str().and_then(|path| path.strip_suffix(" (deleted)")) {
+        Some(path) => PathBuf::from(path),
+        None => exe,
+    }
 }
 
 /// Removes the proxies' cgroup subtree when dropped, if nothing is left in it: after

@@ -373,7 +373,7 @@ checked_string!(
         if !well_formed {
             return Err(format!("invalid environment variable name {s:?}: must match ^[A-Za-z_][A-Za-z0-9_]*$"));
         }
-        if s.starts_with("TETHER_") {
+        if s.starts_with(crate::proxy_env::PREFIX) {
             return Err(format!("environment variable {s} is reserved: tether sets the TETHER_* variables itself"));
         }
         Ok(())
