@@ -272,22 +272,20 @@ impl Client {
                 ..Default::default()
             })),
         };
-        let (requests, receiver) = mpsc::channel(1);
-        // The channel has room for the one request; the receiver is alive, so this cannot fail.
-        let _ = requests.try_send(create);
-        let mut receiver = Some(receiver);
+        // Each try (a retry after a new authentication included) opens the stream with its
+        // own request channel, the create request first; the last one's sender is kept.
+        let mut requests = None;
         let responses = self
             .with_token(|| {
-                // A retry after a new authentication opens the stream again with the same
-                // create request.
-                let stream = match receiver.take() {
-                    Some(receiver) => ReceiverStream::new(receiver),
-                    None => ReceiverStream::new(mpsc::channel(1).1),
-                };
+                let (sender, receiver) = mpsc::channel(1);
+                // The channel has room for the one request, and its receiver is alive.
+                let _ = sender.try_send(create.clone());
+                requests = Some(sender);
                 let mut watch = WatchClient::with_interceptor(self.channel.clone(), self.token.clone());
-                async move { watch.watch(stream).await }
+                async move { watch.watch(ReceiverStream::new(receiver)).await }
             })
             .await?;
+        let Some(requests) = requests else { unreachable!("with_token calls its request at least once") };
         Ok(WatchStream { _requests: requests, responses })
     }
 }
