@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::backoff::Backoff;
 use crate::health::{Liveness, Readiness};
 use crate::id::{ProxyId, ServiceId};
 use crate::listener::{Listener, UpdatePolicy};
@@ -286,6 +287,9 @@ impl Default for KillPolicy {
     }
 }
 
+/// The first delay of the restart backoff, once the free attempts are used up.
+const FIRST_RESTART_DELAY: Duration = Duration::from_secs(1);
+
 /// When an exited proxy is started again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RestartPolicy {
@@ -306,7 +310,7 @@ impl Default for RestartPolicy {
 impl RestartPolicy {
     /// The delay before restart number `attempt` (1 for the first restart after a run
     /// shorter than `healthy_after`): zero for the first `free_attempts`, then 1s, 2s, 4s,
-    /// … capped at `max_delay`.
+    /// … capped at `max_delay` (a [`Backoff`] that starts at one second).
     ///
     /// ```
     /// use std::time::Duration;
@@ -319,15 +323,10 @@ impl RestartPolicy {
     /// assert_eq!(policy.delay_before(100), Duration::from_secs(60));
     /// ```
     pub fn delay_before(&self, attempt: u32) -> Duration {
-        if attempt <= self.free_attempts {
-            return Duration::ZERO;
+        match attempt.checked_sub(self.free_attempts) {
+            Some(past_free @ 1..) => Backoff::new(FIRST_RESTART_DELAY, self.max_delay).delay(past_free - 1),
+            _ => Duration::ZERO,
         }
-        let backoff_step = attempt - self.free_attempts - 1;
-        let delay = match 1u64.checked_shl(backoff_step) {
-            Some(secs) if backoff_step < 63 => Duration::from_secs(secs),
-            _ => self.max_delay,
-        };
-        delay.min(self.max_delay)
     }
 }
 
