@@ -308,6 +308,10 @@ impl Default for RestartPolicy {
 }
 
 impl RestartPolicy {
+    /// The shortest wait before a failed start is tried again, free attempts included: a
+    /// program that cannot start at all must not spin whoever retries it.
+    pub const MIN_RETRY_DELAY: Duration = Duration::from_millis(100);
+
     /// The delay before restart number `attempt` (1 for the first restart after a run
     /// shorter than `healthy_after`): zero for the first `free_attempts`, then 1s, 2s, 4s,
     /// … capped at `max_delay` (a [`Backoff`] that starts at one second).
@@ -327,6 +331,25 @@ impl RestartPolicy {
             Some(past_free @ 1..) => Backoff::new(FIRST_RESTART_DELAY, self.max_delay).delay(past_free - 1),
             _ => Duration::ZERO,
         }
+    }
+
+    /// The delay before start attempt `attempt` when the attempt before it could not even
+    /// start the process (a missing program, no descriptor left): [`delay_before`], but
+    /// never under [`MIN_RETRY_DELAY`], free attempts included.
+    ///
+    /// [`delay_before`]: Self::delay_before
+    /// [`MIN_RETRY_DELAY`]: Self::MIN_RETRY_DELAY
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tether_state::RestartPolicy;
+    ///
+    /// let policy = RestartPolicy::default();
+    /// assert_eq!(policy.delay_after_failed_start(1), Duration::from_millis(100));
+    /// assert_eq!(policy.delay_after_failed_start(5), Duration::from_secs(2));
+    /// ```
+    pub fn delay_after_failed_start(&self, attempt: u32) -> Duration {
+        self.delay_before(attempt).max(Self::MIN_RETRY_DELAY)
     }
 }
 
@@ -578,6 +601,19 @@ mod tests {
         let always_free = RestartPolicy { free_attempts: u32::MAX, ..policy };
         assert_eq!(always_free.delay_before(u32::MAX), Duration::ZERO, "no overflow at the top of the range");
         assert_eq!(always_free.delay_before(7), Duration::ZERO);
+    }
+
+    #[test]
+    fn a_failed_start_waits_at_least_a_tenth_of_a_second() {
+        let policy = RestartPolicy {
+            free_attempts: 2,
+            max_delay: Duration::from_secs(10),
+            healthy_after: Duration::from_secs(1),
+        };
+        let delays: Vec<u128> = (1..=6).map(|n| policy.delay_after_failed_start(n).as_millis()).collect();
+        assert_eq!(delays, [100, 100, 1000, 2000, 4000, 8000]);
+        let tiny_cap = RestartPolicy { max_delay: Duration::from_millis(30), ..policy };
+        assert_eq!(tiny_cap.delay_after_failed_start(9), Duration::from_millis(100));
     }
 
     #[test]
