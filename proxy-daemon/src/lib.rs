@@ -88,7 +88,6 @@
 
 #[cfg(feature = "manager")]
 mod backend;
-mod backoff;
 mod cgroup;
 mod control;
 mod error;

@@ -351,6 +351,22 @@ impl RestartPolicy {
     pub fn delay_after_failed_start(&self, attempt: u32) -> Duration {
         self.delay_before(attempt).max(Self::MIN_RETRY_DELAY)
     }
+
+    /// The attempt number of the restart that follows a run of `run`, given the attempt
+    /// number of the restart that began it (0 for the first start): a run of
+    /// `healthy_after` starts the count again at 1.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tether_state::RestartPolicy;
+    ///
+    /// let policy = RestartPolicy::default(); // healthy after 10s
+    /// assert_eq!(policy.next_attempt(7, Duration::from_millis(9_999)), 8);
+    /// assert_eq!(policy.next_attempt(7, Duration::from_secs(10)), 1);
+    /// ```
+    pub fn next_attempt(&self, previous_attempt: u32, run: Duration) -> u32 {
+        if run >= self.healthy_after { 1 } else { previous_attempt.saturating_add(1) }
+    }
 }
 
 /// How large a proxy's log files may grow: each file (stdout and stderr separately) is
@@ -601,6 +617,38 @@ mod tests {
         let always_free = RestartPolicy { free_attempts: u32::MAX, ..policy };
         assert_eq!(always_free.delay_before(u32::MAX), Duration::ZERO, "no overflow at the top of the range");
         assert_eq!(always_free.delay_before(7), Duration::ZERO);
+    }
+
+    fn policy(free_attempts: u32, max_delay_secs: u64) -> RestartPolicy {
+        RestartPolicy {
+            free_attempts,
+            max_delay: Duration::from_secs(max_delay_secs),
+            healthy_after: Duration::from_secs(10),
+        }
+    }
+
+    #[test]
+    fn a_healthy_run_resets_the_count() {
+        let policy = policy(3, 60);
+        assert_eq!(policy.next_attempt(7, Duration::from_secs(10)), 1);
+        assert_eq!(policy.next_attempt(7, Duration::from_millis(9_999)), 8);
+        assert_eq!(policy.next_attempt(0, Duration::ZERO), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn backoff_waits_follow_the_schedule_in_paused_time() {
+        let policy = policy(1, 4);
+        let start = tokio::time::Instant::now();
+        let mut attempt = 0;
+        let mut waited = Vec::new();
+        for _ in 0..5 {
+            attempt = policy.next_attempt(attempt, Duration::from_millis(5));
+            let before = tokio::time::Instant::now();
+            tokio::time::sleep(policy.delay_before(attempt)).await;
+            waited.push((tokio::time::Instant::now() - before).as_secs());
+        }
+        assert_eq!(waited, [0, 1, 2, 4, 4]);
+        assert_eq!((tokio::time::Instant::now() - start).as_secs(), 11);
     }
 
     #[test]

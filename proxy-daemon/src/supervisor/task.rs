@@ -12,7 +12,6 @@ use tokio::time::Instant;
 
 use super::checks::{self, Checked, Checks};
 use super::{Shared, lines};
-use crate::backoff;
 use crate::cgroup::Cgroups;
 use crate::control::{self, Commands, Stop};
 use crate::error::{DetachError, SpawnError};
@@ -483,7 +482,7 @@ impl Task {
             return None;
         }
 
-        self.attempt = backoff::next_attempt(&self.spec.restart, self.attempt, run);
+        self.attempt = self.spec.restart.next_attempt(self.attempt, run);
         let mut delay = self.spec.restart.delay_before(self.attempt);
         let (code, signal) = match last_exit {
             Some(ExitReason::Code(code)) => (Some(code), None),
