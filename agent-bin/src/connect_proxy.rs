@@ -18,6 +18,7 @@ use tether_state::proxy_env;
 
 use anyhow::Context;
 use hyper::StatusCode;
+use tether_state::Backoff;
 use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream, lookup_host};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::watch;
@@ -28,8 +29,8 @@ use crate::api::dto::{ProxyConfigDto, TOKEN_HEADER};
 use crate::client;
 use crate::error::UsageError;
 
-/// The longest pause between two attempts to reach the agent.
-const MAX_RETRY: Duration = Duration::from_secs(5);
+/// The pauses between two attempts to reach the agent: 100 ms, doubling up to 5 s.
+const RETRY_BACKOFF: Backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
 
 /// The buffer of each direction of a forwarded connection, when it is copied through this
 /// process rather than spliced.
@@ -148,7 +149,7 @@ async fn follow_config(
     stop: CancellationToken,
 ) -> anyhow::Result<()> {
     let mut index: Option<u64> = None;
-    let mut retry = Duration::from_millis(100);
+    let mut backoff = RETRY_BACKOFF;
     let path_base = format!("/v1/agent/proxy/{}/config", identity.proxy_id);
     while !stop.is_cancelled() {
         let path = match index {
@@ -172,7 +173,7 @@ async fn follow_config(
         };
         match config {
             Ok(config) => {
-                retry = Duration::from_millis(100);
+                backoff.reset();
                 index = Some(config.index);
                 match Route::from_config(&config, handed) {
                     Ok(route) => {
@@ -193,12 +194,12 @@ async fn follow_config(
             }
             Err(problem) => {
                 // The agent may be restarting: keep forwarding, and ask again later.
+                let retry = backoff.next();
                 tracing::warn!(proxy = %identity.proxy_id, %problem, retry_ms = retry.as_millis(), "cannot get the config");
                 tokio::select! {
                     () = stop.cancelled() => return Ok(()),
                     () = tokio::time::sleep(retry) => {}
                 }
-                retry = (retry * 2).min(MAX_RETRY);
             }
         }
     }

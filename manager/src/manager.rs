@@ -143,10 +143,6 @@ impl Slot {
     }
 }
 
-/// The shortest wait before a failed start is tried again, free attempts included: a
-/// proxy that cannot start at all must not spin the engine.
-const MIN_RETRY_DELAY: Duration = Duration::from_millis(100);
-
 /// What an action task reports back.
 enum Outcome {
     Started {

@@ -18,7 +18,7 @@ use crate::status::Published;
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use tether_state::persist::{self, PersistError};
-use tether_state::{ProxyId, Service, TokenFingerprint};
+use tether_state::{Backoff, ProxyId, Service, TokenFingerprint};
 use tokio::sync::{mpsc, oneshot, watch};
 
 /// The version of the snapshot format this crate writes. It reads this one and every
@@ -622,16 +622,21 @@ async fn take(
     }
 }
 
-/// When to try a failed snapshot write again: 1 s after the first failure, doubling up to
-/// [`MAX_RETRY`], and not at all once a write succeeded.
-#[derive(Default)]
+/// When to try a failed snapshot write again: on [`RETRY_BACKOFF`] from the first failure,
+/// and not at all once a write succeeded.
 struct Retry {
     at: Option<tokio::time::Instant>,
-    delay: Duration,
+    backoff: Backoff,
 }
 
-/// The longest wait between two attempts to write a snapshot that failed.
-const MAX_RETRY: Duration = Duration::from_secs(30);
+/// The waits between attempts to write a snapshot that failed: 1 s, doubling up to 30 s.
+const RETRY_BACKOFF: Backoff = Backoff::new(Duration::from_secs(1), Duration::from_secs(30));
+
+impl Default for Retry {
+    fn default() -> Self {
+        Self { at: None, backoff: RETRY_BACKOFF }
+    }
+}
 
 impl Retry {
     fn after(&mut self, result: Result<(), SnapshotError>) {
@@ -639,8 +644,7 @@ impl Retry {
             *self = Self::default();
             return;
         }
-        self.delay = if self.delay.is_zero() { Duration::from_secs(1) } else { (self.delay * 2).min(MAX_RETRY) };
-        self.at = Some(tokio::time::Instant::now() + self.delay);
+        self.at = Some(tokio::time::Instant::now() + self.backoff.next());
     }
 
     fn pending(&self) -> bool {

@@ -90,7 +90,6 @@
 
 #[cfg(feature = "manager")]
 mod backend;
-mod backoff;
 mod cgroup;
 mod control;
 mod error;

@@ -28,6 +28,7 @@ use nix::errno::Errno;
 use nix::fcntl::{AT_FDCWD, AtFlags, OFlag, openat, renameat};
 use nix::sys::stat::Mode;
 use nix::unistd::{UnlinkatFlags, linkat, unlinkat};
+use tether_state::Backoff;
 use tokio::sync::oneshot;
 
 /// A pid file's directory, opened without following links, and its file name.
@@ -163,9 +164,10 @@ pub(crate) fn remove(path: &Path, pid: u32) -> io::Result<()> {
 /// The most jobs handled together.
 const MAX_BATCH: usize = 256;
 
-/// The first wait before a failed write is tried again; it doubles up to [`MAX_RETRY`].
+/// The waits before a failed write is tried again: [`FIRST_RETRY`], doubling up to 30 s.
+const RETRY_BACKOFF: Backoff = Backoff::new(FIRST_RETRY, Duration::from_secs(30));
+/// The first wait before a failed write is tried again.
 const FIRST_RETRY: Duration = Duration::from_millis(250);
-const MAX_RETRY: Duration = Duration::from_secs(30);
 
 /// What a batch leaves a path with, once its jobs are folded in order.
 #[derive(Debug, Default)]
@@ -186,7 +188,7 @@ enum Outcome {
 struct Retry {
     pid: u32,
     at: Instant,
-    wait: Duration,
+    backoff: Backoff,
 }
 
 /// The pid-file thread's state: the writes it still owes.
@@ -236,8 +238,8 @@ impl Writer {
         match outcome {
             Outcome::Untouched => Ok(()),
             Outcome::Write(pid) => {
-                let wait = self.retries.remove(path).map_or(FIRST_RETRY, |retry| retry.wait);
-                self.write(path, pid, wait);
+                let backoff = self.retries.remove(path).map_or(RETRY_BACKOFF, |retry| retry.backoff);
+                self.write(path, pid, backoff);
                 Ok(())
             }
             Outcome::Remove => {
@@ -255,15 +257,15 @@ impl Writer {
     }
 
     /// Writes `pid` to `path`; on failure removes the file (it names an earlier
-    /// instance) and schedules a retry after `wait`.
-    fn write(&mut self, path: &Path, pid: u32, wait: Duration) {
+    /// instance) and schedules a retry after the next wait of `backoff`.
+    fn write(&mut self, path: &Path, pid: u32, mut backoff: Backoff) {
         let place = Place::open(path);
         let written = match &place {
             Ok(place) => place.write(pid),
             Err(error) => Err(io::Error::new(error.kind(), error.to_string())),
         };
         let Err(error) = written else {
-            if wait > FIRST_RETRY {
+            if backoff.retries() > 0 {
                 tracing::info!(path = %path.display(), pid, "pid file written after earlier failures");
             }
             return;
@@ -271,6 +273,7 @@ impl Writer {
         // The file still names the previous instance: without it, the next agent finds the
         // running one by its environment rather than trusting a stale pid.
         let stale_removed = place.and_then(|place| place.remove_where(|named| named != pid)).is_ok();
+        let wait = backoff.next();
         tracing::warn!(
             path = %path.display(),
             pid,
@@ -279,8 +282,7 @@ impl Writer {
             retry_ms = wait.as_millis() as u64,
             "failed to write pid file; retrying"
         );
-        let next = (wait * 2).min(MAX_RETRY);
-        self.retries.insert(path.to_owned(), Retry { pid, at: Instant::now() + wait, wait: next });
+        self.retries.insert(path.to_owned(), Retry { pid, at: Instant::now() + wait, backoff });
     }
 
     /// The retries that are due, as write jobs.

@@ -9,6 +9,8 @@
 //! - [`LocalState`] and the [`Catalog`] trait: the desired set, with revisions, and
 //!   [`Subscription`]s that never miss a change and fold bursts into one wake-up.
 //! - [`persist`]: the data dir's layout, atomic writes, API registrations and tokens.
+//! - [`Backoff`]: the capped exponential waits of every retry loop, and
+//!   [`RestartPolicy::delay_before`]: the restart schedule built on it.
 //!
 //! The crate spawns no tasks and installs nothing global; only [`persist`] and
 //! [`config::load_dirs`] touch the file system.
@@ -108,6 +110,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
 
+mod backoff;
 mod catalog;
 pub mod config;
 mod exit;
@@ -120,6 +123,7 @@ mod resources;
 mod service;
 mod token;
 
+pub use backoff::Backoff;
 #[cfg(any(test, feature = "mock"))]
 pub use catalog::MockCatalog;
 pub use catalog::{

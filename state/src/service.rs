@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::backoff::Backoff;
 use crate::health::{Liveness, Readiness};
 use crate::id::{ProxyId, ServiceId};
 use crate::listener::{Listener, UpdatePolicy};
@@ -286,6 +287,9 @@ impl Default for KillPolicy {
     }
 }
 
+/// The first delay of the restart backoff, once the free attempts are used up.
+const FIRST_RESTART_DELAY: Duration = Duration::from_secs(1);
+
 /// When an exited proxy is started again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RestartPolicy {
@@ -304,9 +308,13 @@ impl Default for RestartPolicy {
 }
 
 impl RestartPolicy {
+    /// The shortest wait before a failed start is tried again, free attempts included: a
+    /// program that cannot start at all must not spin whoever retries it.
+    pub const MIN_RETRY_DELAY: Duration = Duration::from_millis(100);
+
     /// The delay before restart number `attempt` (1 for the first restart after a run
     /// shorter than `healthy_after`): zero for the first `free_attempts`, then 1s, 2s, 4s,
-    /// … capped at `max_delay`.
+    /// … capped at `max_delay` (a [`Backoff`] that starts at one second).
     ///
     /// ```
     /// use std::time::Duration;
@@ -319,15 +327,45 @@ impl RestartPolicy {
     /// assert_eq!(policy.delay_before(100), Duration::from_secs(60));
     /// ```
     pub fn delay_before(&self, attempt: u32) -> Duration {
-        if attempt <= self.free_attempts {
-            return Duration::ZERO;
+        match attempt.checked_sub(self.free_attempts) {
+            Some(past_free @ 1..) => Backoff::new(FIRST_RESTART_DELAY, self.max_delay).delay(past_free - 1),
+            _ => Duration::ZERO,
         }
-        let backoff_step = attempt - self.free_attempts - 1;
-        let delay = match 1u64.checked_shl(backoff_step) {
-            Some(secs) if backoff_step < 63 => Duration::from_secs(secs),
-            _ => self.max_delay,
-        };
-        delay.min(self.max_delay)
+    }
+
+    /// The delay before start attempt `attempt` when the attempt before it could not even
+    /// start the process (a missing program, no descriptor left): [`delay_before`], but
+    /// never under [`MIN_RETRY_DELAY`], free attempts included.
+    ///
+    /// [`delay_before`]: Self::delay_before
+    /// [`MIN_RETRY_DELAY`]: Self::MIN_RETRY_DELAY
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tether_state::RestartPolicy;
+    ///
+    /// let policy = RestartPolicy::default();
+    /// assert_eq!(policy.delay_after_failed_start(1), Duration::from_millis(100));
+    /// assert_eq!(policy.delay_after_failed_start(5), Duration::from_secs(2));
+    /// ```
+    pub fn delay_after_failed_start(&self, attempt: u32) -> Duration {
+        self.delay_before(attempt).max(Self::MIN_RETRY_DELAY)
+    }
+
+    /// The attempt number of the restart that follows a run of `run`, given the attempt
+    /// number of the restart that began it (0 for the first start): a run of
+    /// `healthy_after` starts the count again at 1.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tether_state::RestartPolicy;
+    ///
+    /// let policy = RestartPolicy::default(); // healthy after 10s
+    /// assert_eq!(policy.next_attempt(7, Duration::from_millis(9_999)), 8);
+    /// assert_eq!(policy.next_attempt(7, Duration::from_secs(10)), 1);
+    /// ```
+    pub fn next_attempt(&self, previous_attempt: u32, run: Duration) -> u32 {
+        if run >= self.healthy_after { 1 } else { previous_attempt.saturating_add(1) }
     }
 }
 
@@ -579,6 +617,51 @@ mod tests {
         let always_free = RestartPolicy { free_attempts: u32::MAX, ..policy };
         assert_eq!(always_free.delay_before(u32::MAX), Duration::ZERO, "no overflow at the top of the range");
         assert_eq!(always_free.delay_before(7), Duration::ZERO);
+    }
+
+    fn policy(free_attempts: u32, max_delay_secs: u64) -> RestartPolicy {
+        RestartPolicy {
+            free_attempts,
+            max_delay: Duration::from_secs(max_delay_secs),
+            healthy_after: Duration::from_secs(10),
+        }
+    }
+
+    #[test]
+    fn a_healthy_run_resets_the_count() {
+        let policy = policy(3, 60);
+        assert_eq!(policy.next_attempt(7, Duration::from_secs(10)), 1);
+        assert_eq!(policy.next_attempt(7, Duration::from_millis(9_999)), 8);
+        assert_eq!(policy.next_attempt(0, Duration::ZERO), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn backoff_waits_follow_the_schedule_in_paused_time() {
+        let policy = policy(1, 4);
+        let start = tokio::time::Instant::now();
+        let mut attempt = 0;
+        let mut waited = Vec::new();
+        for _ in 0..5 {
+            attempt = policy.next_attempt(attempt, Duration::from_millis(5));
+            let before = tokio::time::Instant::now();
+            tokio::time::sleep(policy.delay_before(attempt)).await;
+            waited.push((tokio::time::Instant::now() - before).as_secs());
+        }
+        assert_eq!(waited, [0, 1, 2, 4, 4]);
+        assert_eq!((tokio::time::Instant::now() - start).as_secs(), 11);
+    }
+
+    #[test]
+    fn a_failed_start_waits_at_least_a_tenth_of_a_second() {
+        let policy = RestartPolicy {
+            free_attempts: 2,
+            max_delay: Duration::from_secs(10),
+            healthy_after: Duration::from_secs(1),
+        };
+        let delays: Vec<u128> = (1..=6).map(|n| policy.delay_after_failed_start(n).as_millis()).collect();
+        assert_eq!(delays, [100, 100, 1000, 2000, 4000, 8000]);
+        let tiny_cap = RestartPolicy { max_delay: Duration::from_millis(30), ..policy };
+        assert_eq!(tiny_cap.delay_after_failed_start(9), Duration::from_millis(100));
     }
 
     #[test]

@@ -20,7 +20,7 @@ use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use tether_state::persist::DataDir;
-use tether_state::{CatalogError, Service, Source};
+use tether_state::{Backoff, CatalogError, Service, Source};
 use tokio_util::sync::CancellationToken;
 
 use super::etcd::{self, Client, WatchStream};
@@ -28,10 +28,11 @@ use super::store::FleetStore;
 use super::{Desired, EtcdError, EtcdOptions, Layout, SOURCE_NAME, source_kind, timed};
 use crate::catalog::sources::Sources;
 
-/// The first delay before reconnecting, doubled after each failure up to [`BACKOFF_MAX`].
-const BACKOFF_FIRST: Duration = Duration::from_millis(250);
-/// The longest delay between two connection attempts.
-pub(crate) const BACKOFF_MAX: Duration = Duration::from_secs(10);
+/// The delays between two connection attempts: 250 ms, doubled after each failure up to
+/// 10 s, each spread by [`JITTER_PER_MILLE`].
+const RECONNECT_BACKOFF: Backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(10));
+/// How far each reconnect delay is spread, in thousandths of itself either way: ± 20%.
+const JITTER_PER_MILLE: u32 = 200;
 
 /// What the follower shows: the API's `GET /v1/agent/fleet` and the `tether_fleet_*` metrics.
 #[derive(Debug, Clone, Default)]
@@ -132,15 +133,15 @@ impl Follower {
     /// Meant to run in its own task until `stop`; every catalog change and file write it
     /// makes is complete before its next await.
     pub(crate) async fn run(mut self, stop: CancellationToken) {
-        let mut delay = BACKOFF_FIRST;
+        let mut backoff = RECONNECT_BACKOFF;
         loop {
             let ended = tokio::select! {
                 () = stop.cancelled() => return,
-                ended = self.session(&mut delay) => ended,
+                ended = self.session(&mut backoff) => ended,
             };
             let Err(ended) = ended;
             let error = crate::error::error_chain(&ended);
-            let wait = jittered(delay);
+            let wait = jittered(backoff.next());
             {
                 let mut shown = self.status.lock();
                 shown.connected = false;
@@ -153,7 +154,6 @@ impl Follower {
                 services = self.desired.services.len(),
                 "fleet: etcd unreachable; the last known set stays in force"
             );
-            delay = (delay * 2).min(BACKOFF_MAX);
             tokio::select! {
                 () = stop.cancelled() => return,
                 () = tokio::time::sleep(wait) => {}
@@ -162,7 +162,7 @@ impl Follower {
     }
 
     /// Connects, catches up, and follows the watch until something fails.
-    async fn session(&mut self, delay: &mut Duration) -> Result<Infallible, SessionError> {
+    async fn session(&mut self, backoff: &mut Backoff) -> Result<Infallible, SessionError> {
         let client = self.etcd.connect().await?;
         let prefix = self.layout.services_prefix();
         // Where etcd is now: a store that went back (restored from a backup, replaced by a
@@ -182,7 +182,7 @@ impl Follower {
                 shown.connected = true;
                 shown.last_error = None;
             }
-            *delay = BACKOFF_FIRST;
+            backoff.reset();
             let compacted = self.follow(&mut stream).await?;
             self.status.lock().counters.compactions += 1;
             tracing::warn!(
@@ -305,11 +305,11 @@ impl Follower {
     }
 }
 
-/// `delay` ± 20%, so that a fleet of agents does not reconnect in lockstep.
+/// `delay` ± 20%, so that a fleet of agents does not reconnect in lockstep; the clock's
+/// nanoseconds are random enough for that.
 fn jittered(delay: Duration) -> Duration {
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().subsec_nanos();
-    let per_mille = 800 + u64::from(nanos % 401);
-    delay * u32::try_from(per_mille).unwrap_or(1000) / 1000
+    Backoff::jitter(delay, JITTER_PER_MILLE, u64::from(nanos))
 }
 
 /// The `tether_fleet_*` metrics, read from the follower's status at scrape time.

@@ -6,16 +6,15 @@
 
 use std::cmp::Reverse;
 use std::sync::Arc;
-use std::time::Duration;
 
-use tether_state::{ManagedProxy, ProxyId, UpdateStrategy};
+use tether_state::{ManagedProxy, ProxyId, RestartPolicy, UpdateStrategy};
 use tokio::sync::watch;
 use tokio::task::JoinError;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use super::{MIN_RETRY_DELAY, Manager, Outcome, encoded_service};
+use super::{Manager, Outcome, encoded_service};
 use crate::backend::{BackendError, BackendState, BackendStatus, ProxyBackend, ProxyHandle};
 use crate::plan::{Action, Observed};
 use crate::status::{ActionKind, Request, RequestError};
@@ -126,10 +125,9 @@ impl Manager {
                 // The start is tried again on the restart backoff: a descriptor, memory or
                 // the program itself may be back by then.
                 slot.start_failures = slot.start_failures.saturating_add(1);
-                let delay = wanted
-                    .as_ref()
-                    .map_or(Duration::ZERO, |proxy| proxy.spec().restart.delay_before(slot.start_failures))
-                    .max(MIN_RETRY_DELAY);
+                let delay = wanted.as_ref().map_or(RestartPolicy::MIN_RETRY_DELAY, |proxy| {
+                    proxy.spec().restart.delay_after_failed_start(slot.start_failures)
+                });
                 let at = Instant::now() + delay;
                 slot.retry_at = Some(at);
                 self.retries.push(Reverse((at, id.clone())));

@@ -359,7 +359,7 @@ impl Instance {
         };
         let policy = self.proxy().spec().restart;
         // As the process backend counts: a run of `healthy_after` starts the count again.
-        let attempt = if since.elapsed() >= policy.healthy_after { 1 } else { attempt.saturating_add(1) };
+        let attempt = policy.next_attempt(attempt, since.elapsed());
         let delay = policy.delay_before(attempt);
         shared.lock().forget_pid(&self.id, pid);
         self.set_life(Life::Exited { attempt });

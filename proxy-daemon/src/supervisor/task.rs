@@ -12,7 +12,6 @@ use tokio::time::Instant;
 
 use super::checks::{self, Checked, Checks};
 use super::{Shared, lines};
-use crate::backoff;
 use crate::cgroup::Cgroups;
 use crate::control::{self, Commands, Stop};
 use crate::error::{DetachError, SpawnError};
@@ -20,9 +19,6 @@ use crate::proc::{self, Identity, Pidfd};
 use crate::spawn::{self, Spawned};
 use crate::spec::{ProcessSpec, ProcessUpdate};
 use crate::status::{ExitReason, ProcessState, ProcessStatus};
-/// The shortest wait before a failed start is tried again, free attempts included: a
-/// program that cannot start at all must not spin the agent.
-const MIN_RETRY_DELAY: Duration = Duration::from_millis(100);
 
 /// One running instance of a supervised process.
 pub(super) struct Instance {
@@ -486,7 +482,7 @@ impl Task {
             return None;
         }
 
-        self.attempt = backoff::next_attempt(&self.spec.restart, self.attempt, run);
+        self.attempt = self.spec.restart.next_attempt(self.attempt, run);
         let mut delay = self.spec.restart.delay_before(self.attempt);
         let (code, signal) = match last_exit {
             Some(ExitReason::Code(code)) => (Some(code), None),
@@ -539,7 +535,7 @@ impl Task {
                     // itself may be back by the next attempt, so it waits on the backoff.
                     let message = error_chain(&error);
                     self.attempt = self.attempt.saturating_add(1);
-                    delay = self.spec.restart.delay_before(self.attempt).max(MIN_RETRY_DELAY);
+                    delay = self.spec.restart.delay_after_failed_start(self.attempt);
                     tracing::warn!(
                         error = %message,
                         attempt = self.attempt,
