@@ -8,6 +8,7 @@
 mod bench;
 mod deps;
 mod dist;
+mod downstream;
 mod fuzz;
 mod tidy;
 
@@ -19,14 +20,16 @@ const TASKS: &str = "\
 usage: cargo xtask <task>
 
 tasks:
-  ci      everything CI runs: fmt --check, clippy -D warnings, tests (nextest), doctests, examples, docs, tidy, deps
-  test    the test suite only (nextest, then doctests)
-  tidy    module docs present, no #[should_panic], no bare #[ignore], no process spawning outside proxy-daemon,
-          no reference to a document outside the repository
-  deps    the crate graph against the allow-list
-  bench   every crate's benchmarks, then the end-to-end benchmarks of the tether binary
-  fuzz    every fuzz target for a bounded time
-  dist    release binary (stripped), shell completions, man page and systemd unit in target/dist
+  ci          everything CI runs: fmt --check, clippy -D warnings, tests (nextest), doctests, examples, docs, tidy,
+              deps, and the same for the downstream crate (downstream/), whose must-fail test must fail
+  test        the test suite only (nextest, then doctests, then the downstream crate's tests and its must-fail test)
+  tidy        module docs present, no #[should_panic], no bare #[ignore], no process spawning outside proxy-daemon,
+              no reference to a document outside the repository
+  deps        the crate graph against the allow-list
+  downstream  the downstream crate alone: its lock file, fmt --check, clippy -D warnings, tests, must-fail test
+  bench       every crate's benchmarks, then the end-to-end benchmarks of the tether binary
+  fuzz        every fuzz target for a bounded time
+  dist        release binary (stripped), shell completions, man page and systemd unit in target/dist
 ";
 
 fn main() -> ExitCode {
@@ -36,6 +39,7 @@ fn main() -> ExitCode {
         Some("test") => test(),
         Some("tidy") => report(tidy::check(&workspace_root())),
         Some("deps") => report(deps::check(&cargo(), &workspace_root())),
+        Some("downstream") => downstream::lint(&workspace_root()).and_then(|()| downstream::test(&workspace_root())),
         Some("bench") => bench::run(&workspace_root()),
         Some("fuzz") => fuzz::run(&workspace_root(), env::args().skip(2).collect()),
         Some("dist") => dist::run(&workspace_root()),
@@ -101,12 +105,15 @@ fn test() -> Result<(), String> {
         run("tests", &["test", "--workspace", "--lib", "--bins", "--tests"])?;
     }
     // Every feature on: the crate docs' tests against the mocks need `mock`.
-    run("doctests", &["test", "--workspace", "--doc", "--all-features"])
+    run("doctests", &["test", "--workspace", "--doc", "--all-features"])?;
+    // The library crates as another project uses them: only their public APIs and features.
+    downstream::test(&workspace_root())
 }
 
 fn ci() -> Result<(), String> {
     run("fmt", &["fmt", "--all", "--check"])?;
     run("clippy", &["clippy", "--workspace", "--all-targets", "--all-features", "--", "-D", "warnings"])?;
+    downstream::lint(&workspace_root())?;
     report(tidy::check(&workspace_root()))?;
     report(deps::check(&cargo(), &workspace_root()))?;
     test()?;

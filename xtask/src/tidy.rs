@@ -6,8 +6,9 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// The crates whose sources are checked.
-const CRATES: &[&str] = &["state", "manager", "proxy-daemon", "agent-bin", "xtask"];
+/// The crates whose sources are checked: the workspace's members, and `downstream`, which
+/// uses them from outside the workspace.
+const CRATES: &[&str] = &["state", "manager", "proxy-daemon", "agent-bin", "xtask", "downstream"];
 
 /// The one module allowed to create processes in production code: every spawn goes through
 /// it, so that process groups, descriptors and cgroups are handled in one place.
@@ -36,7 +37,7 @@ pub(crate) fn check(root: &Path) -> Result<Vec<String>, String> {
     for krate in CRATES {
         let dir = root.join(krate);
         if !dir.is_dir() {
-            problems.push(format!("{krate}/: missing workspace member"));
+            problems.push(format!("{krate}/: missing crate"));
             continue;
         }
         for file in rust_files(&dir)? {
