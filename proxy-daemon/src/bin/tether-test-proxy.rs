@@ -149,21 +149,26 @@ fn fork_worker(pid_file: &str) {
     }
 }
 
-/// Writes lines to stdout at `rate` bytes a second for `seconds`, in 64 KiB writes paced
-/// against the clock, so that a slow moment is made up for.
+/// Writes lines to stdout at `rate` bytes a second, at most, for `seconds`: 64 KiB writes,
+/// one per slot of the schedule. A writer that was kept from running skips the slots it
+/// missed instead of writing them all at once, so that a busy machine never turns it into
+/// a burst faster than `rate`.
 fn write_at_rate(rate: u64, seconds: f64) {
+    use std::time::{Duration, Instant};
     let block: Vec<u8> = (0..64 << 10).map(|at| if at % 1024 == 1023 { b'\n' } else { b'x' }).collect();
+    let slot = Duration::from_secs_f64(block.len() as f64 / rate as f64);
     let mut stdout = std::io::stdout().lock();
-    let start = std::time::Instant::now();
-    let mut written = 0_u64;
-    while start.elapsed().as_secs_f64() < seconds {
-        let due = start.elapsed().as_secs_f64() * rate as f64;
-        if (written as f64) < due {
-            let _ = stdout.write_all(&block);
-            written += block.len() as u64;
-        } else {
-            std::thread::sleep(std::time::Duration::from_micros(500));
+    let end = Instant::now() + Duration::from_secs_f64(seconds);
+    let mut next = Instant::now();
+    while Instant::now() < end {
+        let now = Instant::now();
+        if now < next {
+            std::thread::sleep(next - now);
+            continue;
         }
+        let _ = stdout.write_all(&block);
+        // The next slot, or now if this one came late: never two blocks in one slot.
+        next = (next + slot).max(now);
     }
     let _ = stdout.flush();
 }
