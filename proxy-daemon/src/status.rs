@@ -77,7 +77,9 @@ pub struct ProcessStatus {
     /// fail (a readiness probe while it starts, liveness probes that failed or restarted it).
     pub error: Option<String>,
     /// Whether the current instance counts as ready: it runs, and its readiness check (if
-    /// any) passed. `starting` with a pid means "runs, not ready yet".
+    /// any) passed. `starting` with a pid means "runs, not ready yet". Always `false` while
+    /// no instance runs (`backoff`, `stopped`, `failed`) and once a stop has begun
+    /// (`stopping`): a process told to exit no longer takes work.
     pub ready: bool,
     /// The instance's own account of itself (sd_notify's `STATUS=`), if it gives one.
     pub status_text: Option<String>,

@@ -397,7 +397,11 @@ impl Task {
     /// Stops the running instance, as `how` says, and ends supervision.
     async fn stop(mut self, mut instance: Instance, how: Stop) {
         let pid = instance.pid;
-        self.set_status(|status| status.state = ProcessState::Stopping);
+        // Told to exit, it no longer counts as ready, even while it still runs.
+        self.set_status(|status| {
+            status.state = ProcessState::Stopping;
+            status.ready = false;
+        });
         let error = self.terminate(&instance, how).await;
         // Grandchildren that outlived the leader; the unreaped leader still holds the id.
         instance.sweep(self.shared.cgroups.as_ref()).await;
@@ -455,6 +459,7 @@ impl Task {
             status.state = state;
             status.pid = None;
             status.identity = None;
+            status.ready = false;
             if last_exit.is_some() {
                 status.last_exit = last_exit;
             }

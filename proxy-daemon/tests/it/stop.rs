@@ -85,3 +85,25 @@ async fn stop_during_backoff_ends_supervision_without_a_restart() {
     assert_eq!(stopped.restarts, 0);
     assert!(!pid_file.exists());
 }
+
+#[tokio::test]
+async fn a_process_is_not_ready_from_the_moment_its_stop_begins() {
+    let fx = Fixture::new();
+    let handle = fx.supervisor.spawn(fx.spec("ready-proxy", &["--sleep"])).await.unwrap();
+    let running = status_where(&handle, "ready", |status| status.ready).await;
+    assert_eq!(running.state, ProcessState::Running);
+    let pid = running.pid.unwrap();
+
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let record = std::sync::Arc::clone(&seen);
+    handle.observe(move |status| record.lock().unwrap().push((status.state, status.ready)));
+    let stopped = within("stop", handle.stop()).await;
+
+    assert_eq!((stopped.state, stopped.ready, stopped.pid), (ProcessState::Stopped, false, None));
+    assert!(!handle.status().ready, "the last status stays not ready");
+    let seen = seen.lock().unwrap().clone();
+    let stopping = seen.iter().position(|(state, _)| *state == ProcessState::Stopping).expect("a `stopping` status");
+    assert!(seen[..stopping].iter().all(|&(_, ready)| ready), "ready until the stop: {seen:?}");
+    assert!(seen[stopping..].iter().all(|&(_, ready)| !ready), "not ready from the stop on: {seen:?}");
+    assert!(!exists(pid), "the process is gone and reaped");
+}
