@@ -133,7 +133,7 @@ async fn supervised_spawn(supervisor: &Supervisor, data: &DataDir) -> (Duration,
     assert!(handles.iter().all(|handle| handle.status().state == ProcessState::Running));
     let elapsed = start.elapsed();
     // Let the pid-file writer and the log watcher catch up before reading the RSS.
-    let last = spec(data, PROCESSES - 1).pid_file;
+    let last = spec(data, PROCESSES - 1).pid_file.expect("a pid file");
     let deadline = Instant::now() + Duration::from_secs(30);
     while !last.exists() && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(10)).await;

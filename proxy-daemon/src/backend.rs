@@ -173,7 +173,7 @@ impl Shared {
             restart: spec.restart,
             restart_on_exit: true,
             logs: LogSpec { stdout, stderr, limits: spec.log },
-            pid_file: self.data.pid_file(id),
+            pid_file: Some(self.data.pid_file(id)),
             health: health_checks(spec),
             listeners: Vec::new(),
             identity_env,
@@ -358,7 +358,7 @@ impl OsProcessBackend {
             Some(proxy) => self.shared.process_spec(proxy),
             None => {
                 let mut spec = ProcessSpec::new(process_name(id), "/nonexistent", &self.shared.data);
-                spec.pid_file = self.shared.data.pid_file(id);
+                spec.pid_file = Some(self.shared.data.pid_file(id));
                 spec.kill = kill;
                 spec.restart_on_exit = false;
                 spec

@@ -176,8 +176,10 @@ pub struct ProcessSpec {
     /// instance's own pid) and `LISTEN_FDNAMES` (default none). They are shared, not
     /// owned: whoever bound them keeps them open between instances.
     pub listeners: Vec<InheritedSocket>,
-    /// The pid file, written atomically (0600) on every start, removed on stop.
-    pub pid_file: PathBuf,
+    /// The pid file, written atomically (0600) on every start, removed on stop; `None`
+    /// writes none. Its directory is created (0700) if missing; the file is written,
+    /// renamed and removed relative to that directory, opened without following a link.
+    pub pid_file: Option<PathBuf>,
     /// Environment entries that prove a process found through `pid_file` is this one:
     /// every pair must appear in its `/proc/<pid>/environ` (for example `TETHER_PROXY_ID`
     /// and `TETHER_PROXY_TOKEN`). Empty means that pid files prove nothing.
@@ -210,7 +212,7 @@ impl ProcessSpec {
                 stderr: LogFile::new(logs.clone(), stderr),
                 limits: LogPolicy::default(),
             },
-            pid_file: data.pid_file(&name),
+            pid_file: Some(data.pid_file(&name)),
             health: HealthChecks::default(),
             listeners: Vec::new(),
             identity_env: Vec::new(),
@@ -366,7 +368,7 @@ mod tests {
         let temp = tempfile::tempdir().unwrap();
         let data = DataDir::open(temp.path()).unwrap();
         let spec = ProcessSpec::new(ProcessName::new("web-proxy").unwrap(), "/bin/true", &data);
-        assert_eq!(spec.pid_file, temp.path().join("pids/web-proxy.pid"));
+        assert_eq!(spec.pid_file, Some(temp.path().join("pids/web-proxy.pid")));
         assert_eq!(spec.logs.stdout.path(), temp.path().join("logs/web-proxy-stdout.log"));
         assert_eq!(spec.logs.stderr.path(), temp.path().join("logs/web-proxy-stderr.log"));
         assert_eq!(spec.logs.stdout.dir(), data.logs());

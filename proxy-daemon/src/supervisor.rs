@@ -202,8 +202,8 @@ impl Supervisor {
         // told by whoever started it).
         checks::set_notify_env(&mut spec, self.shared.notify.address());
         let key = self.shared.next_key.fetch_add(1, Ordering::Relaxed);
-        if write_pid_file {
-            self.shared.pid_files.write(&spec.pid_file, instance.pid);
+        if let (true, Some(pid_file)) = (write_pid_file, &spec.pid_file) {
+            self.shared.pid_files.write(pid_file, instance.pid);
         }
         self.shared.rotator.watch(key, &spec.logs.stdout, &spec.logs.stderr, spec.logs.limits);
         let ready = status.ready;

@@ -62,8 +62,8 @@ impl Supervisor {
     }
 
     /// Takes back the process named in `spec.pid_file`, if its environment proves that it
-    /// is this spec's process ([`Supervisor::adopt_by_environment`]). A missing or
-    /// malformed pid file proves nothing: `None`.
+    /// is this spec's process ([`Supervisor::adopt_by_environment`]). A spec without a pid
+    /// file, or a missing or malformed pid file, proves nothing: `None`.
     ///
     /// # Panics
     ///
@@ -79,7 +79,7 @@ impl Supervisor {
     /// `spec.identity_env` appears in its `/proc/<pid>/environ`, it leads its own process
     /// group, and it was still alive after those were read. With an empty `identity_env`
     /// or failed proof, the process is left alone, never signalled, and `None` is
-    /// returned. The pid file is written for the adopted process.
+    /// returned. The pid file, if the spec has one, is written for the adopted process.
     ///
     /// # Panics
     ///
@@ -249,7 +249,7 @@ impl Proven {
 
 /// The pid that `spec.pid_file` names, if it is a readable pid file (not behind a link).
 fn read_pid_file(spec: &ProcessSpec) -> Option<u32> {
-    let pid = crate::pidfile::read(&spec.pid_file);
+    let pid = crate::pidfile::read(spec.pid_file.as_deref()?);
     if pid.is_none() {
         tracing::debug!(proxy = %spec.name, "no readable pid file");
     }

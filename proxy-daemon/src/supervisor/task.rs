@@ -450,9 +450,9 @@ impl Task {
         if let (Some(cgroups), Some(spare)) = (&self.shared.cgroups, self.spare_cgroup.take()) {
             cgroups.remove_empty(&spare);
         }
-        let removed = match self.last_pid {
-            Some(pid) => self.shared.pid_files.remove(&self.spec.pid_file, pid).await,
-            None => Ok(()),
+        let removed = match (self.last_pid, &self.spec.pid_file) {
+            (Some(pid), Some(pid_file)) => self.shared.pid_files.remove(pid_file, pid).await,
+            _ => Ok(()),
         };
         let error = error.or_else(|| removed.err().map(|cause| format!("failed to remove pid file: {cause}")));
         self.set_status(|status| {
@@ -521,8 +521,8 @@ impl Task {
             if !delay.is_zero() {
                 // No pid file names a process that does not exist while the next one waits.
                 // (An immediate restart replaces the file instead.)
-                if let Some(pid) = self.last_pid {
-                    self.shared.pid_files.forget(&self.spec.pid_file, pid);
+                if let (Some(pid), Some(pid_file)) = (self.last_pid, &self.spec.pid_file) {
+                    self.shared.pid_files.forget(pid_file, pid);
                 }
                 if !self.wait_backoff(delay).await {
                     return None;
@@ -560,7 +560,9 @@ impl Task {
     /// Takes over a freshly restarted instance: pid file, log watch, status.
     fn restarted(&mut self, instance: Instance, cause: Option<String>) -> Instance {
         let pid = instance.pid;
-        self.shared.pid_files.write(&self.spec.pid_file, pid);
+        if let Some(pid_file) = &self.spec.pid_file {
+            self.shared.pid_files.write(pid_file, pid);
+        }
         self.last_pid = Some(pid);
         self.shared.rotator.watch(self.key, &self.spec.logs.stdout, &self.spec.logs.stderr, self.spec.logs.limits);
         tracing::info!(pid, attempt = self.attempt, "process restarted");

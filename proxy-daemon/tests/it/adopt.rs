@@ -9,7 +9,7 @@ use crate::support::*;
 async fn detached_process_keeps_running_and_is_adopted_back() {
     let fx = Fixture::new();
     let spec = fx.spec("adopt-proxy", &["--sleep"]);
-    let pid_file = spec.pid_file.clone();
+    let pid_file = pid_file_of(&spec);
     let handle = fx.supervisor.spawn(spec.clone()).await.unwrap();
     let pid = handle.status().pid.unwrap();
     pid_in_file(&pid_file).await;
@@ -40,7 +40,7 @@ async fn detached_process_keeps_running_and_is_adopted_back() {
 async fn adopted_process_exit_is_noticed_through_the_pidfd_and_restarted() {
     let fx = Fixture::new();
     let spec = fx.spec("watch-proxy", &["--sleep"]);
-    let pid_file = spec.pid_file.clone();
+    let pid_file = pid_file_of(&spec);
     let handle = fx.supervisor.spawn(spec.clone()).await.unwrap();
     // The first supervisor's write is done before the second one writes (in an agent, the
     // next supervisor starts after the last one's writer has finished or died).
@@ -98,7 +98,7 @@ async fn pid_file_adoption_needs_the_identity_in_the_environment() {
     let spec = fx.spec("pidfile-proxy", &["--sleep"]);
     let handle = fx.supervisor.spawn(spec.clone()).await.unwrap();
     let pid = handle.status().pid.unwrap();
-    pid_in_file(&spec.pid_file).await;
+    pid_in_file(&pid_file_of(&spec)).await;
     within("detach", handle.detach()).await.unwrap();
     let next = Supervisor::new().unwrap();
 
@@ -136,7 +136,7 @@ async fn instances_are_found_by_their_environment_and_a_second_one_is_stopped_wi
     let first = fx.supervisor.spawn(spec.clone()).await.unwrap();
     let second = fx.supervisor.spawn(spec.clone()).await.unwrap();
     let (first_pid, second_pid) = (first.status().pid.unwrap(), second.status().pid.unwrap());
-    eventually("the pid file to name the second", || read_pid_file(&spec.pid_file) == Some(second_pid)).await;
+    eventually("the pid file to name the second", || read_pid_file(&pid_file_of(&spec)) == Some(second_pid)).await;
     drop((first, second)); // supervision ends, the processes run on
 
     let next = Supervisor::new().unwrap();
@@ -154,7 +154,8 @@ async fn instances_are_found_by_their_environment_and_a_second_one_is_stopped_wi
     let stopped = within("stop", next.stop_by_environment(spec.clone(), second_pid)).await.expect("proven");
     assert_eq!(stopped.state, ProcessState::Stopped);
     eventually("the second instance to die", || is_dead(second_pid)).await;
-    eventually("the pid file to name the kept instance", || read_pid_file(&spec.pid_file) == Some(first_pid)).await;
+    eventually("the pid file to name the kept instance", || read_pid_file(&pid_file_of(&spec)) == Some(first_pid))
+        .await;
     assert!(!is_dead(first_pid));
     within("stop", kept.stop()).await;
     eventually("the kept instance to die", || is_dead(first_pid)).await;

@@ -314,7 +314,7 @@ async fn an_adopted_instance_is_not_asked_for_readiness_again_and_its_liveness_r
     spec.kill.timeout = Duration::from_millis(300);
     let handle = fx.supervisor.spawn(spec.clone()).await.unwrap();
     let pid = status_where(&handle, "ready", |status| status.ready).await.pid.unwrap();
-    pid_in_file(&spec.pid_file).await;
+    pid_in_file(&pid_file_of(&spec)).await;
     let identity = within("detach", handle.detach()).await.unwrap();
 
     // After a restart of the supervising side: ready at once, not `starting`.

@@ -11,7 +11,7 @@ use crate::support::*;
 async fn exited_process_is_restarted_and_the_pid_file_follows() {
     let fx = Fixture::new();
     let spec = fx.spec("restart-proxy", &["--sleep"]);
-    let pid_file = spec.pid_file.clone();
+    let pid_file = pid_file_of(&spec);
     let handle = fx.supervisor.spawn(spec).await.unwrap();
     let first = handle.status().pid.unwrap();
     assert_eq!(pid_in_file(&pid_file).await, first);
@@ -117,7 +117,7 @@ async fn a_restart_that_cannot_exec_waits_on_the_backoff_with_the_reason_and_run
     let mut spec = fx.spec("vanish-proxy", &["--sleep"]);
     spec.program = program.clone();
     spec.restart = RestartPolicy { free_attempts: 1, max_delay: Duration::from_secs(1), ..RestartPolicy::default() };
-    let pid_file = spec.pid_file.clone();
+    let pid_file = pid_file_of(&spec);
     let handle = fx.supervisor.spawn(spec).await.unwrap();
     let pid = handle.status().pid.unwrap();
     pid_in_file(&pid_file).await;

@@ -67,7 +67,7 @@ async fn foreign_process_on_a_reused_pid_is_neither_adopted_nor_signalled() {
     let fx = Fixture::new();
     let spec = fx.spec("reuse-proxy", &["--sleep"]);
     let handle = fx.supervisor.spawn(spec.clone()).await.unwrap();
-    pid_in_file(&spec.pid_file).await;
+    pid_in_file(&pid_file_of(&spec)).await;
     let identity = within("detach", handle.detach()).await.unwrap();
 
     // The proxy dies while no agent watches; its pid is freed once it is reaped.
@@ -82,7 +82,7 @@ async fn foreign_process_on_a_reused_pid_is_neither_adopted_nor_signalled() {
     let next = Supervisor::new().unwrap();
     assert!(next.adopt(spec.clone(), &identity).is_none(), "a snapshot's pid alone proves nothing");
     assert!(next.adopt_from_pid_file(spec.clone()).is_none(), "a pid file's pid alone proves nothing");
-    assert_eq!(read_pid_file(&spec.pid_file), Some(identity.pid), "the stale pid file still names the pid");
+    assert_eq!(read_pid_file(&pid_file_of(&spec)), Some(identity.pid), "the stale pid file still names the pid");
     assert!(!is_dead(identity.pid), "the foreign process was not signalled");
     let mut foreign = foreign;
     assert!(foreign.0.try_wait().unwrap().is_none(), "the foreign process is alive");

@@ -32,7 +32,7 @@ async fn process_gets_exactly_the_given_environment() {
 async fn start_and_stop_with_the_token_in_the_environment() {
     let fx = Fixture::new();
     let spec = fx.spec("web-proxy", &["--sleep"]);
-    let pid_file = spec.pid_file.clone();
+    let pid_file = pid_file_of(&spec);
     let token = spec.identity_env[1].1.clone();
     let handle = fx.supervisor.spawn(spec).await.unwrap();
     let status = handle.status();
@@ -61,6 +61,32 @@ async fn start_and_stop_with_the_token_in_the_environment() {
     assert_eq!(stopped.last_exit, Some(tether_proxy_daemon::ExitReason::Signal(libc::SIGINT)));
     assert!(!exists(pid), "the leader is reaped, not a zombie");
     assert!(!pid_file.exists(), "the pid file is removed on stop");
+}
+
+#[tokio::test]
+async fn a_spec_without_a_pid_file_writes_none_across_restarts() {
+    let fx = Fixture::new();
+    let mut spec = fx.spec("unfiled-proxy", &["--sleep"]);
+    spec.pid_file = None;
+    let handle = fx.supervisor.spawn(spec).await.unwrap();
+    let first = handle.status().pid.unwrap();
+    send(first, nix::sys::signal::Signal::SIGKILL);
+    let second = restarted(&handle, first).await;
+
+    // One thread writes every pid file, in order: once a later spec's file is there, any
+    // file of the earlier one would be too.
+    let witness = fx.spec("witness-proxy", &["--sleep"]);
+    let witness_file = pid_file_of(&witness);
+    let witness = fx.supervisor.spawn(witness).await.unwrap();
+    pid_in_file(&witness_file).await;
+    let names: Vec<_> =
+        std::fs::read_dir(fx.data_dir().join("pids")).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(names, ["witness-proxy.pid"]);
+
+    let stopped = within("stop", handle.stop()).await;
+    assert_eq!((stopped.state, stopped.error), (ProcessState::Stopped, None), "no pid file to remove, no error");
+    assert!(!exists(second));
+    within("stop", witness.stop()).await;
 }
 
 #[tokio::test]

@@ -72,7 +72,7 @@ async fn stop_during_backoff_ends_supervision_without_a_restart() {
     let mut spec = fx.spec("crash-proxy", &["--exit", "3"]);
     spec.restart.free_attempts = 0;
     spec.restart.max_delay = Duration::from_secs(60);
-    let pid_file = spec.pid_file.clone();
+    let pid_file = pid_file_of(&spec);
     let handle = fx.supervisor.spawn(spec).await.unwrap();
     let status = status_where(&handle, "backoff", |status| status.state == ProcessState::Backoff).await;
     assert_eq!(status.last_exit, Some(ExitReason::Code(3)));

@@ -82,6 +82,11 @@ pub fn read_pid_file(path: &Path) -> Option<u32> {
     std::fs::read_to_string(path).ok()?.trim().parse().ok()
 }
 
+/// The pid file of a spec that has one (every spec of [`Fixture::spec`]: the data dir's).
+pub fn pid_file_of(spec: &ProcessSpec) -> PathBuf {
+    spec.pid_file.clone().expect("a spec in a data dir has a pid file")
+}
+
 /// Waits until the file at `path` appears and holds a pid.
 pub async fn pid_in_file(path: &Path) -> u32 {
     let mut pid = None;
