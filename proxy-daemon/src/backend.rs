@@ -23,9 +23,7 @@ use tokio::sync::watch;
 
 use crate::cgroup::Cgroups;
 use crate::listen::ListenError;
-use crate::spec::{
-    HealthChecks, InheritedSocket, KillPolicy, LogFile, LogSpec, ProcessName, ProcessSpec, ProcessUpdate,
-};
+use crate::spec::{HealthChecks, InheritedSocket, KillPolicy, ProcessName, ProcessSpec, ProcessUpdate};
 use crate::status::{ProcessState, ProcessStatus};
 use crate::supervisor::{ProcessHandle, Supervisor};
 use record::Record;
@@ -159,26 +157,19 @@ impl Shared {
             env.push((proxy_env::HTTP_ADDR.into(), addr.into()));
         }
         env.extend(configured_layer(spec));
-        let (stdout, stderr) = DataDir::log_file_names(id);
-        let (stdout, stderr) =
-            (LogFile::new(self.data.logs().clone(), stdout), LogFile::new(self.data.logs().clone(), stderr));
-        ProcessSpec {
-            name,
-            program,
-            args,
-            env,
-            working_dir: spec.working_dir.clone().unwrap_or_else(|| PathBuf::from("/")),
-            user: spec.user.clone(),
-            kill: kill_policy(proxy),
-            restart: spec.restart,
-            restart_on_exit: true,
-            logs: LogSpec { stdout, stderr, limits: spec.log },
-            pid_file: Some(self.data.pid_file(id)),
-            health: health_checks(spec),
-            listeners: Vec::new(),
-            identity_env,
-            limits: spec.limits,
-        }
+        // The data dir's layout: pid file and logs named by the proxy id.
+        let mut process = ProcessSpec::new(name, program, &self.data);
+        process.args = args;
+        process.env = env;
+        process.working_dir = spec.working_dir.clone().unwrap_or_else(|| PathBuf::from("/"));
+        process.user.clone_from(&spec.user);
+        process.kill = kill_policy(proxy);
+        process.restart = spec.restart;
+        process.logs.limits = spec.log;
+        process.health = health_checks(spec);
+        process.identity_env = identity_env;
+        process.limits = spec.limits;
+        process
     }
 }
 
@@ -566,6 +557,28 @@ mod tests {
     fn proxy(lines: &str) -> tether_state::ProxySpec {
         let text = format!("name = \"web\"\n[proxy]\n{lines}\n");
         parse_service(&text, Format::Toml, &Origin::Body).unwrap().proxy.unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_proxy_keeps_its_files_in_the_data_dir() {
+        let temp = tempfile::tempdir().unwrap();
+        let data = DataDir::open(temp.path()).unwrap();
+        let built_in = ("/usr/libexec/tether/proxy".into(), Vec::new());
+        let environment = AgentEnvironment { socket: data.socket_path(), http_addr: None, built_in };
+        let backend = OsProcessBackend::new(data.clone(), environment).unwrap();
+        let service =
+            parse_service("name = \"web\"\n[proxy]\ncommand = [\"/bin/sleep\", \"30\"]\n", Format::Toml, &Origin::Body)
+                .unwrap();
+        let token = tether_state::ProxyToken::generate().unwrap();
+        let proxy = ManagedProxy::new(Arc::new(service), token).unwrap();
+
+        let spec = backend.process_spec(&proxy);
+        assert_eq!(spec.name.as_str(), "web-proxy");
+        assert_eq!(spec.pid_file, Some(temp.path().join("pids/web-proxy.pid")));
+        assert_eq!(spec.logs.stdout.path(), temp.path().join("logs/web-proxy-stdout.log"));
+        assert_eq!(spec.logs.stderr.path(), temp.path().join("logs/web-proxy-stderr.log"));
+        assert_eq!(spec.logs.stdout.dir(), data.logs(), "through the data dir's own handle");
+        assert_eq!((spec.program.as_os_str(), spec.args.as_slice()), ("/bin/sleep".as_ref(), ["30".into()].as_slice()));
     }
 
     #[test]

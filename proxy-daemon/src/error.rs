@@ -8,6 +8,7 @@ use std::ffi::OsString;
 use std::io;
 use std::path::PathBuf;
 
+use crate::spec::ProcessName;
 use crate::status::ProcessState;
 
 /// A process name that breaks the id rule: an ASCII letter or digit, then letters, digits,
@@ -37,6 +38,35 @@ pub struct ProgramNotFound {
     /// Whether some directory holds a file of that name that may not be executed (by the
     /// user who looked), rather than none at all: `execvp`'s `EACCES`.
     pub denied: bool,
+}
+
+/// Why [`ProcessSpecBuilder::build`](crate::ProcessSpecBuilder::build) made no spec.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SpecError {
+    /// No [`LogTarget`](crate::LogTarget) was given: every process's output goes to files.
+    #[error("no log target for process {name}")]
+    NoLogs {
+        /// The process.
+        name: ProcessName,
+    },
+
+    /// The log directory could not be created or opened.
+    #[error("cannot open log directory `{}`", .path.display())]
+    LogDir {
+        /// The directory.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: io::Error,
+    },
+
+    /// The pid file's path names no file (it is `/` or ends in `..`).
+    #[error("pid file path `{}` names no file", .path.display())]
+    PidFile {
+        /// The path given.
+        path: PathBuf,
+    },
 }
 
 /// Why a process could not be started.

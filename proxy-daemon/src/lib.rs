@@ -109,13 +109,14 @@ mod supervisor;
 #[cfg(feature = "manager")]
 pub use backend::{AgentEnvironment, MissingProgram, OsProcessBackend, missing_programs};
 pub use cgroup::{CgroupError, CgroupUnavailable, Cgroups, Usage};
-pub use error::{DetachError, InvalidName, ProgramNotFound, SpawnError};
+pub use error::{DetachError, InvalidName, ProgramNotFound, SpawnError, SpecError};
 pub use listen::{ListenError, bind as bind_listener, listens_on};
 pub use proc::Identity;
 pub use program::find_program;
 pub use spec::{
-    HealthChecks, InheritedSocket, KillPolicy, KillSignal, LogFile, LogPolicy, LogSpec, ProcessName, ProcessSpec,
-    ProcessUpdate, ResourceLimits, RestartPolicy,
+    Durability, HealthChecks, InheritedSocket, KillPolicy, KillSignal, LogFile, LogPolicy, LogSpec, LogTarget,
+    PersistError, PrivateDir, ProcessName, ProcessSpec, ProcessSpecBuilder, ProcessUpdate, ResourceLimits,
+    RestartPolicy, UnsafeEntry,
 };
 pub use status::{ExitReason, ProcessState, ProcessStatus};
 pub use supervisor::{ProcessHandle, Supervisor};

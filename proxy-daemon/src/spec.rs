@@ -1,8 +1,9 @@
-//! What to run and how to treat it: [`ProcessSpec`] and its policies.
+//! What to run and how to treat it: [`ProcessSpec`], its builder and its policies.
 //!
 //! This module owns the plain data a caller hands to the supervisor, and its defaults
-//! (those of the config file, from tether-state). It never performs I/O and never validates anything beyond the name: the
-//! caller (the agent) has validated the configuration already.
+//! (those of the config file, from tether-state). It performs no I/O but the builder's
+//! opening of a log directory given by path, and validates nothing beyond the name and the
+//! pid file's path: the caller (the agent) has validated the configuration already.
 
 use std::collections::HashMap;
 use std::ffi::{OsStr, OsString};
@@ -11,9 +12,18 @@ use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use tether_state::persist::{DataDir, PrivateDir};
+use tether_state::persist::DataDir;
 
 use crate::error::InvalidName;
+
+mod builder;
+
+pub use builder::{LogTarget, ProcessSpecBuilder};
+/// The directories log files are in, as tether-state opens them: [`PrivateDir`] (a
+/// directory opened once, whose files are reached without following links), the errors of
+/// its operations ([`PersistError`], [`UnsafeEntry`]) and how much a replaced file must
+/// survive ([`Durability`]).
+pub use tether_state::persist::{Durability, PersistError, PrivateDir, UnsafeEntry};
 
 /// The name of a supervised process: the proxy id, such as `web-proxy`.
 ///
@@ -87,8 +97,8 @@ pub struct HealthChecks {
 }
 
 /// A log file: a name in a directory opened once without following links (the data dir's
-/// `logs/`), so that a link planted at the name or in place of the directory never
-/// redirects the output.
+/// `logs/`, or any directory a caller opened as a [`PrivateDir`]), so that a link planted
+/// at the name or in place of the directory never redirects the output.
 #[derive(Clone, PartialEq, Eq)]
 pub struct LogFile {
     dir: PrivateDir,
@@ -142,7 +152,8 @@ pub struct LogSpec {
 /// values, which may be secrets.
 #[derive(Clone)]
 pub struct ProcessSpec {
-    /// The proxy id; used in tracing fields, and by [`ProcessSpec::new`] in file names.
+    /// The proxy id; used in tracing fields, and in the names of the log files of a
+    /// directory ([`LogTarget`]) and of [`ProcessSpec::new`]'s pid file.
     pub name: ProcessName,
     /// The program to execute: an absolute path, or a bare name (no `/`) looked up as
     /// `execvp` does in the `PATH` of the process's own [`environment`](Self::environment)
@@ -190,35 +201,41 @@ pub struct ProcessSpec {
 }
 
 impl ProcessSpec {
-    /// A spec with the data dir's file layout in `data` and default policies.
+    /// A builder of the spec that runs `program` as `name`: its arguments, environment and
+    /// policies, where its output goes (required) and, if wanted, its pid file.
     ///
-    /// The pid file is `<data dir>/pids/<name>.pid`, the logs are `<name>-stdout.log` and
-    /// `-stderr.log` in the data dir's `logs/`. The environment is empty and the working
-    /// directory is `/`.
+    /// ```
+    /// use tether_proxy_daemon::{LogTarget, ProcessName, ProcessSpec};
+    ///
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let dir = tempfile::tempdir()?;
+    /// # let (logs, run) = (dir.path().join("logs"), dir.path().join("run"));
+    /// let spec = ProcessSpec::builder(ProcessName::new("web-proxy")?, "envoy")
+    ///     .args(["-c", "/etc/envoy/web.yaml"])
+    ///     .env("PATH", "/usr/local/bin:/usr/bin:/bin")
+    ///     .logs(LogTarget::Dir(logs)) // web-proxy-stdout.log, web-proxy-stderr.log
+    ///     .pid_file(run.join("web-proxy.pid"))
+    ///     .build()?;
+    /// # assert_eq!(spec.logs.stderr.path(), dir.path().join("logs/web-proxy-stderr.log"));
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn builder(name: ProcessName, program: impl Into<PathBuf>) -> ProcessSpecBuilder {
+        ProcessSpecBuilder::new(name, program.into())
+    }
+
+    /// A spec with the agent's data-dir layout in `data` and default policies: the pid
+    /// file is `<data dir>/pids/<name>.pid`, the logs are `<name>-stdout.log` and
+    /// `<name>-stderr.log` in the data dir's `logs/` ([`LogTarget::In`]). Otherwise as
+    /// [`ProcessSpec::builder`] makes it: no arguments, an empty environment, working
+    /// directory `/`.
+    ///
+    /// For a process that is not one of the agent's, [`ProcessSpec::builder`] needs no
+    /// data dir (whose `open` also creates the agent's `registrations/`).
     pub fn new(name: ProcessName, program: impl Into<PathBuf>, data: &DataDir) -> Self {
-        let logs = data.logs();
-        let (stdout, stderr) = DataDir::log_file_names(&name);
-        Self {
-            program: program.into(),
-            args: Vec::new(),
-            env: Vec::new(),
-            working_dir: PathBuf::from("/"),
-            user: None,
-            kill: KillPolicy::default(),
-            restart: RestartPolicy::default(),
-            restart_on_exit: true,
-            logs: LogSpec {
-                stdout: LogFile::new(logs.clone(), stdout),
-                stderr: LogFile::new(logs.clone(), stderr),
-                limits: LogPolicy::default(),
-            },
-            pid_file: Some(data.pid_file(&name)),
-            health: HealthChecks::default(),
-            listeners: Vec::new(),
-            identity_env: Vec::new(),
-            limits: ResourceLimits::default(),
-            name,
-        }
+        let (stdout, stderr) = builder::log_files_in(data.logs(), &name);
+        let pid_file = data.pid_file(&name);
+        Self::builder(name, program).pid_file(pid_file).with_log_files(stdout, stderr)
     }
 }
 
@@ -306,7 +323,10 @@ pub struct ProcessUpdate {
 
 #[cfg(test)]
 mod tests {
+    use std::path::Path;
+
     use super::*;
+    use crate::error::SpecError;
 
     #[test]
     fn names_follow_the_id_rule() {
@@ -361,6 +381,69 @@ mod tests {
                 pair("LOG_LEVEL", "debug"),
             ]
         );
+    }
+
+    #[test]
+    fn a_built_spec_logs_in_the_directory_given_and_writes_no_pid_file_unless_asked() {
+        use std::os::unix::fs::PermissionsExt;
+
+        let temp = tempfile::tempdir().unwrap();
+        let logs = temp.path().join("logs");
+        let name = ProcessName::new("sleeper").unwrap();
+        let spec = ProcessSpec::builder(name.clone(), "/bin/sleep")
+            .args(["30", "31"])
+            .env("PATH", "/bin")
+            .envs([("HOME", "/"), ("PATH", "/usr/bin")])
+            .logs(LogTarget::Dir(logs.clone()))
+            .build()
+            .unwrap();
+        assert_eq!(spec.args, ["30", "31"]);
+        assert_eq!(spec.environment(), [("PATH".into(), "/usr/bin".into()), ("HOME".into(), "/".into())]);
+        assert_eq!(spec.logs.stdout.path(), logs.join("sleeper-stdout.log"));
+        assert_eq!(spec.logs.stderr.path(), logs.join("sleeper-stderr.log"));
+        assert_eq!(std::fs::metadata(&logs).unwrap().permissions().mode() & 0o777, 0o700, "created private");
+        assert_eq!(spec.pid_file, None);
+        assert_eq!(spec.working_dir, PathBuf::from("/"));
+        assert!(spec.restart_on_exit);
+
+        let asked = ProcessSpec::builder(name, "/bin/sleep")
+            .logs(LogTarget::In(spec.logs.stdout.dir().clone()))
+            .pid_file(temp.path().join("sleeper.pid"))
+            .build()
+            .unwrap();
+        assert_eq!(asked.pid_file, Some(temp.path().join("sleeper.pid")));
+        assert_eq!(asked.logs.stdout.dir(), spec.logs.stdout.dir());
+    }
+
+    #[test]
+    fn a_spec_without_logs_or_with_a_pid_file_that_names_no_file_is_not_built() {
+        let temp = tempfile::tempdir().unwrap();
+        let builder = || ProcessSpec::builder(ProcessName::new("web-proxy").unwrap(), "/bin/true");
+        let err = builder().build().unwrap_err();
+        assert!(matches!(&err, SpecError::NoLogs { name } if name.as_str() == "web-proxy"), "{err:?}");
+        assert_eq!(err.to_string(), "no log target for process web-proxy");
+
+        let logs = LogTarget::Dir(temp.path().to_owned());
+        for path in ["/", "run/.."] {
+            let err = builder().logs(logs.clone()).pid_file(path).build().unwrap_err();
+            assert!(matches!(&err, SpecError::PidFile { path: given } if given == Path::new(path)), "{err:?}");
+        }
+
+        let file = temp.path().join("file");
+        std::fs::write(&file, "").unwrap();
+        let err = builder().logs(LogTarget::Dir(file.join("logs"))).build().unwrap_err();
+        assert!(matches!(&err, SpecError::LogDir { path, .. } if *path == file.join("logs")), "{err:?}");
+        assert!(std::error::Error::source(&err).is_some(), "the cause is kept");
+    }
+
+    #[test]
+    fn a_builder_s_debug_output_hides_environment_values() {
+        let builder = ProcessSpec::builder(ProcessName::new("web-proxy").unwrap(), "/bin/true")
+            .env("TETHER_PROXY_TOKEN", "s3cr3t")
+            .identity_env([("TETHER_PROXY_TOKEN", "s3cr3t")]);
+        let debug = format!("{builder:?}");
+        assert!(debug.contains("TETHER_PROXY_TOKEN"), "{debug}");
+        assert!(!debug.contains("s3cr3t"), "{debug}");
     }
 
     #[test]
