@@ -84,7 +84,10 @@
 //! that drives a backend, enable `tether-manager`'s `mock` feature from
 //! `[dev-dependencies]`; its `MockProxyBackend` and `MockProxyHandle` stand in for
 //! [`OsProcessBackend`] and its handles.
-
+//!
+// Without `manager` there is no `OsProcessBackend` to link to: its name then leads to the
+// feature that brings it.
+#![cfg_attr(not(feature = "manager"), doc = "[`OsProcessBackend`]: #cargo-features")]
 #![deny(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
 
@@ -110,16 +113,25 @@ mod supervisor;
 pub use backend::{AgentEnvironment, MissingProgram, OsProcessBackend, missing_programs};
 pub use cgroup::{CgroupError, CgroupUnavailable, Cgroups, Usage};
 pub use error::{DetachError, InvalidName, ProgramNotFound, SpawnError, SpecError};
-pub use listen::{ListenError, bind as bind_listener, listens_on};
+pub use listen::{ListenAddress, ListenError, bind as bind_listener, listens_on};
 pub use proc::Identity;
 pub use program::find_program;
 pub use spec::{
-    Durability, HealthChecks, InheritedSocket, KillPolicy, KillSignal, LogFile, LogPolicy, LogSpec, LogTarget,
-    PersistError, PrivateDir, ProcessName, ProcessSpec, ProcessSpecBuilder, ProcessUpdate, ResourceLimits,
-    RestartPolicy, UnsafeEntry,
+    CommandLine, CpuLimit, Durability, HealthChecks, HttpTarget, InheritedSocket, KillPolicy, KillSignal, LinePattern,
+    Liveness, LogFile, LogPolicy, LogSpec, LogTarget, PersistError, PrivateDir, Probe, ProcessName, ProcessSpec,
+    ProcessSpecBuilder, ProcessUpdate, Readiness, ResourceLimits, RestartPolicy, TcpTarget, UnsafeEntry,
 };
 pub use status::{ExitReason, ProcessState, ProcessStatus};
 pub use supervisor::{ProcessHandle, Supervisor};
+
+// The agent's own vocabulary, which signatures above name: the catalog's proxies (read by
+// the engine adapter), a proxy id (`ProcessName::of_proxy`) and the data dir
+// (`ProcessSpec::new`). Reachable from here, documented in tether-state, where they live.
+#[cfg(feature = "manager")]
+#[doc(no_inline)]
+pub use tether_state::{ManagedProxy, ProxySpec};
+#[doc(no_inline)]
+pub use tether_state::{ProxyId, persist::DataDir};
 
 // The README is the crate's page on crates.io: its example is compiled as a doctest too.
 #[cfg(doctest)]

@@ -12,7 +12,8 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 
 use nix::sys::socket::{self, AddressFamily, SockFlag, SockType, SockaddrLike, SockaddrStorage, UnixAddr, sockopt};
-use tether_state::ListenAddress;
+/// Where a listener listens: tether-state's, one vocabulary with the config's `listeners`.
+pub use tether_state::ListenAddress;
 
 use crate::proc::Pidfd;
 

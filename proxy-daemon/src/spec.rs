@@ -29,8 +29,8 @@ pub use tether_state::persist::{Durability, PersistError, PrivateDir, UnsafeEntr
 ///
 /// It becomes part of file names (pid file, log files) and appears in tracing fields as
 /// `proxy`, so it follows the service id rule, with room for a proxy id: an ASCII letter or
-/// digit, then letters, digits, `.`, `_` and `-`, at most 134 bytes
-/// ([`tether_state::check_process_name`]).
+/// digit, then letters, digits, `.`, `_` and `-`, at most 134 bytes (tether-state's
+/// `check_process_name`, the rule of the agent's proxy ids).
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ProcessName(String);
 
@@ -49,7 +49,8 @@ impl ProcessName {
         }
     }
 
-    /// The process name of a proxy: its id, which always follows the rule.
+    /// The process name of a proxy: its id ([`ProxyId`](crate::ProxyId)), which always
+    /// follows the rule.
     pub fn of_proxy(id: &tether_state::ProxyId) -> Self {
         Self(id.as_str().to_owned())
     }
@@ -78,6 +79,11 @@ impl fmt::Debug for ProcessName {
     }
 }
 
+/// The parts of those policies: [`CpuLimit`], of [`ResourceLimits`].
+pub use tether_state::CpuLimit;
+/// The checks' vocabulary is tether-state's too: [`Readiness`] and [`Liveness`] ask a
+/// [`Probe`] (with its [`TcpTarget`], [`HttpTarget`], [`CommandLine`] or [`LinePattern`]).
+pub use tether_state::{CommandLine, HttpTarget, LinePattern, Liveness, Probe, Readiness, TcpTarget};
 /// The policies of a process are tether-state's, one vocabulary with the catalog's:
 /// [`KillPolicy`] (how it is stopped: its [`KillSignal`] to the group, then SIGKILL after the
 /// timeout), [`RestartPolicy`] (when an exited process is started again, with its schedule
@@ -86,14 +92,13 @@ impl fmt::Debug for ProcessName {
 pub use tether_state::{KillPolicy, KillSignal, LogPolicy, ResourceLimits, RestartPolicy};
 
 /// When an instance counts as ready, and when it is restarted because it stopped answering
-/// (tether-state's [`Readiness`](tether_state::Readiness) and
-/// [`Liveness`](tether_state::Liveness)). The supervisor probes `tcp`, `http` and `exec`.
+/// ([`Readiness`] and [`Liveness`]). The supervisor probes `tcp`, `http` and `exec`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct HealthChecks {
     /// Until it first passes, a new instance is `starting`; `None`: ready once it runs.
-    pub readiness: Option<tether_state::Readiness>,
+    pub readiness: Option<Readiness>,
     /// Probed while the instance is ready; `failures` in a row restart it.
-    pub liveness: Option<tether_state::Liveness>,
+    pub liveness: Option<Liveness>,
 }
 
 /// A log file: a name in a directory opened once without following links (the data dir's
