@@ -121,7 +121,7 @@ pub use spec::{
     Liveness, LogFile, LogPolicy, LogSpec, LogTarget, PersistError, PrivateDir, Probe, ProcessName, ProcessSpec,
     ProcessSpecBuilder, ProcessUpdate, Readiness, ResourceLimits, RestartPolicy, TcpTarget, UnsafeEntry,
 };
-pub use status::{ExitReason, ProcessState, ProcessStatus};
+pub use status::{ExitReason, ProcessState, ProcessStatus, SupervisedProcess};
 pub use supervisor::{ProcessHandle, Supervisor};
 
 // The agent's own vocabulary, which signatures above name: the catalog's proxies (read by

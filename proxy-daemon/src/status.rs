@@ -1,4 +1,5 @@
-//! What the supervisor observed about a process: [`ProcessStatus`].
+//! What the supervisor observed about a process: [`ProcessStatus`], and the list of what it
+//! supervises ([`SupervisedProcess`]).
 //!
 //! This module owns the observation types published through the status channel. It
 //! never decides anything: the supervisor task writes these values, callers read them.
@@ -7,6 +8,7 @@ use std::fmt;
 use std::time::SystemTime;
 
 use crate::proc::Identity;
+use crate::spec::ProcessName;
 
 /// The lifecycle state of a supervised process (the proxy states, minus `pending` and
 /// `blocked`, which only the engine knows).
@@ -103,4 +105,16 @@ impl ProcessStatus {
             error: None,
         }
     }
+}
+
+/// A process that a [`Supervisor`](crate::Supervisor) supervises, as
+/// [`Supervisor::processes`](crate::Supervisor::processes) lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SupervisedProcess {
+    /// Its name, from its spec.
+    pub name: ProcessName,
+    /// Its last observed status: its state, the pid of its current instance (none while it
+    /// waits to restart), whether it is ready, …
+    pub status: ProcessStatus,
 }

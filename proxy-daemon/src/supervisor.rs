@@ -7,9 +7,10 @@
 //! never signals a process group whose leader it has not proven to be the same process,
 //! and never restarts a process after a stop.
 
+use std::collections::BTreeMap;
 use std::io;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime};
 
 use tokio::sync::{oneshot, watch};
@@ -24,7 +25,7 @@ use crate::proc::{self, Identity};
 use crate::rotate::Rotator;
 use crate::spawn;
 use crate::spec::{ProcessName, ProcessSpec, ProcessUpdate};
-use crate::status::ProcessStatus;
+use crate::status::{ProcessStatus, SupervisedProcess};
 
 mod adopt;
 mod checks;
@@ -58,6 +59,10 @@ struct Shared {
     probes: Arc<ProbeStats>,
     /// A cgroup per instance, when the caller gave a subtree; process groups otherwise.
     cgroups: Option<Cgroups>,
+    /// Every process under supervision, by its supervising task's key (the order
+    /// supervision began in): its name and its status. A task takes its entry out as its
+    /// supervision ends.
+    processes: Mutex<BTreeMap<u64, (ProcessName, watch::Receiver<ProcessStatus>)>>,
 }
 
 impl std::fmt::Debug for Supervisor {
@@ -118,6 +123,7 @@ impl Supervisor {
             notify: Arc::new(NotifyHub::new(address.into())),
             probes: Arc::default(),
             cgroups,
+            processes: Mutex::default(),
         };
         Ok(Self { shared: Arc::new(shared) })
     }
@@ -153,6 +159,22 @@ impl Supervisor {
     /// How long the readiness and liveness probes it ran took (`tcp`, `http`, `exec`).
     pub fn probe_durations(&self) -> ProbeDurations {
         self.shared.probes.snapshot()
+    }
+
+    /// Every process it (or a clone of it) supervises, in the order supervision began:
+    /// those it spawned or adopted, until their supervision ends. A process waiting to
+    /// restart is listed, without a pid; one that was stopped is not listed once
+    /// [`ProcessHandle::stop`] has returned, nor one detached once
+    /// [`ProcessHandle::detach`] has; one whose handle was dropped, or whose supervision
+    /// failed, leaves the list as its supervising task ends, just after.
+    ///
+    /// Each status is the last observed, as [`ProcessHandle::status`] returns it.
+    pub fn processes(&self) -> Vec<SupervisedProcess> {
+        let processes = self.shared.lock_processes();
+        processes
+            .values()
+            .map(|(name, status)| SupervisedProcess { name: name.clone(), status: status.borrow().clone() })
+            .collect()
     }
 
     /// Notifications ignored so far because their sender was no supervised instance (nor in
@@ -210,6 +232,7 @@ impl Supervisor {
         let (status_sender, status) = watch::channel(status);
         let (commands, receiver) = control::link();
         let name = spec.name.clone();
+        self.shared.lock_processes().insert(key, (name.clone(), status.clone()));
         let last_pid = write_pid_file.then_some(instance.pid);
         let task = Task::new(key, spec, Arc::clone(&self.shared), status_sender, receiver, last_pid);
         let task = tokio::spawn(InProxySpan { name: name.clone(), future: task.run(instance, ready) });
@@ -218,6 +241,18 @@ impl Supervisor {
 }
 
 impl Shared {
+    fn lock_processes(
+        &self,
+    ) -> std::sync::MutexGuard<'_, BTreeMap<u64, (ProcessName, watch::Receiver<ProcessStatus>)>> {
+        // Every critical section only inserts, removes or clones.
+        self.processes.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Takes the process of task `key` out of the list: its supervision has ended.
+    fn forget_process(&self, key: u64) {
+        self.lock_processes().remove(&key);
+    }
+
     fn identity(&self, instance: &Instance) -> Option<Identity> {
         Some(Identity {
             pid: instance.pid,

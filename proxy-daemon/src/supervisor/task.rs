@@ -175,6 +175,14 @@ enum Event {
     Checked(Checked),
 }
 
+/// However supervision ends (a final state, a detach, a dropped handle, a panic), the
+/// process leaves the supervisor's list.
+impl Drop for Task {
+    fn drop(&mut self) {
+        self.shared.forget_process(self.key);
+    }
+}
+
 impl Task {
     pub(super) fn new(
         key: u64,
@@ -444,8 +452,11 @@ impl Task {
         error
     }
 
-    /// Publishes a final state after removing the pid file and forgetting the logs.
+    /// Publishes a final state after removing the pid file and forgetting the logs. The
+    /// process leaves the supervisor's list first, so that whoever sees the final state no
+    /// longer finds it there.
     async fn finish(&mut self, state: ProcessState, last_exit: Option<ExitReason>, error: Option<String>) {
+        self.shared.forget_process(self.key);
         self.shared.rotator.forget(self.key);
         if let (Some(cgroups), Some(spare)) = (&self.shared.cgroups, self.spare_cgroup.take()) {
             cgroups.remove_empty(&spare);

@@ -11,6 +11,7 @@ mod logs;
 mod restart;
 mod root;
 mod spawn;
+mod standalone;
 mod stop;
 mod support;
 mod ways;

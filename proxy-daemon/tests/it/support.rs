@@ -164,6 +164,46 @@ impl Drop for Fixture {
     }
 }
 
+/// A marker for the processes of one test that needs no data dir, and the guard that kills
+/// their process groups when it is dropped, pass or fail.
+pub struct Marked {
+    pub mark: String,
+}
+
+impl Marked {
+    pub fn new() -> Self {
+        static COUNTER: AtomicU32 = AtomicU32::new(0);
+        Self { mark: format!("standalone-{}-{}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed)) }
+    }
+
+    /// The environment entry that marks a process as this test's.
+    pub fn env(&self) -> (String, String) {
+        (MARK.to_owned(), self.mark.clone())
+    }
+}
+
+impl Drop for Marked {
+    fn drop(&mut self) {
+        // Only processes that carry the mark are signalled, so a reused pid is never hit;
+        // each leads its own group, and the group takes its children with it.
+        let start = Instant::now();
+        let mut quiet = 0;
+        while quiet < 3 && start.elapsed() < DEADLINE {
+            let marked = marked_processes(&self.mark);
+            if marked.is_empty() {
+                quiet += 1;
+            } else {
+                quiet = 0;
+                for pid in marked {
+                    let _ = nix::sys::signal::killpg(Pid::from_raw(pid as i32), Signal::SIGKILL);
+                    let _ = kill(Pid::from_raw(pid as i32), Signal::SIGKILL);
+                }
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
 pub fn marked_processes(mark: &str) -> Vec<u32> {
     let needle = format!("{MARK}={mark}");
     let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
