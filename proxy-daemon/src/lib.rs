@@ -9,28 +9,36 @@
 //!
 //! The entry point is [`Supervisor`]: [`Supervisor::spawn`] turns a [`ProcessSpec`] into a
 //! [`ProcessHandle`], through which the caller observes ([`ProcessStatus`]), updates, stops
-//! or detaches the process. [`Supervisor::adopt`] takes a detached process back on proof of
-//! its [`Identity`].
+//! or detaches the process; [`Supervisor::processes`] lists every process it supervises.
+//! [`Supervisor::adopt`] takes a detached process back on proof of its [`Identity`].
+//!
+//! [`ProcessSpec::builder`] describes a process: its program, arguments and environment,
+//! where its output goes ([`LogTarget`]: a directory of the caller's) and, only if asked, its
+//! pid file. It needs no data dir; [`ProcessSpec::new`] is the agent's data-dir layout.
 //!
 //! With the default feature `manager`, [`OsProcessBackend`] adapts it to `tether-manager`'s
 //! backend traits; without it, the crate does not depend on the engine.
 //!
 //! ```no_run
-//! use tether_proxy_daemon::{ProcessName, ProcessSpec, Supervisor};
-//! use tether_state::persist::DataDir;
+//! use tether_proxy_daemon::{LogTarget, ProcessName, ProcessSpec, Supervisor};
 //!
 //! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
-//! let data = DataDir::open("/var/lib/tether")?;
-//! let name = ProcessName::new("web-proxy")?;
-//! let mut spec = ProcessSpec::new(name, "/usr/bin/envoy", &data);
-//! spec.args = vec!["-c".into(), "/etc/envoy/web.yaml".into()];
-//! spec.env = vec![("PATH".into(), "/usr/bin:/bin".into())];
+//! let spec = ProcessSpec::builder(ProcessName::new("web-proxy")?, "/usr/bin/envoy")
+//!     .args(["-c", "/etc/envoy/web.yaml"])
+//!     .env("PATH", "/usr/bin:/bin")
+//!     // web-proxy-stdout.log and web-proxy-stderr.log, rotated at their size limit.
+//!     .logs(LogTarget::Dir("/var/log/web-proxy".into()))
+//!     .pid_file("/run/web-proxy.pid")
+//!     .build()?;
 //!
 //! let supervisor = Supervisor::new()?;
 //! let handle = supervisor.spawn(spec).await?;
 //! println!("running as pid {:?}", handle.status().pid);
+//! for process in supervisor.processes() {
+//!     println!("{}: {}", process.name, process.status.state);
+//! }
 //! let last = handle.stop().await;
-//! println!("stopped: {:?}", last.last_exit);
+//! println!("stopped: {:?}, ready: {}", last.last_exit, last.ready);
 //! # Ok(())
 //! # }
 //! ```
