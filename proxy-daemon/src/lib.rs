@@ -125,9 +125,9 @@ pub use listen::{ListenAddress, ListenError, bind as bind_listener, listens_on};
 pub use proc::Identity;
 pub use program::find_program;
 pub use spec::{
-    CommandLine, CpuLimit, Durability, HealthChecks, HttpTarget, InheritedSocket, KillPolicy, KillSignal, LinePattern,
-    Liveness, LogFile, LogPolicy, LogSpec, LogTarget, PersistError, PrivateDir, Probe, ProcessName, ProcessSpec,
-    ProcessSpecBuilder, ProcessUpdate, Readiness, ResourceLimits, RestartPolicy, TcpTarget, UnsafeEntry,
+    Backoff, CommandLine, CpuLimit, Durability, HealthChecks, HttpTarget, InheritedSocket, KillPolicy, KillSignal,
+    LinePattern, Liveness, LogFile, LogPolicy, LogSpec, LogTarget, PersistError, PrivateDir, Probe, ProcessName,
+    ProcessSpec, ProcessSpecBuilder, ProcessUpdate, Readiness, ResourceLimits, RestartPolicy, TcpTarget, UnsafeEntry,
 };
 pub use status::{ExitReason, ProcessState, ProcessStatus, SupervisedProcess};
 pub use supervisor::{ProcessHandle, Supervisor};

@@ -79,8 +79,9 @@ impl fmt::Debug for ProcessName {
     }
 }
 
-/// The parts of those policies: [`CpuLimit`], of [`ResourceLimits`].
-pub use tether_state::CpuLimit;
+/// The parts of those policies: [`CpuLimit`], of [`ResourceLimits`], and [`Backoff`], the
+/// schedule of [`RestartPolicy::delay_before`].
+pub use tether_state::{Backoff, CpuLimit};
 /// The checks' vocabulary is tether-state's too: [`Readiness`] and [`Liveness`] ask a
 /// [`Probe`] (with its [`TcpTarget`], [`HttpTarget`], [`CommandLine`] or [`LinePattern`]).
 pub use tether_state::{CommandLine, HttpTarget, LinePattern, Liveness, Probe, Readiness, TcpTarget};
