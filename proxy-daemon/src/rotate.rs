@@ -154,15 +154,18 @@ struct Watched {
     watch: Option<WatchDescriptor>,
     /// When the file was last checked, and its size then: its growth tells the next pause.
     checked: Option<(Instant, u64)>,
-    /// How fast it grew between its last two checks, in bytes a second.
-    rate: Option<f64>,
-    /// How long its last rotation took.
-    rotation_took: Duration,
+    /// How fast it grew between its last two checks, in bytes a second. (Single
+    /// precision, and the rotation's length in microseconds below: every supervised process
+    /// has two of these, and a planning figure needs no more.)
+    rate: Option<f32>,
+    /// How long its last rotation took, in microseconds.
+    rotation_took_micros: u32,
 }
 
 impl Watched {
     fn threshold(&self) -> u64 {
-        rotation_threshold(self.limits.max_size, self.rate, self.rotation_took)
+        let took = Duration::from_micros(u64::from(self.rotation_took_micros));
+        rotation_threshold(self.limits.max_size, self.rate.map(f64::from), took)
     }
 }
 
@@ -235,7 +238,7 @@ impl State {
                     let watch = self.files.remove(&key).and_then(|old| old.watch);
                     self.files.insert(
                         key,
-                        Watched { file, limits, watch, checked: None, rate: None, rotation_took: Duration::ZERO },
+                        Watched { file, limits, watch, checked: None, rate: None, rotation_took_micros: 0 },
                     );
                     self.arm(key).await;
                 }
@@ -278,7 +281,7 @@ impl State {
         }
         let size = self.check(key).await;
         let Some(watched) = self.files.get(&key) else { return };
-        let delay = rearm_delay(size, watched.threshold(), watched.limits.max_size, watched.rate);
+        let delay = rearm_delay(size, watched.threshold(), watched.limits.max_size, watched.rate.map(f64::from));
         self.rearm.push(Reverse((Instant::now() + delay, key)));
     }
 
@@ -320,7 +323,8 @@ impl State {
         if let Some(size) = seen {
             if let Some((then, before)) = watched.checked {
                 let sample = growth(now.duration_since(then), before, size);
-                watched.rate = next_rate(watched.rate, sample, now.duration_since(then));
+                let rate = next_rate(watched.rate.map(f64::from), sample, now.duration_since(then));
+                watched.rate = rate.map(|rate| rate as f32);
             }
             watched.checked = Some((now, size));
         }
@@ -347,7 +351,7 @@ impl State {
         let rotated = tokio::task::spawn_blocking(move || rotate(&log, &live, limits.keep).map(|()| log)).await;
         let ended = Instant::now();
         if let Some(watched) = self.files.get_mut(&key) {
-            watched.rotation_took = ended.duration_since(started);
+            watched.rotation_took_micros = u32::try_from(ended.duration_since(started).as_micros()).unwrap_or(u32::MAX);
             watched.checked = Some((ended, 0));
         }
         match rotated {

@@ -32,7 +32,7 @@ pub use tether_state::persist::{Durability, PersistError, PrivateDir, UnsafeEntr
 /// digit, then letters, digits, `.`, `_` and `-`, at most 134 bytes (tether-state's
 /// `check_process_name`, the rule of the agent's proxy ids).
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ProcessName(String);
+pub struct ProcessName(std::sync::Arc<str>);
 
 impl ProcessName {
     /// Checks `name` against the id rule.
@@ -44,7 +44,7 @@ impl ProcessName {
     pub fn new(name: impl Into<String>) -> Result<Self, InvalidName> {
         let name = name.into();
         match tether_state::check_process_name(&name) {
-            Ok(()) => Ok(Self(name)),
+            Ok(()) => Ok(Self(name.into())),
             Err(_reason) => Err(InvalidName { name }),
         }
     }
@@ -52,7 +52,9 @@ impl ProcessName {
     /// The process name of a proxy: its id ([`ProxyId`](crate::ProxyId)), which always
     /// follows the rule.
     pub fn of_proxy(id: &tether_state::ProxyId) -> Self {
-        Self(id.as_str().to_owned())
+        // Shared, not copied: the spec, the supervising task and the supervisor's list of
+        // processes hold the same name, which costs memory per process otherwise.
+        Self(id.as_str().into())
     }
 
     /// The name as a string slice.
