@@ -20,8 +20,8 @@ const ALLOWED_DEPS: &[(&str, &[&str])] = &[
 /// second: the supervisor is reusable without the engine.
 const OPTIONAL_DEPS: &[(&str, &str)] = &[("tether-proxy-daemon", "tether-manager")];
 
-/// Every edge that is not allowed, and every member missing from the list.
-pub(crate) fn check(cargo: &str, root: &Path) -> Result<Vec<String>, String> {
+/// The workspace's own metadata (`cargo metadata --no-deps`).
+pub(crate) fn metadata(cargo: &str, root: &Path) -> Result<serde_json::Value, String> {
     let output = Command::new(cargo)
         .args(["metadata", "--no-deps", "--format-version", "1"])
         .current_dir(root)
@@ -30,8 +30,12 @@ pub(crate) fn check(cargo: &str, root: &Path) -> Result<Vec<String>, String> {
     if !output.status.success() {
         return Err(format!("cargo metadata failed: {}", String::from_utf8_lossy(&output.stderr)));
     }
-    let metadata: serde_json::Value =
-        serde_json::from_slice(&output.stdout).map_err(|err| format!("cargo metadata printed invalid JSON: {err}"))?;
+    serde_json::from_slice(&output.stdout).map_err(|err| format!("cargo metadata printed invalid JSON: {err}"))
+}
+
+/// Every edge that is not allowed, and every member missing from the list.
+pub(crate) fn check(cargo: &str, root: &Path) -> Result<Vec<String>, String> {
+    let metadata = metadata(cargo, root)?;
     let packages = metadata["packages"].as_array().ok_or("cargo metadata has no packages")?;
     let members: Vec<&str> = packages.iter().filter_map(|p| p["name"].as_str()).collect();
     let mut problems = Vec::new();

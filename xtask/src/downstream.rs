@@ -124,16 +124,7 @@ fn run(root: &Path, step: &str, args: &[&str]) -> Result<(), String> {
 
 /// The workspace's target dir, wherever the environment or cargo's config puts it.
 fn target_dir(root: &Path) -> Result<PathBuf, String> {
-    let output = Command::new(crate::cargo())
-        .args(["metadata", "--no-deps", "--format-version", "1"])
-        .current_dir(root)
-        .output()
-        .map_err(|err| format!("cannot run cargo metadata: {err}"))?;
-    if !output.status.success() {
-        return Err(format!("cargo metadata failed: {}", String::from_utf8_lossy(&output.stderr)));
-    }
-    let metadata: serde_json::Value =
-        serde_json::from_slice(&output.stdout).map_err(|err| format!("cargo metadata printed invalid JSON: {err}"))?;
+    let metadata = crate::deps::metadata(&crate::cargo(), root)?;
     let dir = metadata["target_directory"].as_str().ok_or("cargo metadata names no target directory")?;
     Ok(PathBuf::from(dir))
 }
