@@ -9,7 +9,7 @@ use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::Registry;
-use tether_manager::{ExitReason, ManagerHandle, PASS_BUCKETS, ProxyState};
+use tether_manager::{BackendStats, ExitReason, ManagerHandle, PASS_BUCKETS, ProxyState, ProxyStatus, ResourceUsage};
 
 /// The agent's metrics registry.
 #[derive(Debug)]
@@ -18,9 +18,11 @@ pub(crate) struct Metrics {
 }
 
 impl Metrics {
-    pub(crate) fn new(manager: ManagerHandle) -> Self {
+    /// The metrics of `manager`'s proxies and backend; with `measured` (the backend measures
+    /// usage: it has cgroups), also each proxy's CPU, memory and tasks.
+    pub(crate) fn new(manager: ManagerHandle, measured: bool) -> Self {
         let mut registry = Registry::default();
-        registry.register_collector(Box::new(ManagerCollector { manager }));
+        registry.register_collector(Box::new(ManagerCollector { manager, measured }));
         Self { registry }
     }
 
@@ -38,13 +40,45 @@ impl Metrics {
     }
 }
 
-/// The process backend's own figures: probe durations and ignored notifications.
-#[derive(Debug)]
-pub(crate) struct BackendCollector(pub(crate) std::sync::Arc<tether_proxy_daemon::OsProcessBackend>);
+/// One figure of a proxy's usage, where the backend measures it.
+type UsageField = fn(&ResourceUsage) -> Option<u64>;
 
-impl Collector for BackendCollector {
-    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
-        let durations = self.0.probe_durations();
+/// What each proxy has used, as its status carries it: CPU time, and memory and tasks where
+/// the backend measures them (their cgroup controllers are on).
+fn encode_usage(statuses: &[ProxyStatus], encoder: &mut DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+    let usages: Vec<_> =
+        statuses.iter().filter_map(|status| Some((&status.id, &status.service, status.usage?))).collect();
+    let counter = ConstCounter::new(0.0f64);
+    let mut family = encoder.encode_descriptor(
+        "tether_proxy_cpu_seconds",
+        "CPU time (user and system) of a proxy's running instance and everything in its cgroup",
+        None,
+        counter.metric_type(),
+    )?;
+    for (id, service, usage) in &usages {
+        let labels = [("proxy", id.as_str()), ("service", service.as_str())];
+        ConstCounter::new(usage.cpu.as_secs_f64()).encode(family.encode_family(&labels)?)?;
+    }
+    let gauges: [(&str, &str, UsageField); 2] = [
+        ("tether_proxy_memory_bytes", "Memory of a proxy's cgroup (memory.current)", |u| u.memory_bytes),
+        ("tether_proxy_tasks", "Processes and threads in a proxy's cgroup (pids.current)", |u| u.tasks),
+    ];
+    for (name, help, value) in gauges {
+        let gauge = ConstGauge::new(0i64);
+        let mut family = encoder.encode_descriptor(name, help, None, gauge.metric_type())?;
+        for (id, service, usage) in &usages {
+            if let Some(value) = value(usage) {
+                let labels = [("proxy", id.as_str()), ("service", service.as_str())];
+                ConstGauge::new(i64::try_from(value).unwrap_or(i64::MAX)).encode(family.encode_family(&labels)?)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The backend's own figures: probe durations and ignored notifications.
+fn encode_backend(stats: &BackendStats, encoder: &mut DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+    if let Some(durations) = &stats.probe_durations {
         let histogram_type = prometheus_client::metrics::MetricType::Histogram;
         let mut metric = encoder.encode_descriptor(
             "tether_probe_duration_seconds",
@@ -53,80 +87,23 @@ impl Collector for BackendCollector {
             histogram_type,
         )?;
         // Counts per bucket; the encoder makes them cumulative.
-        let buckets: Vec<(f64, u64)> = tether_proxy_daemon::PROBE_BUCKETS
+        let buckets: Vec<(f64, u64)> = durations
+            .bounds
             .iter()
             .copied()
             .chain(std::iter::once(f64::INFINITY))
-            .zip(durations.buckets)
+            .zip(durations.counts.iter().copied())
             .collect();
-        metric.encode_histogram::<NoLabels>(durations.sum_seconds, durations.count, &buckets, None)?;
-
-        let counter = ConstCounter::new(self.0.foreign_notifications());
-        let metric = encoder.encode_descriptor(
-            "tether_notify_foreign",
-            "sd_notify datagrams ignored because their sender was no proxy's instance",
-            None,
-            counter.metric_type(),
-        )?;
-        counter.encode(metric)
+        metric.encode_histogram::<NoLabels>(durations.sum_seconds, durations.count(), &buckets, None)?;
     }
-}
-
-/// One figure of a cgroup's usage, where its controller is on.
-type UsageField = fn(&tether_proxy_daemon::Usage) -> Option<u64>;
-
-/// What each proxy's cgroup has used: CPU time, and memory and tasks where those
-/// controllers are on. Read at scrape time.
-#[derive(Debug)]
-pub(crate) struct ResourcesCollector {
-    manager: ManagerHandle,
-    cgroups: tether_proxy_daemon::Cgroups,
-}
-
-impl ResourcesCollector {
-    pub(crate) fn new(manager: ManagerHandle, cgroups: tether_proxy_daemon::Cgroups) -> Self {
-        Self { manager, cgroups }
-    }
-}
-
-impl Collector for ResourcesCollector {
-    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
-        let usages: Vec<_> = self
-            .manager
-            .status()
-            .into_iter()
-            .filter_map(|status| {
-                let usage = self.cgroups.usage_of(status.pid?)?;
-                Some((status.id, status.service, usage))
-            })
-            .collect();
-        let counter = ConstCounter::new(0.0f64);
-        let mut family = encoder.encode_descriptor(
-            "tether_proxy_cpu_seconds",
-            "CPU time (user and system) of a proxy's running instance and everything in its cgroup",
-            None,
-            counter.metric_type(),
-        )?;
-        for (id, service, usage) in &usages {
-            let labels = [("proxy", id.as_str()), ("service", service.as_str())];
-            ConstCounter::new(usage.cpu_seconds).encode(family.encode_family(&labels)?)?;
-        }
-        let gauges: [(&str, &str, UsageField); 2] = [
-            ("tether_proxy_memory_bytes", "Memory of a proxy's cgroup (memory.current)", |u| u.memory_bytes),
-            ("tether_proxy_tasks", "Processes and threads in a proxy's cgroup (pids.current)", |u| u.tasks),
-        ];
-        for (name, help, value) in gauges {
-            let gauge = ConstGauge::new(0i64);
-            let mut family = encoder.encode_descriptor(name, help, None, gauge.metric_type())?;
-            for (id, service, usage) in &usages {
-                if let Some(value) = value(usage) {
-                    let labels = [("proxy", id.as_str()), ("service", service.as_str())];
-                    ConstGauge::new(i64::try_from(value).unwrap_or(i64::MAX)).encode(family.encode_family(&labels)?)?;
-                }
-            }
-        }
-        Ok(())
-    }
+    let counter = ConstCounter::new(stats.foreign_notifications);
+    let metric = encoder.encode_descriptor(
+        "tether_notify_foreign",
+        "sd_notify datagrams ignored because their sender was no proxy's instance",
+        None,
+        counter.metric_type(),
+    )?;
+    counter.encode(metric)
 }
 
 /// The states a proxy can be in, all reported (zero included) so that dashboards and
@@ -145,6 +122,8 @@ const STATES: [ProxyState; 8] = [
 #[derive(Debug)]
 struct ManagerCollector {
     manager: ManagerHandle,
+    /// Whether the backend measures usage, so that the usage families are shown.
+    measured: bool,
 }
 
 impl Collector for ManagerCollector {
@@ -268,6 +247,10 @@ impl Collector for ManagerCollector {
             None,
             in_flight.metric_type(),
         )?)?;
+        encode_backend(&self.manager.backend_stats(), &mut encoder)?;
+        if self.measured {
+            encode_usage(&statuses, &mut encoder)?;
+        }
         Ok(())
     }
 }

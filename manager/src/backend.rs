@@ -9,7 +9,7 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
@@ -137,6 +137,49 @@ pub struct BackendStatus {
     pub status_text: Option<String>,
     /// Failed readiness and liveness checks, for metrics.
     pub probe_failures: u64,
+}
+
+/// What a proxy's running instance uses now (with whatever it started), as a backend
+/// measures it; [`ProxyBackend::usage`] reads it when a status is read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ResourceUsage {
+    /// CPU time, user and system.
+    pub cpu: Duration,
+    /// Memory in use, where the backend measures it.
+    pub memory_bytes: Option<u64>,
+    /// Processes and threads, where the backend counts them.
+    pub tasks: Option<u64>,
+}
+
+/// Durations as a histogram: counts per bucket of `bounds` (upper bounds in seconds, not
+/// cumulative; one more count than bounds, for those over the last), and their sum.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Histogram {
+    /// The buckets' upper bounds, in seconds, ascending.
+    pub bounds: &'static [f64],
+    /// Observations per bucket: `counts[i]` took at most `bounds[i]` and more than the
+    /// bound before; the last one counts those over every bound.
+    pub counts: Vec<u64>,
+    /// The sum of every observation, in seconds.
+    pub sum_seconds: f64,
+}
+
+impl Histogram {
+    /// How many observations it holds.
+    pub fn count(&self) -> u64 {
+        self.counts.iter().sum()
+    }
+}
+
+/// A backend's own counters, beside the per-proxy ones of [`BackendStatus`]; read at each
+/// metrics scrape through [`ManagerHandle::backend_stats`](crate::ManagerHandle::backend_stats).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct BackendStats {
+    /// How long the health probes of every proxy took; `None` for a backend that runs none.
+    pub probe_durations: Option<Histogram>,
+    /// Notifications (sd_notify datagrams, say) that the backend ignored because their
+    /// sender was no proxy's instance.
+    pub foreign_notifications: u64,
 }
 
 /// A backend's own record of one proxy in the snapshot: JSON text that the engine stores
@@ -448,6 +491,21 @@ pub trait ProxyBackend: Send + Sync {
     /// The default finds none.
     async fn adoption_candidates(&self) -> Vec<(ProxyId, BackendRecord)> {
         Vec::new()
+    }
+
+    /// What the running instance of proxy `id`, process `pid`, uses now. Asked whenever a
+    /// status is read through [`ManagerHandle`](crate::ManagerHandle) (the API, the
+    /// metrics), on the reader's thread and never by the engine: it must be quick.
+    ///
+    /// The default measures nothing (`None`).
+    fn usage(&self, id: &ProxyId, pid: u32) -> Option<ResourceUsage> {
+        let _unused = (id, pid);
+        None
+    }
+
+    /// The backend's own counters, for metrics. The default counts nothing.
+    fn stats(&self) -> BackendStats {
+        BackendStats::default()
     }
 
     /// Called once per engine, when the restore has ended: every record and candidate has

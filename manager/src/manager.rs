@@ -247,6 +247,7 @@ impl Manager {
         let (requests_tx, requests) = mpsc::unbounded_channel();
         let held = config.held.clone();
         let policy = Policy { refuse_root: config.running_as_root && !config.allow_root, ..Policy::default() };
+        let published = Published::with_requests(requests_tx, backend.clone());
         Self {
             catalog,
             backend,
@@ -276,7 +277,7 @@ impl Manager {
             writer: None,
             closing: false,
             shutting_down: CancellationToken::new(),
-            published: Published::with_requests(requests_tx),
+            published,
         }
     }
 
@@ -668,6 +669,7 @@ impl Manager {
             status_text: process.pid.and(process.status_text),
             probe_failures: process.probe_failures,
             update,
+            usage: None,
         });
     }
 }

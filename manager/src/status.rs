@@ -11,7 +11,7 @@ use std::time::{Duration, SystemTime};
 use tether_state::{ExitReason, ProxyId, Revision, ServiceId};
 use tokio::sync::{broadcast, mpsc, oneshot};
 
-use crate::backend::ProxyState;
+use crate::backend::{BackendStats, ProxyBackend, ProxyState, ResourceUsage};
 
 /// One proxy's status, as `tether status --json` shows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -39,6 +39,11 @@ pub struct ProxyStatus {
     /// The new instance of an overlapping update (`update = "overlap"`), while it starts
     /// beside the instance described above, which serves until it is ready.
     pub update: Option<UpdateStatus>,
+    /// What its running instance uses now, as the backend measures it
+    /// ([`ProxyBackend::usage`]): read when the status is read through
+    /// [`ManagerHandle::status`] or [`ManagerHandle::proxy`]; `None` in [`ProxyEvent`]s,
+    /// whose figures would be stale at once, and while no process runs.
+    pub usage: Option<ResourceUsage>,
 }
 
 /// The new instance of an overlapping update, as the backend observes it.
@@ -156,11 +161,19 @@ pub(crate) struct Board {
 }
 
 /// Shared between the engine (the only writer) and its handles.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub(crate) struct Published {
     board: Arc<Mutex<Board>>,
     events: broadcast::Sender<ProxyEvent>,
     requests: mpsc::UnboundedSender<Request>,
+    /// What measures usage and keeps the backend's own counters, read by handles.
+    backend: Arc<dyn ProxyBackend>,
+}
+
+impl std::fmt::Debug for Published {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Published").field("board", &self.board).finish_non_exhaustive()
+    }
 }
 
 /// What a handle asks of the engine.
@@ -207,15 +220,24 @@ pub enum RequestError {
 const EVENT_CAPACITY: usize = 1024;
 
 impl Published {
-    /// A board whose handles send their requests to `requests`.
-    pub(crate) fn with_requests(requests: mpsc::UnboundedSender<Request>) -> Self {
-        Self { board: Arc::default(), events: broadcast::Sender::new(EVENT_CAPACITY), requests }
+    /// A board whose handles send their requests to `requests` and read usage and counters
+    /// from `backend`.
+    pub(crate) fn with_requests(requests: mpsc::UnboundedSender<Request>, backend: Arc<dyn ProxyBackend>) -> Self {
+        Self { board: Arc::default(), events: broadcast::Sender::new(EVENT_CAPACITY), requests, backend }
     }
 
-    /// A board whose handles' requests go nowhere (answered `Gone`).
+    /// A board whose handles' requests go nowhere (answered `Gone`), over a backend that
+    /// measures nothing.
     #[cfg(test)]
     pub(crate) fn new() -> Self {
-        Self::with_requests(mpsc::unbounded_channel().0)
+        struct Unmeasured;
+        #[async_trait::async_trait]
+        impl ProxyBackend for Unmeasured {
+            fn create(&self, _proxy: Arc<tether_state::ManagedProxy>) -> Box<dyn crate::ProxyHandle> {
+                unreachable!("a board alone creates no handle")
+            }
+        }
+        Self::with_requests(mpsc::unbounded_channel().0, Arc::new(Unmeasured))
     }
 
     pub(crate) fn lock(&self) -> MutexGuard<'_, Board> {
@@ -264,14 +286,30 @@ pub struct ManagerHandle {
 }
 
 impl ManagerHandle {
-    /// The status of every proxy, ordered by id.
+    /// The status of every proxy, ordered by id, with what each one uses now.
     pub fn status(&self) -> Vec<ProxyStatus> {
-        self.published.lock().proxies.values().cloned().collect()
+        let mut statuses: Vec<ProxyStatus> = self.published.lock().proxies.values().cloned().collect();
+        // Measured outside the lock: the engine never waits for a reader's measurements.
+        for status in &mut statuses {
+            self.measure(status);
+        }
+        statuses
     }
 
-    /// The status of one proxy.
+    /// The status of one proxy, with what it uses now.
     pub fn proxy(&self, id: &ProxyId) -> Option<ProxyStatus> {
-        self.published.lock().proxies.get(id).cloned()
+        let mut status = self.published.lock().proxies.get(id).cloned()?;
+        self.measure(&mut status);
+        Some(status)
+    }
+
+    fn measure(&self, status: &mut ProxyStatus) {
+        status.usage = status.pid.and_then(|pid| self.published.backend.usage(&status.id, pid));
+    }
+
+    /// The backend's own counters ([`ProxyBackend::stats`]).
+    pub fn backend_stats(&self) -> BackendStats {
+        self.published.backend.stats()
     }
 
     /// Reconcile counters and timings.
@@ -339,6 +377,7 @@ mod tests {
             error: None,
             status_text: None,
             probe_failures: 0,
+            usage: None,
         }
     }
 

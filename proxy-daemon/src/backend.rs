@@ -13,9 +13,13 @@ use std::ffi::OsString;
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::Duration;
 
 use async_trait::async_trait;
-use tether_manager::{Adopted, BackendError, BackendRecord, BackendState, ProxyBackend, ProxyHandle};
+use tether_manager::{
+    Adopted, BackendError, BackendRecord, BackendState, BackendStats, Histogram, ProxyBackend, ProxyHandle,
+    ResourceUsage,
+};
 use tether_state::persist::DataDir;
 use tether_state::proxy_env;
 use tether_state::{CommandLine, ListenAddress, Liveness, ManagedProxy, Probe, ProxyCommand, ProxyId, Readiness};
@@ -113,16 +117,6 @@ impl OsProcessBackend {
     /// As [`Supervisor::hold_until_exec`].
     pub fn hold_until_exec(&self, fd: std::os::fd::BorrowedFd<'_>) -> std::io::Result<()> {
         self.shared.supervisor.hold_until_exec(fd)
-    }
-
-    /// How long the readiness and liveness probes of every proxy took.
-    pub fn probe_durations(&self) -> crate::ProbeDurations {
-        self.shared.supervisor.probe_durations()
-    }
-
-    /// Notifications ignored because their sender was no proxy's instance.
-    pub fn foreign_notifications(&self) -> u64 {
-        self.shared.supervisor.foreign_notifications()
     }
 
     /// The process spec that runs `proxy`: its own environment (agent's
@@ -321,6 +315,27 @@ impl ProxyBackend for OsProcessBackend {
         ids.extend(found.keys().cloned());
         *lock(&self.shared.found) = found;
         ids.into_iter().map(|id| (id, Record::candidate())).collect()
+    }
+
+    fn usage(&self, _id: &ProxyId, pid: u32) -> Option<ResourceUsage> {
+        let usage = self.shared.supervisor.cgroups()?.usage_of(pid)?;
+        Some(ResourceUsage {
+            cpu: Duration::from_secs_f64(usage.cpu_seconds),
+            memory_bytes: usage.memory_bytes,
+            tasks: usage.tasks,
+        })
+    }
+
+    fn stats(&self) -> BackendStats {
+        let durations = self.shared.supervisor.probe_durations();
+        BackendStats {
+            probe_durations: Some(Histogram {
+                bounds: &crate::PROBE_BUCKETS,
+                counts: durations.buckets.to_vec(),
+                sum_seconds: durations.sum_seconds,
+            }),
+            foreign_notifications: self.shared.supervisor.foreign_notifications(),
+        }
     }
 
     async fn restored(&self) {

@@ -209,11 +209,8 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
     let mut manager = Manager::new(catalog, backend.clone(), store, config);
     let handle = manager.handle();
 
-    let mut metrics = Metrics::new(handle.clone());
-    metrics.register(Box::new(crate::metrics::BackendCollector(Arc::clone(&backend))));
-    if let Some(cgroups) = &cgroups {
-        metrics.register(Box::new(crate::metrics::ResourcesCollector::new(handle.clone(), cgroups.clone())));
-    }
+    // Usage is measured where the backend has cgroups: without them, no family at all.
+    let mut metrics = Metrics::new(handle.clone(), cgroups.is_some());
     if let Some(status) = &fleet_status {
         metrics.register(Box::new(FleetCollector(status.clone())));
     }
@@ -227,7 +224,6 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
         shutdown: api_stop.clone(),
         fleet: fleet_status,
         held: held.clone(),
-        cgroups: cgroups.clone(),
     };
     let mut servers = JoinSet::new();
     let unix = bind_socket(&socket_path)?;

@@ -136,8 +136,6 @@ pub(crate) struct ApiState {
     pub(crate) fleet: Option<crate::fleet::follow::SharedStatus>,
     /// The proxies held down by `tether stop`, as kept in the data dir.
     pub(crate) held: Arc<crate::catalog::held::Held>,
-    /// The proxies' cgroup subtree, whose accounting `resources` shows.
-    pub(crate) cgroups: Option<tether_proxy_daemon::Cgroups>,
 }
 
 /// An API error: a status code and a message for `{"error": ...}`.
@@ -269,9 +267,8 @@ async fn json_errors(response: Response) -> Response {
     Response::from_parts(parts, json_body)
 }
 
-/// The wire form of a proxy's status; `resources` read from its cgroup, if it has one.
-pub(crate) fn status_dto(status: &ProxyStatus, cgroups: Option<&tether_proxy_daemon::Cgroups>) -> ProxyStatusDto {
-    let usage = cgroups.zip(status.pid).and_then(|(cgroups, pid)| cgroups.usage_of(pid));
+/// The wire form of a proxy's status.
+pub(crate) fn status_dto(status: &ProxyStatus) -> ProxyStatusDto {
     ProxyStatusDto {
         id: status.id.to_string(),
         service: status.service.to_string(),
@@ -283,8 +280,8 @@ pub(crate) fn status_dto(status: &ProxyStatus, cgroups: Option<&tether_proxy_dae
         error: status.error.clone(),
         ready: status.ready(),
         status_text: status.status_text.clone(),
-        resources: usage.map(|usage| dto::ResourcesDto {
-            cpu_seconds: usage.cpu_seconds,
+        resources: status.usage.map(|usage| dto::ResourcesDto {
+            cpu_seconds: usage.cpu.as_secs_f64(),
             memory_bytes: usage.memory_bytes,
             tasks: usage.tasks,
         }),
@@ -313,14 +310,14 @@ async fn fleet(State(state): State<ApiState>) -> Result<Json<dto::FleetDto>, Api
 }
 
 async fn proxies(State(state): State<ApiState>) -> Json<Vec<ProxyStatusDto>> {
-    Json(state.manager.status().iter().map(|status| status_dto(status, state.cgroups.as_ref())).collect())
+    Json(state.manager.status().iter().map(status_dto).collect())
 }
 
 async fn proxy(State(state): State<ApiState>, Path(id): Path<String>) -> Result<Json<ProxyStatusDto>, ApiError> {
     let id = known_proxy(&state, &id)?;
     let status =
         state.manager.proxy(&id).ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, format!("no proxy {id}")))?;
-    Ok(Json(status_dto(&status, state.cgroups.as_ref())))
+    Ok(Json(status_dto(&status)))
 }
 
 async fn register(State(state): State<ApiState>, body: Bytes) -> Result<Json<serde_json::Value>, ApiError> {
@@ -387,7 +384,7 @@ async fn restart(State(state): State<ApiState>, Path(id): Path<String>) -> Resul
     })?;
     let status =
         state.manager.proxy(&id).ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, format!("no proxy {id}")))?;
-    Ok(Json(status_dto(&status, state.cgroups.as_ref())))
+    Ok(Json(status_dto(&status)))
 }
 
 /// `PUT /v1/agent/proxy/{id}/stop`: holds one proxy down; it is stopped and stays `stopped`
@@ -420,7 +417,7 @@ async fn hold(state: ApiState, id: String, hold: bool) -> Result<Json<ProxyStatu
     })?;
     let status =
         state.manager.proxy(&id).ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, format!("no proxy {id}")))?;
-    Ok(Json(status_dto(&status, state.cgroups.as_ref())))
+    Ok(Json(status_dto(&status)))
 }
 
 /// `PUT /v1/agent/reload`: reloads the config dirs as SIGHUP does, and says whether it took.

@@ -89,3 +89,52 @@ async fn what_a_backend_reports_is_shown_as_the_engine_state_of_its_name() {
     }
     running.close().await.unwrap();
 }
+
+#[tokio::test(start_paused = true)]
+async fn what_a_backend_measures_is_in_the_status_read_and_not_in_events() {
+    use std::time::Duration;
+    use tether_manager::{BackendStats, Histogram, ProxyEvent, ResourceUsage};
+
+    let usage = ResourceUsage { cpu: Duration::from_millis(1500), memory_bytes: Some(4096), tasks: Some(3) };
+    let stats = BackendStats {
+        probe_durations: Some(Histogram { bounds: &[0.1, 1.0], counts: vec![2, 1, 0], sum_seconds: 0.7 }),
+        foreign_notifications: 5,
+    };
+    let (status, observed) =
+        watch::channel(BackendStatus { state: BackendState::Running, pid: Some(42), ..BackendStatus::default() });
+    let expected_stats = stats.clone();
+    let backend = mock_backend(move |backend| {
+        let handle = mock_handle(|handle| {
+            handle.expect_start().times(1).returning(|| Ok(()));
+            handle.expect_status().returning(move || observed.clone());
+        });
+        backend.expect_create().times(1).return_once(move |_| Box::new(handle));
+        // Asked for the process the status names, and only while there is one.
+        backend
+            .expect_usage()
+            .withf(|proxy, pid| proxy.as_str() == "web-proxy" && *pid == 42)
+            .return_const(Some(usage));
+        backend.expect_stats().return_const(stats);
+    });
+    let running = RunningManager::spawn(manager(&catalog(&[service("web")]), backend));
+    let mut events = running.handle().subscribe();
+    let shown =
+        wait_for_proxy(running.handle(), &id("web"), "runs as pid 42", |s| s.pid == Some(42), LIMIT).await.unwrap();
+    assert_eq!(shown.usage, Some(usage));
+    assert_eq!(running.handle().proxy(&id("web")).unwrap().usage, Some(usage));
+    assert_eq!(running.handle().backend_stats(), expected_stats);
+    assert_eq!(expected_stats.probe_durations.unwrap().count(), 3);
+    // An event is the status as the engine published it: no figures, which would be stale.
+    let ProxyEvent::Changed(changed) = events.recv().await.unwrap() else { panic!("a change comes first") };
+    assert_eq!(changed.usage, None);
+
+    // No process: nothing measured.
+    status.send_modify(|status| {
+        status.state = BackendState::Backoff;
+        status.pid = None;
+    });
+    let gone =
+        wait_for_proxy(running.handle(), &id("web"), "has no process", |s| s.pid.is_none(), LIMIT).await.unwrap();
+    assert_eq!(gone.usage, None);
+    running.close().await.unwrap();
+}
