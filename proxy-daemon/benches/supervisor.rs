@@ -23,7 +23,9 @@ use tether_state::persist::DataDir;
 
 const PROCESSES: usize = 1_000;
 const KILLS: usize = 300;
-const PROGRAM: &str = env!("CARGO_BIN_EXE_tether-test-proxy");
+
+#[path = "../tests/it/fixture.rs"]
+mod fixture;
 
 fn env_for(name: &str) -> Vec<(String, String)> {
     vec![
@@ -37,7 +39,7 @@ fn env_for(name: &str) -> Vec<(String, String)> {
 
 fn spec(data: &DataDir, index: usize) -> ProcessSpec {
     let name = format!("bench{index}-proxy");
-    let mut spec = ProcessSpec::new(ProcessName::new(name.as_str()).unwrap(), PROGRAM, data);
+    let mut spec = ProcessSpec::new(ProcessName::new(name.as_str()).unwrap(), fixture::test_proxy(), data);
     spec.args = vec!["--sleep".into()];
     spec.env = env_for(&name).into_iter().map(|(k, v)| (k.into(), v.into())).collect();
     spec.restart = RestartPolicy { free_attempts: u32::MAX, ..RestartPolicy::default() };
@@ -54,7 +56,7 @@ fn c_string(bytes: &[u8]) -> CString {
 fn raw_posix_spawn(data_dir: &Path) -> Duration {
     let logs = data_dir.join("raw-logs");
     std::fs::create_dir_all(&logs).unwrap();
-    let program = c_string(PROGRAM.as_bytes());
+    let program = c_string(fixture::test_proxy().as_os_str().as_bytes());
     let argv_owned = [program.clone(), c_string(b"--sleep")];
     let mut argv: Vec<*mut libc::c_char> = argv_owned.iter().map(|arg| arg.as_ptr().cast_mut()).collect();
     argv.push(std::ptr::null_mut());

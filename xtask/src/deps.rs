@@ -13,6 +13,7 @@ const ALLOWED_DEPS: &[(&str, &[&str])] = &[
     ("tether-manager", &["tether-state"]),
     ("tether-proxy-daemon", &["tether-state", "tether-manager"]),
     ("tether-agent", &["tether-state", "tether-manager", "tether-proxy-daemon"]),
+    ("tether-test-proxy", &[]),
     ("xtask", &[]),
 ];
 

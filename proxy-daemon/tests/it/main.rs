@@ -5,6 +5,7 @@
 //! environment, and a drop guard SIGKILLs whatever still carries it, pass or fail.
 
 mod adopt;
+mod fixture;
 mod health;
 mod listen;
 mod logs;

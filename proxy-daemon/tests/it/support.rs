@@ -20,8 +20,9 @@ pub const DEADLINE: Duration = Duration::from_secs(10);
 /// The environment variable that marks every process a test starts.
 pub const MARK: &str = "TETHER_TEST_MARK";
 
+/// The stand-in proxy.
 pub fn helper() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_tether-test-proxy"))
+    crate::fixture::test_proxy()
 }
 
 /// Awaits `future`, failing the test with `what` if it takes longer than [`DEADLINE`].
