@@ -5,16 +5,15 @@
 //! `ProcessSpec`, a `ProcessStatus` into a `BackendStatus`); the supervisor owns the
 //! processes. Nothing here signals or reaps a process itself.
 
-use std::ffi::OsString;
 use std::fmt;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use tether_manager::{BackendError, BackendState, BackendStatus, ProxyBackend, ProxyHandle, async_trait, watch};
 use tether_proxy_daemon::{
-    HealthChecks, ProcessHandle, ProcessName, ProcessSpec, ProcessState, ProcessStatus, ProcessUpdate, Supervisor,
+    HealthChecks, LogTarget, PrivateDir, ProcessHandle, ProcessName, ProcessSpec, ProcessState, ProcessStatus,
+    ProcessUpdate, Supervisor,
 };
-use tether_state::persist::DataDir;
 use tether_state::{ManagedProxy, ProxyCommand};
 
 /// The `PATH` a proxy starts with, before its own environment.
@@ -26,25 +25,28 @@ const DEFAULT_PATH: &str = "/usr/local/bin:/usr/bin:/bin";
 /// It runs external commands only, with their readiness and liveness checks; a proxy that
 /// asks for the built-in proxy or for listeners fails to start ([`UnsupportedProxy`]). Its
 /// handles record nothing for the snapshot, so it adopts nothing: after a restart of the
-/// agent, every proxy is started afresh. Logs and pid files go to the data dir.
+/// agent, every proxy is started afresh. Each proxy's output goes to
+/// `<proxy id>-stdout.log` and `-stderr.log` in one log directory; no pid file is written.
 #[derive(Debug, Clone)]
 pub struct SupervisorBackend {
     supervisor: Supervisor,
-    data: DataDir,
+    logs: PrivateDir,
 }
 
 impl SupervisorBackend {
-    /// A backend whose processes keep their logs and pid files in `data`.
+    /// A backend whose processes write their logs in the directory `logs` (created if
+    /// missing).
     ///
     /// # Errors
     ///
-    /// As [`Supervisor::new`].
+    /// When the log directory cannot be opened or made, or as [`Supervisor::new`].
     ///
     /// # Panics
     ///
     /// Outside a tokio runtime.
-    pub fn new(data: DataDir) -> std::io::Result<Self> {
-        Ok(Self { supervisor: Supervisor::new()?, data })
+    pub fn new(logs: impl Into<PathBuf>) -> std::io::Result<Self> {
+        let logs = PrivateDir::open_root(logs).map_err(std::io::Error::other)?;
+        Ok(Self { supervisor: Supervisor::new()?, logs })
     }
 }
 
@@ -53,7 +55,7 @@ impl ProxyBackend for SupervisorBackend {
     fn create(&self, proxy: Arc<ManagedProxy>) -> Box<dyn ProxyHandle> {
         Box::new(SupervisedProxy {
             supervisor: self.supervisor.clone(),
-            data: self.data.clone(),
+            logs: self.logs.clone(),
             proxy: Mutex::new(proxy),
             process: Mutex::new(None),
             status: watch::Sender::new(BackendStatus::default()),
@@ -70,14 +72,17 @@ pub enum UnsupportedProxy {
     BuiltIn,
     /// The proxy asks for listening sockets, which this backend does not bind.
     Listeners,
+    /// The supervisor refused the process spec (its log files could not be opened, say).
+    Spec(String),
 }
 
 impl fmt::Display for UnsupportedProxy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Self::BuiltIn => "the built-in proxy is not available here: give the proxy a command",
-            Self::Listeners => "listeners are not supported by this backend",
-        })
+        match self {
+            Self::BuiltIn => f.write_str("the built-in proxy is not available here: give the proxy a command"),
+            Self::Listeners => f.write_str("listeners are not supported by this backend"),
+            Self::Spec(reason) => write!(f, "the process cannot be set up: {reason}"),
+        }
     }
 }
 
@@ -86,7 +91,7 @@ impl std::error::Error for UnsupportedProxy {}
 /// One proxy of a [`SupervisorBackend`].
 struct SupervisedProxy {
     supervisor: Supervisor,
-    data: DataDir,
+    logs: PrivateDir,
     /// What it runs: the proxy it was created with, or last updated to.
     proxy: Mutex<Arc<ManagedProxy>>,
     /// The supervised process, from a successful start until a stop or a detach.
@@ -109,7 +114,7 @@ impl ProxyHandle for SupervisedProxy {
     async fn start(&self) -> Result<(), BackendError> {
         let proxy = self.proxy();
         let start_error = |source| BackendError::Start { id: proxy.id().clone(), source };
-        let spec = process_spec(&proxy, &self.data).map_err(|unsupported| start_error(Box::new(unsupported)))?;
+        let spec = process_spec(&proxy, &self.logs).map_err(|unsupported| start_error(Box::new(unsupported)))?;
         let process = self.supervisor.spawn(spec).await.map_err(|spawn| start_error(Box::new(spawn)))?;
         // Called at once with the current status, then on every change, from the supervising
         // task: the engine sees `running` as soon as this returns.
@@ -167,28 +172,30 @@ impl ProxyHandle for SupervisedProxy {
 }
 
 /// What the supervisor runs for `proxy`.
-fn process_spec(proxy: &ManagedProxy, data: &DataDir) -> Result<ProcessSpec, UnsupportedProxy> {
+fn process_spec(proxy: &ManagedProxy, logs: &PrivateDir) -> Result<ProcessSpec, UnsupportedProxy> {
     let spec = proxy.spec();
     let ProxyCommand::Exec(command) = &spec.command else { return Err(UnsupportedProxy::BuiltIn) };
     if !spec.listeners.is_empty() {
         return Err(UnsupportedProxy::Listeners);
     }
-    let mut process = ProcessSpec::new(ProcessName::of_proxy(proxy.id()), command.program(), data);
-    process.args = command.args().iter().map(OsString::from).collect();
     // Layers, later ones winning: a default PATH, the agent's own environment when the proxy
     // inherits it, then the proxy's.
-    process.env = vec![("PATH".into(), DEFAULT_PATH.into())];
-    if spec.inherit_env {
-        process.env.extend(std::env::vars_os());
+    let inherited = if spec.inherit_env { std::env::vars_os().collect() } else { Vec::new() };
+    let mut builder = ProcessSpec::builder(ProcessName::of_proxy(proxy.id()), command.program())
+        .args(command.args())
+        .env("PATH", DEFAULT_PATH)
+        .envs(inherited)
+        .envs(spec.env.iter())
+        .working_dir(spec.working_dir.clone().unwrap_or_else(|| PathBuf::from("/")))
+        .kill(spec.kill)
+        .restart(spec.restart)
+        .log_limits(spec.log)
+        .health(HealthChecks { readiness: spec.readiness.clone(), liveness: spec.liveness.clone() })
+        .logs(LogTarget::In(logs.clone()));
+    if let Some(user) = &spec.user {
+        builder = builder.user(user.clone());
     }
-    process.env.extend(spec.env.iter().map(|(key, value)| (key.into(), value.into())));
-    process.working_dir = spec.working_dir.clone().unwrap_or_else(|| PathBuf::from("/"));
-    process.user.clone_from(&spec.user);
-    process.kill = spec.kill;
-    process.restart = spec.restart;
-    process.logs.limits = spec.log;
-    process.health = HealthChecks { readiness: spec.readiness.clone(), liveness: spec.liveness.clone() };
-    Ok(process)
+    builder.build().map_err(|error| UnsupportedProxy::Spec(error.to_string()))
 }
 
 /// What the engine is shown of what the supervisor observed.

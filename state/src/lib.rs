@@ -8,11 +8,12 @@
 //! - [`config`]: the TOML/JSON schema, with errors that name file, line and field.
 //! - [`LocalState`] and the [`Catalog`] trait: the desired set, with revisions, and
 //!   [`Subscription`]s that never miss a change and fold bursts into one wake-up.
-//! - [`persist`]: the data dir's layout, atomic writes, API registrations and tokens.
+//! - `persist` (feature `persist`, which tether's own crates turn on): the agent's data dir,
+//!   its layout, atomic writes, API registrations and tokens.
 //! - [`Backoff`]: the capped exponential waits of every retry loop, and
 //!   [`RestartPolicy::delay_before`]: the restart schedule built on it.
 //!
-//! The crate spawns no tasks and installs nothing global; only [`persist`] and
+//! The crate spawns no tasks and installs nothing global; only `persist` and
 //! [`config::load_dirs`] touch the file system.
 //!
 //! # Example
@@ -117,6 +118,7 @@ mod exit;
 mod health;
 mod id;
 mod listener;
+#[cfg(feature = "persist")]
 pub mod persist;
 pub mod proxy_env;
 mod resources;

@@ -14,7 +14,7 @@ use crate::support::{LIMIT, Processes, catalog, crash, id, is_gone, service, wit
 async fn a_crashed_proxy_is_restarted_and_a_kill_leaves_no_process() {
     let processes = Processes::new();
     let catalog = catalog(&[processes.service("sleeper", &["/bin/sleep", "60"])]);
-    let backend = SupervisorBackend::new(processes.data.clone()).unwrap();
+    let backend = SupervisorBackend::new(processes.logs()).unwrap();
     let running = RunningManager::spawn(engine(&catalog, Arc::new(backend)));
 
     let first = wait_until_state(running.handle(), &id("sleeper"), ProxyState::Running, LIMIT).await.unwrap();
@@ -39,7 +39,7 @@ async fn a_crashed_proxy_is_restarted_and_a_kill_leaves_no_process() {
 async fn closing_the_engine_leaves_the_process_running() {
     let processes = Processes::new();
     let catalog = catalog(&[processes.service("sleeper", &["sleep", "60"])]);
-    let backend = SupervisorBackend::new(processes.data.clone()).unwrap();
+    let backend = SupervisorBackend::new(processes.logs()).unwrap();
     let running = RunningManager::spawn(engine(&catalog, Arc::new(backend)));
     let sleeper = wait_until_state(running.handle(), &id("sleeper"), ProxyState::Running, LIMIT).await.unwrap();
 
@@ -52,7 +52,7 @@ async fn closing_the_engine_leaves_the_process_running() {
 async fn a_proxy_without_a_command_fails_with_the_reason() {
     let processes = Processes::new();
     let catalog = catalog(&[service("web")]);
-    let backend = SupervisorBackend::new(processes.data.clone()).unwrap();
+    let backend = SupervisorBackend::new(processes.logs()).unwrap();
     let running = RunningManager::spawn(engine(&catalog, Arc::new(backend)));
 
     let web = wait_until_state(running.handle(), &id("web"), ProxyState::Failed, LIMIT).await.unwrap();

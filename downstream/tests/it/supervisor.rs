@@ -3,18 +3,23 @@
 
 use std::time::Duration;
 
-use tether_proxy_daemon::{ExitReason, KillSignal, ProcessName, ProcessSpec, ProcessState, Supervisor};
+use tether_proxy_daemon::{
+    ExitReason, KillPolicy, KillSignal, LogTarget, ProcessName, ProcessSpec, ProcessState, Supervisor,
+};
 
 use crate::support::{Processes, is_gone, within};
 
-/// `sleep 60` in `processes`' data dir, marked as theirs.
+/// `sleep 60`, found in `PATH`, its logs in `processes`' directory, marked as theirs; no pid file.
 fn sleeper(processes: &Processes) -> ProcessSpec {
-    let mut spec = ProcessSpec::new(ProcessName::new("sleeper").unwrap(), "/bin/sleep", &processes.data);
-    spec.args = vec!["60".into()];
-    spec.env = vec![("PATH".into(), "/usr/bin:/bin".into()), processes.marked()];
-    spec.kill.signal = KillSignal::Term;
-    spec.kill.timeout = Duration::from_secs(2);
-    spec
+    let (mark, value) = processes.marked();
+    ProcessSpec::builder(ProcessName::new("sleeper").unwrap(), "sleep")
+        .arg("60")
+        .env("PATH", "/usr/bin:/bin")
+        .env(mark, value)
+        .kill(KillPolicy { signal: KillSignal::Term, timeout: Duration::from_secs(2) })
+        .logs(LogTarget::Dir(processes.logs()))
+        .build()
+        .expect("a valid spec")
 }
 
 #[tokio::test]

@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 use nix::errno::Errno;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
-use tether_state::persist::DataDir;
 use tether_state::{
     CommandLine, LocalState, ProxyCommand, ProxyId, ProxySpec, Service, ServiceId, ServiceName, Source,
 };
@@ -61,11 +60,10 @@ pub fn crash(pid: u32) {
     kill(Pid::from_raw(pid as i32), Signal::SIGKILL).expect("signal the test's process");
 }
 
-/// A temporary data dir for processes, and the guard that kills, when dropped, every process
-/// started with [`Processes::marked`]'s environment.
+/// A temporary directory for processes' logs, and the guard that kills, when dropped, every
+/// process started with [`Processes::marked`]'s environment.
 pub struct Processes {
-    _dir: tempfile::TempDir,
-    pub data: DataDir,
+    dir: tempfile::TempDir,
     mark: String,
 }
 
@@ -73,9 +71,13 @@ impl Processes {
     pub fn new() -> Self {
         static COUNTER: AtomicU32 = AtomicU32::new(0);
         let dir = tempfile::tempdir().expect("a temporary directory");
-        let data = DataDir::open(dir.path()).expect("a data dir");
         let mark = format!("{}-{}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed));
-        Self { _dir: dir, data, mark }
+        Self { dir, mark }
+    }
+
+    /// The directory the processes' logs go to.
+    pub fn logs(&self) -> std::path::PathBuf {
+        self.dir.path().join("logs")
     }
 
     /// The environment entry that marks a process as this guard's.
