@@ -140,7 +140,7 @@ pub struct BackendStatus {
 }
 
 /// What a proxy's running instance uses now (with whatever it started), as a backend
-/// measures it; [`ProxyBackend::usage`] reads it when a status is read.
+/// measures it; [`Meter::usage`] reads it when a status is read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct ResourceUsage {
     /// CPU time, user and system.
@@ -172,7 +172,8 @@ impl Histogram {
 }
 
 /// A backend's own counters, beside the per-proxy ones of [`BackendStatus`]; read at each
-/// metrics scrape through [`ManagerHandle::backend_stats`](crate::ManagerHandle::backend_stats).
+/// metrics scrape through [`ManagerHandle::backend_stats`](crate::ManagerHandle::backend_stats)
+/// from the engine's [`Meter`].
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct BackendStats {
     /// How long the health probes of every proxy took; `None` for a backend that runs none.
@@ -493,21 +494,6 @@ pub trait ProxyBackend: Send + Sync {
         Vec::new()
     }
 
-    /// What the running instance of proxy `id`, process `pid`, uses now. Asked whenever a
-    /// status is read through [`ManagerHandle`](crate::ManagerHandle) (the API, the
-    /// metrics), on the reader's thread and never by the engine: it must be quick.
-    ///
-    /// The default measures nothing (`None`).
-    fn usage(&self, id: &ProxyId, pid: u32) -> Option<ResourceUsage> {
-        let _unused = (id, pid);
-        None
-    }
-
-    /// The backend's own counters, for metrics. The default counts nothing.
-    fn stats(&self) -> BackendStats {
-        BackendStats::default()
-    }
-
     /// Called once per engine, when the restore has ended: every record and candidate has
     /// been handed to [`ProxyBackend::restore`], and no proxy has been started yet. A
     /// backend may now clean up what belongs to none of the proxies it took over (left by
@@ -515,6 +501,24 @@ pub trait ProxyBackend: Send + Sync {
     ///
     /// The default does nothing.
     async fn restored(&self) {}
+}
+
+/// What measures proxies' usage and keeps a backend's own counters, for the status reads
+/// and metrics of [`ManagerHandle`](crate::ManagerHandle): given to the engine with
+/// [`Manager::with_meter`](crate::Manager::with_meter), usually by the backend itself.
+///
+/// It is a trait of its own, not part of [`ProxyBackend`], so that a backend that measures
+/// nothing (and its mocks) need say nothing about it.
+pub trait Meter: Send + Sync {
+    /// What the running instance of proxy `id`, process `pid`, uses now. Asked whenever a
+    /// status is read through [`ManagerHandle`](crate::ManagerHandle) (the API, the metrics),
+    /// on the reader's thread and never by the engine: it must be quick.
+    fn usage(&self, id: &ProxyId, pid: u32) -> Option<ResourceUsage>;
+
+    /// The backend's own counters, for metrics. The default counts nothing.
+    fn stats(&self) -> BackendStats {
+        BackendStats::default()
+    }
 }
 
 #[cfg(test)]

@@ -247,7 +247,6 @@ impl Manager {
         let (requests_tx, requests) = mpsc::unbounded_channel();
         let held = config.held.clone();
         let policy = Policy { refuse_root: config.running_as_root && !config.allow_root, ..Policy::default() };
-        let published = Published::with_requests(requests_tx, backend.clone());
         Self {
             catalog,
             backend,
@@ -277,8 +276,19 @@ impl Manager {
             writer: None,
             closing: false,
             shutting_down: CancellationToken::new(),
-            published,
+            published: Published::with_requests(requests_tx),
         }
+    }
+
+    /// Measures proxies' usage and the backend's counters with `meter` (usually the backend
+    /// itself, when it implements [`Meter`](crate::Meter)): the statuses read through every
+    /// [`ManagerHandle`] carry it from then on. Set once: a second meter is ignored.
+    #[must_use]
+    pub fn with_meter(self, meter: Arc<dyn crate::Meter>) -> Self {
+        if !self.published.set_meter(meter) {
+            tracing::warn!("the engine has a meter already: the second one is ignored");
+        }
+        self
     }
 
     /// A view of the engine's statuses, events and counters.

@@ -5,13 +5,13 @@
 //! anything, and its lock is held only to copy a value in or out, never across an await.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, SystemTime};
 
 use tether_state::{ExitReason, ProxyId, Revision, ServiceId};
 use tokio::sync::{broadcast, mpsc, oneshot};
 
-use crate::backend::{BackendStats, ProxyBackend, ProxyState, ResourceUsage};
+use crate::backend::{BackendStats, Meter, ProxyState, ResourceUsage};
 
 /// One proxy's status, as `tether status --json` shows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -39,8 +39,7 @@ pub struct ProxyStatus {
     /// The new instance of an overlapping update (`update = "overlap"`), while it starts
     /// beside the instance described above, which serves until it is ready.
     pub update: Option<UpdateStatus>,
-    /// What its running instance uses now, as the backend measures it
-    /// ([`ProxyBackend::usage`]): read when the status is read through
+    /// What its running instance uses now, as the engine's [`Meter`] measures it: read when the status is read through
     /// [`ManagerHandle::status`] or [`ManagerHandle::proxy`]; `None` in [`ProxyEvent`]s,
     /// whose figures would be stale at once, and while no process runs.
     pub usage: Option<ResourceUsage>,
@@ -166,8 +165,9 @@ pub(crate) struct Published {
     board: Arc<Mutex<Board>>,
     events: broadcast::Sender<ProxyEvent>,
     requests: mpsc::UnboundedSender<Request>,
-    /// What measures usage and keeps the backend's own counters, read by handles.
-    backend: Arc<dyn ProxyBackend>,
+    /// What measures usage and keeps the backend's own counters, read by handles; set once,
+    /// by [`crate::Manager::with_meter`].
+    meter: Arc<OnceLock<Arc<dyn Meter>>>,
 }
 
 impl std::fmt::Debug for Published {
@@ -220,24 +220,20 @@ pub enum RequestError {
 const EVENT_CAPACITY: usize = 1024;
 
 impl Published {
-    /// A board whose handles send their requests to `requests` and read usage and counters
-    /// from `backend`.
-    pub(crate) fn with_requests(requests: mpsc::UnboundedSender<Request>, backend: Arc<dyn ProxyBackend>) -> Self {
-        Self { board: Arc::default(), events: broadcast::Sender::new(EVENT_CAPACITY), requests, backend }
+    /// A board whose handles send their requests to `requests`.
+    pub(crate) fn with_requests(requests: mpsc::UnboundedSender<Request>) -> Self {
+        Self { board: Arc::default(), events: broadcast::Sender::new(EVENT_CAPACITY), requests, meter: Arc::default() }
     }
 
-    /// A board whose handles' requests go nowhere (answered `Gone`), over a backend that
-    /// measures nothing.
+    /// A board whose handles' requests go nowhere (answered `Gone`).
     #[cfg(test)]
     pub(crate) fn new() -> Self {
-        struct Unmeasured;
-        #[async_trait::async_trait]
-        impl ProxyBackend for Unmeasured {
-            fn create(&self, _proxy: Arc<tether_state::ManagedProxy>) -> Box<dyn crate::ProxyHandle> {
-                unreachable!("a board alone creates no handle")
-            }
-        }
-        Self::with_requests(mpsc::unbounded_channel().0, Arc::new(Unmeasured))
+        Self::with_requests(mpsc::unbounded_channel().0)
+    }
+
+    /// Measures with `meter` from now on; `false` if a meter was set already.
+    pub(crate) fn set_meter(&self, meter: Arc<dyn Meter>) -> bool {
+        self.meter.set(meter).is_ok()
     }
 
     pub(crate) fn lock(&self) -> MutexGuard<'_, Board> {
@@ -304,12 +300,13 @@ impl ManagerHandle {
     }
 
     fn measure(&self, status: &mut ProxyStatus) {
-        status.usage = status.pid.and_then(|pid| self.published.backend.usage(&status.id, pid));
+        let Some(meter) = self.published.meter.get() else { return };
+        status.usage = status.pid.and_then(|pid| meter.usage(&status.id, pid));
     }
 
-    /// The backend's own counters ([`ProxyBackend::stats`]).
+    /// The backend's own counters ([`Meter::stats`]); none without a meter.
     pub fn backend_stats(&self) -> BackendStats {
-        self.published.backend.stats()
+        self.published.meter.get().map(|meter| meter.stats()).unwrap_or_default()
     }
 
     /// Reconcile counters and timings.

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use tether_manager::{
-    Adopted, BackendError, BackendRecord, BackendState, BackendStats, Histogram, ProxyBackend, ProxyHandle,
+    Adopted, BackendError, BackendRecord, BackendState, BackendStats, Histogram, Meter, ProxyBackend, ProxyHandle,
     ResourceUsage,
 };
 use tether_state::persist::DataDir;
@@ -317,6 +317,22 @@ impl ProxyBackend for OsProcessBackend {
         ids.into_iter().map(|id| (id, Record::candidate())).collect()
     }
 
+    async fn restored(&self) {
+        // In the background: a start-up does not wait for orphans to die.
+        if let Some(cgroups) = self.shared.supervisor.cgroups().cloned() {
+            tokio::spawn(async move {
+                let stopped = cgroups.sweep_unclaimed().await;
+                if stopped > 0 {
+                    tracing::warn!(stopped, "stopped processes in proxy cgroups that no proxy claims");
+                }
+            });
+        }
+    }
+}
+
+/// Usage from each proxy's cgroup (none without cgroups), and the supervisor's probe
+/// durations and ignored notifications.
+impl Meter for OsProcessBackend {
     fn usage(&self, _id: &ProxyId, pid: u32) -> Option<ResourceUsage> {
         let usage = self.shared.supervisor.cgroups()?.usage_of(pid)?;
         Some(ResourceUsage {
@@ -335,18 +351,6 @@ impl ProxyBackend for OsProcessBackend {
                 sum_seconds: durations.sum_seconds,
             }),
             foreign_notifications: self.shared.supervisor.foreign_notifications(),
-        }
-    }
-
-    async fn restored(&self) {
-        // In the background: a start-up does not wait for orphans to die.
-        if let Some(cgroups) = self.shared.supervisor.cgroups().cloned() {
-            tokio::spawn(async move {
-                let stopped = cgroups.sweep_unclaimed().await;
-                if stopped > 0 {
-                    tracing::warn!(stopped, "stopped processes in proxy cgroups that no proxy claims");
-                }
-            });
         }
     }
 }

@@ -206,7 +206,7 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
         ..ManagerConfig::default()
     };
     let catalog = Arc::new(sources.state().clone());
-    let mut manager = Manager::new(catalog, backend.clone(), store, config);
+    let mut manager = Manager::new(catalog, backend.clone(), store, config).with_meter(backend.clone());
     let handle = manager.handle();
 
     // Usage is measured where the backend has cgroups: without them, no family at all.

@@ -7,12 +7,11 @@ use std::sync::Arc;
 
 use tokio::sync::watch;
 
-use crate::backend::{BackendRecord, BackendState, BackendStats, BackendStatus, MockProxyBackend, MockProxyHandle};
+use crate::backend::{BackendRecord, BackendState, BackendStatus, MockProxyBackend, MockProxyHandle};
 
 /// A [`MockProxyBackend`] with the expectations that `expect` sets, then defaults for the
-/// calls the engine makes at every start and the ones a status read makes:
-/// [`adoption_candidates`] finds none, [`restored`] does nothing, [`usage`] measures nothing
-/// and [`stats`] counts nothing, any number of times.
+/// calls the engine makes at every start: [`adoption_candidates`] finds none and
+/// [`restored`] does nothing, any number of times.
 ///
 /// mockall answers a call with the first expectation, in the order they were set, that
 /// matches it and is not used up; the defaults come after the test's own, so the test's win.
@@ -22,8 +21,6 @@ use crate::backend::{BackendRecord, BackendState, BackendStats, BackendStatus, M
 ///
 /// [`adoption_candidates`]: crate::ProxyBackend::adoption_candidates
 /// [`restored`]: crate::ProxyBackend::restored
-/// [`usage`]: crate::ProxyBackend::usage
-/// [`stats`]: crate::ProxyBackend::stats
 ///
 /// # Examples
 ///
@@ -44,8 +41,6 @@ pub fn mock_backend(expect: impl FnOnce(&mut MockProxyBackend)) -> MockProxyBack
     expect(&mut backend);
     backend.expect_adoption_candidates().returning(Vec::new);
     backend.expect_restored().return_const(());
-    backend.expect_usage().return_const(None);
-    backend.expect_stats().returning(BackendStats::default);
     backend
 }
 

@@ -90,8 +90,27 @@ async fn what_a_backend_reports_is_shown_as_the_engine_state_of_its_name() {
     running.close().await.unwrap();
 }
 
+/// A meter with fixed figures, for what the engine makes of them.
+struct FixedMeter {
+    usage: tether_manager::ResourceUsage,
+    stats: tether_manager::BackendStats,
+}
+
+impl tether_manager::Meter for FixedMeter {
+    fn usage(&self, id: &tether_manager::tether_state::ProxyId, pid: u32) -> Option<tether_manager::ResourceUsage> {
+        // Asked for the process the status names.
+        assert_eq!((id.as_str(), pid), ("web-proxy", 42), "measures the running instance");
+        Some(self.usage)
+    }
+
+    fn stats(&self) -> tether_manager::BackendStats {
+        self.stats.clone()
+    }
+}
+
 #[tokio::test(start_paused = true)]
-async fn what_a_backend_measures_is_in_the_status_read_and_not_in_events() {
+async fn what_a_meter_measures_is_in_the_status_read_and_not_in_events() {
+    use std::sync::Arc;
     use std::time::Duration;
     use tether_manager::{BackendStats, Histogram, ProxyEvent, ResourceUsage};
 
@@ -102,33 +121,28 @@ async fn what_a_backend_measures_is_in_the_status_read_and_not_in_events() {
     };
     let (status, observed) =
         watch::channel(BackendStatus { state: BackendState::Running, pid: Some(42), ..BackendStatus::default() });
-    let expected_stats = stats.clone();
+    // The backend's mock needs no word about measuring: the meter is a trait of its own.
     let backend = mock_backend(move |backend| {
         let handle = mock_handle(|handle| {
             handle.expect_start().times(1).returning(|| Ok(()));
             handle.expect_status().returning(move || observed.clone());
         });
         backend.expect_create().times(1).return_once(move |_| Box::new(handle));
-        // Asked for the process the status names, and only while there is one.
-        backend
-            .expect_usage()
-            .withf(|proxy, pid| proxy.as_str() == "web-proxy" && *pid == 42)
-            .return_const(Some(usage));
-        backend.expect_stats().return_const(stats);
     });
-    let running = RunningManager::spawn(manager(&catalog(&[service("web")]), backend));
+    let meter = Arc::new(FixedMeter { usage, stats: stats.clone() });
+    let running = RunningManager::spawn(manager(&catalog(&[service("web")]), backend).with_meter(meter));
     let mut events = running.handle().subscribe();
     let shown =
         wait_for_proxy(running.handle(), &id("web"), "runs as pid 42", |s| s.pid == Some(42), LIMIT).await.unwrap();
     assert_eq!(shown.usage, Some(usage));
     assert_eq!(running.handle().proxy(&id("web")).unwrap().usage, Some(usage));
-    assert_eq!(running.handle().backend_stats(), expected_stats);
-    assert_eq!(expected_stats.probe_durations.unwrap().count(), 3);
+    assert_eq!(running.handle().backend_stats(), stats);
+    assert_eq!(stats.probe_durations.unwrap().count(), 3);
     // An event is the status as the engine published it: no figures, which would be stale.
     let ProxyEvent::Changed(changed) = events.recv().await.unwrap() else { panic!("a change comes first") };
     assert_eq!(changed.usage, None);
 
-    // No process: nothing measured.
+    // No process: nothing measured (the meter would fail the test if asked).
     status.send_modify(|status| {
         status.state = BackendState::Backoff;
         status.pid = None;
@@ -136,5 +150,18 @@ async fn what_a_backend_measures_is_in_the_status_read_and_not_in_events() {
     let gone =
         wait_for_proxy(running.handle(), &id("web"), "has no process", |s| s.pid.is_none(), LIMIT).await.unwrap();
     assert_eq!(gone.usage, None);
+    running.close().await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn without_a_meter_a_status_has_no_usage_and_the_backend_counts_nothing() {
+    let backend = RecordingBackend::new();
+    let running = RunningManager::spawn(manager(&catalog(&[service("web")]), backend));
+    let shown = tether_manager::testing::wait_until_state(running.handle(), &id("web"), ProxyState::Running, LIMIT)
+        .await
+        .unwrap();
+    assert!(shown.pid.is_some());
+    assert_eq!(shown.usage, None);
+    assert_eq!(running.handle().backend_stats(), tether_manager::BackendStats::default());
     running.close().await.unwrap();
 }
