@@ -668,6 +668,7 @@ impl Manager {
             status_text: process.pid.and(process.status_text),
             probe_failures: process.probe_failures,
             update,
+            reloads: process.reloads,
         });
     }
 }

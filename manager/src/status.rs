@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
 
-use tether_state::{ExitReason, ProxyId, Revision, ServiceId};
+use tether_state::{ExitReason, ProxyId, ReloadOutcome, Reloads, Revision, ServiceId};
 use tokio::sync::{broadcast, mpsc, oneshot};
 
 use crate::backend::ProxyState;
@@ -39,6 +39,8 @@ pub struct ProxyStatus {
     /// The new instance of an overlapping update (`update = "overlap"`), while it starts
     /// beside the instance described above, which serves until it is ready.
     pub update: Option<UpdateStatus>,
+    /// Its reloads: the last one and the counts by result, once there was one.
+    pub reloads: Option<Box<Reloads>>,
 }
 
 /// The new instance of an overlapping update, as the backend observes it.
@@ -168,6 +170,8 @@ pub(crate) struct Published {
 pub(crate) enum Request {
     /// Restart one proxy now; answered once the new process runs, or why not.
     Restart { id: ProxyId, done: oneshot::Sender<Result<(), RequestError>> },
+    /// Reload one proxy in place; answered with the verdict.
+    Reload { id: ProxyId, done: oneshot::Sender<Result<ReloadOutcome, RequestError>> },
     /// Hold one proxy down (`hold`), or release it; answered at once.
     Hold { id: ProxyId, hold: bool, done: oneshot::Sender<Result<(), RequestError>> },
 }
@@ -197,6 +201,17 @@ pub enum RequestError {
         id: ProxyId,
         /// Why.
         reason: String,
+    },
+    /// The proxy has no `reload` table: it cannot be reloaded in place.
+    #[error("proxy {0} has no reload table: it cannot be reloaded in place")]
+    NoReload(ProxyId),
+    /// The proxy has no process to reload (it is not started, or between two instances).
+    #[error("proxy {id} cannot be reloaded now: it is {state}")]
+    NotRunning {
+        /// The proxy.
+        id: ProxyId,
+        /// Its state.
+        state: ProxyState,
     },
     /// The engine is not running (shutting down, or gone).
     #[error("the engine is not running")]
@@ -299,6 +314,21 @@ impl ManagerHandle {
         answer.await.unwrap_or(Err(RequestError::Gone))
     }
 
+    /// Reloads proxy `id` in place, as its `reload` table says, and returns the verdict
+    /// (applied, signalled, refused, failed or timed out); it also shows in the proxy's
+    /// status. A reload asked while another of the same proxy runs runs after it.
+    ///
+    /// # Errors
+    ///
+    /// [`RequestError`]: no such proxy, it has no `reload` table, it has no process, or the
+    /// engine is not running.
+    pub async fn reload(&self, id: &ProxyId) -> Result<ReloadOutcome, RequestError> {
+        let (done, answer) = oneshot::channel();
+        let request = Request::Reload { id: id.clone(), done };
+        self.published.requests.send(request).map_err(|_| RequestError::Gone)?;
+        answer.await.unwrap_or(Err(RequestError::Gone))
+    }
+
     /// Returns once the engine is gone (dropped, closed or killed): nothing will change any
     /// more. A test's waits end on it rather than at their deadline.
     #[cfg(feature = "testing")]
@@ -339,6 +369,7 @@ mod tests {
             error: None,
             status_text: None,
             probe_failures: 0,
+            reloads: None,
         }
     }
 

@@ -8,6 +8,7 @@ mod adopt;
 mod health;
 mod listen;
 mod logs;
+mod reload;
 mod restart;
 mod root;
 mod spawn;
