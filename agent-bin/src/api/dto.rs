@@ -44,7 +44,8 @@ pub(crate) struct ProxyStatusDto {
     pub(crate) last_reload: Option<ReloadDto>,
 }
 
-/// One reload's verdict: `{"at": RFC 3339, "result": "applied" | "signalled" | "refused" |
+/// One reload's verdict: `{"at": RFC 3339 to the millisecond (reloads come closer together
+/// than a second), "result": "applied" | "signalled" | "refused" |
 /// "failed" | "timed out", "error": string or null}`; the answer of
 /// `PUT /v1/agent/proxy/{id}/reload`, and a status's `last_reload`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -56,7 +57,11 @@ pub(crate) struct ReloadDto {
 
 impl From<&tether_state::ReloadOutcome> for ReloadDto {
     fn from(outcome: &tether_state::ReloadOutcome) -> Self {
-        Self { at: rfc3339(outcome.at), result: outcome.result.as_str().to_owned(), error: outcome.error.clone() }
+        Self {
+            at: humantime::format_rfc3339_millis(outcome.at).to_string(),
+            result: outcome.result.as_str().to_owned(),
+            error: outcome.error.clone(),
+        }
     }
 }
 

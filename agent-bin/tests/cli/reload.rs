@@ -270,14 +270,35 @@ fn nginx_serves_a_changed_config_once_its_reload_is_applied() {
 }
 
 #[test]
-fn a_proxy_without_a_reload_table_cannot_be_reloaded() {
+fn a_reload_table_added_to_a_running_proxy_applies_in_place() {
     let dirs = Dirs::new();
     dirs.write_config("s.toml", &sleeper("s"));
     let agent = Agent::start(&dirs, &root_flags());
-    agent.wait_state("s-proxy", "running");
+    let pid = agent.wait_state("s-proxy", "running")["pid"].as_i64().unwrap();
     let answer = reload(&dirs, "s");
     assert_eq!(answer.status.code(), Some(2), "{}", text(&answer.stderr));
     assert!(text(&answer.stderr).contains("has no reload table"), "{}", text(&answer.stderr));
     let unknown = reload(&dirs, "nothing");
     assert_eq!(unknown.status.code(), Some(1), "{}", text(&unknown.stderr));
+
+    // The table alone changes: the same process takes it. (`sleep` would die of a SIGHUP;
+    // the check refuses every reload, so nothing is signalled.)
+    dirs.write_config(
+        "s.toml",
+        &(sleeper("s")
+            + "[service.proxy.reload]\nsignal = \"SIGHUP\"\ncheck = [\"/bin/sh\", \"-c\", \"echo nope; exit 1\"]\n"),
+    );
+    let applied = tether().args(["reload", "--data-dir"]).arg(&dirs.data).output().unwrap();
+    assert!(applied.status.success(), "{}", text(&applied.stderr));
+    let refused = wait_for("the reload table in force", || {
+        let answer = reload(&dirs, "s");
+        (answer.status.code() == Some(1)).then_some(answer)
+    });
+    assert!(
+        text(&refused.stderr).contains("reload s: refused: check failed (exit code 1): nope"),
+        "{}",
+        text(&refused.stderr)
+    );
+    let status = agent.proxy("s-proxy").unwrap();
+    assert_eq!((status["pid"].as_i64(), status["restarts"].as_u64()), (Some(pid), Some(0)), "not restarted: {status}");
 }

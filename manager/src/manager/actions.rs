@@ -280,7 +280,7 @@ impl Manager {
         }
         let installed = self.slots.get(&id).and_then(|slot| slot.installed.as_ref()).map(|i| Arc::clone(&i.handle));
         let shown = self.published.lock().proxies.get(&id).map_or(ProxyState::Pending, |status| status.state);
-        let Some(handle) = installed.filter(|_| matches!(shown, ProxyState::Running | ProxyState::Starting)) else {
+        let Some(handle) = installed.filter(|_| shown == ProxyState::Running) else {
             let _caller_gone = done.send(Err(RequestError::NotRunning { id, state: shown }));
             return;
         };
