@@ -41,7 +41,9 @@ pub(crate) enum Command {
     /// Show the last lines of a proxy's stdout (or stderr) log; -f follows it, across rotations.
     Logs(LogsArgs),
     /// Reload the config dirs like SIGHUP, and wait for the result: 0 applied, 2 and every error otherwise.
-    Reload(SocketArgs),
+    /// With PROXY_ID, reload that proxy in place, and wait for the verdict: 0 applied or signalled,
+    /// 1 refused, failed or timed out, 2 when it has no reload table.
+    Reload(ReloadArgs),
     /// Restart one proxy now (it keeps its restart count); returns once the new process runs.
     Restart(ProxyArgs),
     /// Hold one proxy down: stopped, across agent restarts and reloads, until `start`.
@@ -190,6 +192,15 @@ pub(crate) struct ProxyArgs {
     /// The proxy's id (`<service id>-proxy`).
     #[arg(value_name = "PROXY_ID")]
     pub(crate) id: String,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct ReloadArgs {
+    #[command(flatten)]
+    pub(crate) socket: SocketArgs,
+    /// Reload this proxy in place (`<service id>-proxy`, or its service id) instead of the config dirs.
+    #[arg(value_name = "PROXY_ID")]
+    pub(crate) id: Option<String>,
 }
 
 #[derive(Debug, Args)]

@@ -12,7 +12,7 @@ use hyper::{Method, StatusCode};
 use tether_state::ServiceId;
 use tether_state::config::{self, Format, Origin};
 
-use crate::api::dto::ProxyStatusDto;
+use crate::api::dto::{ProxyStatusDto, ReloadDto};
 use crate::client::{self, Response};
 use crate::error::UsageError;
 use tether_state::ExitReason;
@@ -274,6 +274,27 @@ pub(crate) async fn reload(socket: &Path) -> anyhow::Result<ExitCode> {
     }
 }
 
+/// `tether reload PROXY_ID`: one proxy reloaded in place; exit 0 when applied or signalled,
+/// 1 with the reason when refused, failed or timed out, 2 when it has no reload table.
+pub(crate) async fn reload_proxy(socket: &Path, id: &str) -> anyhow::Result<ExitCode> {
+    crate::api::proxies_named(id).map_err(|err| UsageError(err.to_string()))?;
+    let path = format!("/v1/agent/proxy/{id}/reload");
+    let response = client::request(socket, Method::PUT, &path, None).await?;
+    match response.status {
+        StatusCode::OK => {}
+        StatusCode::BAD_REQUEST => return Err(UsageError(format!("reload {id}: {}", response.error_message())).into()),
+        _ => return Err(refused(&format!("reload {id}"), &response)),
+    }
+    let verdict: ReloadDto =
+        serde_json::from_slice(&response.body).context("the agent sent a verdict this version cannot read")?;
+    if matches!(verdict.result.as_str(), "applied" | "signalled") {
+        writeln!(std::io::stdout(), "reload {id}: {}", verdict.result)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let reason = verdict.error.as_deref().unwrap_or("no reason given");
+    anyhow::bail!("reload {id}: {}: {reason}", verdict.result)
+}
+
 /// `tether logs PROXY_ID [--stderr] [-n N] [-f]`: the log's last lines, then, with
 /// `follow`, what the proxy writes until interrupted.
 pub(crate) async fn logs(socket: &Path, args: &crate::cli::LogsArgs) -> anyhow::Result<ExitCode> {
@@ -319,6 +340,7 @@ mod tests {
                     tasks: Some(3),
                 }),
                 update: None,
+                last_reload: None,
             },
             ProxyStatusDto {
                 id: "db-proxy".into(),
@@ -333,6 +355,7 @@ mod tests {
                 status_text: None,
                 resources: None,
                 update: None,
+                last_reload: None,
             },
         ];
         assert_eq!(

@@ -84,7 +84,10 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Deregister(args) => current_thread()?.block_on(commands::deregister(&args.socket.socket(), &args.id)),
         Command::Leave(args) => current_thread()?.block_on(commands::leave(&args.socket())),
         Command::Logs(args) => current_thread()?.block_on(commands::logs(&args.socket.socket(), &args)),
-        Command::Reload(args) => current_thread()?.block_on(commands::reload(&args.socket())),
+        Command::Reload(args) => match &args.id {
+            Some(id) => current_thread()?.block_on(commands::reload_proxy(&args.socket.socket(), id)),
+            None => current_thread()?.block_on(commands::reload(&args.socket.socket())),
+        },
         Command::Restart(args) => current_thread()?.block_on(commands::restart(&args.socket.socket(), &args.id)),
         Command::Stop(args) => current_thread()?.block_on(commands::hold(&args.socket.socket(), &args.id, true)),
         Command::Start(args) => current_thread()?.block_on(commands::hold(&args.socket.socket(), &args.id, false)),

@@ -10,6 +10,7 @@ use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::Registry;
 use tether_manager::{BackendStats, ExitReason, ManagerHandle, PASS_BUCKETS, ProxyState, ProxyStatus, ResourceUsage};
+use tether_state::ReloadResult;
 
 /// The agent's metrics registry.
 #[derive(Debug)]
@@ -47,7 +48,7 @@ type UsageField = fn(&ResourceUsage) -> Option<u64>;
 /// the backend measures them (their cgroup controllers are on).
 fn encode_usage(statuses: &[ProxyStatus], encoder: &mut DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
     let usages: Vec<_> =
-        statuses.iter().filter_map(|status| Some((&status.id, &status.service, status.usage?))).collect();
+        statuses.iter().filter_map(|status| Some((&status.id, &status.service, status.usage.as_deref()?))).collect();
     let counter = ConstCounter::new(0.0f64);
     let mut family = encoder.encode_descriptor(
         "tether_proxy_cpu_seconds",
@@ -161,6 +162,33 @@ impl Collector for ManagerCollector {
         for status in &statuses {
             let labels = [("proxy", status.id.as_str()), ("service", status.service.as_str())];
             ConstCounter::new(status.probe_failures).encode(family.encode_family(&labels)?)?;
+        }
+
+        // Reloads in place, of the proxies that had one since the agent started.
+        let mut family = encoder.encode_descriptor(
+            "tether_proxy_reloads",
+            "Reloads of a proxy in place, by result",
+            None,
+            counter.metric_type(),
+        )?;
+        for status in &statuses {
+            let Some(reloads) = &status.reloads else { continue };
+            for result in ReloadResult::ALL {
+                let labels = [("proxy", status.id.as_str()), ("result", result.as_str())];
+                ConstCounter::new(reloads.counts.get(result)).encode(family.encode_family(&labels)?)?;
+            }
+        }
+        let seconds = ConstGauge::new(0.0f64);
+        let mut family = encoder.encode_descriptor(
+            "tether_proxy_last_reload_success_timestamp_seconds",
+            "When a proxy's last reload in place that succeeded (applied or signalled) ended, in Unix seconds",
+            None,
+            seconds.metric_type(),
+        )?;
+        for status in &statuses {
+            let Some(at) = status.reloads.as_ref().and_then(|reloads| reloads.last_success) else { continue };
+            let unix = at.duration_since(std::time::UNIX_EPOCH).map_or(0.0, |since| since.as_secs_f64());
+            ConstGauge::new(unix).encode(family.encode_family(&[("proxy", status.id.as_str())])?)?;
         }
 
         let mut family = encoder.encode_descriptor(

@@ -219,5 +219,6 @@ fn backend_status(observed: &ProcessStatus) -> BackendStatus {
         error: observed.error.clone(),
         status_text: observed.status_text.clone(),
         probe_failures: observed.probe_failures,
+        reloads: observed.reloads.clone(),
     }
 }

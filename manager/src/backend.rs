@@ -13,7 +13,7 @@ use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
-use tether_state::{ExitReason, ManagedProxy, ProxyId};
+use tether_state::{ExitReason, ManagedProxy, ProxyId, ReloadOutcome, Reloads};
 use tokio::sync::watch;
 
 /// A boxed error from a backend's own layer, kept as the `source` of a [`BackendError`].
@@ -137,6 +137,9 @@ pub struct BackendStatus {
     pub status_text: Option<String>,
     /// Failed readiness and liveness checks, for metrics.
     pub probe_failures: u64,
+    /// Its reloads ([`ProxyHandle::reload`]): the last one and the counts, once there was one.
+    /// Boxed: most proxies never reload.
+    pub reloads: Option<Box<Reloads>>,
 }
 
 /// What a proxy's running instance uses now (with whatever it started), as a backend
@@ -391,6 +394,18 @@ pub trait ProxyHandle: Send + Sync {
 
     /// The proxy's status, which changes whenever the backend observes something.
     fn status(&self) -> watch::Receiver<BackendStatus>;
+
+    /// Reloads the proxy in place, as its `reload` table says, and returns the verdict; the
+    /// status's [`BackendStatus::reloads`] shows it too. `None` when the proxy cannot be
+    /// reloaded (it has no `reload` table).
+    ///
+    /// Unlike the other calls, a reload may run beside them: it never stops the process,
+    /// and the backend runs the reloads of one proxy one after another.
+    ///
+    /// The default reloads nothing (`None`), for a backend whose proxies cannot reload.
+    async fn reload(&self) -> Option<ReloadOutcome> {
+        None
+    }
 
     /// The backend's record of this proxy for the snapshot: whatever it needs to prove,
     /// after an agent restart, that a process is this one (pid, start time, boot id, …),

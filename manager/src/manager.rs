@@ -680,6 +680,7 @@ impl Manager {
             probe_failures: process.probe_failures,
             update,
             usage: None,
+            reloads: process.reloads,
         });
     }
 }

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, SystemTime};
 
-use tether_state::{ExitReason, ProxyId, Revision, ServiceId};
+use tether_state::{ExitReason, ProxyId, ReloadOutcome, Reloads, Revision, ServiceId};
 use tokio::sync::{broadcast, mpsc, oneshot};
 
 use crate::backend::{BackendStats, Meter, ProxyState, ResourceUsage};
@@ -39,10 +39,14 @@ pub struct ProxyStatus {
     /// The new instance of an overlapping update (`update = "overlap"`), while it starts
     /// beside the instance described above, which serves until it is ready.
     pub update: Option<UpdateStatus>,
-    /// What its running instance uses now, as the engine's [`Meter`] measures it: read when the status is read through
-    /// [`ManagerHandle::status`] or [`ManagerHandle::proxy`]; `None` in [`ProxyEvent`]s,
-    /// whose figures would be stale at once, and while no process runs.
-    pub usage: Option<ResourceUsage>,
+    /// What its running instance uses now, as the engine's [`Meter`] measures it: read when
+    /// the status is read through [`ManagerHandle::status`] or [`ManagerHandle::proxy`];
+    /// `None` in [`ProxyEvent`]s, whose figures would be stale at once, and while no process
+    /// runs.
+    /// Boxed: most statuses (every event's) have none, and the board keeps one per proxy.
+    pub usage: Option<Box<ResourceUsage>>,
+    /// Its reloads: the last one and the counts by result, once there was one.
+    pub reloads: Option<Box<Reloads>>,
 }
 
 /// The new instance of an overlapping update, as the backend observes it.
@@ -181,6 +185,8 @@ impl std::fmt::Debug for Published {
 pub(crate) enum Request {
     /// Restart one proxy now; answered once the new process runs, or why not.
     Restart { id: ProxyId, done: oneshot::Sender<Result<(), RequestError>> },
+    /// Reload one proxy in place; answered with the verdict.
+    Reload { id: ProxyId, done: oneshot::Sender<Result<ReloadOutcome, RequestError>> },
     /// Hold one proxy down (`hold`), or release it; answered at once.
     Hold { id: ProxyId, hold: bool, done: oneshot::Sender<Result<(), RequestError>> },
 }
@@ -210,6 +216,17 @@ pub enum RequestError {
         id: ProxyId,
         /// Why.
         reason: String,
+    },
+    /// The proxy has no `reload` table: it cannot be reloaded in place.
+    #[error("proxy {0} has no reload table: it cannot be reloaded in place")]
+    NoReload(ProxyId),
+    /// The proxy has no process to reload (it is not started, or between two instances).
+    #[error("proxy {id} cannot be reloaded now: it is {state}")]
+    NotRunning {
+        /// The proxy.
+        id: ProxyId,
+        /// Its state.
+        state: ProxyState,
     },
     /// The engine is not running (shutting down, or gone).
     #[error("the engine is not running")]
@@ -301,7 +318,7 @@ impl ManagerHandle {
 
     fn measure(&self, status: &mut ProxyStatus) {
         let Some(meter) = self.published.meter.get() else { return };
-        status.usage = status.pid.and_then(|pid| meter.usage(&status.id, pid));
+        status.usage = status.pid.and_then(|pid| meter.usage(&status.id, pid)).map(Box::new);
     }
 
     /// The backend's own counters ([`Meter::stats`]); none without a meter.
@@ -330,6 +347,21 @@ impl ManagerHandle {
     pub async fn restart(&self, id: &ProxyId) -> Result<(), RequestError> {
         let (done, answer) = oneshot::channel();
         let request = Request::Restart { id: id.clone(), done };
+        self.published.requests.send(request).map_err(|_| RequestError::Gone)?;
+        answer.await.unwrap_or(Err(RequestError::Gone))
+    }
+
+    /// Reloads proxy `id` in place, as its `reload` table says, and returns the verdict
+    /// (applied, signalled, refused, failed or timed out); it also shows in the proxy's
+    /// status. A reload asked while another of the same proxy runs runs after it.
+    ///
+    /// # Errors
+    ///
+    /// [`RequestError`]: no such proxy, it has no `reload` table, it has no process, or the
+    /// engine is not running.
+    pub async fn reload(&self, id: &ProxyId) -> Result<ReloadOutcome, RequestError> {
+        let (done, answer) = oneshot::channel();
+        let request = Request::Reload { id: id.clone(), done };
         self.published.requests.send(request).map_err(|_| RequestError::Gone)?;
         answer.await.unwrap_or(Err(RequestError::Gone))
     }
@@ -375,6 +407,7 @@ mod tests {
             status_text: None,
             probe_failures: 0,
             usage: None,
+            reloads: None,
         }
     }
 

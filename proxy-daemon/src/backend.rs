@@ -27,7 +27,10 @@ use tokio::sync::watch;
 
 use crate::cgroup::Cgroups;
 use crate::listen::ListenError;
-use crate::spec::{HealthChecks, InheritedSocket, KillPolicy, ProcessName, ProcessSpec, ProcessUpdate};
+use crate::spec::{
+    HealthChecks, InheritedSocket, KillPolicy, ProcessName, ProcessSpec, ProcessUpdate, ReloadAction, ReloadOutcome,
+    ReloadResult,
+};
 use crate::status::{ProcessState, ProcessStatus};
 use crate::supervisor::{ProcessHandle, Supervisor};
 use record::Record;
@@ -161,6 +164,7 @@ impl Shared {
         process.restart = spec.restart;
         process.logs.limits = spec.log;
         process.health = health_checks(spec);
+        process.reload.clone_from(&spec.reload);
         process.identity_env = identity_env;
         process.limits = spec.limits;
         process
@@ -245,6 +249,14 @@ pub fn missing_programs(spec: &tether_state::ProxySpec) -> Vec<MissingProgram> {
     }
     if let Some(Liveness { probe: Probe::Exec(command), .. }) = &spec.liveness {
         named.push(("liveness.exec", command));
+    }
+    if let Some(reload) = &spec.reload {
+        if let ReloadAction::Exec(command) = &reload.action {
+            named.push(("reload.exec", command));
+        }
+        if let Some(check) = &reload.check {
+            named.push(("reload.check", check));
+        }
     }
     if named.is_empty() {
         return Vec::new();
@@ -474,6 +486,7 @@ fn translate(status: &ProcessStatus) -> tether_manager::BackendStatus {
         error: status.error.clone(),
         status_text: status.status_text.clone(),
         probe_failures: status.probe_failures,
+        reloads: status.reloads.clone(),
     }
 }
 
@@ -517,6 +530,18 @@ impl ProxyHandle for OsProxyHandle {
         }
     }
 
+    async fn reload(&self) -> Option<ReloadOutcome> {
+        let asked = {
+            let state = self.lock();
+            state.proxy.as_ref()?.spec().reload.as_ref()?;
+            state.process.as_ref().map(ProcessHandle::reload)
+        };
+        match asked {
+            Some(verdict) => verdict.await,
+            None => Some(ReloadOutcome::now(ReloadResult::Failed, Some("the proxy has no process".to_owned()))),
+        }
+    }
+
     async fn detach(&self) {
         let Some(process) = self.take_process() else { return };
         match process.detach().await {
@@ -538,6 +563,7 @@ impl ProxyHandle for OsProxyHandle {
             log_limits: Some(spec.log),
             health: Some(health_checks(spec)),
             limits: Some(spec.limits),
+            reload: Some(spec.reload.clone()),
         };
         let mut state = self.lock();
         let written = state.process.as_ref().map_or(Ok(()), |process| process.update(update));
@@ -611,7 +637,8 @@ mod tests {
 
         let missing = missing_programs(&proxy(
             "command = [\"tether-not-installed-xyz\", \"-c\"]\nenv = { PATH = \"/nonexistent/bin\" }\n\
-             [proxy.readiness]\nexec = [\"tether-no-check-xyz\"]\n[proxy.liveness]\nexec = [\"/nonexistent/check\"]",
+             [proxy.readiness]\nexec = [\"tether-no-check-xyz\"]\n[proxy.liveness]\nexec = [\"/nonexistent/check\"]\n\
+             [proxy.reload]\nsignal = \"SIGHUP\"\ncheck = [\"tether-no-reload-check-xyz\"]",
         ));
         let found: Vec<(&str, String)> =
             missing.iter().map(|missing| (missing.field, missing.error.to_string())).collect();
@@ -620,6 +647,10 @@ mod tests {
             [
                 ("command", "program `tether-not-installed-xyz` not found in PATH `/nonexistent/bin`".to_owned()),
                 ("readiness.exec", "program `tether-no-check-xyz` not found in PATH `/nonexistent/bin`".to_owned()),
+                (
+                    "reload.check",
+                    "program `tether-no-reload-check-xyz` not found in PATH `/nonexistent/bin`".to_owned()
+                ),
             ]
         );
 

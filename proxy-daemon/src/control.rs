@@ -17,6 +17,7 @@ use crate::error::DetachError;
 use crate::proc::Identity;
 use crate::spec::ProcessUpdate;
 use crate::status::ProcessStatus;
+use crate::supervisor::ReloadReply;
 
 /// Told of every change of a process's status, in order, from its supervising task.
 pub(crate) type Observer = Box<dyn Fn(&ProcessStatus) + Send + Sync>;
@@ -38,11 +39,18 @@ pub(crate) struct Commands {
     pub(crate) detach: Option<DetachReply>,
     /// The handle is gone: leave the process running, unsupervised.
     pub(crate) handle_gone: bool,
+    /// Reloads asked, each waiting for a verdict: one reload answers every one asked
+    /// before it began.
+    pub(crate) reload: Vec<ReloadReply>,
 }
 
 impl Commands {
     fn is_empty(&self) -> bool {
-        self.update.is_none() && self.stop.is_none() && self.detach.is_none() && !self.handle_gone
+        self.update.is_none()
+            && self.stop.is_none()
+            && self.detach.is_none()
+            && !self.handle_gone
+            && self.reload.is_empty()
     }
 }
 
@@ -139,6 +147,16 @@ impl Sender {
         *slot = Some(observer);
     }
 
+    /// Asks the task to reload the process and answer on `reply`. `Err` gives `reply` back
+    /// when the task no longer takes commands.
+    pub(crate) fn reload(&self, reply: ReloadReply) -> Result<(), ReloadReply> {
+        let mut reply = Some(reply);
+        if self.send(|commands| commands.reload.extend(reply.take())) {
+            return Ok(());
+        }
+        Err(reply.unwrap_or_else(|| unreachable!("a refused command is not taken")))
+    }
+
     /// Asks the task to apply `update` in place.
     pub(crate) fn update(&self, update: ProcessUpdate) -> bool {
         self.send(|commands| {
@@ -149,6 +167,7 @@ impl Sender {
                 log_limits: update.log_limits.or(earlier.log_limits),
                 health: update.health.or(earlier.health),
                 limits: update.limits.or(earlier.limits),
+                reload: update.reload.or(earlier.reload),
             }));
         })
     }
@@ -246,7 +265,8 @@ mod tests {
                 restart: None,
                 log_limits: Some(limits),
                 health: None,
-                limits: None
+                limits: None,
+                reload: None,
             })
         );
         assert!(taken.stop == Some(Stop::Signalled) && taken.detach.is_none() && !taken.handle_gone);

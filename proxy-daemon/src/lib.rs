@@ -127,7 +127,8 @@ pub use program::find_program;
 pub use spec::{
     Backoff, CommandLine, CpuLimit, Durability, HealthChecks, HttpTarget, InheritedSocket, KillPolicy, KillSignal,
     LinePattern, Liveness, LogFile, LogPolicy, LogSpec, LogTarget, PersistError, PrivateDir, Probe, ProcessName,
-    ProcessSpec, ProcessSpecBuilder, ProcessUpdate, Readiness, ResourceLimits, RestartPolicy, TcpTarget, UnsafeEntry,
+    ProcessSpec, ProcessSpecBuilder, ProcessUpdate, Readiness, ReloadAction, ReloadCounts, ReloadOutcome, ReloadPolicy,
+    ReloadResult, Reloads, ResourceLimits, RestartPolicy, TcpTarget, UnsafeEntry, WATCH_DEBOUNCE,
 };
 pub use status::{ExitReason, ProcessState, ProcessStatus, SupervisedProcess};
 pub use supervisor::{ProcessHandle, Supervisor};

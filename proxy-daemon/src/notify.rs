@@ -34,6 +34,9 @@ pub(crate) enum Notice {
     Watchdog,
     /// `WATCHDOG=trigger`: it asks to be treated as failed.
     WatchdogTrigger,
+    /// `RELOADING=1`: it began to reload its configuration, at `MONOTONIC_USEC` (its
+    /// `CLOCK_MONOTONIC`, in microseconds) when the same datagram says when.
+    Reloading(Option<u64>),
 }
 
 /// The largest datagram read; systemd's own limit for a notification is this size.
@@ -227,15 +230,18 @@ fn read_datagram(fd: &OwnedFd, buffer: &mut [u8]) -> io::Result<(usize, Option<u
 }
 
 /// The notices of one datagram: newline-separated `KEY=VALUE` assignments; unknown keys
-/// (`MAINPID=`, `RELOADING=1`, …) are ignored, as systemd ignores what it does not use.
+/// (`MAINPID=`, …) are ignored, as systemd ignores what it does not use. `MONOTONIC_USEC=`
+/// stamps the datagram's `RELOADING=1`, wherever it stands in it.
 pub(crate) fn parse(datagram: &[u8]) -> Vec<Notice> {
-    String::from_utf8_lossy(datagram)
-        .lines()
+    let text = String::from_utf8_lossy(datagram);
+    let stamp = text.lines().find_map(|line| line.strip_prefix("MONOTONIC_USEC=")?.parse::<u64>().ok());
+    text.lines()
         .filter_map(|line| match line.split_once('=')? {
             ("READY", "1") => Some(Notice::Ready),
             ("STATUS", text) => Some(Notice::Status(text.to_owned())),
             ("WATCHDOG", "1") => Some(Notice::Watchdog),
             ("WATCHDOG", "trigger") => Some(Notice::WatchdogTrigger),
+            ("RELOADING", "1") => Some(Notice::Reloading(stamp)),
             _ => None,
         })
         .collect()
@@ -252,7 +258,13 @@ mod tests {
             [Notice::Ready, Notice::Status("Serving 3 listeners".into()), Notice::Watchdog]
         );
         assert_eq!(parse(b"WATCHDOG=trigger"), [Notice::WatchdogTrigger]);
-        assert_eq!(parse(b"READY=0\nRELOADING=1\nnonsense"), []);
+        assert_eq!(parse(b"READY=0\nRELOADING=0\nnonsense"), []);
+        assert_eq!(parse(b"RELOADING=1"), [Notice::Reloading(None)]);
+        assert_eq!(parse(b"RELOADING=1\nMONOTONIC_USEC=123456"), [Notice::Reloading(Some(123_456))]);
+        assert_eq!(
+            parse(b"MONOTONIC_USEC=7\nRELOADING=1\nSTATUS=x"),
+            [Notice::Reloading(Some(7)), Notice::Status("x".into())]
+        );
         assert_eq!(parse(b"STATUS="), [Notice::Status(String::new())]);
     }
 }

@@ -178,6 +178,24 @@ impl Pidfd {
         self.0.as_raw_fd()
     }
 
+    /// Sends `signal` to the process itself (not its group), through the pidfd, so that it
+    /// can only reach the process the pidfd was opened for.
+    pub(crate) fn send_signal(&self, signal: Signal) -> io::Result<()> {
+        #[allow(unsafe_code)]
+        // SAFETY: `pidfd_send_signal(2)` takes a pidfd, a signal number, a null `siginfo`
+        // (the kernel fills in a `kill`-like one) and flags; it touches no memory of ours.
+        let sent = unsafe {
+            libc::syscall(
+                libc::SYS_pidfd_send_signal,
+                self.0.as_raw_fd(),
+                signal as libc::c_int,
+                std::ptr::null::<libc::siginfo_t>(),
+                0,
+            )
+        };
+        if sent < 0 { Err(io::Error::last_os_error()) } else { Ok(()) }
+    }
+
     /// Whether the process has exited, without waiting.
     pub(crate) fn has_exited(&self) -> io::Result<bool> {
         let mut fds = [PollFd::new(self.0.get_ref().as_fd(), PollFlags::POLLIN)];
@@ -195,6 +213,16 @@ impl Pidfd {
         let _guard = self.0.readable().await?;
         Ok(())
     }
+}
+
+/// `CLOCK_MONOTONIC` now, in microseconds: the clock of sd_notify's `MONOTONIC_USEC`.
+pub(crate) fn monotonic_usec() -> u64 {
+    let mut now = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    #[allow(unsafe_code)]
+    // SAFETY: `clock_gettime(2)` writes one `timespec` into the place it is given, which is
+    // ours and of that type.
+    let _always = unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
+    u64::try_from(now.tv_sec).unwrap_or(0) * 1_000_000 + u64::try_from(now.tv_nsec).unwrap_or(0) / 1_000
 }
 
 /// Sends `signal` to the process group `pgid`; an empty group is not an error.

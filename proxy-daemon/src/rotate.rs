@@ -140,7 +140,7 @@ impl Drop for Rotator {
 }
 
 /// `Inotify` with the `AsRawFd` that `AsyncFd` needs.
-struct InotifyFd(Inotify);
+pub(crate) struct InotifyFd(pub(crate) Inotify);
 
 impl AsRawFd for InotifyFd {
     fn as_raw_fd(&self) -> RawFd {

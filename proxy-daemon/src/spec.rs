@@ -93,6 +93,12 @@ pub use tether_state::{CommandLine, HttpTarget, LinePattern, Liveness, Probe, Re
 /// in [`RestartPolicy::delay_before`]) and [`LogPolicy`] (the size limits of its log files).
 /// Their defaults are the config file's, written once there.
 pub use tether_state::{KillPolicy, KillSignal, LogPolicy, ResourceLimits, RestartPolicy};
+/// How a process reloads in place ([`ReloadPolicy`]: a [`ReloadAction`], a check, watched
+/// files, a timeout) and how a reload went ([`ReloadOutcome`], its [`ReloadResult`]; the
+/// history, [`Reloads`], with its [`ReloadCounts`]), in tether-state's vocabulary.
+pub use tether_state::{
+    ReloadAction, ReloadCounts, ReloadOutcome, ReloadPolicy, ReloadResult, Reloads, WATCH_DEBOUNCE,
+};
 
 /// When an instance counts as ready, and when it is restarted because it stopped answering
 /// ([`Readiness`] and [`Liveness`]). The supervisor probes `tcp`, `http` and `exec`.
@@ -206,6 +212,11 @@ pub struct ProcessSpec {
     /// The limits of each instance's cgroup, when the supervisor uses cgroups (default
     /// none). A limit whose controller is not enabled fails the start, naming it.
     pub limits: ResourceLimits,
+    /// How the process reloads its files in place ([`ProcessHandle::reload`]), when it can
+    /// (default `None`: it cannot).
+    ///
+    /// [`ProcessHandle::reload`]: crate::ProcessHandle::reload
+    pub reload: Option<ReloadPolicy>,
 }
 
 impl ProcessSpec {
@@ -289,6 +300,7 @@ impl fmt::Debug for ProcessSpec {
             .field("pid_file", &self.pid_file)
             .field("identity_env", &identity_names)
             .field("limits", &self.limits)
+            .field("reload", &self.reload)
             .finish()
     }
 }
@@ -327,6 +339,9 @@ pub struct ProcessUpdate {
     pub health: Option<HealthChecks>,
     /// New cgroup limits, written into the running instance's cgroup.
     pub limits: Option<ResourceLimits>,
+    /// A new reload policy (`Some(None)`: the process can no longer reload), used by the
+    /// next reload; a reload in flight ends as it began.
+    pub reload: Option<Option<ReloadPolicy>>,
 }
 
 #[cfg(test)]

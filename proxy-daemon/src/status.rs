@@ -8,7 +8,7 @@ use std::fmt;
 use std::time::SystemTime;
 
 use crate::proc::Identity;
-use crate::spec::ProcessName;
+use crate::spec::{ProcessName, Reloads};
 
 /// The lifecycle state of a supervised process (the proxy states, minus `pending` and
 /// `blocked`, which only the engine knows).
@@ -87,6 +87,9 @@ pub struct ProcessStatus {
     pub status_text: Option<String>,
     /// Failed readiness and liveness checks since supervision began.
     pub probe_failures: u64,
+    /// Its reloads since supervision began: the last one and the counts, once there was
+    /// one. Boxed: most processes never reload.
+    pub reloads: Option<Box<Reloads>>,
 }
 
 impl ProcessStatus {
@@ -97,6 +100,7 @@ impl ProcessStatus {
             ready,
             status_text: None,
             probe_failures: 0,
+            reloads: None,
             pid: Some(pid),
             identity,
             restarts: 0,

@@ -24,13 +24,17 @@ use crate::probe::{ProbeDurations, ProbeStats};
 use crate::proc::{self, Identity};
 use crate::rotate::Rotator;
 use crate::spawn;
-use crate::spec::{ProcessName, ProcessSpec, ProcessUpdate};
+use crate::spec::{ProcessName, ProcessSpec, ProcessUpdate, ReloadOutcome, ReloadResult};
 use crate::status::{ProcessStatus, SupervisedProcess};
 
 mod adopt;
 mod checks;
 mod lines;
+mod reload;
 mod task;
+mod watched;
+
+pub(crate) use reload::ReloadReply;
 
 #[cfg(feature = "manager")] // the engine adapter's
 pub(crate) use adopt::Proven;
@@ -393,6 +397,35 @@ impl ProcessHandle {
         let result = identity.await.unwrap_or_else(|_task_gone| Err(not_running(&self.status)));
         let _panicked = self.task.await;
         result
+    }
+
+    /// Reloads the process in place, as its spec's [`reload`](ProcessSpec::reload) says,
+    /// and returns the verdict, also shown in its status's `reloads`. `None` when it has no
+    /// reload policy. Reloads of one process never overlap: one asked while another runs
+    /// runs after it, and answers every caller that asked meanwhile.
+    ///
+    /// A reload never stops the process: a failed check refuses it (nothing is signalled),
+    /// and a verdict that does not come within the timeout leaves it running. An exit during
+    /// the reload fails it, and the process is restarted as after any exit.
+    ///
+    /// The reload is asked when this is called; the future, which borrows nothing of the
+    /// handle, waits for its verdict.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe: the reload runs to its end once asked, even if the future is dropped.
+    pub fn reload(&self) -> impl Future<Output = Option<ReloadOutcome>> + Send + 'static {
+        let (reply, verdict) = oneshot::channel();
+        let asked = self.commands.reload(reply).is_ok();
+        let status = self.status.clone();
+        async move {
+            let answer = if asked { verdict.await.ok() } else { None };
+            answer.unwrap_or_else(|| {
+                // Supervision ended before the verdict: the process stopped or was detached.
+                let state = status.borrow().state;
+                Some(ReloadOutcome::now(ReloadResult::Failed, Some(format!("the process is {state}"))))
+            })
+        }
     }
 
     /// Applies in-place changes (kill policy, restart policy, log limits, checks, cgroup

@@ -21,6 +21,7 @@ use serde::{Deserialize, Serialize, Serializer};
 use crate::health::{HttpTarget, LinePattern, Liveness, Probe, Readiness, TcpTarget};
 use crate::id::ServiceId;
 use crate::listener::{ListenAddress, Listener, ListenerName, UpdatePolicy, UpdateStrategy};
+use crate::reload::{ReloadAction, ReloadPolicy};
 use crate::resources::{CpuLimit, ResourceLimits};
 use crate::service::{
     CommandLine, ExecMode, KillPolicy, KillSignal, LogPolicy, ProxyCommand, ProxyConfigMap, ProxySpec, RestartPolicy,

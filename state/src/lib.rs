@@ -121,6 +121,7 @@ mod listener;
 #[cfg(feature = "persist")]
 pub mod persist;
 pub mod proxy_env;
+mod reload;
 mod resources;
 mod service;
 mod token;
@@ -139,6 +140,7 @@ pub use id::{
     check_process_name, check_service_id,
 };
 pub use listener::{LISTENER_NAME_RULE, ListenAddress, Listener, ListenerName, UpdatePolicy, UpdateStrategy};
+pub use reload::{ReloadAction, ReloadCounts, ReloadOutcome, ReloadPolicy, ReloadResult, Reloads, WATCH_DEBOUNCE};
 pub use resources::{CpuLimit, ResourceLimits};
 pub use service::{
     CommandLine, ExecMode, KillPolicy, KillSignal, LogPolicy, ManagedProxy, NameError, ProxyChange, ProxyCommand,

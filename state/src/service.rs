@@ -14,6 +14,7 @@ use crate::backoff::Backoff;
 use crate::health::{Liveness, Readiness};
 use crate::id::{ProxyId, ServiceId};
 use crate::listener::{Listener, UpdatePolicy};
+use crate::reload::ReloadPolicy;
 use crate::resources::ResourceLimits;
 use crate::token::ProxyToken;
 
@@ -419,6 +420,8 @@ pub struct ProxySpec {
     pub update: UpdatePolicy,
     /// Its cgroup's limits, applied in place when they change.
     pub limits: ResourceLimits,
+    /// How it reloads its files without a restart, when it can.
+    pub reload: Option<ReloadPolicy>,
 }
 
 /// A service's managed proxy as the engine sees it: its id, its service, its spec and its
@@ -436,7 +439,7 @@ pub enum ProxyChange {
     /// Nothing differs.
     Unchanged,
     /// Only what can be applied to the running process differs: `config`, the kill,
-    /// restart and log policies, or the service's name, address, port, tags or meta.
+    /// restart, log and reload policies, or the service's name, address, port, tags or meta.
     InPlace,
     /// The command, working directory, environment, `inherit_env`, user, listeners or
     /// token differs:
@@ -577,6 +580,8 @@ mod tests {
         assert_eq!(change(|s| spec(s).limits.pids_max = Some(64)), ProxyChange::InPlace);
         assert_eq!(change(|s| spec(s).limits.memory_max = Some(64 << 20)), ProxyChange::InPlace);
         assert_eq!(change(|s| spec(s).log.keep = 1), ProxyChange::InPlace);
+        let reload = crate::ReloadPolicy::new(crate::ReloadAction::Signal(KillSignal::Hup));
+        assert_eq!(change(|s| spec(s).reload = Some(reload)), ProxyChange::InPlace);
         assert_eq!(change(|s| drop(spec(s).config.insert("bind_port".into(), 1.into()))), ProxyChange::InPlace);
         assert_eq!(change(|s| s.address = "10.0.0.1".into()), ProxyChange::InPlace);
         assert_eq!(change(|s| s.port = Some(1)), ProxyChange::InPlace);

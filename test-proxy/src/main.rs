@@ -19,6 +19,9 @@
 //! - `--write-fd N TEXT`: write TEXT to descriptor N (s6's notification-fd).
 //! - `--serve-http ADDR`: listen on the TCP address ADDR and answer every request with
 //!   `200 OK`, from a thread, while the flags after it go on.
+//! - `--block SIG`: block the signal SIG (`HUP`, `USR1`, …), so that it waits for `--await`
+//!   instead of ending the program.
+//! - `--await SIG`: wait until the (blocked) signal SIG arrives, as a proxy that reloads on it.
 //! - `--sleep` (also the default at the end): sleep until killed.
 
 #![deny(unsafe_code)]
@@ -78,11 +81,28 @@ fn main() {
                     }
                 });
             }
+            "--block" => {
+                let set = signal_set(&value());
+                set.thread_block().unwrap_or_else(|e| fail(&format!("cannot block: {e}")));
+            }
+            "--await" => {
+                let set = signal_set(&value());
+                set.wait().unwrap_or_else(|e| fail(&format!("cannot wait for a signal: {e}")));
+            }
             "--sleep" => sleep_forever(),
             other => fail(&format!("unknown flag {other}")),
         }
     }
     sleep_forever();
+}
+
+/// The set of the one signal named `name` (`HUP` or `SIGHUP`).
+fn signal_set(name: &str) -> nix::sys::signal::SigSet {
+    let full = if name.starts_with("SIG") { name.to_owned() } else { format!("SIG{name}") };
+    let signal: nix::sys::signal::Signal = full.parse().unwrap_or_else(|_| fail(&format!("unknown signal {name}")));
+    let mut set = nix::sys::signal::SigSet::empty();
+    set.add(signal);
+    set
 }
 
 fn fail(message: &str) -> ! {

@@ -7,7 +7,7 @@
 //! under /tmp, and leaves no process behind, even when it fails.
 //!
 //! For work on one figure, `XTASK_BENCH_ONLY` narrows the run: `e2e` skips the crate
-//! benchmarks; a comma-separated list of sections (`many`, `scale`, `some`, `health`, `updates`, `cgroups`, `peers`,
+//! benchmarks; a comma-separated list of sections (`many`, `scale`, `some`, `health`, `updates`, `reload`, `cgroups`, `peers`,
 //! `builtin-proxy`, `fleet`) runs only those end-to-end sections and prints their table without rewriting
 //! `BENCHMARKS.md`, which always holds a whole run.
 
@@ -18,6 +18,7 @@ mod fleet;
 mod health;
 mod lab;
 mod peers;
+mod reload;
 mod report;
 mod scale;
 mod sys;
@@ -30,7 +31,8 @@ use std::time::{Duration, Instant};
 use report::{Machine, Row};
 
 /// The end-to-end sections that `XTASK_BENCH_ONLY` can name.
-const SECTIONS: &[&str] = &["many", "scale", "some", "health", "updates", "cgroups", "peers", "builtin-proxy", "fleet"];
+const SECTIONS: &[&str] =
+    &["many", "scale", "some", "health", "updates", "reload", "cgroups", "peers", "builtin-proxy", "fleet"];
 
 /// What `XTASK_BENCH_ONLY` asks for: `None` for a whole run.
 struct Only {
@@ -133,6 +135,13 @@ fn end_to_end(
         {
             lab.keep();
             rows.push(Row::failed("zero-downtime updates", &err));
+            errors.push(err);
+        }
+        if only.wants("reload")
+            && let Err(err) = reload::run(&lab, &mut rows)
+        {
+            lab.keep();
+            rows.push(Row::failed("reload in place (HAProxy)", &err));
             errors.push(err);
         }
         if only.wants("cgroups")

@@ -39,6 +39,30 @@ pub(crate) struct ProxyStatusDto {
     /// `null` otherwise.
     #[serde(default)]
     pub(crate) update: Option<UpdateDto>,
+    /// The last reload in place; `null` before the first. Older agents did not send it.
+    #[serde(default)]
+    pub(crate) last_reload: Option<ReloadDto>,
+}
+
+/// One reload's verdict: `{"at": RFC 3339 to the millisecond (reloads come closer together
+/// than a second), "result": "applied" | "signalled" | "refused" |
+/// "failed" | "timed out", "error": string or null}`; the answer of
+/// `PUT /v1/agent/proxy/{id}/reload`, and a status's `last_reload`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct ReloadDto {
+    pub(crate) at: String,
+    pub(crate) result: String,
+    pub(crate) error: Option<String>,
+}
+
+impl From<&tether_state::ReloadOutcome> for ReloadDto {
+    fn from(outcome: &tether_state::ReloadOutcome) -> Self {
+        Self {
+            at: humantime::format_rfc3339_millis(outcome.at).to_string(),
+            result: outcome.result.as_str().to_owned(),
+            error: outcome.error.clone(),
+        }
+    }
 }
 
 /// `{"state": "starting", "pid": n or null, "started_at": RFC 3339 or null}`.
@@ -146,10 +170,15 @@ mod tests {
             status_text: Some("serving".into()),
             resources: None,
             update: Some(UpdateDto { state: "starting".into(), pid: Some(43), started_at: None }),
+            last_reload: Some(ReloadDto {
+                at: rfc3339(SystemTime::UNIX_EPOCH),
+                result: "timed out".into(),
+                error: Some("no READY=1".into()),
+            }),
         };
         assert_eq!(
             serde_json::to_string(&dto).unwrap(),
-            r#"{"id":"web-proxy","service":"web","state":"running","pid":42,"restarts":1,"started_at":"1970-01-01T00:00:00Z","last_exit":{"signal":9},"error":null,"ready":true,"status_text":"serving","resources":null,"update":{"state":"starting","pid":43,"started_at":null}}"#
+            r#"{"id":"web-proxy","service":"web","state":"running","pid":42,"restarts":1,"started_at":"1970-01-01T00:00:00Z","last_exit":{"signal":9},"error":null,"ready":true,"status_text":"serving","resources":null,"update":{"state":"starting","pid":43,"started_at":null},"last_reload":{"at":"1970-01-01T00:00:00Z","result":"timed out","error":"no READY=1"}}"#
         );
         assert_eq!(serde_json::to_string(&ExitReason::Code(3)).unwrap(), r#"{"code":3}"#);
     }

@@ -4,7 +4,8 @@
 //! The events are told from the engine's status changes, compared with the last status seen
 //! of each proxy: a new pid is `started` (or `restarted`, when the restart count grew), a
 //! pid that is gone is `exited` (or `stopped`, during a stop), and a proxy entering
-//! `backoff`, `failed` or `blocked` says so. This module keeps one map of statuses per
+//! `backoff`, `failed` or `blocked` says so, and a new last reload is `reloaded` (applied or
+//! signalled) or `reload-failed` (refused, failed or timed out; the detail says why). This module keeps one map of statuses per
 //! client and nothing else; it never decides or changes anything.
 
 use std::collections::HashMap;
@@ -150,6 +151,16 @@ pub(crate) fn diff(before: Option<&ProxyStatus>, after: &ProxyStatus, now: Syste
         // A running proxy shows an error only when its liveness check fails.
         found.push(event(now, id, "unhealthy", after.pid, after.error.clone()));
     }
+    let was_reload = before.and_then(|before| before.reloads.as_ref()).map(|reloads| &reloads.last);
+    if let Some(reload) = after.reloads.as_ref().map(|reloads| &reloads.last).filter(|last| Some(*last) != was_reload) {
+        let (name, detail) = if reload.result.succeeded() {
+            ("reloaded", Some(reload.result.to_string()))
+        } else {
+            let why = reload.error.as_deref().unwrap_or("no reason given");
+            ("reload-failed", Some(format!("{}: {why}", reload.result)))
+        };
+        found.push(event(now, id, name, after.pid, detail));
+    }
     if was_state != Some(after.state) {
         let name = match after.state {
             ProxyState::Backoff => Some("backoff"),
@@ -184,6 +195,7 @@ mod tests {
             status_text: None,
             probe_failures: 0,
             usage: None,
+            reloads: None,
         }
     }
 
@@ -235,5 +247,21 @@ mod tests {
         assert_eq!(names(Some(&unhealthy), &unhealthy), []);
         // Without a readiness check a proxy is running once it runs: started, not ready.
         assert_eq!(names(Some(&status(ProxyState::Starting, None, 0)), &running), [("started", Some(10))]);
+    }
+
+    #[test]
+    fn a_new_last_reload_is_reloaded_or_reload_failed() {
+        use tether_state::{ReloadOutcome, ReloadResult, Reloads};
+        let running = status(ProxyState::Running, Some(10), 0);
+        let applied = Reloads::after(None, ReloadOutcome::now(ReloadResult::Applied, None));
+        let reloaded = ProxyStatus { reloads: Some(Box::new(applied.clone())), ..running.clone() };
+        assert_eq!(names(Some(&running), &reloaded), [("reloaded", Some(10))]);
+        assert_eq!(names(Some(&reloaded), &reloaded.clone()), [], "the same reload is told once");
+        let refused =
+            Reloads::after(Some(&applied), ReloadOutcome::now(ReloadResult::Refused, Some("bad line 3".into())));
+        let failed = ProxyStatus { reloads: Some(Box::new(refused)), ..running };
+        let events = diff(Some(&reloaded), &failed, SystemTime::UNIX_EPOCH);
+        assert_eq!((events.len(), events[0].event), (1, "reload-failed"));
+        assert_eq!(events[0].detail.as_deref(), Some("refused: bad line 3"));
     }
 }

@@ -183,6 +183,7 @@ pub(crate) fn socket_router(state: ApiState, streams: usize) -> Router {
         .route("/v1/agent/leave", put(leave))
         .route("/v1/agent/reload", put(reload))
         .route("/v1/agent/proxy/{id}/restart", put(restart))
+        .route("/v1/agent/proxy/{id}/reload", put(reload_proxy))
         .route("/v1/agent/proxy/{id}/stop", put(stop))
         .route("/v1/agent/proxy/{id}/start", put(start))
         // Socket only: a proxy's output may hold secrets.
@@ -280,7 +281,7 @@ pub(crate) fn status_dto(status: &ProxyStatus) -> ProxyStatusDto {
         error: status.error.clone(),
         ready: status.ready(),
         status_text: status.status_text.clone(),
-        resources: status.usage.map(|usage| dto::ResourcesDto {
+        resources: status.usage.as_deref().map(|usage| dto::ResourcesDto {
             cpu_seconds: usage.cpu.as_secs_f64(),
             memory_bytes: usage.memory_bytes,
             tasks: usage.tasks,
@@ -290,6 +291,7 @@ pub(crate) fn status_dto(status: &ProxyStatus) -> ProxyStatusDto {
             pid: update.pid,
             started_at: update.started_at.map(dto::rfc3339),
         }),
+        last_reload: status.reloads.as_ref().map(|reloads| dto::ReloadDto::from(&reloads.last)),
     }
 }
 
@@ -385,6 +387,25 @@ async fn restart(State(state): State<ApiState>, Path(id): Path<String>) -> Resul
     let status =
         state.manager.proxy(&id).ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, format!("no proxy {id}")))?;
     Ok(Json(status_dto(&status)))
+}
+
+/// `PUT /v1/agent/proxy/{id}/reload`: reloads one proxy in place; answered with the verdict,
+/// whatever it is (a refused or failed reload is an answer, not an error of the request).
+/// 400 when the proxy has no `reload` table, 409 when it has no process to reload.
+async fn reload_proxy(State(state): State<ApiState>, Path(id): Path<String>) -> Result<Json<dto::ReloadDto>, ApiError> {
+    use tether_manager::RequestError;
+    let id = known_proxy(&state, &id)?;
+    let outcome = state.manager.reload(&id).await.map_err(|err| {
+        let status = match &err {
+            RequestError::NotFound(_) => StatusCode::NOT_FOUND,
+            RequestError::NoReload(_) => StatusCode::BAD_REQUEST,
+            RequestError::NotRunning { .. } | RequestError::Busy(_) => StatusCode::CONFLICT,
+            RequestError::Gone => StatusCode::SERVICE_UNAVAILABLE,
+            _ => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        ApiError::new(status, err.to_string())
+    })?;
+    Ok(Json(dto::ReloadDto::from(&outcome)))
 }
 
 /// `PUT /v1/agent/proxy/{id}/stop`: holds one proxy down; it is stopped and stays `stopped`

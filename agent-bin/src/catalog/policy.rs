@@ -14,7 +14,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, ToSocketAddrs};
 use serde::Deserialize;
 use serde::de::IgnoredAny;
 use tether_manager::UserLookup;
-use tether_state::{ListenAddress, Probe, ProxyCommand, Service, ServiceId};
+use tether_state::{ListenAddress, Probe, ProxyCommand, ReloadAction, Service, ServiceId};
 
 /// A proxy setting that the register API may not make without `--allow-api-commands`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -32,6 +32,9 @@ pub(crate) enum ApiSetting {
     /// An `exec` probe of `readiness` (`false`) or `liveness` (`true`): a program the agent
     /// runs, like `command`.
     ExecProbe { liveness: bool },
+    /// A program of `reload`: its `exec` (`false`) or its `check` (`true`), which the agent
+    /// runs, like `command`.
+    ReloadProgram { check: bool },
     /// A listener the agent would bind with its own rights: a Unix socket file (created,
     /// or a stale one replaced, at any path) or a TCP port below 1024.
     Listener,
@@ -184,6 +187,8 @@ impl fmt::Display for ApiSetting {
             Self::Env(name) => write!(f, "proxy.env.{}", name.escape_default()),
             Self::ExecProbe { liveness: false } => f.write_str("proxy.readiness.exec"),
             Self::ExecProbe { liveness: true } => f.write_str("proxy.liveness.exec"),
+            Self::ReloadProgram { check: false } => f.write_str("proxy.reload.exec"),
+            Self::ReloadProgram { check: true } => f.write_str("proxy.reload.check"),
             Self::Listener => f.write_str("proxy.listener.address"),
             Self::Address { key, .. } => f.write_str(key),
             Self::PrivilegedPort { .. } => f.write_str("proxy.config.bind_port"),
@@ -225,6 +230,8 @@ struct Settings<'a> {
     env: Vec<&'a str>,
     /// An `exec` probe in `readiness`, in `liveness`.
     exec_probes: [bool; 2],
+    /// The `exec` of `reload`, its `check`.
+    reload_programs: [bool; 2],
     /// A listener that [`privileged_listener`] says binds with the agent's rights.
     privileged_listener: bool,
 }
@@ -247,6 +254,9 @@ impl Settings<'_> {
         if let Some(at) = self.exec_probes.iter().position(|&set| set) {
             return Some(ApiSetting::ExecProbe { liveness: at == 1 });
         }
+        if let Some(at) = self.reload_programs.iter().position(|&set| set) {
+            return Some(ApiSetting::ReloadProgram { check: at == 1 });
+        }
         self.privileged_listener.then_some(ApiSetting::Listener)
     }
 }
@@ -263,6 +273,10 @@ pub(crate) fn refused_setting(service: &Service) -> Option<ApiSetting> {
         exec_probes: [
             proxy.readiness.as_ref().is_some_and(|check| matches!(check.probe, Probe::Exec(_))),
             proxy.liveness.as_ref().is_some_and(|check| matches!(check.probe, Probe::Exec(_))),
+        ],
+        reload_programs: [
+            proxy.reload.as_ref().is_some_and(|reload| matches!(reload.action, ReloadAction::Exec(_))),
+            proxy.reload.as_ref().is_some_and(|reload| reload.check.is_some()),
         ],
         privileged_listener: proxy.listeners.iter().any(|l| privileged_listener(&l.address.to_string())),
     }
@@ -338,7 +352,14 @@ pub(crate) fn refused_in_body(text: &str) -> Option<(Option<ServiceId>, ApiSetti
         env: Option<BTreeMap<String, IgnoredAny>>,
         readiness: Option<CheckProbe>,
         liveness: Option<CheckProbe>,
+        reload: Option<ReloadProbe>,
         listener: Option<Vec<ListenerProbe>>,
+    }
+
+    #[derive(Deserialize)]
+    struct ReloadProbe {
+        exec: Option<IgnoredAny>,
+        check: Option<IgnoredAny>,
     }
 
     #[derive(Deserialize)]
@@ -363,6 +384,10 @@ pub(crate) fn refused_in_body(text: &str) -> Option<(Option<ServiceId>, ApiSetti
         exec_probes: [
             proxy.readiness.is_some_and(|check| check.exec.is_some()),
             proxy.liveness.is_some_and(|check| check.exec.is_some()),
+        ],
+        reload_programs: [
+            proxy.reload.as_ref().is_some_and(|reload| reload.exec.is_some()),
+            proxy.reload.as_ref().is_some_and(|reload| reload.check.is_some()),
         ],
         privileged_listener: proxy.listener.unwrap_or_default().iter().any(|listener| {
             listener.address.as_ref().and_then(serde_json::Value::as_str).is_some_and(privileged_listener)
@@ -446,6 +471,11 @@ mod tests {
             (r#"{"name": "a", "proxy": {"env": {"GCONV_PATH": "/tmp"}}}"#, "proxy.env.GCONV_PATH"),
             (r#"{"name": "a", "proxy": {"readiness": {"exec": ["/bin/true"]}}}"#, "proxy.readiness.exec"),
             (r#"{"name": "a", "proxy": {"liveness": {"exec": ["/bin/true"]}}}"#, "proxy.liveness.exec"),
+            (r#"{"name": "a", "proxy": {"reload": {"exec": ["/bin/true"]}}}"#, "proxy.reload.exec"),
+            (
+                r#"{"name": "a", "proxy": {"reload": {"signal": "SIGHUP", "check": ["/bin/true"]}}}"#,
+                "proxy.reload.check",
+            ),
             (
                 r#"{"name": "a", "proxy": {"listener": [{"name": "l", "address": "/etc/cron.d/x"}]}}"#,
                 "proxy.listener.address",
@@ -488,6 +518,7 @@ mod tests {
             r#"{"name": "a", "proxy": {"config": {"user": "root", "env": {"LD_PRELOAD": "x"}}}}"#,
             r#"{"name": "a", "proxy": {"readiness": {"tcp": "127.0.0.1:1"}, "liveness": {"notify": true}}}"#,
             r#"{"name": "a", "proxy": {"listener": [{"name": "l", "address": "127.0.0.1:21000"}]}}"#,
+            r#"{"name": "a", "proxy": {"reload": {"signal": "SIGHUP", "watch": ["/etc/a.cfg"], "timeout": "5s"}}}"#,
         ] {
             assert_eq!(refused(body), (None, None), "{body}");
         }

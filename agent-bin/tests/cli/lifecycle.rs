@@ -322,6 +322,7 @@ fn status_prints_a_table_and_exact_json() {
             "error",
             "id",
             "last_exit",
+            "last_reload",
             "pid",
             "ready",
             "resources",
@@ -334,7 +335,7 @@ fn status_prints_a_table_and_exact_json() {
         ]
     );
     assert!(entry["pid"].is_number() && entry["error"].is_null() && entry["last_exit"].is_null());
-    assert!(entry["ready"] == true && entry["status_text"].is_null());
+    assert!(entry["ready"] == true && entry["status_text"].is_null() && entry["last_reload"].is_null());
     // Under cgroups (as root on a host with a writable cgroup2), what the proxy's cgroup
     // used; without, null.
     let resources = &entry["resources"];

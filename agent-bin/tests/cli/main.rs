@@ -17,6 +17,7 @@ mod operations;
 mod operator;
 mod page;
 mod policy;
+mod reload;
 mod scale;
 mod support;
 mod validate;

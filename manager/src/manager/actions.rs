@@ -7,15 +7,15 @@
 use std::cmp::Reverse;
 use std::sync::Arc;
 
-use tether_state::{ManagedProxy, ProxyId, RestartPolicy, UpdateStrategy};
-use tokio::sync::watch;
+use tether_state::{ManagedProxy, ProxyId, ReloadOutcome, RestartPolicy, UpdateStrategy};
+use tokio::sync::{oneshot, watch};
 use tokio::task::JoinError;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::{Manager, Outcome, encoded_service};
-use crate::backend::{BackendError, BackendState, BackendStatus, ProxyBackend, ProxyHandle};
+use crate::backend::{BackendError, BackendState, BackendStatus, ProxyBackend, ProxyHandle, ProxyState};
 use crate::plan::{Action, Observed};
 use crate::status::{ActionKind, Request, RequestError};
 
@@ -239,6 +239,7 @@ impl Manager {
                     slot.requested = Some((done, restarts));
                 }
             }
+            Request::Reload { id, done } => self.reload(id, done),
             Request::Hold { id, hold, done } => {
                 if !self.desired.contains_key(&id) {
                     let _caller_gone = done.send(Err(RequestError::NotFound(id)));
@@ -258,6 +259,37 @@ impl Manager {
                 let _caller_gone = done.send(Ok(()));
             }
         }
+    }
+
+    /// Reloads `id` in place through its installed handle, in a task of its own that
+    /// answers `done`: a reload changes no process the engine tracks, so it is no action,
+    /// and it may run beside one (the backend runs one proxy's reloads one at a time).
+    fn reload(&mut self, id: ProxyId, done: oneshot::Sender<Result<ReloadOutcome, RequestError>>) {
+        let refused = if self.closing {
+            Some(RequestError::Gone)
+        } else if !self.desired.contains_key(&id) {
+            Some(RequestError::NotFound(id.clone()))
+        } else if self.desired.get(&id).is_some_and(|d| d.proxy.spec().reload.is_none()) {
+            Some(RequestError::NoReload(id.clone()))
+        } else {
+            None
+        };
+        if let Some(refused) = refused {
+            let _caller_gone = done.send(Err(refused));
+            return;
+        }
+        let installed = self.slots.get(&id).and_then(|slot| slot.installed.as_ref()).map(|i| Arc::clone(&i.handle));
+        let shown = self.published.lock().proxies.get(&id).map_or(ProxyState::Pending, |status| status.state);
+        let Some(handle) = installed.filter(|_| shown == ProxyState::Running) else {
+            let _caller_gone = done.send(Err(RequestError::NotRunning { id, state: shown }));
+            return;
+        };
+        tracing::info!(proxy = %id, "reload asked");
+        self.background.spawn(async move {
+            // A handle whose spec lost its `reload` since says so: no reload table.
+            let answer = handle.reload().await.ok_or(RequestError::NoReload(id));
+            let _caller_gone = done.send(answer);
+        });
     }
 
     /// Launches a restart of `id` asked by the operator: stop and start of a process that

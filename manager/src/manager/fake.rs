@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use tether_state::{ManagedProxy, ProxyId};
+use tether_state::{ManagedProxy, ProxyId, ReloadOutcome, ReloadResult};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
@@ -19,6 +19,7 @@ pub(super) enum Call {
     Update,
     Detach,
     Restore,
+    Reload,
 }
 
 #[derive(Default)]
@@ -209,6 +210,15 @@ impl ProxyHandle for FakeHandle {
 
     async fn detach(&self) {
         self.fake.record(&self.id, Call::Detach);
+    }
+
+    /// Applied at once when the proxy has a reload table. Not an operation that excludes
+    /// the others: a reload may run beside them.
+    async fn reload(&self) -> Option<ReloadOutcome> {
+        self.fake.record(&self.id, Call::Reload);
+        let proxy = self.proxy.lock().unwrap().clone();
+        proxy?.spec().reload.as_ref()?;
+        Some(ReloadOutcome::now(ReloadResult::Applied, None))
     }
 
     async fn update(&self, proxy: Arc<ManagedProxy>) -> Result<(), BackendError> {

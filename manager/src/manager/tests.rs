@@ -628,6 +628,32 @@ async fn a_restart_asked_through_the_handle_stops_and_starts_and_keeps_the_count
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_reload_asked_through_the_handle_reaches_only_a_running_proxy_with_a_reload_table() {
+    use tether_state::{KillSignal, ReloadAction, ReloadPolicy, ReloadResult};
+    let mut web = service("web");
+    web.proxy.as_mut().unwrap().reload = Some(ReloadPolicy::new(ReloadAction::Signal(KillSignal::Hup)));
+    let running = run(&[web, service("db")]);
+    let before = running.until_state(&pid("web"), ProxyState::Running).await;
+    running.until_state(&pid("db"), ProxyState::Running).await;
+    let outcome = tokio::time::timeout(LIMIT, running.handle.reload(&pid("web"))).await.unwrap().unwrap();
+    assert_eq!((outcome.result, outcome.error), (ReloadResult::Applied, None));
+    assert_eq!(running.fake.calls_of(Call::Reload).len(), 1);
+    assert_eq!(running.fake.calls_of(Call::Start).len(), 2, "a reload starts nothing");
+    assert_eq!(running.handle.proxy(&pid("web")).unwrap().pid, before.pid);
+
+    assert_eq!(running.handle.reload(&pid("db")).await, Err(RequestError::NoReload(pid("db"))));
+    let unknown = ServiceId::new("nothing").unwrap().proxy_id();
+    assert_eq!(running.handle.reload(&unknown).await, Err(RequestError::NotFound(unknown)));
+    running.handle.hold(&pid("web"), true).await.unwrap();
+    running.until_state(&pid("web"), ProxyState::Stopped).await;
+    let refused = running.handle.reload(&pid("web")).await;
+    assert_eq!(refused, Err(RequestError::NotRunning { id: pid("web"), state: ProxyState::Stopped }));
+    assert_eq!(running.fake.calls_of(Call::Reload).len(), 1, "only a running proxy's handle is asked");
+    let manager = running.stop().await;
+    tokio::time::timeout(LIMIT, manager.close()).await.unwrap().unwrap();
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_held_proxy_is_stopped_stays_stopped_through_changes_and_starts_when_released() {
     let running = run(&[service("web")]);
     running.until_state(&pid("web"), ProxyState::Running).await;

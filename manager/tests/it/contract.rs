@@ -134,8 +134,8 @@ async fn what_a_meter_measures_is_in_the_status_read_and_not_in_events() {
     let mut events = running.handle().subscribe();
     let shown =
         wait_for_proxy(running.handle(), &id("web"), "runs as pid 42", |s| s.pid == Some(42), LIMIT).await.unwrap();
-    assert_eq!(shown.usage, Some(usage));
-    assert_eq!(running.handle().proxy(&id("web")).unwrap().usage, Some(usage));
+    assert_eq!(shown.usage.as_deref(), Some(&usage));
+    assert_eq!(running.handle().proxy(&id("web")).unwrap().usage.as_deref(), Some(&usage));
     assert_eq!(running.handle().backend_stats(), stats);
     assert_eq!(stats.probe_durations.unwrap().count(), 3);
     // An event is the status as the engine published it: no figures, which would be stale.

@@ -13,8 +13,8 @@ use std::path::PathBuf;
 use tether_state::persist::{DataDir, PersistError, PrivateDir};
 
 use super::{
-    HealthChecks, InheritedSocket, KillPolicy, LogFile, LogPolicy, LogSpec, ProcessName, ProcessSpec, ResourceLimits,
-    RestartPolicy,
+    HealthChecks, InheritedSocket, KillPolicy, LogFile, LogPolicy, LogSpec, ProcessName, ProcessSpec, ReloadPolicy,
+    ResourceLimits, RestartPolicy,
 };
 use crate::error::SpecError;
 
@@ -113,6 +113,7 @@ pub struct ProcessSpecBuilder {
     pid_file: Option<PathBuf>,
     identity_env: Vec<(OsString, OsString)>,
     limits: ResourceLimits,
+    reload: Option<ReloadPolicy>,
 }
 
 impl ProcessSpecBuilder {
@@ -138,6 +139,7 @@ impl ProcessSpecBuilder {
             pid_file: None,
             identity_env: Vec::new(),
             limits: ResourceLimits::default(),
+            reload: None,
         }
     }
 
@@ -225,6 +227,12 @@ impl ProcessSpecBuilder {
         self
     }
 
+    /// How it reloads in place ([`ProcessSpec::reload`]; default: it cannot).
+    pub fn reload(mut self, reload: ReloadPolicy) -> Self {
+        self.reload = Some(reload);
+        self
+    }
+
     /// Its readiness and liveness checks (default none).
     pub fn health(mut self, health: HealthChecks) -> Self {
         self.health = health;
@@ -296,6 +304,7 @@ impl ProcessSpecBuilder {
             pid_file: self.pid_file,
             identity_env: self.identity_env,
             limits: self.limits,
+            reload: self.reload,
         }
     }
 }

@@ -41,6 +41,8 @@ pub(super) enum Checked {
     Dead(String),
     /// The instance says this of itself (`STATUS=`).
     StatusText(String),
+    /// A notice that may end a reload: `RELOADING=1`, or a `READY=1` once it is ready.
+    Reload(Notice),
 }
 
 /// The checks of one instance. An instance without any costs no allocation: the state
@@ -305,6 +307,8 @@ impl Active {
                 self.failures = 0;
                 Some(Checked::Dead("liveness: the process asked for a restart (WATCHDOG=trigger)".to_owned()))
             }
+            Notice::Reloading(_) => Some(Checked::Reload(notice)),
+            Notice::Ready if self.readiness.is_none() => Some(Checked::Reload(notice)),
             _ => None,
         }
     }

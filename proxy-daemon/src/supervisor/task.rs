@@ -11,13 +11,15 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::checks::{self, Checked, Checks};
+use super::reload::{Reload, ReloadReply, Step};
+use super::watched::Watch;
 use super::{Shared, lines};
 use crate::cgroup::Cgroups;
 use crate::control::{self, Commands, Stop};
 use crate::error::{DetachError, SpawnError};
 use crate::proc::{self, Identity, Pidfd};
 use crate::spawn::{self, Spawned};
-use crate::spec::{ProcessSpec, ProcessUpdate};
+use crate::spec::{ProcessSpec, ProcessUpdate, ReloadOutcome, ReloadResult, Reloads};
 use crate::status::{ExitReason, ProcessState, ProcessStatus};
 
 /// One running instance of a supervised process.
@@ -159,6 +161,10 @@ pub(super) struct Task {
     health_error: Option<HealthError>,
     /// The empty cgroup of the last instance, kept for the next one.
     spare_cgroup: Option<Box<str>>,
+    /// A reload asked since the one in flight began (which is a local of [`Task::run`],
+    /// since a reload's steps are `Send` but not `Sync`), with its callers (none for a
+    /// watched file's change): one reload after it answers them all.
+    reload_next: Option<Vec<ReloadReply>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -173,6 +179,8 @@ enum Event {
     Commands(Box<Commands>),
     Exited(io::Result<()>),
     Checked(Checked),
+    Reload(Step),
+    Watched,
 }
 
 /// However supervision ends (a final state, a detach, a dropped handle, a panic), the
@@ -192,7 +200,18 @@ impl Task {
         commands: control::Receiver,
         last_pid: Option<u32>,
     ) -> Self {
-        Task { key, spec, shared, status, commands, attempt: 0, last_pid, health_error: None, spare_cgroup: None }
+        Task {
+            key,
+            spec,
+            shared,
+            status,
+            commands,
+            attempt: 0,
+            last_pid,
+            health_error: None,
+            spare_cgroup: None,
+            reload_next: None,
+        }
     }
 
     /// Supervises `instance` (`ready` when it needs no readiness check, or was adopted) and
@@ -205,7 +224,12 @@ impl Task {
     pub(super) fn run(mut self, mut instance: Instance, ready: bool) -> impl Future<Output = ()> + Send {
         async move {
             let mut checks = Checks::new(&self.spec, ready, &mut instance, &self.shared);
+            // The reload in flight, if one is; boxed: most processes never reload.
+            let mut reload: Option<Box<Reload>> = None;
+            // The reload's watched files, if any.
+            let mut watch = Watch::of(&self.spec);
             loop {
+                let (running, spec, watching) = (&mut reload, &self.spec, &mut watch);
                 let event = tokio::select! {
                     // Every branch is cancel-safe: `recv` loses no command, a pidfd stays
                     // readable once its process exited, and a dropped check changes nothing.
@@ -221,6 +245,18 @@ impl Task {
                             Box::pin(checks.next(&self.spec)).await
                         }
                     } => Event::Checked(checked),
+                    step = async {
+                        match running.as_mut() {
+                            Some(running) => Box::pin(running.next(spec)).await,
+                            None => std::future::pending().await,
+                        }
+                    } => Event::Reload(step),
+                    () = async {
+                        match watching.as_mut() {
+                            Some(watching) => watching.changed().await,
+                            None => std::future::pending().await,
+                        }
+                    } => Event::Watched,
                 };
                 match event {
                     Event::Checked(checked) => {
@@ -231,22 +267,52 @@ impl Task {
                             // Stopped as on a stop (its kill signal, then SIGKILL after the
                             // timeout), then restarted on the backoff like any exit.
                             tracing::warn!(pid = instance.pid, error = %message, "process unhealthy; restarting it");
+                            self.fail_reloads(
+                                &mut reload,
+                                "the proxy was restarted during the reload: its liveness failed",
+                            );
                             let _unsignalled = Box::pin(self.terminate(&instance, Stop::Signalled)).await;
                             let Some(next) = Box::pin(self.restart_after_exit(instance, Some(message))).await else {
                                 return;
                             };
                             instance = next;
                             checks = self.checks_of_new(&mut instance);
+                        } else if let Checked::Reload(notice) = checked {
+                            let step = reload.as_mut().and_then(|running| running.noticed(&notice));
+                            if let Some(Step::Done(result, error)) = step {
+                                self.end_reload(&mut reload, result, error);
+                            }
                         } else {
                             self.checked(checked);
                         }
+                    }
+                    Event::Reload(step) => self.reload_step(&mut reload, step, &instance),
+                    Event::Watched => {
+                        tracing::info!("a watched file changed; reloading");
+                        self.ask_reload(&mut reload, Vec::new());
                     }
                     Event::Commands(commands) => {
                         if let Some(update) = commands.update {
                             if let Some(health) = &update.health {
                                 checks.update(health.readiness.clone(), health.liveness.clone(), &self.shared);
                             }
+                            let rewatch = update.reload.as_ref().is_some_and(|new| {
+                                new.as_ref().map(|r| &r.watch) != self.spec.reload.as_ref().map(|r| &r.watch)
+                            });
                             self.apply(*update);
+                            if rewatch {
+                                watch = Watch::of(&self.spec);
+                            }
+                        }
+                        let ending = commands.stop.is_some() || commands.detach.is_some() || commands.handle_gone;
+                        if !commands.reload.is_empty() {
+                            self.ask_reload(&mut reload, commands.reload);
+                        }
+                        if ending {
+                            self.fail_reloads(
+                                &mut reload,
+                                "the proxy is no longer supervised: it was stopped or detached",
+                            );
                         }
                         if let Some(how) = commands.stop {
                             return Box::pin(self.stop(instance, how)).await;
@@ -271,6 +337,10 @@ impl Task {
                             Box::pin(self.finish(ProcessState::Failed, None, error)).await;
                             return;
                         }
+                        self.fail_reloads(
+                            &mut reload,
+                            "the proxy exited during the reload; it is restarted as after any exit",
+                        );
                         let Some(next) = Box::pin(self.restart_after_exit(instance, None)).await else {
                             return;
                         };
@@ -279,6 +349,80 @@ impl Task {
                     }
                 }
             }
+        }
+    }
+
+    /// Takes reloads asked by `replies`: one begins now, unless one runs (they then wait for
+    /// the next, which begins once it ends). Answered `None` at once without a reload policy.
+    fn ask_reload(&mut self, reload: &mut Option<Box<Reload>>, replies: Vec<ReloadReply>) {
+        let Some(policy) = self.spec.reload.clone() else {
+            for reply in replies {
+                let _caller_gone = reply.send(None);
+            }
+            return;
+        };
+        if reload.is_some() {
+            self.reload_next.get_or_insert_with(Vec::new).extend(replies);
+            return;
+        }
+        tracing::info!("reloading");
+        *reload = Some(Box::new(Reload::new(policy, &self.spec, replies)));
+    }
+
+    /// Carries out a reload's `step`: sends its signal to `instance`, or ends it.
+    fn reload_step(&mut self, reload: &mut Option<Box<Reload>>, step: Step, instance: &Instance) {
+        let (result, error) = match step {
+            Step::Done(result, error) => (result, error),
+            Step::Ask => {
+                let Some(running) = reload.as_mut() else { return };
+                let Some(signal) = running.signal() else { return };
+                match instance.pidfd.send_signal(signal.into()) {
+                    Ok(()) => {
+                        tracing::debug!(pid = instance.pid, %signal, "reload signalled");
+                        match running.asked(&self.spec) {
+                            Some(Step::Done(result, error)) => (result, error),
+                            _ => return,
+                        }
+                    }
+                    Err(cause) => {
+                        (ReloadResult::Failed, Some(format!("cannot send {signal} to pid {}: {cause}", instance.pid)))
+                    }
+                }
+            }
+        };
+        self.end_reload(reload, result, error);
+    }
+
+    /// Ends the reload in flight with `result`: shows it, answers its callers, and begins
+    /// the next one if more were asked meanwhile.
+    fn end_reload(&mut self, reload: &mut Option<Box<Reload>>, result: ReloadResult, error: Option<String>) {
+        let Some(ended) = reload.take() else { return };
+        let outcome = ReloadOutcome::now(result, error);
+        if result.succeeded() {
+            tracing::info!(result = %result, "reloaded");
+        } else {
+            tracing::warn!(result = %result, error = outcome.error.as_deref(), "reload failed");
+        }
+        self.set_status(|status| {
+            status.reloads = Some(Box::new(Reloads::after(status.reloads.as_deref(), outcome.clone())))
+        });
+        ended.answer(&outcome);
+        if let Some(asked) = self.reload_next.take() {
+            self.ask_reload(reload, asked);
+        }
+    }
+
+    /// Fails the reload in flight, and those asked after it, with `reason`: the instance
+    /// they were for is gone.
+    fn fail_reloads(&mut self, reload: &mut Option<Box<Reload>>, reason: &str) {
+        if reload.is_none() {
+            return;
+        }
+        let asked = self.reload_next.take().unwrap_or_default();
+        self.end_reload(reload, ReloadResult::Failed, Some(reason.to_owned()));
+        let outcome = ReloadOutcome::now(ReloadResult::Failed, Some(reason.to_owned()));
+        for reply in asked {
+            let _caller_gone = reply.send(Some(outcome.clone()));
         }
     }
 
@@ -332,6 +476,8 @@ impl Task {
                 self.show_health_error(HealthError::Liveness, message);
             }
             Checked::Dead(message) => self.show_health_error(HealthError::Liveness, message),
+            // Only a reload in flight takes these, in the task's loop.
+            Checked::Reload(_) => {}
             Checked::StatusText(text) => {
                 self.set_status_if(|status| {
                     let changed = status.status_text.as_deref() != Some(text.as_str());
@@ -366,6 +512,9 @@ impl Task {
         if let Some(limits) = update.limits {
             // The running instance's cgroup was written by the handle.
             self.spec.limits = limits;
+        }
+        if let Some(reload) = update.reload {
+            self.spec.reload = reload;
         }
         if let Some(health) = update.health {
             self.spec.health = health;

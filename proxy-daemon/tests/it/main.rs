@@ -9,6 +9,7 @@ mod fixture;
 mod health;
 mod listen;
 mod logs;
+mod reload;
 mod restart;
 mod root;
 mod spawn;

@@ -55,6 +55,7 @@ pub(super) struct ProxyDef {
     memory_max: Option<MemoryMax>,
     cpus: Option<Cpus>,
     pids_max: Option<PidsMax>,
+    reload: Option<ReloadDef>,
 }
 
 /// A `readiness` or `liveness` table as written: exactly one probe kind, its timing, and
@@ -104,6 +105,78 @@ impl ProbeDef {
                 Err(format!("{} probes ({}): give exactly one", kinds.len(), kinds.join(", ")))
             }
         }
+    }
+}
+
+/// The `reload` table, checked: exactly one of `signal` and `exec`.
+pub(super) struct ReloadDef(ReloadPolicy);
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ReloadFields {
+    signal: Option<ReloadSignal>,
+    exec: Option<CommandDef>,
+    check: Option<CommandDef>,
+    watch: Option<Vec<WatchPath>>,
+    timeout: Option<PositiveDuration>,
+}
+
+impl<'de> Deserialize<'de> for ReloadDef {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let def = ReloadFields::deserialize(deserializer)?;
+        let action = match (def.signal, def.exec) {
+            (Some(signal), None) => ReloadAction::Signal(signal.0),
+            (None, Some(exec)) => ReloadAction::Exec(exec.0),
+            (Some(_), Some(_)) => {
+                return Err(de::Error::custom("both `signal` and `exec`: a reload does exactly one"));
+            }
+            (None, None) => {
+                return Err(de::Error::custom(
+                    "no reload action: give exactly one of signal = \"SIG...\" or exec = [\"program\", ...]",
+                ));
+            }
+        };
+        let mut policy = ReloadPolicy::new(action);
+        policy.check = def.check.map(|c| c.0);
+        policy.watch = def.watch.unwrap_or_default().into_iter().map(|w| w.0).collect();
+        if let Some(timeout) = def.timeout {
+            policy.timeout = timeout.0;
+        }
+        Ok(Self(policy))
+    }
+}
+
+/// A reload's `signal`.
+struct ReloadSignal(KillSignal);
+
+impl<'de> Deserialize<'de> for ReloadSignal {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let raw = String::deserialize(deserializer)?;
+        match KillSignal::from_name(&raw) {
+            Some(KillSignal::Kill) | None => {
+                let names: Vec<&str> =
+                    KillSignal::ALL.iter().filter(|s| **s != KillSignal::Kill).map(|s| s.name()).collect();
+                Err(de::Error::custom(format!("unknown reload signal {raw:?}: expected one of {}", names.join(", "))))
+            }
+            Some(signal) => Ok(Self(signal)),
+        }
+    }
+}
+
+/// A watched path: absolute.
+struct WatchPath(PathBuf);
+
+impl<'de> Deserialize<'de> for WatchPath {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let raw = String::deserialize(deserializer)?;
+        no_nul(&raw).map_err(de::Error::custom)?;
+        let path = PathBuf::from(&raw);
+        if !path.is_absolute() || path.file_name().is_none() {
+            return Err(de::Error::custom(format!(
+                "watched path {raw:?} must be an absolute path to a file or a directory"
+            )));
+        }
+        Ok(Self(path))
     }
 }
 
@@ -299,6 +372,7 @@ impl From<ProxyDef> for ProxySpec {
                 cpus: def.cpus.map(|c| c.0),
                 pids_max: def.pids_max.map(|p| p.0),
             },
+            reload: def.reload.map(|r| r.0),
         }
     }
 }

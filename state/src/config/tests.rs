@@ -569,3 +569,56 @@ fn resource_limits_are_read_and_bad_ones_named() {
     let error = proxy_error("pids_max = 0");
     assert!(error.contains("pids_max") && error.contains("at least 1"), "{error}");
 }
+
+#[test]
+fn a_reload_table_is_read_with_its_defaults_and_written_back() {
+    let text = "[[service]]\nname = \"web\"\n[service.proxy.reload]\nsignal = \"SIGUSR2\"\n\
+                check = [\"haproxy\", \"-c\", \"-f\", \"/etc/haproxy/haproxy.cfg\"]\n\
+                watch = [\"/etc/haproxy/haproxy.cfg\", \"/etc/haproxy/certs\"]\n";
+    let service = one(text);
+    let reload = service.proxy.as_ref().unwrap().reload.clone().unwrap();
+    assert_eq!(reload.action, ReloadAction::Signal(KillSignal::Usr2));
+    assert_eq!(reload.check.as_ref().unwrap().to_words(), ["haproxy", "-c", "-f", "/etc/haproxy/haproxy.cfg"]);
+    assert_eq!(reload.watch, [PathBuf::from("/etc/haproxy/haproxy.cfg"), "/etc/haproxy/certs".into()]);
+    assert_eq!(reload.timeout, Duration::from_secs(10));
+    let exec = one(
+        "[[service]]\nname = \"web\"\n[service.proxy.reload]\nexec = [\"/usr/sbin/reload\", \"now\"]\ntimeout = \"3s\"\n",
+    );
+    let exec = exec.proxy.unwrap().reload.unwrap();
+    assert_eq!(
+        exec.action,
+        ReloadAction::Exec(CommandLine::from_words(vec!["/usr/sbin/reload".into(), "now".into()]).unwrap())
+    );
+    assert_eq!((exec.check, exec.watch.len(), exec.timeout), (None, 0, Duration::from_secs(3)));
+    for format in [Format::Toml, Format::Json] {
+        let body = to_service_text(&service, format).unwrap();
+        assert_eq!(parse_service(&body, format, &Origin::Body).unwrap(), service, "{body}");
+    }
+}
+
+#[test]
+fn bad_reload_tables_name_file_line_and_field() {
+    let reload = |lines: &str| proxy_error(&format!("[service.proxy.reload]\n{lines}"));
+    let none = reload("timeout = \"1s\"");
+    assert!(none.starts_with("conf.d/web.toml:"), "{none}");
+    assert!(none.contains("field `service[0].proxy.reload`: no reload action: give exactly one of signal"), "{none}");
+    let both = reload("signal = \"SIGHUP\"\nexec = [\"/bin/true\"]");
+    assert!(both.contains("field `service[0].proxy.reload`: both `signal` and `exec`"), "{both}");
+    let signal = reload("signal = \"SIGKILL\"");
+    assert!(signal.contains("field `service[0].proxy.reload.signal`: unknown reload signal \"SIGKILL\""), "{signal}");
+    let relative = reload("signal = \"SIGHUP\"\nwatch = [\"etc/haproxy.cfg\"]");
+    assert!(
+        relative.contains(
+            "field `service[0].proxy.reload.watch[0]`: watched path \"etc/haproxy.cfg\" must be an absolute path"
+        ),
+        "{relative}"
+    );
+    let check = reload("signal = \"SIGHUP\"\ncheck = [\"bin/check\"]");
+    assert!(
+        check.contains("field `service[0].proxy.reload.check`: program \"bin/check\" is a relative path"),
+        "{check}"
+    );
+    let zero = reload("signal = \"SIGHUP\"\ntimeout = \"0s\"");
+    assert!(zero.contains("field `service[0].proxy.reload.timeout`: must be more than zero"), "{zero}");
+    assert!(reload("signal = \"SIGHUP\"\nwatched = []").contains("unknown field `watched`"));
+}

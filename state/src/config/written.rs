@@ -52,6 +52,37 @@ pub(super) struct ProxyOut<'a> {
     cpus: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pids_max: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reload: Option<ReloadOut<'a>>,
+}
+
+#[derive(Serialize)]
+pub(super) struct ReloadOut<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    signal: Option<KillSignal>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    exec: Option<Vec<String>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    check: Option<Vec<String>>,
+    #[serde(skip_serializing_if = "<[PathBuf]>::is_empty")]
+    watch: &'a [PathBuf],
+    timeout: String,
+}
+
+impl<'a> From<&'a ReloadPolicy> for ReloadOut<'a> {
+    fn from(policy: &'a ReloadPolicy) -> Self {
+        let (signal, exec) = match &policy.action {
+            ReloadAction::Signal(signal) => (Some(*signal), None),
+            ReloadAction::Exec(line) => (None, Some(line.to_words())),
+        };
+        Self {
+            signal,
+            exec,
+            check: policy.check.as_ref().map(CommandLine::to_words),
+            watch: &policy.watch,
+            timeout: humantime::format_duration(policy.timeout).to_string(),
+        }
+    }
 }
 
 #[derive(Serialize)]
@@ -157,6 +188,7 @@ impl<'a> From<&'a ProxySpec> for ProxyOut<'a> {
             memory_max: spec.limits.memory_max,
             cpus: spec.limits.cpus.map(CpuLimit::cores),
             pids_max: spec.limits.pids_max,
+            reload: spec.reload.as_ref().map(ReloadOut::from),
         }
     }
 }
