@@ -43,10 +43,13 @@ mod listeners;
 mod loader;
 mod resources;
 mod schema;
+mod templates;
 mod written;
 
 pub use error::*;
 pub use listeners::MAX_LISTENERS;
+pub use templates::MAX_TEMPLATES;
+use templates::*;
 use listeners::*;
 pub use loader::*;
 use resources::{Cpus, MemoryMax, PidsMax};

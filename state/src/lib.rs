@@ -123,6 +123,7 @@ pub mod persist;
 pub mod proxy_env;
 mod resources;
 mod service;
+mod template;
 mod token;
 
 pub use backoff::Backoff;
@@ -144,6 +145,7 @@ pub use service::{
     CommandLine, ExecMode, KillPolicy, KillSignal, LogPolicy, ManagedProxy, NameError, ProxyChange, ProxyCommand,
     ProxyConfigMap, ProxySpec, RestartPolicy, Service, ServiceName,
 };
+pub use template::{DEFAULT_TEMPLATE_MODE, DEFAULT_TEMPLATE_WAIT, OnChange, Template, TemplateSource};
 pub use token::{ProxyToken, TokenError, TokenFingerprint};
 
 // The README is the crate's page on crates.io: its examples run as doctests too.

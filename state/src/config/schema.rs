@@ -55,6 +55,7 @@ pub(super) struct ProxyDef {
     memory_max: Option<MemoryMax>,
     cpus: Option<Cpus>,
     pids_max: Option<PidsMax>,
+    template: Option<TemplatesDef>,
 }
 
 /// A `readiness` or `liveness` table as written: exactly one probe kind, its timing, and
@@ -299,6 +300,7 @@ impl From<ProxyDef> for ProxySpec {
                 cpus: def.cpus.map(|c| c.0),
                 pids_max: def.pids_max.map(|p| p.0),
             },
+            templates: def.template.map(|t| t.0).unwrap_or_default(),
         }
     }
 }
@@ -556,7 +558,7 @@ impl<'de> Deserialize<'de> for LogKeep {
     }
 }
 
-pub(super) struct HumanDuration(Duration);
+pub(super) struct HumanDuration(pub(super) Duration);
 
 impl<'de> Deserialize<'de> for HumanDuration {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {

@@ -163,6 +163,7 @@ fn proxy_spec_without_health() -> impl Strategy<Value = ProxySpec> {
                         cpus: millicores.map(|m| CpuLimit::from_cores(f64::from(m) / 1000.0).unwrap()),
                         pids_max,
                     },
+                    templates: Vec::new(),
                 }
             },
         )
