@@ -48,12 +48,12 @@ mod written;
 
 pub use error::*;
 pub use listeners::MAX_LISTENERS;
-pub use templates::MAX_TEMPLATES;
-use templates::*;
 use listeners::*;
 pub use loader::*;
 use resources::{Cpus, MemoryMax, PidsMax};
 use schema::*;
+pub use templates::MAX_TEMPLATES;
+use templates::*;
 use written::*;
 
 /// A service read from a config file, with the file it came from.
