@@ -39,14 +39,11 @@ pub(crate) type Owner = Option<(Uid, Gid)>;
 /// [`WriteError::Unsafe`] when something other than a regular file of its own is at the
 /// destination; [`WriteError::Io`] otherwise. The old file is then untouched.
 pub(crate) fn write_if_changed(destination: &Path, bytes: &[u8], mode: u32, owner: Owner) -> Result<bool, WriteError> {
-    match persist::read_no_follow(destination) {
-        Ok(current) if current == bytes => return Ok(false),
+    match read_current(destination) {
+        Ok(Some(current)) if current == bytes => return Ok(false),
         Ok(_) => {}
-        Err(err) if err.kind() == io::ErrorKind::NotFound => {}
-        Err(err) if err.get_ref().is_some_and(|inner| inner.is::<persist::UnsafeEntry>()) || is_directory(&err) => {
-            return Err(WriteError::Unsafe { path: destination.to_owned(), source: err });
-        }
-        Err(err) => return Err(WriteError::Io { path: destination.to_owned(), source: err }),
+        Err(Current::Unsafe(source)) => return Err(WriteError::Unsafe { path: destination.to_owned(), source }),
+        Err(Current::Io(source)) => return Err(WriteError::Io { path: destination.to_owned(), source }),
     }
     persist::write_atomic_file(destination, Durability::Crash, |file| {
         file.set_permissions(std::fs::Permissions::from_mode(mode))?;
@@ -59,8 +56,36 @@ pub(crate) fn write_if_changed(destination: &Path, bytes: &[u8], mode: u32, owne
     Ok(true)
 }
 
-fn is_directory(err: &io::Error) -> bool {
-    err.raw_os_error() == Some(libc::EISDIR)
+/// Why the file at a destination could not be compared.
+enum Current {
+    /// Something other than a regular file is there.
+    Unsafe(io::Error),
+    /// It could not be read.
+    Io(io::Error),
+}
+
+/// The bytes of the regular file at `path`, `None` if there is none; a link there is not
+/// followed. Its mode and owner are left as they are: the file is the operator's until it
+/// is replaced.
+fn read_current(path: &Path) -> Result<Option<Vec<u8>>, Current> {
+    use nix::fcntl::{OFlag, open};
+    use nix::sys::stat::{Mode, SFlag, fstat};
+    let flags = OFlag::O_RDONLY | OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK | OFlag::O_NOCTTY | OFlag::O_CLOEXEC;
+    let fd = match open(path, flags, Mode::empty()) {
+        Ok(fd) => fd,
+        Err(nix::errno::Errno::ENOENT) => return Ok(None),
+        Err(nix::errno::Errno::ELOOP) => {
+            return Err(Current::Unsafe(io::Error::other("a symbolic link is at the destination")));
+        }
+        Err(errno) => return Err(Current::Io(errno.into())),
+    };
+    let stat = fstat(&fd).map_err(|errno| Current::Io(errno.into()))?;
+    if SFlag::from_bits_truncate(stat.st_mode) & SFlag::S_IFMT != SFlag::S_IFREG {
+        return Err(Current::Unsafe(io::Error::other("not a regular file")));
+    }
+    let mut bytes = Vec::new();
+    std::io::Read::read_to_end(&mut std::fs::File::from(fd), &mut bytes).map_err(Current::Io)?;
+    Ok(Some(bytes))
 }
 
 #[cfg(test)]
@@ -78,9 +103,10 @@ mod tests {
         let first = std::fs::metadata(&path).unwrap();
         assert_eq!(first.mode() & 0o7777, 0o640);
 
-        // The same bytes: nothing is written, the file keeps its inode.
+        // The same bytes: nothing is written, the file keeps its inode and its mode.
         assert!(!write_if_changed(&path, b"one\n", 0o640, None).unwrap());
-        assert_eq!(std::fs::metadata(&path).unwrap().ino(), first.ino());
+        let again = std::fs::metadata(&path).unwrap();
+        assert_eq!((again.ino(), again.mode() & 0o7777), (first.ino(), 0o640));
 
         // New bytes: a new file renamed into place, nothing else left in the directory.
         assert!(write_if_changed(&path, b"two\n", 0o600, None).unwrap());
@@ -89,6 +115,10 @@ mod tests {
         assert_eq!(second.mode() & 0o7777, 0o600);
         let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(names, ["haproxy.cfg"]);
+
+        // A directory at the destination is left alone.
+        let error = write_if_changed(dir.path(), b"x", 0o644, None).unwrap_err();
+        assert!(matches!(error, WriteError::Unsafe { .. }), "{error:?}");
     }
 
     #[test]

@@ -19,5 +19,6 @@ mod page;
 mod policy;
 mod scale;
 mod support;
+mod templates;
 mod validate;
 mod zero_downtime;
