@@ -144,6 +144,7 @@ impl Templates {
     /// that fails. Returns the templates whose files changed.
     fn render_proxy(&self, proxy: &ManagedProxy) -> Result<Vec<Template>, TemplateError> {
         let templates = &proxy.spec().templates;
+        self.forget_other_templates(proxy.id(), templates);
         if templates.is_empty() {
             return Ok(Vec::new());
         }
@@ -172,6 +173,29 @@ impl Templates {
             }
         }
         Ok(changed)
+    }
+
+    /// Forgets what is kept of a proxy's templates that it no longer has (its config
+    /// changed), so that a stale error is never shown.
+    fn forget_other_templates(&self, proxy: &ProxyId, templates: &[Template]) {
+        let kept = |destination: &Path| templates.iter().any(|t| t.destination == destination);
+        let mut board = lock(&self.shared.board);
+        if let Some(errors) = board.errors.get_mut(proxy) {
+            errors.retain(|destination, _| kept(destination));
+            if errors.is_empty() {
+                board.errors.remove(proxy);
+            }
+        }
+        board.instances_of.retain(|(id, destination), _| id != proxy || kept(destination));
+    }
+
+    /// Forgets the errors and names kept of proxies that left the catalog.
+    fn forget_gone(&self) {
+        let wanted: BTreeSet<ProxyId> =
+            self.shared.catalog.entries().iter().filter_map(|entry| Some(entry.proxy.as_ref()?.id().clone())).collect();
+        let mut board = lock(&self.shared.board);
+        board.errors.retain(|id, _| wanted.contains(id));
+        board.instances_of.retain(|(id, _), _| wanted.contains(id));
     }
 
     fn render_one(
@@ -255,6 +279,7 @@ impl Templates {
                     }
                     // Every template sees `service` and `services`.
                     self.mark(&mut due, |_, _| true);
+                    self.forget_gone();
                 }
                 event = statuses.recv() => match event {
                     Ok(ProxyEvent::Changed(status)) => {
@@ -313,8 +338,9 @@ impl Templates {
     /// Renders the templates of `proxy` again, and restarts it when a file that asks for it
     /// changed while it runs.
     async fn rerender(&self, manager: &ManagerHandle, proxy_id: &ProxyId, restarts: &mut JoinSet<()>) {
-        let Some(entry) = self.shared.catalog.get(&proxy_id.service_id()) else { return };
-        let Some(proxy) = entry.proxy.clone() else { return };
+        let Some(proxy) = self.shared.catalog.get(&proxy_id.service_id()).and_then(|entry| entry.proxy) else {
+            return;
+        };
         let this = self.clone();
         let rendered = tokio::task::spawn_blocking(move || this.render_proxy(&proxy)).await;
         let Ok(Ok(changed)) = rendered else { return };
