@@ -42,6 +42,39 @@ fn renders(dirs: &Dirs, result: &str) -> u64 {
     metrics.lines().find_map(|line| line.strip_prefix(&wanted)?.parse().ok()).unwrap_or(0)
 }
 
+/// `tether events --json`, killed and reaped on drop.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Streams the agent's events, one JSON line each, to the receiver as they come.
+fn events(dirs: &Dirs) -> (KillOnDrop, std::sync::mpsc::Receiver<String>) {
+    use std::io::BufRead;
+    let mut child = tether()
+        .args(["events", "--json", "--data-dir"])
+        .arg(&dirs.data)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (send, receive) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout).lines() {
+            let Ok(line) = line else { return };
+            if send.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    (KillOnDrop(child), receive)
+}
+
 const SERVICES: &str = "{% for s in services %}{{ s.id }} {{ s.address }}:{{ s.port }}\n{% endfor %}";
 
 #[test]
@@ -123,11 +156,25 @@ fn a_later_render_error_keeps_the_last_good_file_and_the_proxy_running() {
     dirs.write_config("web.toml", &web(&rendered(&dirs), template));
     dirs.write_config("api.toml", "[[service]]\nname = \"api\"\nid = \"api-1\"\nmeta = { zone = \"a\" }\n");
     let agent = Agent::start(&dirs, &root_flags());
-    let running = agent.wait_state("web-proxy", "running");
+    agent.wait_state("web-proxy", "running");
     assert_eq!(std::fs::read_to_string(rendered(&dirs)).unwrap(), "api-1 a\n");
 
+    // The events stream is open once it tells of a restart.
+    let (_events, lines) = events(&dirs);
+    wait_for("the events stream", || {
+        tether().args(["restart", "web-proxy", "--data-dir"]).arg(&dirs.data).assert().code(0);
+        lines.recv_timeout(std::time::Duration::from_millis(500)).ok()
+    });
+    let running = agent.wait_state("web-proxy", "running");
     let answer = register(&dirs, r#"{"name": "api", "id": "api-2"}"#);
     assert_eq!(answer.status, 200, "{}", answer.body);
+    let failed = wait_for("a template-failed event", || {
+        let line = lines.try_recv().ok()?;
+        let event: serde_json::Value = serde_json::from_str(&line).unwrap();
+        (event["event"] == "template-failed").then_some(event)
+    });
+    assert_eq!(failed["proxy"], "web-proxy");
+    assert!(failed["detail"].as_str().unwrap().contains("line 1"), "{failed}");
     let shown =
         wait_for("the template's error in the status", || agent.proxy("web-proxy").filter(|p| p["error"].is_string()));
     let error = shown["error"].as_str().unwrap();
