@@ -86,7 +86,9 @@ struct Shared {
     catalog: LocalState,
     node: Option<String>,
     /// The engine, once it exists: readiness for `instances`, restarts for `on_change`.
-    manager: OnceLock<ManagerHandle>,
+    manager: Arc<OnceLock<ManagerHandle>>,
+    /// Where `instances(name)` looks.
+    instances: Arc<dyn InstanceSource>,
     board: Mutex<Board>,
     events: broadcast::Sender<TemplateEvent>,
 }
@@ -116,7 +118,10 @@ impl Templates {
     /// Templates of the proxies of `catalog`, on node `node` (`--node`), if any.
     pub(crate) fn new(catalog: LocalState, node: Option<String>) -> Self {
         let (events, _) = broadcast::channel(256);
-        let shared = Shared { catalog, node, manager: OnceLock::new(), board: Mutex::new(Board::default()), events };
+        let manager: Arc<OnceLock<ManagerHandle>> = Arc::default();
+        let instances =
+            Arc::new(LocalInstances { catalog: catalog.clone(), node: node.clone(), manager: manager.clone() });
+        let shared = Shared { catalog, node, manager, instances, board: Mutex::new(Board::default()), events };
         Self { shared: Arc::new(shared) }
     }
 
@@ -214,8 +219,7 @@ impl Templates {
             },
         };
         let name = destination.to_string_lossy();
-        let instances = Arc::new(LocalInstances { shared: self.shared.clone() });
-        let rendered = render::render(&name, &text, service, shared, instances)
+        let rendered = render::render(&name, &text, service, shared, self.shared.instances.clone())
             .map_err(|source| TemplateError::Render { destination: destination.clone(), source })?;
         lock(&self.shared.board).instances_of.insert((proxy.id().clone(), destination.clone()), rendered.instances_of);
         let owner = owner(proxy).map_err(|user| TemplateError::User { destination: destination.clone(), user })?;
@@ -400,15 +404,21 @@ impl BeforeStart for Templates {
 
 /// `instances(name)` from this agent's own catalog: each service named `name` that has no
 /// proxy, or whose proxy is `running`.
+///
+/// The fleet's `instances/<name>/` prefix is the other source of this shape: it would be
+/// chosen in [`Templates::new`] when the agent follows etcd, and tell the watcher of changes
+/// of the names that templates ask for (kept in `Board::instances_of`).
 struct LocalInstances {
-    shared: Arc<Shared>,
+    catalog: LocalState,
+    node: Option<String>,
+    /// The engine, for readiness, once it exists.
+    manager: Arc<OnceLock<ManagerHandle>>,
 }
 
 impl InstanceSource for LocalInstances {
     fn instances(&self, name: &str) -> Vec<Instance> {
-        let manager = self.shared.manager.get();
-        self.shared
-            .catalog
+        let manager = self.manager.get();
+        self.catalog
             .entries()
             .iter()
             .filter(|entry| entry.service.name.as_str() == name)
@@ -416,7 +426,7 @@ impl InstanceSource for LocalInstances {
                 None => true,
                 Some(proxy) => manager.and_then(|m| m.proxy(proxy.id())).is_some_and(|status| status.ready()),
             })
-            .map(|entry| Instance::of(self.shared.node.as_deref(), &entry.service))
+            .map(|entry| Instance::of(self.node.as_deref(), &entry.service))
             .collect()
     }
 }
