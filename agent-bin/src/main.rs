@@ -14,6 +14,7 @@ mod error;
 mod fleet;
 mod logging;
 mod metrics;
+mod templates;
 mod validate;
 
 use std::process::ExitCode;

@@ -7,6 +7,7 @@ use std::io::Write;
 use std::path::Path;
 use std::process::ExitCode;
 
+use tether_state::TemplateSource;
 use tether_state::config::DisplayPath;
 
 use crate::cli::ValidateArgs;
@@ -17,6 +18,14 @@ pub(crate) fn run(args: &ValidateArgs) -> anyhow::Result<ExitCode> {
     match tether_state::config::load_dirs(&args.dirs) {
         Ok(entries) => {
             let mut stderr = std::io::stderr().lock();
+            let broken = template_errors(&entries);
+            if !broken.is_empty() {
+                for error in &broken {
+                    writeln!(stderr, "{error}")?;
+                }
+                writeln!(stderr, "{} error(s)", broken.len())?;
+                return Ok(ExitCode::from(2));
+            }
             // Services come file by file, in each file's order: a service's index is its
             // place in its file's `service` list, as errors name it.
             let mut next_index: HashMap<&Path, usize> = HashMap::new();
@@ -44,4 +53,39 @@ pub(crate) fn run(args: &ValidateArgs) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::from(2))
         }
     }
+}
+
+/// Every template that does not parse, or whose `source` cannot be read, one line each:
+/// the config file and field, the template's destination, and the template's line. The
+/// agent would make such a proxy `failed` with the same error at each start.
+fn template_errors(entries: &[tether_state::config::ConfigEntry]) -> Vec<String> {
+    let mut errors = Vec::new();
+    let mut next_index: HashMap<&Path, usize> = HashMap::new();
+    for entry in entries {
+        let index = next_index.entry(&entry.file).or_default();
+        let service_index = *index;
+        *index += 1;
+        let Some(proxy) = &entry.service.proxy else { continue };
+        for (at, template) in proxy.templates.iter().enumerate() {
+            let place = format!(
+                "{}: field `service[{service_index}].proxy.template[{at}]`: template {}",
+                DisplayPath(&entry.file),
+                DisplayPath(&template.destination)
+            );
+            let text = match &template.source {
+                TemplateSource::Inline(text) => text.clone(),
+                TemplateSource::File(path) => match std::fs::read_to_string(path) {
+                    Ok(text) => text,
+                    Err(err) => {
+                        errors.push(format!("{place}: cannot read its source {}: {err}", DisplayPath(path)));
+                        continue;
+                    }
+                },
+            };
+            if let Err(err) = crate::templates::check_syntax(&template.destination.to_string_lossy(), &text) {
+                errors.push(format!("{place}: {err}"));
+            }
+        }
+    }
+    errors
 }

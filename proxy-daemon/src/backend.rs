@@ -46,6 +46,22 @@ pub struct AgentEnvironment {
     pub http_addr: Option<String>,
     /// The program and arguments that run the built-in proxy.
     pub built_in: (PathBuf, Vec<OsString>),
+    /// What must be done before each start of a proxy (the agent renders its templates),
+    /// if anything.
+    pub before_start: Option<Arc<dyn BeforeStart>>,
+}
+
+/// Work the agent does before each start of a proxy, such as writing the files the proxy
+/// reads at start. A failure fails the start, which the engine retries on the proxy's
+/// restart backoff, like any failed start.
+#[async_trait]
+pub trait BeforeStart: Send + Sync + std::fmt::Debug {
+    /// Prepares `proxy`'s start.
+    ///
+    /// # Errors
+    ///
+    /// Why the proxy cannot start now; it becomes the proxy's error.
+    async fn before_start(&self, proxy: Arc<ManagedProxy>) -> Result<(), Box<dyn std::error::Error + Send + Sync>>;
 }
 
 /// [`ProxyBackend`] for `exec_mode = "daemon"`: every proxy is an OS process supervised by
@@ -496,6 +512,12 @@ impl ProxyHandle for OsProxyHandle {
         let Some(proxy) = self.lock().proxy.clone() else {
             return Err(BackendError::Start { id: self.id.clone(), source: "no spec to start the proxy from".into() });
         };
+        if let Some(before_start) = &self.shared.environment.before_start {
+            before_start
+                .before_start(proxy.clone())
+                .await
+                .map_err(|source| BackendError::Start { id: self.id.clone(), source })?;
+        }
         let mut spec = self.shared.process_spec(&proxy);
         let listeners = self.lock().listeners.take();
         spec.listeners = match listeners {
@@ -609,7 +631,8 @@ mod tests {
         let temp = tempfile::tempdir().unwrap();
         let data = DataDir::open(temp.path()).unwrap();
         let built_in = ("/usr/libexec/tether/proxy".into(), Vec::new());
-        let environment = AgentEnvironment { socket: data.socket_path(), http_addr: None, built_in };
+        let environment =
+            AgentEnvironment { socket: data.socket_path(), http_addr: None, built_in, before_start: None };
         let backend = OsProcessBackend::new(data.clone(), environment).unwrap();
         let service =
             parse_service("name = \"web\"\n[proxy]\ncommand = [\"/bin/sleep\", \"30\"]\n", Format::Toml, &Origin::Body)

@@ -67,7 +67,7 @@
 //! // What every proxy is told about the agent (`TETHER_SOCKET`, `TETHER_HTTP_ADDR`), and
 //! // what runs the built-in proxy: here, another program of the agent's.
 //! let built_in = ("/usr/libexec/my-agent/proxy".into(), Vec::new());
-//! let environment = AgentEnvironment { socket: data.socket_path(), http_addr: None, built_in };
+//! let environment = AgentEnvironment { socket: data.socket_path(), http_addr: None, built_in, before_start: None };
 //! let backend = Arc::new(OsProcessBackend::new(data.clone(), environment)?);
 //! let store = Arc::new(FileSnapshotStore::in_data_dir(&data));
 //! let catalog = Arc::new(LocalState::new());
@@ -118,7 +118,7 @@ mod status;
 mod supervisor;
 
 #[cfg(feature = "manager")]
-pub use backend::{AgentEnvironment, MissingProgram, OsProcessBackend, missing_programs};
+pub use backend::{AgentEnvironment, BeforeStart, MissingProgram, OsProcessBackend, missing_programs};
 pub use cgroup::{CgroupError, CgroupUnavailable, Cgroups, Usage};
 pub use error::{DetachError, InvalidName, ProgramNotFound, SpawnError, SpecError};
 pub use listen::{ListenAddress, ListenError, bind as bind_listener, listens_on};

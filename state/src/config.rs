@@ -44,6 +44,7 @@ mod listeners;
 mod loader;
 mod resources;
 mod schema;
+mod templates;
 mod written;
 
 pub use error::*;
@@ -52,6 +53,8 @@ use listeners::*;
 pub use loader::*;
 use resources::{Cpus, MemoryMax, PidsMax};
 use schema::*;
+pub use templates::MAX_TEMPLATES;
+use templates::*;
 use written::*;
 
 /// A service read from a config file, with the file it came from.

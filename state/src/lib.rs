@@ -124,6 +124,7 @@ pub mod proxy_env;
 mod reload;
 mod resources;
 mod service;
+mod template;
 mod token;
 
 pub use backoff::Backoff;
@@ -146,6 +147,7 @@ pub use service::{
     CommandLine, ExecMode, KillPolicy, KillSignal, LogPolicy, ManagedProxy, NameError, ProxyChange, ProxyCommand,
     ProxyConfigMap, ProxySpec, RestartPolicy, Service, ServiceName,
 };
+pub use template::{DEFAULT_TEMPLATE_MODE, DEFAULT_TEMPLATE_WAIT, OnChange, Template, TemplateSource};
 pub use token::{ProxyToken, TokenError, TokenFingerprint};
 
 // The README is the crate's page on crates.io: its examples run as doctests too.

@@ -245,6 +245,25 @@ pub fn write_atomic_with(
     dir.write_atomic_with(name, durability, write)
 }
 
+/// Like [`write_atomic_with`], but `write` gets the temporary file itself (mode 0600), so
+/// that it can also set the file's mode and owner before the rename puts it in place.
+/// The directory of `path` is opened as it is; a symbolic link at `path` is replaced by
+/// the rename, never written through.
+///
+/// # Errors
+///
+/// [`PersistError::Write`], also when `write` fails; the old content of `path`, if any, is
+/// then untouched.
+pub fn write_atomic_file(
+    path: &Path,
+    durability: Durability,
+    write: impl FnOnce(&mut fs::File) -> io::Result<()>,
+) -> Result<(), PersistError> {
+    let (dir, name) =
+        PrivateDir::open_parent_of(path).map_err(|source| PersistError::Write { path: path.to_owned(), source })?;
+    dir.write_atomic_file(name, durability, write)
+}
+
 /// Reads the whole regular file at `path` without following it if it is a link (its
 /// directory is opened by path).
 ///

@@ -422,6 +422,9 @@ pub struct ProxySpec {
     pub limits: ResourceLimits,
     /// How it reloads its files without a restart, when it can.
     pub reload: Option<ReloadPolicy>,
+    /// Files the agent renders for it from the catalog, before each start and when their
+    /// data changes.
+    pub templates: Vec<crate::Template>,
 }
 
 /// A service's managed proxy as the engine sees it: its id, its service, its spec and its
@@ -441,8 +444,8 @@ pub enum ProxyChange {
     /// Only what can be applied to the running process differs: `config`, the kill,
     /// restart, log and reload policies, or the service's name, address, port, tags or meta.
     InPlace,
-    /// The command, working directory, environment, `inherit_env`, user, listeners or
-    /// token differs:
+    /// The command, working directory, environment, `inherit_env`, user, listeners,
+    /// templates or token differs:
     /// the process must be stopped and started again.
     Restart,
 }
@@ -479,7 +482,7 @@ impl ManagedProxy {
 
     /// What going from `self` to `new` requires: a restart when the token or what shapes the
     /// process changes (exec mode, command, working directory, environment, `inherit_env`,
-    /// user, listeners), a change in place for everything else.
+    /// user, listeners, templates), a change in place for everything else.
     ///
     /// This is the one place that classifies a setting; a new setting is added here.
     ///
@@ -514,7 +517,10 @@ impl ManagedProxy {
             || old_spec.env != new_spec.env
             || old_spec.inherit_env != new_spec.inherit_env
             || old_spec.user != new_spec.user
-            || old_spec.listeners != new_spec.listeners;
+            || old_spec.listeners != new_spec.listeners
+            // The proxy reads its files at start: a changed template renders before the
+            // new instance starts.
+            || old_spec.templates != new_spec.templates;
         if restart {
             ProxyChange::Restart
         } else if self.service != new.service {
@@ -562,6 +568,8 @@ mod tests {
             address: crate::ListenAddress::parse("127.0.0.1:21000").unwrap(),
         };
         assert_eq!(change(|s| spec(s).listeners.push(listener)), ProxyChange::Restart);
+        let template = crate::Template::new(crate::TemplateSource::Inline("x".into()), "/etc/web.conf".into());
+        assert_eq!(change(|s| spec(s).templates.push(template)), ProxyChange::Restart);
     }
 
     #[test]

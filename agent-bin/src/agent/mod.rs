@@ -33,6 +33,7 @@ use crate::error::UsageError;
 use crate::fleet::FleetOptions;
 use crate::fleet::follow::{FleetCollector, Follower};
 use crate::metrics::Metrics;
+use crate::templates::Templates;
 
 /// What `tether agent` runs with, after `--dev` has been resolved.
 pub(crate) struct AgentOptions {
@@ -170,6 +171,9 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
         Err(errors) => return Err(UsageError(format!("invalid config:\n{errors}")).into()),
     };
     warn_of_missing_programs(sources.state());
+    // Rendered before each start, through the backend; re-rendered by their own task.
+    let node = options.fleet.as_ref().map(|fleet| fleet.layout.node().to_owned());
+    let templates = Templates::new(sources.state().clone(), node);
     // Before the engine's first reconcile, so that it adopts the fleet's running proxies.
     let follower = options.fleet.map(|fleet| Follower::new(fleet.layout, fleet.etcd, sources.clone(), &data));
     let fleet_status = follower.as_ref().map(Follower::status);
@@ -179,6 +183,7 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
         socket: socket_path.clone(),
         http_addr: options.http_addr.map(|addr| addr.to_string()),
         built_in: built_in_proxy(),
+        before_start: Some(Arc::new(templates.clone())),
     };
     let cgroups = open_cgroups(&options.cgroups, &data)?;
     // Whichever way the agent ends from here, a start that failed included, it leaves no
@@ -208,12 +213,14 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
     let catalog = Arc::new(sources.state().clone());
     let mut manager = Manager::new(catalog, backend.clone(), store, config).with_meter(backend.clone());
     let handle = manager.handle();
+    templates.set_manager(handle.clone());
 
     // Usage is measured where the backend has cgroups: without them, no family at all.
     let mut metrics = Metrics::new(handle.clone(), cgroups.is_some());
     if let Some(status) = &fleet_status {
         metrics.register(Box::new(FleetCollector(status.clone())));
     }
+    metrics.register(templates.collector());
     let (leave_tx, mut leave_rx) = mpsc::channel::<LeaveRequest>(1);
     let api_stop = CancellationToken::new();
     let api_state = ApiState {
@@ -224,6 +231,7 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
         shutdown: api_stop.clone(),
         fleet: fleet_status,
         held: held.clone(),
+        templates: templates.clone(),
     };
     let mut servers = JoinSet::new();
     let unix = bind_socket(&socket_path)?;
@@ -253,6 +261,8 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
     let fleet_stop = CancellationToken::new();
     let fleet_task = follower.map(|follower| tokio::spawn(follower.run(fleet_stop.clone())));
     let engine_stop = CancellationToken::new();
+    let templates_stop = CancellationToken::new();
+    let templates_task = tokio::spawn(templates.run(templates_stop.clone()));
     // The engine runs in its own task, so that a slow reload never stalls reconciling.
     let mut engine = tokio::spawn({
         let stop = engine_stop.clone();
@@ -285,6 +295,9 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
             Some(request) = leave_rx.recv() => break Ending::Leave(request),
         }
     };
+    // Nothing re-renders or asks for a restart while the agent ends.
+    templates_stop.cancel();
+    let _ = templates_task.await;
     // The catalog stops changing before the engine stops reading it.
     fleet_stop.cancel();
     if let Some(task) = fleet_task {

@@ -22,6 +22,7 @@ use tokio::sync::{OwnedSemaphorePermit, broadcast, mpsc};
 
 use super::dto::EventDto;
 use super::{ApiError, ApiState, ChannelBody, StreamSlots, send_chunk};
+use crate::templates::TemplateEvent;
 
 pub(crate) async fn get_events(
     State(state): State<ApiState>,
@@ -30,10 +31,11 @@ pub(crate) async fn get_events(
     let slot = slots.take()?;
     // Subscribe before reading the statuses: no change falls between the two.
     let changes = state.manager.subscribe();
+    let templates = state.templates.subscribe();
     let seen: HashMap<ProxyId, ProxyStatus> =
         state.manager.status().into_iter().map(|status| (status.id.clone(), status)).collect();
     let (lines, receiver) = mpsc::channel(64);
-    tokio::spawn(stream(Events { seen }, changes, lines, state.clone(), slot));
+    tokio::spawn(stream(Events { seen }, changes, templates, lines, state.clone(), slot));
     Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], Body::new(ChannelBody(receiver))).into_response())
 }
 
@@ -42,6 +44,7 @@ pub(crate) async fn get_events(
 async fn stream(
     mut events: Events,
     mut changes: broadcast::Receiver<ProxyEvent>,
+    mut templates: broadcast::Receiver<TemplateEvent>,
     lines: mpsc::Sender<Bytes>,
     state: ApiState,
     _slot: OwnedSemaphorePermit,
@@ -51,6 +54,20 @@ async fn stream(
             () = state.shutdown.cancelled() => return,
             () = lines.closed() => return,
             change = changes.recv() => change,
+            template = templates.recv() => match template {
+                Ok(template) => {
+                    let found = event(template.time, &template.proxy, template.event, None, Some(template.detail));
+                    let Ok(mut line) = serde_json::to_vec(&found) else { continue };
+                    line.push(b'\n');
+                    if !send_chunk(&lines, Bytes::from(line)).await {
+                        return;
+                    }
+                    continue;
+                }
+                // A template event missed is not told again: the status shows the error.
+                Err(broadcast::error::RecvError::Lagged(_)) => continue,
+                Err(broadcast::error::RecvError::Closed) => std::future::pending().await,
+            },
         };
         let found = match change {
             Ok(change) => events.on(&change, SystemTime::now()),

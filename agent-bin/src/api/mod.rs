@@ -136,6 +136,8 @@ pub(crate) struct ApiState {
     pub(crate) fleet: Option<crate::fleet::follow::SharedStatus>,
     /// The proxies held down by `tether stop`, as kept in the data dir.
     pub(crate) held: Arc<crate::catalog::held::Held>,
+    /// The proxies' templates: their errors are shown in the status, their events streamed.
+    pub(crate) templates: crate::templates::Templates,
 }
 
 /// An API error: a status code and a message for `{"error": ...}`.
@@ -312,14 +314,24 @@ async fn fleet(State(state): State<ApiState>) -> Result<Json<dto::FleetDto>, Api
 }
 
 async fn proxies(State(state): State<ApiState>) -> Json<Vec<ProxyStatusDto>> {
-    Json(state.manager.status().iter().map(status_dto).collect())
+    Json(state.manager.status().iter().map(|status| status_with_templates(&state, status)).collect())
+}
+
+/// A proxy's status, with its templates' error when the engine has none to show: a file
+/// that failed to render again is kept as it was, and the proxy runs on with it.
+fn status_with_templates(state: &ApiState, status: &tether_manager::ProxyStatus) -> ProxyStatusDto {
+    let mut dto = status_dto(status);
+    if dto.error.is_none() {
+        dto.error = state.templates.error(&status.id);
+    }
+    dto
 }
 
 async fn proxy(State(state): State<ApiState>, Path(id): Path<String>) -> Result<Json<ProxyStatusDto>, ApiError> {
     let id = known_proxy(&state, &id)?;
     let status =
         state.manager.proxy(&id).ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, format!("no proxy {id}")))?;
-    Ok(Json(status_dto(&status)))
+    Ok(Json(status_with_templates(&state, &status)))
 }
 
 async fn register(State(state): State<ApiState>, body: Bytes) -> Result<Json<serde_json::Value>, ApiError> {

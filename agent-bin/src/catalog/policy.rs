@@ -27,6 +27,8 @@ pub(crate) enum ApiSetting {
     WorkingDir,
     /// `inherit_env` set to anything but `false`.
     InheritEnv,
+    /// `template`, even an empty list: the agent would write files wherever it says.
+    Template,
     /// An `env` variable that the dynamic loader or libc reads ([`is_loader_variable`]).
     Env(String),
     /// An `exec` probe of `readiness` (`false`) or `liveness` (`true`): a program the agent
@@ -182,6 +184,7 @@ impl fmt::Display for ApiSetting {
             Self::User => f.write_str("proxy.user"),
             Self::WorkingDir => f.write_str("proxy.working_dir"),
             Self::InheritEnv => f.write_str("proxy.inherit_env"),
+            Self::Template => f.write_str("proxy.template"),
             // Not yet validated when it comes from a body: escaped, so that it cannot forge
             // log lines.
             Self::Env(name) => write!(f, "proxy.env.{}", name.escape_default()),
@@ -227,6 +230,7 @@ struct Settings<'a> {
     user: bool,
     working_dir: bool,
     inherit_env: bool,
+    template: bool,
     env: Vec<&'a str>,
     /// An `exec` probe in `readiness`, in `liveness`.
     exec_probes: [bool; 2],
@@ -244,6 +248,7 @@ impl Settings<'_> {
             (self.user, ApiSetting::User),
             (self.working_dir, ApiSetting::WorkingDir),
             (self.inherit_env, ApiSetting::InheritEnv),
+            (self.template, ApiSetting::Template),
         ];
         if let Some((_, setting)) = fixed.into_iter().find(|(set, _)| *set) {
             return Some(setting);
@@ -269,6 +274,7 @@ pub(crate) fn refused_setting(service: &Service) -> Option<ApiSetting> {
         user: proxy.user.is_some(),
         working_dir: proxy.working_dir.is_some(),
         inherit_env: proxy.inherit_env,
+        template: !proxy.templates.is_empty(),
         env: proxy.env.keys().map(String::as_str).collect(),
         exec_probes: [
             proxy.readiness.as_ref().is_some_and(|check| matches!(check.probe, Probe::Exec(_))),
@@ -349,6 +355,7 @@ pub(crate) fn refused_in_body(text: &str) -> Option<(Option<ServiceId>, ApiSetti
         user: Option<IgnoredAny>,
         working_dir: Option<IgnoredAny>,
         inherit_env: Option<serde_json::Value>,
+        template: Option<IgnoredAny>,
         env: Option<BTreeMap<String, IgnoredAny>>,
         readiness: Option<CheckProbe>,
         liveness: Option<CheckProbe>,
@@ -380,6 +387,7 @@ pub(crate) fn refused_in_body(text: &str) -> Option<(Option<ServiceId>, ApiSetti
         working_dir: proxy.working_dir.is_some(),
         // `false` is the default, which `tether register` writes out: it sets nothing.
         inherit_env: proxy.inherit_env.is_some_and(|value| value != serde_json::Value::Bool(false)),
+        template: proxy.template.is_some(),
         env: proxy.env.as_ref().map(|env| env.keys().map(String::as_str).collect()).unwrap_or_default(),
         exec_probes: [
             proxy.readiness.is_some_and(|check| check.exec.is_some()),
@@ -467,6 +475,7 @@ mod tests {
             (r#"{"name": "a", "proxy": {"user": "root"}}"#, "proxy.user"),
             (r#"{"name": "a", "proxy": {"working_dir": "/tmp"}}"#, "proxy.working_dir"),
             (r#"{"name": "a", "proxy": {"inherit_env": true}}"#, "proxy.inherit_env"),
+            (r#"{"name": "a", "proxy": {"template": [{"contents": "x", "destination": "/etc/x"}]}}"#, "proxy.template"),
             (r#"{"name": "a", "proxy": {"env": {"A": "1", "LD_PRELOAD": "/tmp/x.so"}}}"#, "proxy.env.LD_PRELOAD"),
             (r#"{"name": "a", "proxy": {"env": {"GCONV_PATH": "/tmp"}}}"#, "proxy.env.GCONV_PATH"),
             (r#"{"name": "a", "proxy": {"readiness": {"exec": ["/bin/true"]}}}"#, "proxy.readiness.exec"),
@@ -497,6 +506,8 @@ mod tests {
             (r#"{"name": "a", "proxy": {"user": "a b", "nonsense": 1}}"#, "proxy.user"),
             (r#"{"name": "a", "proxy": {"working_dir": "relative"}}"#, "proxy.working_dir"),
             (r#"{"name": "a", "proxy": {"inherit_env": "yes"}}"#, "proxy.inherit_env"),
+            (r#"{"name": "a", "proxy": {"template": []}}"#, "proxy.template"),
+            (r#"{"name": "a", "proxy": {"template": [{"destination": "relative"}]}}"#, "proxy.template"),
             (r#"{"name": "a", "proxy": {"env": {"LD_\u001b[31m": 1}}}"#, "proxy.env.LD_\\u{1b}[31m"),
             (r#"{"name": "a", "proxy": {"liveness": {"exec": [], "tcp": "x"}}}"#, "proxy.liveness.exec"),
         ] {

@@ -20,5 +20,6 @@ mod policy;
 mod reload;
 mod scale;
 mod support;
+mod templates;
 mod validate;
 mod zero_downtime;

@@ -56,6 +56,7 @@ pub(super) struct ProxyDef {
     cpus: Option<Cpus>,
     pids_max: Option<PidsMax>,
     reload: Option<ReloadDef>,
+    template: Option<TemplatesDef>,
 }
 
 /// A `readiness` or `liveness` table as written: exactly one probe kind, its timing, and
@@ -373,6 +374,7 @@ impl From<ProxyDef> for ProxySpec {
                 pids_max: def.pids_max.map(|p| p.0),
             },
             reload: def.reload.map(|r| r.0),
+            templates: def.template.map(|t| t.0).unwrap_or_default(),
         }
     }
 }
@@ -630,7 +632,7 @@ impl<'de> Deserialize<'de> for LogKeep {
     }
 }
 
-pub(super) struct HumanDuration(Duration);
+pub(super) struct HumanDuration(pub(super) Duration);
 
 impl<'de> Deserialize<'de> for HumanDuration {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {

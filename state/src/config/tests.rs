@@ -597,6 +597,45 @@ fn a_reload_table_is_read_with_its_defaults_and_written_back() {
 }
 
 #[test]
+fn templates_are_read_with_their_defaults_and_written_back() {
+    let service = one(r#"
+[[service]]
+name = "web"
+[service.proxy]
+[[service.proxy.template]]
+source = "/etc/tether/haproxy.cfg.j2"
+destination = "/etc/haproxy/haproxy.cfg"
+mode = "0640"
+on_change = "none"
+wait = "1s"
+[[service.proxy.template]]
+contents = "{{ service.name }}"
+destination = "/run/web/name"
+"#);
+    let templates = &service.proxy.as_ref().unwrap().templates;
+    assert_eq!(
+        templates[0],
+        crate::Template {
+            source: crate::TemplateSource::File("/etc/tether/haproxy.cfg.j2".into()),
+            destination: "/etc/haproxy/haproxy.cfg".into(),
+            mode: 0o640,
+            on_change: crate::OnChange::Nothing,
+            wait: Duration::from_secs(1),
+        }
+    );
+    assert_eq!(
+        templates[1],
+        crate::Template::new(crate::TemplateSource::Inline("{{ service.name }}".into()), "/run/web/name".into())
+    );
+    assert_eq!((templates[1].mode, templates[1].on_change), (0o644, crate::OnChange::Restart));
+    assert_eq!(templates[1].wait, Duration::from_millis(200));
+    for format in [Format::Toml, Format::Json] {
+        let text = to_service_text(&service, format).unwrap();
+        assert_eq!(parse_service(&text, format, &Origin::Body).unwrap(), service, "{text}");
+    }
+}
+
+#[test]
 fn bad_reload_tables_name_file_line_and_field() {
     let reload = |lines: &str| proxy_error(&format!("[service.proxy.reload]\n{lines}"));
     let none = reload("timeout = \"1s\"");
@@ -621,4 +660,49 @@ fn bad_reload_tables_name_file_line_and_field() {
     let zero = reload("signal = \"SIGHUP\"\ntimeout = \"0s\"");
     assert!(zero.contains("field `service[0].proxy.reload.timeout`: must be more than zero"), "{zero}");
     assert!(reload("signal = \"SIGHUP\"\nwatched = []").contains("unknown field `watched`"));
+}
+
+#[test]
+fn bad_templates_are_named_with_their_file_line_and_field() {
+    let template = |lines: &str| proxy_error(&format!("[[service.proxy.template]]\n{lines}"));
+    let error = template("destination = \"/etc/x\"");
+    assert!(
+        error.starts_with("conf.d/web.toml:4:1: field `service[0].proxy.template[0]`")
+            && error.contains("no `source` and no `contents`: give exactly one"),
+        "{error}"
+    );
+    let error = template("source = \"/a.j2\"\ncontents = \"x\"\ndestination = \"/etc/x\"");
+    assert!(error.contains("both `source` and `contents`"), "{error}");
+    let error = template("contents = \"x\"\ndestination = \"etc/x\"");
+    assert!(
+        error.starts_with("conf.d/web.toml:6:15: field `service[0].proxy.template[0].destination`")
+            && error.contains("\"etc/x\" must be an absolute path"),
+        "{error}"
+    );
+    let error = template("contents = \"x\"\ndestination = \"/etc/\"");
+    assert!(error.contains("must name a file"), "{error}");
+    let error = template("contents = \"x\"\ndestination = \"/etc/../x\"");
+    assert!(error.contains("must name a file"), "{error}");
+    let error = template("source = \"a.j2\"\ndestination = \"/etc/x\"");
+    assert!(error.contains("template[0].source") && error.contains("absolute path"), "{error}");
+    let error = template("contents = \"x\"\ndestination = \"/etc/x\"\nmode = \"0999\"");
+    assert!(error.contains("template[0].mode") && error.contains("octal"), "{error}");
+    let error = template("contents = \"x\"\ndestination = \"/etc/x\"\nmode = \"4755\"");
+    assert!(error.contains("template[0].mode"), "{error}");
+    let error = template("contents = \"x\"\ndestination = \"/etc/x\"\non_change = \"reload\"");
+    assert!(
+        error.starts_with("conf.d/web.toml:7:13: field `service[0].proxy.template[0].on_change`")
+            && error.contains("needs a [service.proxy.reload] table"),
+        "{error}"
+    );
+    let error = template("contents = \"x\"\ndestination = \"/etc/x\"\non_change = \"signal\"");
+    assert!(error.contains("unknown on_change \"signal\""), "{error}");
+    let error = template("contents = \"x\"\ndestination = \"/etc/x\"\nwait = \"soon\"");
+    assert!(error.contains("template[0].wait") && error.contains("invalid duration"), "{error}");
+    let error = template("contents = \"x\"\ndestination = \"/etc/x\"\nowner = \"root\"");
+    assert!(error.contains("unknown field `owner`"), "{error}");
+    let error = template(
+        "contents = \"x\"\ndestination = \"/etc/x\"\n[[service.proxy.template]]\ncontents = \"y\"\ndestination = \"/etc/x\"",
+    );
+    assert!(error.contains("two templates have the destination /etc/x"), "{error}");
 }

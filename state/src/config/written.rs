@@ -54,6 +54,8 @@ pub(super) struct ProxyOut<'a> {
     pids_max: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     reload: Option<ReloadOut<'a>>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    template: Vec<TemplateOut<'a>>,
 }
 
 #[derive(Serialize)]
@@ -189,6 +191,7 @@ impl<'a> From<&'a ProxySpec> for ProxyOut<'a> {
             cpus: spec.limits.cpus.map(CpuLimit::cores),
             pids_max: spec.limits.pids_max,
             reload: spec.reload.as_ref().map(ReloadOut::from),
+            template: spec.templates.iter().map(TemplateOut::from).collect(),
         }
     }
 }

@@ -164,6 +164,7 @@ fn proxy_spec_without_health() -> impl Strategy<Value = ProxySpec> {
                         pids_max,
                     },
                     reload: None,
+                    templates: Vec::new(),
                 }
             },
         )

@@ -1,0 +1,454 @@
+//! `[[service.proxy.template]]`: files of a proxy's that the agent renders from the catalog.
+//!
+//! [`Templates`] renders every template of a proxy before each of its starts (as the
+//! backend's [`BeforeStart`], so that a template that cannot render fails the start, which
+//! the engine retries on the restart backoff), and again, debounced by each template's
+//! `wait`, after a change of the data it reads: any catalog change, and a change of the
+//! readiness of a service that it lists with `instances`. A file whose bytes are unchanged
+//! is not rewritten; a changed one triggers its `on_change`. A render error after the
+//! first start keeps the last good file in place and the proxy running; the error is kept
+//! here (shown in the proxy's status), told as a `template-failed` event and counted.
+//!
+//! It decides nothing about processes: a restart goes through the engine's
+//! `ManagerHandle::restart`.
+
+mod render;
+mod write;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::time::SystemTime;
+
+use async_trait::async_trait;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use tether_manager::{ManagerHandle, ProxyEvent};
+use tether_proxy_daemon::BeforeStart;
+use tether_state::config::DisplayPath;
+use tether_state::{Catalog, LocalState, ManagedProxy, OnChange, ProxyId, Template, TemplateSource};
+use tokio::sync::broadcast;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+pub(crate) use render::check_syntax;
+use render::{Instance, InstanceSource, RenderError, ServiceData, SharedData};
+use write::{Owner, WriteError};
+
+/// Why one template of a proxy did not put its file in place.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum TemplateError {
+    /// Its `source` file could not be read.
+    #[error("template {}: cannot read its source {}", DisplayPath(.destination), DisplayPath(.source_path))]
+    Source { destination: PathBuf, source_path: PathBuf, source: std::io::Error },
+    /// It did not render.
+    #[error("template {}: {source}", DisplayPath(.destination))]
+    Render { destination: PathBuf, source: RenderError },
+    /// Its file could not be written.
+    #[error("template {}", DisplayPath(.destination))]
+    Write { destination: PathBuf, source: WriteError },
+    /// The proxy's `user`, who owns the file, is not known.
+    #[error("template {}: unknown user {user:?}", DisplayPath(.destination))]
+    User { destination: PathBuf, user: String },
+}
+
+impl TemplateError {
+    fn destination(&self) -> &Path {
+        match self {
+            Self::Source { destination, .. }
+            | Self::Render { destination, .. }
+            | Self::Write { destination, .. }
+            | Self::User { destination, .. } => destination,
+        }
+    }
+}
+
+/// What happened to a template, as the events stream tells it.
+#[derive(Debug, Clone)]
+pub(crate) struct TemplateEvent {
+    pub(crate) time: SystemTime,
+    pub(crate) proxy: ProxyId,
+    /// `template-rendered` (a new file is in place) or `template-failed`.
+    pub(crate) event: &'static str,
+    pub(crate) detail: String,
+}
+
+/// The agent's templates: the renderer behind the backend's start, the watcher of the data
+/// they read, and what they tell (errors, events, counters). Cheap to clone.
+#[derive(Clone, Debug)]
+pub(crate) struct Templates {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    catalog: LocalState,
+    node: Option<String>,
+    /// The engine, once it exists: readiness for `instances`, restarts for `on_change`.
+    manager: Arc<OnceLock<ManagerHandle>>,
+    /// Where `instances(name)` looks.
+    instances: Arc<dyn InstanceSource>,
+    board: Mutex<Board>,
+    events: broadcast::Sender<TemplateEvent>,
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Templates").field("node", &self.node).finish_non_exhaustive()
+    }
+}
+
+#[derive(Default)]
+struct Board {
+    /// The last error of each template that failed, by proxy and destination.
+    errors: HashMap<ProxyId, BTreeMap<PathBuf, String>>,
+    /// Renders by proxy and result.
+    renders: BTreeMap<(ProxyId, &'static str), u64>,
+    /// The service names each template asked `instances` for, at its last render.
+    instances_of: HashMap<(ProxyId, PathBuf), BTreeSet<String>>,
+}
+
+fn lock(board: &Mutex<Board>) -> MutexGuard<'_, Board> {
+    // Every critical section only moves values in or out.
+    board.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl Templates {
+    /// Templates of the proxies of `catalog`, on node `node` (`--node`), if any.
+    pub(crate) fn new(catalog: LocalState, node: Option<String>) -> Self {
+        let (events, _) = broadcast::channel(256);
+        let manager: Arc<OnceLock<ManagerHandle>> = Arc::default();
+        let instances =
+            Arc::new(LocalInstances { catalog: catalog.clone(), node: node.clone(), manager: manager.clone() });
+        let shared = Shared { catalog, node, manager, instances, board: Mutex::new(Board::default()), events };
+        Self { shared: Arc::new(shared) }
+    }
+
+    /// Gives the templates the engine: before it, every proxy counts as not ready.
+    pub(crate) fn set_manager(&self, manager: ManagerHandle) {
+        let _ = self.shared.manager.set(manager);
+    }
+
+    /// The error of a proxy's templates, if one failed at its last render.
+    pub(crate) fn error(&self, proxy: &ProxyId) -> Option<String> {
+        lock(&self.shared.board).errors.get(proxy).and_then(|errors| errors.values().next().cloned())
+    }
+
+    /// Template events from now on.
+    pub(crate) fn subscribe(&self) -> broadcast::Receiver<TemplateEvent> {
+        self.shared.events.subscribe()
+    }
+
+    /// The metrics of renders.
+    pub(crate) fn collector(&self) -> Box<dyn Collector> {
+        Box::new(RenderCollector(self.clone()))
+    }
+
+    /// Renders every template of `proxy` and puts each file in place, stopping at the first
+    /// that fails. Returns the templates whose files changed.
+    fn render_proxy(&self, proxy: &ManagedProxy) -> Result<Vec<Template>, TemplateError> {
+        let templates = &proxy.spec().templates;
+        self.forget_other_templates(proxy.id(), templates);
+        if templates.is_empty() {
+            return Ok(Vec::new());
+        }
+        let shared = SharedData {
+            node: self.shared.node.clone(),
+            services: {
+                let mut services: Vec<ServiceData> =
+                    self.shared.catalog.entries().iter().map(|e| ServiceData::from(&*e.service)).collect();
+                services.sort_by(|a, b| a.id.cmp(&b.id));
+                services
+            },
+        };
+        let service = ServiceData::from(proxy.service());
+        let mut changed = Vec::new();
+        for template in templates {
+            match self.render_one(proxy, template, &service, &shared) {
+                Ok(true) => {
+                    self.record(proxy.id(), template, "rendered", None);
+                    changed.push(template.clone());
+                }
+                Ok(false) => self.record(proxy.id(), template, "unchanged", None),
+                Err(error) => {
+                    self.record(proxy.id(), template, "failed", Some(&error));
+                    return Err(error);
+                }
+            }
+        }
+        Ok(changed)
+    }
+
+    /// Forgets what is kept of a proxy's templates that it no longer has (its config
+    /// changed), so that a stale error is never shown.
+    fn forget_other_templates(&self, proxy: &ProxyId, templates: &[Template]) {
+        let kept = |destination: &Path| templates.iter().any(|t| t.destination == destination);
+        let mut board = lock(&self.shared.board);
+        if let Some(errors) = board.errors.get_mut(proxy) {
+            errors.retain(|destination, _| kept(destination));
+            if errors.is_empty() {
+                board.errors.remove(proxy);
+            }
+        }
+        board.instances_of.retain(|(id, destination), _| id != proxy || kept(destination));
+    }
+
+    /// Forgets the errors and names kept of proxies that left the catalog.
+    fn forget_gone(&self) {
+        let wanted: BTreeSet<ProxyId> =
+            self.shared.catalog.entries().iter().filter_map(|entry| Some(entry.proxy.as_ref()?.id().clone())).collect();
+        let mut board = lock(&self.shared.board);
+        board.errors.retain(|id, _| wanted.contains(id));
+        board.instances_of.retain(|(id, _), _| wanted.contains(id));
+    }
+
+    fn render_one(
+        &self,
+        proxy: &ManagedProxy,
+        template: &Template,
+        service: &ServiceData,
+        shared: &SharedData,
+    ) -> Result<bool, TemplateError> {
+        let destination = template.destination.clone();
+        let text = match &template.source {
+            TemplateSource::Inline(text) => std::borrow::Cow::Borrowed(text.as_str()),
+            TemplateSource::File(path) => match std::fs::read_to_string(path) {
+                Ok(text) => std::borrow::Cow::Owned(text),
+                Err(source) => return Err(TemplateError::Source { destination, source_path: path.clone(), source }),
+            },
+        };
+        let name = destination.to_string_lossy();
+        let rendered = render::render(&name, &text, service, shared, self.shared.instances.clone())
+            .map_err(|source| TemplateError::Render { destination: destination.clone(), source })?;
+        lock(&self.shared.board).instances_of.insert((proxy.id().clone(), destination.clone()), rendered.instances_of);
+        let owner = owner(proxy).map_err(|user| TemplateError::User { destination: destination.clone(), user })?;
+        write::write_if_changed(&destination, rendered.text.as_bytes(), template.mode, owner)
+            .map_err(|source| TemplateError::Write { destination, source })
+    }
+
+    /// Counts a render, keeps or clears its error, and tells of a new file or a failure.
+    fn record(&self, proxy: &ProxyId, template: &Template, result: &'static str, error: Option<&TemplateError>) {
+        let mut board = lock(&self.shared.board);
+        *board.renders.entry((proxy.clone(), result)).or_default() += 1;
+        let event = match error {
+            Some(error) => {
+                let text = crate::error::error_chain(error);
+                board.errors.entry(proxy.clone()).or_default().insert(error.destination().to_owned(), text.clone());
+                tracing::warn!(proxy = %proxy, destination = %DisplayPath(&template.destination), error = %text, "template failed");
+                Some(("template-failed", text))
+            }
+            None => {
+                if let Some(errors) = board.errors.get_mut(proxy) {
+                    errors.remove(&template.destination);
+                    if errors.is_empty() {
+                        board.errors.remove(proxy);
+                    }
+                }
+                (result == "rendered").then(|| {
+                    tracing::info!(proxy = %proxy, destination = %DisplayPath(&template.destination), "template rendered");
+                    ("template-rendered", DisplayPath(&template.destination).to_string())
+                })
+            }
+        };
+        drop(board);
+        if let Some((event, detail)) = event {
+            let _ =
+                self.shared.events.send(TemplateEvent { time: SystemTime::now(), proxy: proxy.clone(), event, detail });
+        }
+    }
+
+    /// Re-renders templates after changes of their data until `stop` is cancelled.
+    ///
+    /// # Cancel safety
+    ///
+    /// Meant to run as a task of its own; restarts it asked for are aborted with it.
+    pub(crate) async fn run(self, stop: CancellationToken) {
+        let Some(manager) = self.shared.manager.get().cloned() else { return };
+        let mut catalog = self.shared.catalog.subscribe();
+        let mut statuses = manager.subscribe();
+        let mut ready: HashMap<ProxyId, bool> =
+            manager.status().into_iter().map(|status| (status.id.clone(), status.ready())).collect();
+        let mut due: HashMap<(ProxyId, PathBuf), Instant> = HashMap::new();
+        let mut restarts = JoinSet::new();
+        // Proxies adopted from an earlier agent did not start here: their files are checked now.
+        self.mark(&mut due, |_, _| true);
+        loop {
+            let next = due.values().min().copied();
+            tokio::select! {
+                () = stop.cancelled() => return,
+                changed = catalog.changed() => {
+                    if changed.is_none() {
+                        return;
+                    }
+                    // Every template sees `service` and `services`.
+                    self.mark(&mut due, |_, _| true);
+                    self.forget_gone();
+                }
+                event = statuses.recv() => match event {
+                    Ok(ProxyEvent::Changed(status)) => {
+                        let now_ready = status.ready();
+                        if ready.insert(status.id.clone(), now_ready) != Some(now_ready) {
+                            let name = self.shared.catalog.get(&status.service).map(|e| e.service.name.as_str().to_owned());
+                            if let Some(name) = name {
+                                self.mark(&mut due, |_, names| names.contains(&name));
+                            }
+                        }
+                    }
+                    Ok(_) => {}
+                    Err(broadcast::error::RecvError::Lagged(_)) => {
+                        ready = manager.status().into_iter().map(|status| (status.id.clone(), status.ready())).collect();
+                        self.mark(&mut due, |_, names| !names.is_empty());
+                    }
+                    Err(broadcast::error::RecvError::Closed) => return,
+                },
+                () = sleep_until(next) => {
+                    let now = Instant::now();
+                    let ready_now: BTreeSet<ProxyId> =
+                        due.iter().filter(|(_, at)| **at <= now).map(|((proxy, _), _)| proxy.clone()).collect();
+                    due.retain(|_, at| *at > now);
+                    for proxy in ready_now {
+                        self.rerender(&manager, &proxy, &mut restarts).await;
+                    }
+                }
+                Some(_) = restarts.join_next(), if !restarts.is_empty() => {}
+            }
+        }
+    }
+
+    /// Sets a render time, `wait` from now, for every template that `select` picks (by its
+    /// proxy and the names it asked `instances` for) and has none yet: changes within the
+    /// window render once.
+    fn mark(
+        &self,
+        due: &mut HashMap<(ProxyId, PathBuf), Instant>,
+        select: impl Fn(&ProxyId, &BTreeSet<String>) -> bool,
+    ) {
+        let now = Instant::now();
+        let board = lock(&self.shared.board);
+        let empty = BTreeSet::new();
+        for entry in self.shared.catalog.entries() {
+            let Some(proxy) = &entry.proxy else { continue };
+            for template in &proxy.spec().templates {
+                let key = (proxy.id().clone(), template.destination.clone());
+                let names = board.instances_of.get(&key).unwrap_or(&empty);
+                if select(proxy.id(), names) {
+                    due.entry(key).or_insert(now + template.wait);
+                }
+            }
+        }
+    }
+
+    /// Renders the templates of `proxy` again, and restarts it when a file that asks for it
+    /// changed while it runs.
+    async fn rerender(&self, manager: &ManagerHandle, proxy_id: &ProxyId, restarts: &mut JoinSet<()>) {
+        let Some(proxy) = self.shared.catalog.get(&proxy_id.service_id()).and_then(|entry| entry.proxy) else {
+            return;
+        };
+        let this = self.clone();
+        let rendered = tokio::task::spawn_blocking(move || this.render_proxy(&proxy)).await;
+        let Ok(Ok(changed)) = rendered else { return };
+        let restart = changed.iter().any(|template| template.on_change == OnChange::Restart);
+        let running = manager.proxy(proxy_id).is_some_and(|status| status.pid.is_some());
+        if restart && running {
+            let manager = manager.clone();
+            let id = proxy_id.clone();
+            restarts.spawn(async move {
+                tracing::info!(proxy = %id, "a template's file changed: restarting the proxy");
+                if let Err(err) = manager.restart(&id).await {
+                    tracing::warn!(proxy = %id, error = %err, "restart after a template change failed");
+                }
+            });
+        }
+    }
+}
+
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The owner of a proxy's rendered files: its `user` when the agent runs as root; `Err`
+/// with the name when that user is unknown.
+fn owner(proxy: &ManagedProxy) -> Result<Owner, String> {
+    let Some(user) = &proxy.spec().user else { return Ok(None) };
+    if !nix::unistd::geteuid().is_root() {
+        return Ok(None);
+    }
+    let found = match user.parse::<u32>() {
+        Ok(uid) => nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid)),
+        Err(_) => nix::unistd::User::from_name(user),
+    };
+    match found {
+        Ok(Some(found)) => Ok(Some((found.uid, found.gid))),
+        _ => Err(user.clone()),
+    }
+}
+
+#[async_trait]
+impl BeforeStart for Templates {
+    async fn before_start(&self, proxy: Arc<ManagedProxy>) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        if proxy.spec().templates.is_empty() {
+            return Ok(());
+        }
+        let this = self.clone();
+        match tokio::task::spawn_blocking(move || this.render_proxy(&proxy)).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(error)) => Err(Box::new(error)),
+            Err(join) => Err(Box::new(join)),
+        }
+    }
+}
+
+/// `instances(name)` from this agent's own catalog: each service named `name` that has no
+/// proxy, or whose proxy is `running`.
+///
+/// The fleet's `instances/<name>/` prefix is the other source of this shape: it would be
+/// chosen in [`Templates::new`] when the agent follows etcd, and tell the watcher of changes
+/// of the names that templates ask for (kept in `Board::instances_of`).
+struct LocalInstances {
+    catalog: LocalState,
+    node: Option<String>,
+    /// The engine, for readiness, once it exists.
+    manager: Arc<OnceLock<ManagerHandle>>,
+}
+
+impl InstanceSource for LocalInstances {
+    fn instances(&self, name: &str) -> Vec<Instance> {
+        let manager = self.manager.get();
+        self.catalog
+            .entries()
+            .iter()
+            .filter(|entry| entry.service.name.as_str() == name)
+            .filter(|entry| match &entry.proxy {
+                None => true,
+                Some(proxy) => manager.and_then(|m| m.proxy(proxy.id())).is_some_and(|status| status.ready()),
+            })
+            .map(|entry| Instance::of(self.node.as_deref(), &entry.service))
+            .collect()
+    }
+}
+
+/// `tether_template_renders_total{proxy, result}`.
+#[derive(Debug)]
+struct RenderCollector(Templates);
+
+impl Collector for RenderCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let renders = lock(&self.0.shared.board).renders.clone();
+        let counter = ConstCounter::new(0u64);
+        let mut family = encoder.encode_descriptor(
+            "tether_template_renders",
+            "Renders of a proxy's templates, by result: rendered (a new file), unchanged, failed",
+            None,
+            counter.metric_type(),
+        )?;
+        for ((proxy, result), count) in &renders {
+            let labels = [("proxy", proxy.as_str()), ("result", *result)];
+            ConstCounter::new(*count).encode(family.encode_family(&labels)?)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,268 @@
+//! Rendering one template: the Jinja2 language (minijinja), the data a template sees, and
+//! the instances it asks for through [`InstanceSource`].
+//!
+//! This module reads no file and writes none: the text comes in, the bytes go out.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::sync::{Arc, Mutex};
+
+use minijinja::{AutoEscape, Environment, UndefinedBehavior};
+use serde::Serialize;
+use tether_state::Service;
+
+/// A service as a template sees it: in `service`, `services` and (with its node) the
+/// entries of `instances(name)`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub(crate) struct ServiceData {
+    pub(crate) id: String,
+    pub(crate) name: String,
+    pub(crate) address: String,
+    pub(crate) port: Option<u16>,
+    pub(crate) tags: Vec<String>,
+    pub(crate) meta: BTreeMap<String, String>,
+}
+
+impl From<&Service> for ServiceData {
+    fn from(service: &Service) -> Self {
+        Self {
+            id: service.id.as_str().to_owned(),
+            name: service.name.as_str().to_owned(),
+            address: service.address.clone(),
+            port: service.port,
+            tags: service.tags.clone(),
+            meta: service.meta.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+        }
+    }
+}
+
+/// One ready instance of a service, as `instances(name)` lists it.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+pub(crate) struct Instance {
+    /// The node it runs on; `None` for this agent's own catalog without a node name.
+    pub(crate) node: Option<String>,
+    pub(crate) id: String,
+    pub(crate) address: String,
+    pub(crate) port: Option<u16>,
+    pub(crate) tags: Vec<String>,
+    pub(crate) meta: BTreeMap<String, String>,
+}
+
+impl Instance {
+    /// The instance of `service` on `node`.
+    pub(crate) fn of(node: Option<&str>, service: &Service) -> Self {
+        let data = ServiceData::from(service);
+        Self {
+            node: node.map(str::to_owned),
+            id: data.id,
+            address: data.address,
+            port: data.port,
+            tags: data.tags,
+            meta: data.meta,
+        }
+    }
+}
+
+/// Where `instances(name)` finds the ready instances of a service: this agent's catalog
+/// today; the fleet's `instances/<name>/` prefix in etcd is another source of the same
+/// shape.
+pub(crate) trait InstanceSource: Send + Sync {
+    /// The ready instances of the services named `name`, in any order.
+    fn instances(&self, name: &str) -> Vec<Instance>;
+}
+
+/// What every template of an agent sees besides its own service.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct SharedData {
+    /// This agent's node name, if it has one.
+    pub(crate) node: Option<String>,
+    /// Every service of the catalog, by id.
+    pub(crate) services: Vec<ServiceData>,
+}
+
+#[derive(Serialize)]
+struct Context<'a> {
+    service: &'a ServiceData,
+    node: &'a Option<String>,
+    services: &'a [ServiceData],
+}
+
+/// A template's output, and the service names it asked `instances` for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Rendered {
+    pub(crate) text: String,
+    pub(crate) instances_of: BTreeSet<String>,
+}
+
+/// Why a template did not render: a syntax error or an error while it ran.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) struct RenderError {
+    /// The 1-based line of the template, when known.
+    pub(crate) line: Option<usize>,
+    /// What went wrong, in the language's words.
+    pub(crate) reason: String,
+}
+
+impl fmt::Display for RenderError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.line {
+            Some(line) => write!(f, "line {line}: {}", self.reason),
+            None => f.write_str(&self.reason),
+        }
+    }
+}
+
+impl From<minijinja::Error> for RenderError {
+    fn from(err: minijinja::Error) -> Self {
+        let reason = match err.detail() {
+            Some(detail) => format!("{}: {detail}", err.kind()),
+            None => err.kind().to_string(),
+        };
+        Self { line: err.line(), reason }
+    }
+}
+
+/// The language as templates get it: no escaping (these are config files, not HTML),
+/// undefined names are errors (a typo must not render an empty backend list), and a
+/// template's last newline is kept.
+fn environment() -> Environment<'static> {
+    let mut env = Environment::new();
+    env.set_auto_escape_callback(|_| AutoEscape::None);
+    env.set_undefined_behavior(UndefinedBehavior::Strict);
+    env.set_keep_trailing_newline(true);
+    env
+}
+
+/// Checks that `text` parses, without rendering it.
+///
+/// # Errors
+///
+/// The syntax error, with its line.
+pub(crate) fn check_syntax(name: &str, text: &str) -> Result<(), RenderError> {
+    let env = environment();
+    env.template_from_named_str(name, text)?;
+    Ok(())
+}
+
+/// Renders `text` (named `name` in errors) for `service`.
+///
+/// # Errors
+///
+/// A syntax error, or an error while it runs (an undefined name, a bad filter argument),
+/// with its line.
+pub(crate) fn render(
+    name: &str,
+    text: &str,
+    service: &ServiceData,
+    shared: &SharedData,
+    instances: Arc<dyn InstanceSource>,
+) -> Result<Rendered, RenderError> {
+    let mut env = environment();
+    let asked: Arc<Mutex<BTreeSet<String>>> = Arc::default();
+    let recorder = asked.clone();
+    env.add_function("instances", move |name: String| {
+        let mut found = instances.instances(&name);
+        found.sort_by(|a, b| (&a.node, &a.id).cmp(&(&b.node, &b.id)));
+        recorder.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).insert(name);
+        minijinja::Value::from_serialize(found)
+    });
+    let context = Context { service, node: &shared.node, services: &shared.services };
+    let text = env.render_named_str(name, text, context)?;
+    let instances_of = std::mem::take(&mut *asked.lock().unwrap_or_else(|poisoned| poisoned.into_inner()));
+    Ok(Rendered { text, instances_of })
+}
+
+#[cfg(test)]
+mod tests {
+    use tether_state::config::{Format, Origin, parse_file};
+
+    use super::*;
+
+    fn services(text: &str) -> Vec<Service> {
+        parse_file(text, Format::Toml, &Origin::Body).unwrap()
+    }
+
+    struct Fixed(Vec<Instance>);
+
+    impl InstanceSource for Fixed {
+        fn instances(&self, name: &str) -> Vec<Instance> {
+            self.0.iter().filter(|i| i.meta.get("of").is_some_and(|of| of == name)).cloned().collect()
+        }
+    }
+
+    fn instance(node: Option<&str>, id: &str, port: u16) -> Instance {
+        Instance {
+            node: node.map(str::to_owned),
+            id: id.into(),
+            address: "10.0.0.1".into(),
+            port: Some(port),
+            tags: vec!["v1".into()],
+            meta: BTreeMap::from([("of".to_owned(), "api".to_owned())]),
+        }
+    }
+
+    fn data() -> (ServiceData, SharedData) {
+        let all = services(
+            "[[service]]\nname = \"web\"\nport = 80\ntags = [\"edge\"]\nmeta = { team = \"a\" }\n\
+             [[service]]\nname = \"api\"\nid = \"api-1\"\naddress = \"10.1.1.1\"\n",
+        );
+        let shared = SharedData { node: Some("n1".into()), services: all.iter().map(ServiceData::from).collect() };
+        (ServiceData::from(&all[0]), shared)
+    }
+
+    #[test]
+    fn a_template_sees_its_service_the_node_and_every_service() {
+        let (service, shared) = data();
+        let text = "{{ service.id }} {{ service.name }} {{ service.address }}:{{ service.port }} \
+                    {{ service.tags | join(',') }} {{ service.meta.team }} node={{ node }}\n\
+                    {% for s in services %}{{ s.id }}={{ s.address }}:{{ s.port }};{% endfor %}\n";
+        let rendered = render("/etc/web.conf", text, &service, &shared, Arc::new(Fixed(Vec::new()))).unwrap();
+        assert_eq!(
+            rendered.text, "web web 127.0.0.1:80 edge a node=n1\nweb=127.0.0.1:80;api-1=10.1.1.1:None;\n",
+            "null is None, as in Jinja2"
+        );
+        assert!(rendered.instances_of.is_empty());
+
+        let no_node = SharedData { node: None, ..shared };
+        let rendered = render("t", "{{ node is none }}", &service, &no_node, Arc::new(Fixed(Vec::new()))).unwrap();
+        assert_eq!(rendered.text, "True");
+    }
+
+    #[test]
+    fn instances_are_sorted_by_node_then_id_and_their_names_recorded() {
+        let (service, shared) = data();
+        let source = Fixed(vec![
+            instance(Some("n2"), "api-a", 1),
+            instance(Some("n1"), "api-b", 2),
+            instance(Some("n1"), "api-a", 3),
+        ]);
+        let text = "{% for i in instances('api') %}{{ i.node }}/{{ i.id }}:{{ i.port }} {% endfor %}\
+                    {{ instances('db') | length }}";
+        let rendered = render("t", text, &service, &shared, Arc::new(source)).unwrap();
+        assert_eq!(rendered.text, "n1/api-a:3 n1/api-b:2 n2/api-a:1 0");
+        assert_eq!(rendered.instances_of, BTreeSet::from(["api".to_owned(), "db".to_owned()]));
+    }
+
+    #[test]
+    fn errors_name_their_line_and_reason() {
+        let (service, shared) = data();
+        let source: Arc<dyn InstanceSource> = Arc::new(Fixed(Vec::new()));
+        let error = render("t", "ok\n{% for x in %}\n", &service, &shared, source.clone()).unwrap_err();
+        assert_eq!(error.line, Some(2), "{error}");
+        assert!(error.to_string().starts_with("line 2: syntax error"), "{error}");
+        let error = render("t", "a\nb\n{{ service.nmae }}\n", &service, &shared, source.clone()).unwrap_err();
+        assert_eq!(error.line, Some(3), "{error}");
+        assert!(error.reason.contains("undefined"), "{error}");
+        let error = check_syntax("t", "{% if %}").unwrap_err();
+        assert_eq!(error.line, Some(1));
+        check_syntax("t", "{{ instances('api') | length }}").unwrap();
+    }
+
+    #[test]
+    fn nothing_is_escaped_and_the_last_newline_stays() {
+        let (mut service, shared) = data();
+        service.name = "<a & b>".into();
+        let rendered = render("x.html", "{{ service.name }}\n", &service, &shared, Arc::new(Fixed(Vec::new())));
+        assert_eq!(rendered.unwrap().text, "<a & b>\n");
+    }
+}

@@ -1,0 +1,161 @@
+//! Writing a rendered file at its destination: only when its bytes differ, atomically
+//! (a temporary file in the destination's directory, renamed over it), never through a
+//! link found at the destination, with the template's mode and the proxy's user as owner.
+//!
+//! These are the only files the agent writes outside its data dir, and only at the
+//! destinations the operator configured.
+
+use std::io::{self, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+use nix::unistd::{Gid, Uid};
+use tether_state::config::DisplayPath;
+use tether_state::persist::{self, Durability};
+
+/// Why a rendered file could not be put in place.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum WriteError {
+    /// A link, a directory, a special file or a file with other hard links is where the
+    /// file goes: it is left as it is.
+    #[error("{} is not a regular file of its own (a link, a directory or a device?): it is left as it is", DisplayPath(.path))]
+    Unsafe { path: PathBuf, source: io::Error },
+    /// The file could not be read or written.
+    #[error("cannot write {}", DisplayPath(.path))]
+    Io { path: PathBuf, source: io::Error },
+}
+
+/// Who owns a rendered file: the proxy's user and group, when the agent runs as root.
+pub(crate) type Owner = Option<(Uid, Gid)>;
+
+/// Puts `bytes` at `destination` unless the file there holds them already: `Ok(true)` when
+/// it wrote, `Ok(false)` when the file was unchanged.
+///
+/// Durability: a rendered file is derived from the catalog again at each start and each
+/// change, so it needs only to survive an agent crash (a rename), not a power loss.
+///
+/// # Errors
+///
+/// [`WriteError::Unsafe`] when something other than a regular file of its own is at the
+/// destination; [`WriteError::Io`] otherwise. The old file is then untouched.
+pub(crate) fn write_if_changed(destination: &Path, bytes: &[u8], mode: u32, owner: Owner) -> Result<bool, WriteError> {
+    match read_current(destination) {
+        Ok(Some(current)) if current == bytes => return Ok(false),
+        Ok(_) => {}
+        Err(Current::Unsafe(source)) => return Err(WriteError::Unsafe { path: destination.to_owned(), source }),
+        Err(Current::Io(source)) => return Err(WriteError::Io { path: destination.to_owned(), source }),
+    }
+    persist::write_atomic_file(destination, Durability::Crash, |file| {
+        file.set_permissions(std::fs::Permissions::from_mode(mode))?;
+        if let Some((uid, gid)) = owner {
+            std::os::unix::fs::fchown(&*file, Some(uid.as_raw()), Some(gid.as_raw()))?;
+        }
+        file.write_all(bytes)
+    })
+    .map_err(|err| WriteError::Io { path: destination.to_owned(), source: io::Error::other(err) })?;
+    Ok(true)
+}
+
+/// Why the file at a destination could not be compared.
+enum Current {
+    /// Something other than a regular file is there.
+    Unsafe(io::Error),
+    /// It could not be read.
+    Io(io::Error),
+}
+
+/// The bytes of the regular file at `path`, `None` if there is none; a link there is not
+/// followed. Its mode and owner are left as they are: the file is the operator's until it
+/// is replaced.
+fn read_current(path: &Path) -> Result<Option<Vec<u8>>, Current> {
+    use nix::fcntl::{OFlag, open};
+    use nix::sys::stat::{Mode, SFlag, fstat};
+    let flags = OFlag::O_RDONLY | OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK | OFlag::O_NOCTTY | OFlag::O_CLOEXEC;
+    let fd = match open(path, flags, Mode::empty()) {
+        Ok(fd) => fd,
+        Err(nix::errno::Errno::ENOENT) => return Ok(None),
+        Err(nix::errno::Errno::ELOOP) => {
+            return Err(Current::Unsafe(io::Error::other("a symbolic link is at the destination")));
+        }
+        Err(errno) => return Err(Current::Io(errno.into())),
+    };
+    let stat = fstat(&fd).map_err(|errno| Current::Io(errno.into()))?;
+    if SFlag::from_bits_truncate(stat.st_mode) & SFlag::S_IFMT != SFlag::S_IFREG {
+        return Err(Current::Unsafe(io::Error::other("not a regular file")));
+    }
+    let mut bytes = Vec::new();
+    std::io::Read::read_to_end(&mut std::fs::File::from(fd), &mut bytes).map_err(Current::Io)?;
+    Ok(Some(bytes))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::MetadataExt;
+
+    use super::*;
+
+    #[test]
+    fn a_file_is_written_with_its_mode_and_unchanged_bytes_are_not_rewritten() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("haproxy.cfg");
+        assert!(write_if_changed(&path, b"one\n", 0o640, None).unwrap());
+        assert_eq!(std::fs::read(&path).unwrap(), b"one\n");
+        let first = std::fs::metadata(&path).unwrap();
+        assert_eq!(first.mode() & 0o7777, 0o640);
+
+        // The same bytes: nothing is written, the file keeps its inode and its mode.
+        assert!(!write_if_changed(&path, b"one\n", 0o640, None).unwrap());
+        let again = std::fs::metadata(&path).unwrap();
+        assert_eq!((again.ino(), again.mode() & 0o7777), (first.ino(), 0o640));
+
+        // New bytes: a new file renamed into place, nothing else left in the directory.
+        assert!(write_if_changed(&path, b"two\n", 0o600, None).unwrap());
+        let second = std::fs::metadata(&path).unwrap();
+        assert_ne!(second.ino(), first.ino(), "replaced by a rename, not written in place");
+        assert_eq!(second.mode() & 0o7777, 0o600);
+        let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names, ["haproxy.cfg"]);
+
+        // A directory at the destination is left alone.
+        let error = write_if_changed(dir.path(), b"x", 0o644, None).unwrap_err();
+        assert!(matches!(error, WriteError::Unsafe { .. }), "{error:?}");
+    }
+
+    #[test]
+    fn a_link_at_the_destination_is_refused_and_its_target_untouched() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("target");
+        std::fs::write(&target, "precious\n").unwrap();
+        let link = dir.path().join("haproxy.cfg");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        let error = write_if_changed(&link, b"rendered\n", 0o644, None).unwrap_err();
+        assert!(matches!(error, WriteError::Unsafe { .. }), "{error:?}");
+        assert!(error.to_string().contains("haproxy.cfg is not a regular file of its own"), "{error}");
+        assert_eq!(std::fs::read(&target).unwrap(), b"precious\n");
+        assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink(), "the link stays");
+    }
+
+    #[test]
+    fn the_owner_is_set_when_given() {
+        if !nix::unistd::geteuid().is_root() {
+            #[allow(clippy::print_stderr, reason = "a skipped test says why")]
+            {
+                eprintln!("skipped: needs root to give a file away");
+            }
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("owned");
+        let owner = Some((Uid::from_raw(65534), Gid::from_raw(65534)));
+        assert!(write_if_changed(&path, b"x", 0o644, owner).unwrap());
+        let meta = std::fs::metadata(&path).unwrap();
+        assert_eq!((meta.uid(), meta.gid()), (65534, 65534));
+    }
+
+    #[test]
+    fn a_missing_directory_is_an_error_naming_the_file() {
+        let error = write_if_changed(Path::new("/nonexistent-tether-dir/x.cfg"), b"x", 0o644, None).unwrap_err();
+        assert!(matches!(error, WriteError::Io { .. }));
+        assert!(error.to_string().contains("/nonexistent-tether-dir/x.cfg"), "{error}");
+    }
+}

@@ -1,0 +1,242 @@
+//! `[[service.proxy.template]]`: files rendered from the catalog before a proxy starts, and
+//! again when what they read changes.
+
+use std::path::{Path, PathBuf};
+
+use assert_cmd::prelude::*;
+
+use crate::support::*;
+
+/// `--allow-root` when the tests run as root, so that proxies without `user` may run.
+fn root_flags() -> Vec<&'static str> {
+    if is_root() { vec!["--allow-root"] } else { vec![] }
+}
+
+/// A service `web` whose proxy prints its rendered file at start, then sleeps; its template
+/// is `contents`, rendered to `destination`.
+fn web(destination: &Path, contents: &str) -> String {
+    format!(
+        "[[service]]\nname = \"web\"\nport = 8080\n[service.proxy]\n\
+         command = [\"/bin/sh\", \"-c\", \"echo start; cat {dest}; echo end; exec sleep 3600\"]\n\
+         kill_timeout = \"2s\"\n\
+         [[service.proxy.template]]\ncontents = '''{contents}'''\ndestination = \"{dest}\"\nwait = \"50ms\"\n",
+        dest = destination.display()
+    )
+}
+
+fn rendered(dirs: &Dirs) -> PathBuf {
+    dirs.temp.path().join("rendered").join("web.conf")
+}
+
+fn stdout_log(dirs: &Dirs) -> String {
+    std::fs::read_to_string(dirs.data.join("logs/web-proxy-stdout.log")).unwrap_or_default()
+}
+
+fn register(dirs: &Dirs, body: &str) -> Response {
+    put(&dirs.socket(), "/v1/agent/service/register", Some(body)).unwrap()
+}
+
+fn renders(dirs: &Dirs, result: &str) -> u64 {
+    let metrics = get(&dirs.socket(), "/metrics").unwrap().body;
+    let wanted = format!("tether_template_renders_total{{proxy=\"web-proxy\",result=\"{result}\"}} ");
+    metrics.lines().find_map(|line| line.strip_prefix(&wanted)?.parse().ok()).unwrap_or(0)
+}
+
+/// `tether events --json`, killed and reaped on drop.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Streams the agent's events, one JSON line each, to the receiver as they come.
+fn events(dirs: &Dirs) -> (KillOnDrop, std::sync::mpsc::Receiver<String>) {
+    use std::io::BufRead;
+    let mut child = tether()
+        .args(["events", "--json", "--data-dir"])
+        .arg(&dirs.data)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (send, receive) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout).lines() {
+            let Ok(line) = line else { return };
+            if send.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    (KillOnDrop(child), receive)
+}
+
+const SERVICES: &str = "{% for s in services %}{{ s.id }} {{ s.address }}:{{ s.port }}\n{% endfor %}";
+
+#[test]
+fn a_proxy_reads_its_rendered_file_at_start_and_is_restarted_when_a_new_service_changes_it() {
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    std::fs::create_dir(dirs.temp.path().join("rendered")).unwrap();
+    dirs.write_config("web.toml", &web(&rendered(&dirs), SERVICES));
+    dirs.write_config("db.toml", "[[service]]\nname = \"db\"\nport = 5432\n");
+    let agent = Agent::start(&dirs, &root_flags());
+    let first = agent.wait_state("web-proxy", "running");
+
+    // Rendered before the start: the process read it.
+    let expected = "db 127.0.0.1:5432\nweb 127.0.0.1:8080\n";
+    let log = wait_for("the proxy to print its file", || {
+        let log = stdout_log(&dirs);
+        log.contains("end\n").then_some(log)
+    });
+    assert_eq!(log, format!("start\n{expected}end\n"));
+    assert_eq!(std::fs::read_to_string(rendered(&dirs)).unwrap(), expected);
+    assert_eq!(mode(&rendered(&dirs)), 0o644);
+    assert_eq!(renders(&dirs, "rendered"), 1);
+
+    // A new service changes the file: rendered again, and the proxy restarted to read it.
+    let answer = register(&dirs, r#"{"name": "cache", "port": 6379}"#);
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let expected = "cache 127.0.0.1:6379\ndb 127.0.0.1:5432\nweb 127.0.0.1:8080\n";
+    let second = wait_for("a restart after the new file", || {
+        let now = agent.proxy("web-proxy")?;
+        (now["state"] == "running" && now["pid"] != first["pid"]).then_some(now)
+    });
+    assert_eq!(std::fs::read_to_string(rendered(&dirs)).unwrap(), expected);
+    wait_for("the new instance to print the new file", || {
+        stdout_log(&dirs).ends_with(&format!("start\n{expected}end\n")).then_some(())
+    });
+    assert_eq!(renders(&dirs, "rendered"), 2);
+
+    // A change that leaves the bytes as they are rewrites nothing and restarts nothing.
+    let inode = std::fs::metadata(rendered(&dirs)).map(|m| std::os::unix::fs::MetadataExt::ino(&m)).unwrap();
+    let unchanged_before = renders(&dirs, "unchanged");
+    let answer = register(&dirs, r#"{"name": "cache", "port": 6379, "tags": ["new"]}"#);
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    wait_for("an unchanged render", || (renders(&dirs, "unchanged") > unchanged_before).then_some(()));
+    let inode_after = std::fs::metadata(rendered(&dirs)).map(|m| std::os::unix::fs::MetadataExt::ino(&m)).unwrap();
+    assert_eq!(inode_after, inode, "the file was not rewritten");
+    assert_eq!(agent.proxy("web-proxy").unwrap()["pid"], second["pid"], "not restarted");
+}
+
+#[test]
+fn a_template_that_cannot_render_fails_the_start_naming_the_template_and_line() {
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    std::fs::create_dir(dirs.temp.path().join("rendered")).unwrap();
+    dirs.write_config("web.toml", &web(&rendered(&dirs), "fine\n{{ service.nmae }}\n"));
+    let agent = Agent::start(&dirs, &root_flags());
+    let failed = agent.wait_state("web-proxy", "failed");
+    let error = failed["error"].as_str().unwrap();
+    let destination = rendered(&dirs).display().to_string();
+    assert!(error.contains(&format!("template {destination}: line 2: ")) && error.contains("undefined"), "{error}");
+    assert!(!rendered(&dirs).exists(), "nothing is written");
+    assert!(stdout_log(&dirs).is_empty(), "the proxy never ran");
+    assert!(renders(&dirs, "failed") >= 1);
+
+    // Fixed: started at once on the change, without waiting for the backoff.
+    dirs.write_config("web.toml", &web(&rendered(&dirs), "fine\n{{ service.name }}\n"));
+    tether().args(["reload", "--data-dir"]).arg(&dirs.data).assert().code(0);
+    let running = agent.wait_state("web-proxy", "running");
+    assert!(running["error"].is_null(), "{running}");
+    assert_eq!(std::fs::read_to_string(rendered(&dirs)).unwrap(), "fine\nweb\n");
+}
+
+#[test]
+fn a_later_render_error_keeps_the_last_good_file_and_the_proxy_running() {
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    std::fs::create_dir(dirs.temp.path().join("rendered")).unwrap();
+    // Every instance of `api` must have a `zone`: one without is an error of the template.
+    let template = "{% for i in instances('api') %}{{ i.id }} {{ i.meta.zone }}\n{% endfor %}";
+    dirs.write_config("web.toml", &web(&rendered(&dirs), template));
+    dirs.write_config("api.toml", "[[service]]\nname = \"api\"\nid = \"api-1\"\nmeta = { zone = \"a\" }\n");
+    let agent = Agent::start(&dirs, &root_flags());
+    agent.wait_state("web-proxy", "running");
+    assert_eq!(std::fs::read_to_string(rendered(&dirs)).unwrap(), "api-1 a\n");
+
+    // The events stream is open once it tells of a restart.
+    let (_events, lines) = events(&dirs);
+    wait_for("the events stream", || {
+        tether().args(["restart", "web-proxy", "--data-dir"]).arg(&dirs.data).assert().code(0);
+        lines.recv_timeout(std::time::Duration::from_millis(500)).ok()
+    });
+    let running = agent.wait_state("web-proxy", "running");
+    let answer = register(&dirs, r#"{"name": "api", "id": "api-2"}"#);
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let failed = wait_for("a template-failed event", || {
+        let line = lines.try_recv().ok()?;
+        let event: serde_json::Value = serde_json::from_str(&line).unwrap();
+        (event["event"] == "template-failed").then_some(event)
+    });
+    assert_eq!(failed["proxy"], "web-proxy");
+    assert!(failed["detail"].as_str().unwrap().contains("line 1"), "{failed}");
+    let shown =
+        wait_for("the template's error in the status", || agent.proxy("web-proxy").filter(|p| p["error"].is_string()));
+    let error = shown["error"].as_str().unwrap();
+    assert!(error.contains(&format!("template {}: line 1: ", rendered(&dirs).display())), "{error}");
+    assert_eq!(shown["state"], "running");
+    assert_eq!(shown["pid"], running["pid"], "the proxy runs on");
+    assert_eq!(std::fs::read_to_string(rendered(&dirs)).unwrap(), "api-1 a\n", "the last good file stays");
+    assert!(renders(&dirs, "failed") >= 1);
+
+    // The instance gets its zone: the file is rendered again and the error goes.
+    let answer = register(&dirs, r#"{"name": "api", "id": "api-2", "meta": {"zone": "b"}}"#);
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    wait_for("the new file", || (std::fs::read_to_string(rendered(&dirs)).ok()? == "api-1 a\napi-2 b\n").then_some(()));
+    wait_for("the error to clear", || agent.proxy("web-proxy").filter(|p| p["error"].is_null()));
+}
+
+#[test]
+fn the_register_api_refuses_templates_without_allow_api_commands() {
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    let _agent = Agent::start(&dirs, &root_flags());
+    let body = r#"{"name": "x", "proxy": {"template": [{"contents": "x", "destination": "/etc/cron.d/x"}]}}"#;
+    let answer = register(&dirs, body);
+    assert_eq!(answer.status, 403, "{}", answer.body);
+    assert!(answer.body.contains("proxy.template"), "{}", answer.body);
+    assert!(!Path::new("/etc/cron.d/x").exists());
+}
+
+#[test]
+fn validate_names_a_template_that_does_not_parse() {
+    let dirs = Dirs::new();
+    dirs.write_config("web.toml", &web(Path::new("/run/web.conf"), "ok\n{% for x in %}\n"));
+    let output = tether().arg("validate").arg(&dirs.config).output().unwrap();
+    let stderr = String::from_utf8(output.stderr).unwrap();
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("web.toml: field `service[0].proxy.template[0]`: template /run/web.conf: line 2: syntax error"),
+        "{stderr}"
+    );
+    dirs.write_config("web.toml", &web(Path::new("/run/web.conf"), "ok\n"));
+    tether().arg("validate").arg(&dirs.config).assert().code(0);
+}
+
+#[test]
+fn instances_follow_readiness_and_on_change_none_leaves_the_proxy_running() {
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    std::fs::create_dir(dirs.temp.path().join("rendered")).unwrap();
+    let template = "{% for i in instances('api') %}{{ i.id }}\n{% endfor %}";
+    let text = web(&rendered(&dirs), template).replace("wait = \"50ms\"", "wait = \"50ms\"\non_change = \"none\"");
+    dirs.write_config("web.toml", &text);
+    dirs.write_config("api.toml", &sleeper("api"));
+    let agent = Agent::start(&dirs, &root_flags());
+    agent.wait_state("api-proxy", "running");
+    let web = agent.wait_state("web-proxy", "running");
+    // An instance with a proxy counts once its proxy is running.
+    wait_for("api in the file", || (std::fs::read_to_string(rendered(&dirs)).ok()? == "api\n").then_some(()));
+
+    // Held down, it is not ready: it leaves the file; the proxy is not restarted (`none`).
+    tether().args(["stop", "api", "--data-dir"]).arg(&dirs.data).assert().code(0);
+    wait_for("api out of the file", || (std::fs::read_to_string(rendered(&dirs)).ok()?.is_empty()).then_some(()));
+    tether().args(["start", "api", "--data-dir"]).arg(&dirs.data).assert().code(0);
+    wait_for("api back in the file", || (std::fs::read_to_string(rendered(&dirs)).ok()? == "api\n").then_some(()));
+    assert_eq!(agent.proxy("web-proxy").unwrap()["pid"], web["pid"], "on_change = \"none\" restarts nothing");
+}
