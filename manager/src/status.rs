@@ -39,6 +39,10 @@ pub struct ProxyStatus {
     /// The new instance of an overlapping update (`update = "overlap"`), while it starts
     /// beside the instance described above, which serves until it is ready.
     pub update: Option<UpdateStatus>,
+    /// The catalog revision of the service definition that its instance runs: the one it
+    /// was started from or last updated in place to (a change of the service that touches
+    /// nothing of the proxy counts as applied at once). `None` while no instance runs.
+    pub applied_revision: Option<Revision>,
 }
 
 /// The new instance of an overlapping update, as the backend observes it.
@@ -339,6 +343,7 @@ mod tests {
             error: None,
             status_text: None,
             probe_failures: 0,
+            applied_revision: None,
         }
     }
 

@@ -183,6 +183,7 @@ mod tests {
             error: None,
             status_text: None,
             probe_failures: 0,
+            applied_revision: None,
         }
     }
 
