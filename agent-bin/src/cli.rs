@@ -55,7 +55,7 @@ pub(crate) enum Command {
     /// The built-in TCP proxy; normally started by the agent.
     #[command(name = CONNECT_PROXY)]
     ConnectProxy,
-    /// Put, list and remove a node's services in etcd, the fleet catalog.
+    /// The fleet in etcd: put, list and remove a node's services, see every node's status.
     #[command(subcommand)]
     Fleet(FleetCommand),
     /// Write shell completions or the man page, from this command line's own definition.
@@ -128,6 +128,21 @@ pub(crate) enum FleetCommand {
         /// The node.
         #[arg(value_name = "NODE")]
         node: String,
+    },
+    /// Show every node's proxies as their agents publish them, and the desired revisions:
+    /// exit 0 when every desired proxy of every up node runs its desired revision and is ready.
+    Status {
+        #[command(flatten)]
+        etcd: FleetEtcdArgs,
+        /// Only this node.
+        #[arg(long, value_name = "NODE")]
+        node: Option<String>,
+        /// Only this service (its id).
+        #[arg(long, value_name = "SERVICE_ID")]
+        service: Option<String>,
+        /// Print {"nodes": [{"node", "state", "revision", "proxies": [...]}]}.
+        #[arg(long)]
+        json: bool,
     },
     /// Remove service ID from NODE.
     Rm {
@@ -270,6 +285,10 @@ pub(crate) struct AgentArgs {
     pub(crate) node: Option<String>,
     #[command(flatten)]
     pub(crate) etcd_options: EtcdArgs,
+    /// The TTL of the lease under which the agent publishes its node's status: the status
+    /// of an agent that dies vanishes this long after (whole seconds).
+    #[arg(long, value_name = "DUR", default_value = "10s", value_parser = humantime::parse_duration)]
+    pub(crate) fleet_ttl: Duration,
     /// Put every proxy in a cgroup of its own under this cgroup2 directory (default: the
     /// agent's own cgroup, if writable).
     #[arg(long, value_name = "DIR", conflicts_with = "no_cgroups")]

@@ -19,7 +19,7 @@ fn usage(message: String) -> anyhow::Error {
     UsageError(message).into()
 }
 
-fn etcd_failure(err: EtcdError) -> anyhow::Error {
+pub(crate) fn etcd_failure(err: EtcdError) -> anyhow::Error {
     if err.is_usage() { usage(crate::error::error_chain(&err)) } else { err.into() }
 }
 
@@ -37,6 +37,17 @@ pub(crate) async fn run(command: FleetCommand) -> anyhow::Result<ExitCode> {
         FleetCommand::Put { etcd, node, file } => put(&etcd, &node, &file).await,
         FleetCommand::Ls { etcd, node } => ls(&etcd, &node).await,
         FleetCommand::Rm { etcd, node, id } => rm(&etcd, &node, &id).await,
+        FleetCommand::Status { etcd, node, service, json } => {
+            // A node name or service id that cannot exist is a usage error, not an empty table.
+            let layout = Layout::new(&etcd.etcd.etcd_prefix, node.as_deref().unwrap_or("any"))
+                .map_err(|err| usage(err.to_string()))?;
+            if let Some(service) = &service {
+                ServiceId::new(service).map_err(|err| usage(format!("--service {service}: {err}")))?;
+            }
+            let options = EtcdOptions::from_args(etcd.endpoints.clone(), &etcd.etcd);
+            options.connect_options().map_err(etcd_failure)?;
+            super::status::run(&options, layout.prefix(), node.as_deref(), service.as_deref(), json).await
+        }
     }
 }
 

@@ -7,6 +7,7 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Output, Stdio};
+use std::time::{Duration, Instant};
 
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD as BASE64;
@@ -263,6 +264,14 @@ fn fleet_ok(etcd: &Etcd, args: &[&str]) -> String {
     String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
+/// The revision that `tether fleet put` reports for its (last) key.
+fn put_revision(output: &str) -> i64 {
+    let last = output.lines().last().unwrap_or_default();
+    last.rsplit_once("(revision ")
+        .and_then(|(_, rest)| rest.strip_suffix(')')?.parse().ok())
+        .unwrap_or_else(|| panic!("{output}"))
+}
+
 /// A service file with one `/bin/sleep SECONDS` proxy, written to the temp dir.
 fn service_file(dirs: &Dirs, name: &str, seconds: u32, kill_timeout: &str) -> PathBuf {
     let path = dirs.temp.path().join(format!("{name}-{seconds}-{kill_timeout}.toml"));
@@ -334,8 +343,9 @@ fn a_put_starts_a_proxy_an_update_restarts_or_applies_in_place_and_a_delete_stop
 
     // A new kill_timeout applies in place: same process.
     let in_place = service_file(&dirs, "web", 3601, "3s");
-    fleet_ok(&etcd, &["put", "n1", in_place.to_str().unwrap()]);
-    let revision = etcd.revision();
+    let put = fleet_ok(&etcd, &["put", "n1", in_place.to_str().unwrap()]);
+    // The put's own revision: the store's moves on with the status the agent publishes.
+    let revision = put_revision(&put);
     wait_until("the agent to apply the in-place change", || {
         let status = fleet_status(&agent);
         (status["revision"].as_i64() >= Some(revision)).then_some(()).ok_or(status.to_string())
@@ -581,4 +591,188 @@ fn the_first_change_after_a_quiet_period_applies_at_once_from_etcd() {
     wait_for("the watch on etcd", || fleet_status(&agent)["connected"].as_bool().filter(|connected| *connected));
     put_sleeper(&etcd, &dirs, "n1", "web", 3600);
     agent.wait_state("web-proxy", "running");
+}
+
+/// The status lease's TTL of the agents of the multi-node tests: short, so that a dead
+/// agent's node shows `down` soon.
+const TTL_SECONDS: u64 = 2;
+
+/// Starts an agent that follows `node` and publishes its status under a short lease.
+fn publishing_agent(dirs: &Dirs, etcd: &Etcd, node: &str) -> Agent {
+    let url = etcd.url();
+    let ttl = format!("{TTL_SECONDS}s");
+    let mut flags = vec!["--etcd", url.as_str(), "--node", node, "--fleet-ttl", ttl.as_str()];
+    if is_root() {
+        flags.push("--allow-root");
+    }
+    Agent::start(dirs, &flags)
+}
+
+/// `tether fleet status --json`: its exit code and its document.
+fn fleet_view(etcd: &Etcd) -> (Option<i32>, serde_json::Value) {
+    let output = fleet(&etcd.url(), &["status", "--json"]);
+    let text = String::from_utf8_lossy(&output.stdout);
+    let value = serde_json::from_str(&text)
+        .unwrap_or_else(|err| panic!("{err}: {text}{}", String::from_utf8_lossy(&output.stderr)));
+    (output.status.code(), value)
+}
+
+/// Node `node` of a `fleet status --json` document.
+fn node_of<'a>(view: &'a serde_json::Value, node: &str) -> &'a serde_json::Value {
+    view["nodes"]
+        .as_array()
+        .and_then(|nodes| nodes.iter().find(|n| n["node"] == node))
+        .unwrap_or(&serde_json::Value::Null)
+}
+
+/// Three agents on one machine as three nodes, each running `web` from etcd.
+struct ThreeNodes {
+    // Agents first: they go before etcd and their dirs.
+    agents: Vec<Agent>,
+    dirs: Vec<Dirs>,
+    etcd: Etcd,
+}
+
+impl ThreeNodes {
+    const NODES: [&'static str; 3] = ["n1", "n2", "n3"];
+
+    fn start(test: &str) -> Option<Self> {
+        let etcd = Etcd::start(test)?;
+        let dirs: Vec<Dirs> = Self::NODES.iter().map(|_| Dirs::new()).collect();
+        let agents = Self::NODES.iter().zip(&dirs).map(|(node, dirs)| publishing_agent(dirs, &etcd, node)).collect();
+        Some(Self { agents, dirs, etcd })
+    }
+
+    /// Waits until `fleet status` exits 0 with every node up and `proxies` proxies ready on
+    /// each; returns the document.
+    #[track_caller]
+    fn wait_all_ready(&self, proxies: usize) -> serde_json::Value {
+        wait_until("every node up with every proxy ready on its desired revision", || {
+            let (code, view) = fleet_view(&self.etcd);
+            let ready = Self::NODES.iter().all(|node| {
+                let node = node_of(&view, node);
+                node["state"] == "up"
+                    && node["proxies"].as_array().is_some_and(|p| {
+                        p.len() == proxies
+                            && p.iter().all(|p| p["ready"] == true && p["running_revision"] == p["desired_revision"])
+                    })
+            });
+            (code == Some(0) && ready).then(|| view.clone()).ok_or(view.to_string())
+        })
+    }
+}
+
+#[test]
+fn fleet_status_shows_every_node_and_a_killed_agent_is_down_within_the_ttl_then_up_with_nothing_restarted() {
+    let Some(mut fleet_nodes) = ThreeNodes::start("fleet status of three nodes") else { return };
+    let _sweeps: Vec<support::SweepOnDrop> =
+        fleet_nodes.dirs.iter().map(|dirs| support::SweepOnDrop(dirs.socket())).collect();
+    for (node, dirs) in ThreeNodes::NODES.iter().zip(&fleet_nodes.dirs) {
+        put_sleeper(&fleet_nodes.etcd, dirs, node, "web", 3600);
+    }
+    let view = fleet_nodes.wait_all_ready(1);
+    let n2 = &node_of(&view, "n2")["proxies"][0];
+    let (pid, desired) = (n2["pid"].as_i64().unwrap(), n2["desired_revision"].as_i64().unwrap());
+    assert_eq!(pid, pid_of(&fleet_nodes.agents[1], "web-proxy"));
+
+    // The table: a row per node and proxy, and the counts.
+    let table = fleet_ok(&fleet_nodes.etcd, &["status"]);
+    for node in ThreeNodes::NODES {
+        assert!(
+            table.lines().any(|line| line.starts_with(node) && line.contains("web-proxy") && line.contains("running")),
+            "{table}"
+        );
+    }
+    assert!(table.trim_end().ends_with("nodes: 3 up, 0 down; proxies: 3 ready, 0 not ready"), "{table}");
+
+    // Nothing secret is published: no command line, no environment, no token.
+    let published = fleet_nodes
+        .etcd
+        .call(
+            "/v3/kv/range",
+            &format!(
+                r#"{{"key": "{}", "range_end": "{}"}}"#,
+                BASE64.encode("/tether/status/"),
+                BASE64.encode("/tether/status0")
+            ),
+        )
+        .unwrap();
+    let published: serde_json::Value = serde_json::from_str(&published).unwrap();
+    for kv in published["kvs"].as_array().unwrap() {
+        let value = String::from_utf8(BASE64.decode(kv["value"].as_str().unwrap()).unwrap()).unwrap();
+        for secret in ["/bin/sleep", "TETHER_", "token", "env"] {
+            assert!(!value.contains(secret), "{value}");
+        }
+    }
+
+    // An idle fleet writes nothing: the store's revision stays put across lease renewals.
+    let before = fleet_nodes.etcd.revision();
+    std::thread::sleep(Duration::from_secs(TTL_SECONDS * 2));
+    assert_eq!(fleet_nodes.etcd.revision(), before, "idle agents wrote to etcd");
+
+    // kill -9 of n2's agent: its node is down within the TTL and 2 s; its proxy runs on.
+    fleet_nodes.agents[1].signal(Signal::SIGKILL);
+    fleet_nodes.agents[1].wait();
+    let killed = Instant::now();
+    wait_until("n2 to be down", || {
+        let (code, view) = fleet_view(&fleet_nodes.etcd);
+        (node_of(&view, "n2")["state"] == "down" && code == Some(0)).then_some(()).ok_or(view.to_string())
+    });
+    assert!(killed.elapsed() <= Duration::from_secs(TTL_SECONDS + 2), "down after {:?}", killed.elapsed());
+    assert!(alive(pid));
+    let table = fleet_ok(&fleet_nodes.etcd, &["status"]);
+    assert!(table.lines().any(|line| line.starts_with("n2") && line.contains(" down")), "{table}");
+    assert!(table.trim_end().ends_with("nodes: 2 up, 1 down; proxies: 2 ready, 1 not ready"), "{table}");
+
+    // A new agent adopts the proxy: n2 is up again, nothing restarted.
+    // The killed agent's guard is kept until the end: dropping it now would kill the proxies
+    // that the new agent adopts.
+    let _killed =
+        std::mem::replace(&mut fleet_nodes.agents[1], publishing_agent(&fleet_nodes.dirs[1], &fleet_nodes.etcd, "n2"));
+    let view = fleet_nodes.wait_all_ready(1);
+    let n2 = &node_of(&view, "n2")["proxies"][0];
+    assert_eq!((n2["pid"].as_i64(), n2["restarts"].as_u64()), (Some(pid), Some(0)));
+    assert_eq!(n2["running_revision"].as_i64(), Some(desired));
+}
+
+#[test]
+fn fleet_status_fails_while_a_node_runs_an_old_revision_or_is_not_ready() {
+    let Some(etcd) = Etcd::start("fleet status exit code") else { return };
+    let dirs = Dirs::new();
+    let _sweep = support::SweepOnDrop(dirs.socket());
+    let agent = publishing_agent(&dirs, &etcd, "n1");
+    put_sleeper(&etcd, &dirs, "n1", "web", 3600);
+    pid_of(&agent, "web-proxy");
+    wait_until("fleet status to succeed", || {
+        let (code, view) = fleet_view(&etcd);
+        (code == Some(0)).then_some(()).ok_or(view.to_string())
+    });
+    // A desired key that the agent cannot run (its program does not exist) fails the check,
+    // with the proxy's error shown.
+    etcd.put_raw(
+        "/tether/nodes/n1/services/broken",
+        r#"{"name": "broken", "proxy": {"command": ["/nonexistent/program"]}}"#,
+    );
+    let view = wait_until("the broken proxy's error to show", || {
+        let (code, view) = fleet_view(&etcd);
+        let broken = node_of(&view, "n1")["proxies"]
+            .as_array()
+            .and_then(|p| p.iter().find(|p| p["proxy"] == "broken-proxy").cloned());
+        (code == Some(1) && broken.as_ref().is_some_and(|b| b["error"].is_string()))
+            .then(|| view.clone())
+            .ok_or(view.to_string())
+    });
+    let broken = node_of(&view, "n1")["proxies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["proxy"] == "broken-proxy")
+        .unwrap()
+        .clone();
+    assert_eq!(broken["ready"], false, "{broken}");
+    // Filtered to the service that runs, the check passes again.
+    let output = fleet(&etcd.url(), &["status", "--service", "web"]);
+    assert_eq!(output.status.code(), Some(0), "{}", String::from_utf8_lossy(&output.stdout));
+    let bad = fleet(&etcd.url(), &["status", "--node", "a/b"]);
+    assert_eq!(bad.status.code(), Some(2), "{}", String::from_utf8_lossy(&bad.stderr));
 }
