@@ -144,6 +144,36 @@ pub(crate) enum FleetCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Write the services of FILE to the given nodes, a batch at a time: each batch once the
+    /// one before runs the new revision and is ready. Exit 0 done, 1 failed, 2 bad input.
+    Rollout {
+        #[command(flatten)]
+        etcd: FleetEtcdArgs,
+        /// A .toml or .json file of services.
+        #[arg(value_name = "FILE", required_unless_present = "resume", conflicts_with = "resume")]
+        file: Option<PathBuf>,
+        /// The nodes, in the order to roll out to, comma-separated.
+        #[arg(
+            long,
+            value_name = "N1,N2,...",
+            value_delimiter = ',',
+            required_unless_present = "resume",
+            conflicts_with = "resume"
+        )]
+        nodes: Vec<String>,
+        /// How many nodes are written at once.
+        #[arg(long, value_name = "K", default_value_t = 1, conflicts_with = "resume")]
+        max_parallel: usize,
+        /// How long a node may take to run the new revision and be ready.
+        #[arg(long, value_name = "DUR", default_value = "60s", value_parser = humantime::parse_duration, conflicts_with = "resume")]
+        wait: Duration,
+        /// On a failed node: stop there, or also write the failed batch's previous values back.
+        #[arg(long, value_enum, default_value = "stop", conflicts_with = "resume")]
+        on_failure: OnFailure,
+        /// Continue the rollout of SERVICE_ID whose command died, from the batch it reached.
+        #[arg(long, value_name = "SERVICE_ID")]
+        resume: Option<String>,
+    },
     /// Remove service ID from NODE.
     Rm {
         #[command(flatten)]
@@ -239,6 +269,16 @@ pub(crate) struct ValidateArgs {
     /// Config dirs to check (every *.toml and *.json file directly in each).
     #[arg(value_name = "DIR", required = true)]
     pub(crate) dirs: Vec<PathBuf>,
+}
+
+/// What a rollout does when a node fails.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum OnFailure {
+    /// Stop: no further node is touched.
+    Stop,
+    /// Stop, and write the failed batch's keys back to their previous values.
+    Rollback,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

@@ -37,6 +37,20 @@ pub(crate) async fn run(command: FleetCommand) -> anyhow::Result<ExitCode> {
         FleetCommand::Put { etcd, node, file } => put(&etcd, &node, &file).await,
         FleetCommand::Ls { etcd, node } => ls(&etcd, &node).await,
         FleetCommand::Rm { etcd, node, id } => rm(&etcd, &node, &id).await,
+        FleetCommand::Rollout { etcd, file, nodes, max_parallel, wait, on_failure, resume } => {
+            let layout = Layout::new(&etcd.etcd.etcd_prefix, "any").map_err(|err| usage(err.to_string()))?;
+            let options = EtcdOptions::from_args(etcd.endpoints.clone(), &etcd.etcd);
+            options.connect_options().map_err(etcd_failure)?;
+            let request = super::rollout::Request {
+                file: file.as_deref(),
+                nodes: &nodes,
+                max_parallel,
+                wait,
+                on_failure,
+                resume: resume.as_deref(),
+            };
+            super::rollout::run(&options, layout.prefix(), request).await
+        }
         FleetCommand::Status { etcd, node, service, json } => {
             // A node name or service id that cannot exist is a usage error, not an empty table.
             let layout = Layout::new(&etcd.etcd.etcd_prefix, node.as_deref().unwrap_or("any"))

@@ -212,6 +212,20 @@ impl Client {
         .await
     }
 
+    /// The key `key`, if it exists, with its value.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe: a read changes nothing.
+    pub(crate) async fn get(&self, key: &str) -> Result<pb::RangeResponse, Error> {
+        let request = pb::RangeRequest { key: key.as_bytes().to_vec(), ..Default::default() };
+        self.with_token(|| {
+            let (mut kv, request) = (self.kv(), request.clone());
+            async move { kv.range(request).await }
+        })
+        .await
+    }
+
     /// The number of keys under `prefix`, and the store's revision in the header.
     ///
     /// # Cancel safety
@@ -418,6 +432,18 @@ pub(crate) fn put_op(key: &str, value: Vec<u8>, lease: i64) -> pb::RequestOp {
 pub(crate) fn delete_op(key: &str) -> pb::RequestOp {
     let delete = pb::DeleteRangeRequest { key: key.as_bytes().to_vec(), ..Default::default() };
     pb::RequestOp { request: Some(pb::request_op::Request::RequestDeleteRange(delete)) }
+}
+
+/// A comparison that holds when `key`'s mod revision is `mod_revision` (0: the key does not
+/// exist).
+pub(crate) fn mod_revision_is(key: &str, mod_revision: i64) -> pb::Compare {
+    pb::Compare {
+        result: pb::compare::CompareResult::Equal.into(),
+        target: pb::compare::CompareTarget::Mod.into(),
+        key: key.as_bytes().to_vec(),
+        target_union: Some(pb::compare::TargetUnion::ModRevision(mod_revision)),
+        range_end: Vec::new(),
+    }
 }
 
 /// The revision in a response's header (0 without one).

@@ -776,3 +776,242 @@ fn fleet_status_fails_while_a_node_runs_an_old_revision_or_is_not_ready() {
     let bad = fleet(&etcd.url(), &["status", "--node", "a/b"]);
     assert_eq!(bad.status.code(), Some(2), "{}", String::from_utf8_lossy(&bad.stderr));
 }
+
+/// A service file of `web`: `/bin/sleep SECONDS`, ready once `probe` (an exec readiness
+/// probe's words) passes.
+fn web_version(dirs: &Dirs, seconds: u32, probe: &[&str]) -> PathBuf {
+    let path = dirs.temp.path().join(format!("web-{seconds}.toml"));
+    let probe = probe.iter().map(|word| format!("\"{word}\"")).collect::<Vec<_>>().join(", ");
+    std::fs::write(
+        &path,
+        format!(
+            "[[service]]\nname = \"web\"\n[service.proxy]\ncommand = [\"/bin/sleep\", \"{seconds}\"]\nkill_timeout = \"2s\"\n[service.proxy.readiness]\nexec = [{probe}]\ninterval = \"100ms\"\ntimeout = \"2s\"\n"
+        ),
+    )
+    .unwrap();
+    path
+}
+
+/// `tether fleet rollout ARGS...` as a child whose output goes to a file; killed on drop.
+struct RolloutCli {
+    child: Option<Child>,
+    out: PathBuf,
+}
+
+impl RolloutCli {
+    fn spawn(etcd: &Etcd, dirs: &Dirs, args: &[&str]) -> Self {
+        static STARTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let out = dirs.temp.path().join(format!("rollout-{n}.out"));
+        let file = std::fs::File::create(&out).unwrap();
+        let child = support::tether()
+            .arg("fleet")
+            .arg("rollout")
+            .args(args)
+            .args(["--etcd", &etcd.url()])
+            .stdin(Stdio::null())
+            .stdout(file.try_clone().unwrap())
+            .stderr(file)
+            .spawn()
+            .unwrap();
+        Self { child: Some(child), out }
+    }
+
+    fn output(&self) -> String {
+        std::fs::read_to_string(&self.out).unwrap_or_default()
+    }
+
+    /// Waits for the command's exit code.
+    #[track_caller]
+    fn wait(&mut self) -> Option<i32> {
+        let child = self.child.as_mut().unwrap();
+        let status = wait_for("the rollout to end", || child.try_wait().unwrap());
+        self.child = None;
+        status.code()
+    }
+}
+
+impl Drop for RolloutCli {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Each node's published `web-proxy`: (ready, running revision), from the status keys.
+fn published_web(etcd: &Etcd) -> std::collections::BTreeMap<String, (bool, Option<i64>)> {
+    let body = etcd
+        .call(
+            "/v3/kv/range",
+            &format!(
+                r#"{{"key": "{}", "range_end": "{}"}}"#,
+                BASE64.encode("/tether/status/"),
+                BASE64.encode("/tether/status0")
+            ),
+        )
+        .unwrap();
+    let value: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let mut seen = std::collections::BTreeMap::new();
+    for kv in value["kvs"].as_array().cloned().unwrap_or_default() {
+        let key = String::from_utf8(BASE64.decode(kv["key"].as_str().unwrap()).unwrap()).unwrap();
+        let Some(node) = key.strip_prefix("/tether/status/").and_then(|rest| rest.strip_suffix("/proxies/web-proxy"))
+        else {
+            continue;
+        };
+        let status: serde_json::Value =
+            serde_json::from_slice(&BASE64.decode(kv["value"].as_str().unwrap()).unwrap()).unwrap();
+        seen.insert(node.to_owned(), (status["ready"] == true, status["revision"].as_i64()));
+    }
+    seen
+}
+
+/// Puts version 3600 of `web` on every node and waits until all run it; returns each node's
+/// revision and pid.
+fn first_version(fleet_nodes: &ThreeNodes) -> std::collections::BTreeMap<String, (i64, i64)> {
+    let v1 = web_version(&fleet_nodes.dirs[0], 3600, &["/bin/true"]);
+    for node in ThreeNodes::NODES {
+        fleet_ok(&fleet_nodes.etcd, &["put", node, v1.to_str().unwrap()]);
+    }
+    let view = fleet_nodes.wait_all_ready(1);
+    ThreeNodes::NODES
+        .iter()
+        .map(|node| {
+            let proxy = &node_of(&view, node)["proxies"][0];
+            ((*node).to_owned(), (proxy["running_revision"].as_i64().unwrap(), proxy["pid"].as_i64().unwrap()))
+        })
+        .collect()
+}
+
+#[test]
+fn a_rollout_goes_one_node_at_a_time_in_the_given_order() {
+    let Some(fleet_nodes) = ThreeNodes::start("fleet rollout order") else { return };
+    let _sweeps: Vec<support::SweepOnDrop> =
+        fleet_nodes.dirs.iter().map(|dirs| support::SweepOnDrop(dirs.socket())).collect();
+    let before = first_version(&fleet_nodes);
+    // The new version gets ready half a second after it starts: a window that two nodes
+    // between versions at once would show in.
+    let v2 = web_version(&fleet_nodes.dirs[0], 3601, &["/bin/sleep", "0.5"]);
+    let mut rollout = RolloutCli::spawn(
+        &fleet_nodes.etcd,
+        &fleet_nodes.dirs[0],
+        &[v2.to_str().unwrap(), "--nodes", "n3,n1,n2", "--max-parallel", "1"],
+    );
+    let mut order: Vec<String> = Vec::new();
+    let mut snapshots = 0;
+    let code = loop {
+        let seen = published_web(&fleet_nodes.etcd);
+        snapshots += 1;
+        let mut between = Vec::new();
+        for node in ThreeNodes::NODES {
+            match seen.get(node) {
+                Some((true, Some(revision))) if *revision == before[node].0 => {}
+                Some((true, Some(revision))) if *revision > before[node].0 => {
+                    if !order.iter().any(|done| done == node) {
+                        order.push(node.to_owned());
+                    }
+                }
+                other => between.push(format!("{node}: {other:?}")),
+            }
+        }
+        assert!(between.len() <= 1, "two nodes between versions at once: {between:?}\n{}", rollout.output());
+        if let Some(status) = rollout.child.as_mut().unwrap().try_wait().unwrap() {
+            rollout.child = None;
+            break status.code();
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert_eq!(code, Some(0), "{}", rollout.output());
+    assert_eq!(order, ["n3", "n1", "n2"], "{}", rollout.output());
+    assert!(snapshots > 10, "the rollout was observed {snapshots} times only");
+    let output = rollout.output();
+    let lines: Vec<&str> = output.lines().filter(|line| line.contains("running and ready")).collect();
+    assert!(lines.len() == 3 && lines[0].starts_with("n3:") && lines[2].starts_with("n2:"), "{output}");
+    let view = fleet_nodes.wait_all_ready(1);
+    for node in ThreeNodes::NODES {
+        assert_ne!(node_of(&view, node)["proxies"][0]["pid"].as_i64(), Some(before[node].1));
+    }
+}
+
+#[test]
+fn a_version_that_never_gets_ready_fails_at_the_first_node_and_is_rolled_back() {
+    let Some(fleet_nodes) = ThreeNodes::start("fleet rollout failure") else { return };
+    let _sweeps: Vec<support::SweepOnDrop> =
+        fleet_nodes.dirs.iter().map(|dirs| support::SweepOnDrop(dirs.socket())).collect();
+    let before = first_version(&fleet_nodes);
+    let broken = web_version(&fleet_nodes.dirs[0], 3602, &["/bin/false"]);
+    let mut rollout = RolloutCli::spawn(
+        &fleet_nodes.etcd,
+        &fleet_nodes.dirs[0],
+        &[broken.to_str().unwrap(), "--nodes", "n1,n2,n3", "--wait", "2s", "--on-failure", "rollback"],
+    );
+    assert_eq!(rollout.wait(), Some(1), "{}", rollout.output());
+    let output = rollout.output();
+    assert!(output.contains("n1: not running and ready") && output.contains("/bin/false"), "{output}");
+    assert!(output.contains("n1: rolled back") && !output.contains("n2:") && !output.contains("n3:"), "{output}");
+    // n2 and n3 never saw the new version; n1 runs the old one again and is ready.
+    let view = fleet_nodes.wait_all_ready(1);
+    for node in ["n2", "n3"] {
+        let proxy = &node_of(&view, node)["proxies"][0];
+        assert_eq!(
+            (proxy["running_revision"].as_i64(), proxy["pid"].as_i64()),
+            (Some(before[node].0), Some(before[node].1))
+        );
+    }
+    let n1 = pid_of(&fleet_nodes.agents[0], "web-proxy");
+    assert!(support::cmdline(i32::try_from(n1).unwrap()).contains(&"3600".to_owned()));
+    // The rollout is over: the next one may start (and, without rollback, leaves n1 failing).
+    let mut again = RolloutCli::spawn(
+        &fleet_nodes.etcd,
+        &fleet_nodes.dirs[0],
+        &[broken.to_str().unwrap(), "--nodes", "n1,n2", "--wait", "1s"],
+    );
+    assert_eq!(again.wait(), Some(1), "{}", again.output());
+    assert!(!again.output().contains("rolled back"), "{}", again.output());
+    let (code, _) = fleet_view(&fleet_nodes.etcd);
+    assert_eq!(code, Some(1), "n1 is not ready on its desired revision");
+}
+
+#[test]
+fn a_rollout_whose_command_died_refuses_a_second_and_finishes_with_resume() {
+    let Some(fleet_nodes) = ThreeNodes::start("fleet rollout resume") else { return };
+    let _sweeps: Vec<support::SweepOnDrop> =
+        fleet_nodes.dirs.iter().map(|dirs| support::SweepOnDrop(dirs.socket())).collect();
+    let before = first_version(&fleet_nodes);
+    // Slow to get ready, so that the command can be killed after the first node.
+    let v2 = web_version(&fleet_nodes.dirs[0], 3601, &["/bin/sleep", "1"]);
+    let mut rollout =
+        RolloutCli::spawn(&fleet_nodes.etcd, &fleet_nodes.dirs[0], &[v2.to_str().unwrap(), "--nodes", "n1,n2,n3"]);
+    // Once n2 is written, n1's batch is recorded as done.
+    wait_until("n1 to finish", || {
+        let output = rollout.output();
+        output.contains("n2: wrote").then_some(()).ok_or(output)
+    });
+    rollout.child.as_mut().unwrap().kill().unwrap();
+    rollout.wait();
+    let n1 = wait_for("n1's new pid", || {
+        let view = fleet_view(&fleet_nodes.etcd).1;
+        node_of(&view, "n1")["proxies"][0]["pid"].as_i64()
+    });
+    assert_ne!(n1, before["n1"].1);
+
+    // A second rollout of the same service is refused while the first is not over.
+    let mut second =
+        RolloutCli::spawn(&fleet_nodes.etcd, &fleet_nodes.dirs[0], &[v2.to_str().unwrap(), "--nodes", "n3"]);
+    assert_eq!(second.wait(), Some(1), "{}", second.output());
+    assert!(
+        second.output().contains("another rollout is running") && second.output().contains("--resume web"),
+        "{}",
+        second.output()
+    );
+
+    let mut resumed = RolloutCli::spawn(&fleet_nodes.etcd, &fleet_nodes.dirs[0], &["--resume", "web"]);
+    assert_eq!(resumed.wait(), Some(0), "{}", resumed.output());
+    let output = resumed.output();
+    assert!(!output.contains("n1:") && output.contains("n3: running and ready"), "{output}");
+    let view = fleet_nodes.wait_all_ready(1);
+    assert_eq!(node_of(&view, "n1")["proxies"][0]["pid"].as_i64(), Some(n1), "the resumed rollout left n1 alone");
+    let mut nothing = RolloutCli::spawn(&fleet_nodes.etcd, &fleet_nodes.dirs[0], &["--resume", "web"]);
+    assert_eq!(nothing.wait(), Some(1), "{}", nothing.output());
+}
