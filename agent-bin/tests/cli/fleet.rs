@@ -1015,3 +1015,44 @@ fn a_rollout_whose_command_died_refuses_a_second_and_finishes_with_resume() {
     let mut nothing = RolloutCli::spawn(&fleet_nodes.etcd, &fleet_nodes.dirs[0], &["--resume", "web"]);
     assert_eq!(nothing.wait(), Some(1), "{}", nothing.output());
 }
+
+#[test]
+fn after_an_outage_or_a_lost_lease_the_agent_publishes_everything_again() {
+    let Some(mut etcd) = Etcd::start("fleet status republish") else { return };
+    let dirs = Dirs::new();
+    let _sweep = support::SweepOnDrop(dirs.socket());
+    let agent = publishing_agent(&dirs, &etcd, "n1");
+    put_sleeper(&etcd, &dirs, "n1", "web", 3600);
+    let first = pid_of(&agent, "web-proxy");
+    let published_pid = |etcd: &Etcd| {
+        let view = fleet_view(etcd).1;
+        node_of(&view, "n1")["proxies"][0]["pid"].as_i64()
+    };
+    wait_for("the proxy's status", || (published_pid(&etcd) == Some(first)).then_some(()));
+
+    // While etcd is away the proxy dies and is restarted: the new pid shows once it is back.
+    etcd.stop();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(i32::try_from(first).unwrap()), Signal::SIGKILL).unwrap();
+    let second = wait_for("the proxy's restart", || {
+        let proxy = agent.proxy("web-proxy").filter(|p| p["state"] == "running")?;
+        proxy["pid"].as_i64().filter(|pid| *pid != first)
+    });
+    etcd.resume();
+    wait_until("the restarted proxy's status", || {
+        let pid = published_pid(&etcd);
+        (pid == Some(second)).then_some(()).ok_or(format!("{pid:?}"))
+    });
+
+    // A lease that etcd dropped (revoked here, as an expiry would) takes the keys with it:
+    // the agent takes a new lease and writes them all again.
+    let leases: serde_json::Value = serde_json::from_str(&etcd.call("/v3/lease/leases", "{}").unwrap()).unwrap();
+    let lease = leases["leases"][0]["ID"].as_str().unwrap().to_owned();
+    etcd.call("/v3/lease/revoke", &format!(r#"{{"ID": "{lease}"}}"#)).unwrap();
+    wait_until("the node's status to come back under a new lease", || {
+        let (code, view) = fleet_view(&etcd);
+        let leases: serde_json::Value = serde_json::from_str(&etcd.call("/v3/lease/leases", "{}").unwrap()).unwrap();
+        let renewed = leases["leases"].as_array().is_some_and(|l| l.len() == 1 && l[0]["ID"] != lease.as_str());
+        (code == Some(0) && renewed && node_of(&view, "n1")["state"] == "up").then_some(()).ok_or(view.to_string())
+    });
+    assert_eq!(pid_of(&agent, "web-proxy"), second);
+}
