@@ -57,7 +57,7 @@ pub(crate) enum Command {
     /// The built-in TCP proxy; normally started by the agent.
     #[command(name = CONNECT_PROXY)]
     ConnectProxy,
-    /// Put, list and remove a node's services in etcd, the fleet catalog.
+    /// The fleet in etcd: put, list and remove a node's services, see every node's status.
     #[command(subcommand)]
     Fleet(FleetCommand),
     /// Write shell completions or the man page, from this command line's own definition.
@@ -130,6 +130,51 @@ pub(crate) enum FleetCommand {
         /// The node.
         #[arg(value_name = "NODE")]
         node: String,
+    },
+    /// Show every node's proxies as their agents publish them, and the desired revisions:
+    /// exit 0 when every desired proxy of every up node runs its desired revision and is ready.
+    Status {
+        #[command(flatten)]
+        etcd: FleetEtcdArgs,
+        /// Only this node.
+        #[arg(long, value_name = "NODE")]
+        node: Option<String>,
+        /// Only this service (its id).
+        #[arg(long, value_name = "SERVICE_ID")]
+        service: Option<String>,
+        /// Print {"nodes": [{"node", "state", "revision", "proxies": [...]}]}.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Write the services of FILE to the given nodes, a batch at a time: each batch once the
+    /// one before runs the new revision and is ready. Exit 0 done, 1 failed, 2 bad input.
+    Rollout {
+        #[command(flatten)]
+        etcd: FleetEtcdArgs,
+        /// A .toml or .json file of services.
+        #[arg(value_name = "FILE", required_unless_present = "resume", conflicts_with = "resume")]
+        file: Option<PathBuf>,
+        /// The nodes, in the order to roll out to, comma-separated.
+        #[arg(
+            long,
+            value_name = "N1,N2,...",
+            value_delimiter = ',',
+            required_unless_present = "resume",
+            conflicts_with = "resume"
+        )]
+        nodes: Vec<String>,
+        /// How many nodes are written at once.
+        #[arg(long, value_name = "K", default_value_t = 1, conflicts_with = "resume")]
+        max_parallel: usize,
+        /// How long a node may take to run the new revision and be ready.
+        #[arg(long, value_name = "DUR", default_value = "60s", value_parser = humantime::parse_duration, conflicts_with = "resume")]
+        wait: Duration,
+        /// On a failed node: stop there, or also write the failed batch's previous values back.
+        #[arg(long, value_enum, default_value = "stop", conflicts_with = "resume")]
+        on_failure: OnFailure,
+        /// Continue the rollout of SERVICE_ID whose command died, from the batch it reached.
+        #[arg(long, value_name = "SERVICE_ID")]
+        resume: Option<String>,
     },
     /// Remove service ID from NODE.
     Rm {
@@ -237,6 +282,16 @@ pub(crate) struct ValidateArgs {
     pub(crate) dirs: Vec<PathBuf>,
 }
 
+/// What a rollout does when a node fails.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum OnFailure {
+    /// Stop: no further node is touched.
+    Stop,
+    /// Stop, and write the failed batch's keys back to their previous values.
+    Rollback,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub(crate) enum LogFormat {
     Text,
@@ -281,6 +336,10 @@ pub(crate) struct AgentArgs {
     pub(crate) node: Option<String>,
     #[command(flatten)]
     pub(crate) etcd_options: EtcdArgs,
+    /// The TTL of the lease under which the agent publishes its node's status: the status
+    /// of an agent that dies vanishes this long after (whole seconds).
+    #[arg(long, value_name = "DUR", default_value = "10s", value_parser = humantime::parse_duration)]
+    pub(crate) fleet_ttl: Duration,
     /// Put every proxy in a cgroup of its own under this cgroup2 directory (default: the
     /// agent's own cgroup, if writable).
     #[arg(long, value_name = "DIR", conflicts_with = "no_cgroups")]

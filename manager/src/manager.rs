@@ -105,8 +105,11 @@ struct Slot {
     installed: Option<Installed>,
     /// The action running on it, if any: at most one, always.
     busy: Option<Action>,
-    /// What was wanted when the running action was launched.
+    /// What was wanted when the running action was launched, and its catalog revision.
     launched_for: Option<Arc<ManagedProxy>>,
+    launched_revision: Option<Revision>,
+    /// The catalog revision of the definition the installed instance runs.
+    applied_revision: Option<Revision>,
     error: Option<String>,
     /// Starts that failed in a row; the next retry waits per the restart policy.
     start_failures: u32,
@@ -132,6 +135,8 @@ impl Slot {
             installed: None,
             busy: None,
             launched_for: None,
+            launched_revision: None,
+            applied_revision: None,
             error: None,
             start_failures: 0,
             retry_at: None,
@@ -562,7 +567,10 @@ impl Manager {
                 return;
             }
         } else {
-            let Some(action) = decide(desired, slot.map(|slot| &slot.observed), &self.policy) else { return };
+            let Some(action) = decide(desired, slot.map(|slot| &slot.observed), &self.policy) else {
+                self.note_applied(id);
+                return;
+            };
             action
         };
         tracing::debug!(proxy = %id, ?action, "decided");
@@ -643,6 +651,19 @@ impl Manager {
         }
     }
 
+    /// Nothing to do for `id`: if its instance runs what is wanted (a change of the service
+    /// that touches nothing of the proxy), the wanted revision is the one it applies.
+    fn note_applied(&mut self, id: &ProxyId) {
+        let Some(wanted) = self.desired.get(id) else { return };
+        let Some(slot) = self.slots.get_mut(id) else { return };
+        let runs_it = matches!(&slot.observed, Observed::Running { applied } if Arc::ptr_eq(applied, &wanted.proxy)
+            || applied.change_to(&wanted.proxy) == tether_state::ProxyChange::Unchanged);
+        if runs_it && slot.installed.is_some() && slot.applied_revision != Some(wanted.revision) {
+            slot.applied_revision = Some(wanted.revision);
+            self.publish(id);
+        }
+    }
+
     fn publish(&self, id: &ProxyId) {
         let Some(slot) = self.slots.get(id) else { return };
         let process = slot.installed.as_ref().map(|installed| installed.status.borrow().clone()).unwrap_or_default();
@@ -681,6 +702,7 @@ impl Manager {
             update,
             usage: None,
             reloads: process.reloads,
+            applied_revision: slot.installed.as_ref().and(slot.applied_revision),
         });
     }
 }

@@ -47,6 +47,10 @@ pub struct ProxyStatus {
     pub usage: Option<Box<ResourceUsage>>,
     /// Its reloads: the last one and the counts by result, once there was one.
     pub reloads: Option<Box<Reloads>>,
+    /// The catalog revision of the service definition that its instance runs: the one it
+    /// was started from or last updated in place to (a change of the service that touches
+    /// nothing of the proxy counts as applied at once). `None` while no instance runs.
+    pub applied_revision: Option<Revision>,
 }
 
 /// The new instance of an overlapping update, as the backend observes it.
@@ -408,6 +412,7 @@ mod tests {
             probe_failures: 0,
             usage: None,
             reloads: None,
+            applied_revision: None,
         }
     }
 

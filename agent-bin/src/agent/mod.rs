@@ -32,6 +32,7 @@ use crate::catalog::{held, policy};
 use crate::error::UsageError;
 use crate::fleet::FleetOptions;
 use crate::fleet::follow::{FleetCollector, Follower};
+use crate::fleet::publish::Publisher;
 use crate::metrics::Metrics;
 use crate::templates::Templates;
 
@@ -175,7 +176,10 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
     let node = options.fleet.as_ref().map(|fleet| fleet.layout.node().to_owned());
     let templates = Templates::new(sources.state().clone(), node);
     // Before the engine's first reconcile, so that it adopts the fleet's running proxies.
-    let follower = options.fleet.map(|fleet| Follower::new(fleet.layout, fleet.etcd, sources.clone(), &data));
+    let follower = options
+        .fleet
+        .as_ref()
+        .map(|fleet| Follower::new(fleet.layout.clone(), fleet.etcd.clone(), sources.clone(), &data));
     let fleet_status = follower.as_ref().map(Follower::status);
     let running_as_root = nix::unistd::geteuid().is_root();
     let socket_path = std::path::absolute(data.socket_path()).context("resolving the socket path")?;
@@ -259,6 +263,21 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
     let mut sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     let mut sigint = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
     let fleet_stop = CancellationToken::new();
+    let fleet_revoke = CancellationToken::new();
+    let publisher = match (&options.fleet, &follower) {
+        (Some(fleet), Some(follower)) => Some(tokio::spawn(
+            Publisher::new(
+                fleet.layout.clone(),
+                fleet.etcd.clone(),
+                fleet.ttl,
+                handle.clone(),
+                sources.state().clone(),
+                follower.revisions(),
+            )
+            .run(fleet_stop.clone(), fleet_revoke.clone()),
+        )),
+        _ => None,
+    };
     let fleet_task = follower.map(|follower| tokio::spawn(follower.run(fleet_stop.clone())));
     let engine_stop = CancellationToken::new();
     let templates_stop = CancellationToken::new();
@@ -298,11 +317,20 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
     // Nothing re-renders or asks for a restart while the agent ends.
     templates_stop.cancel();
     let _ = templates_task.await;
-    // The catalog stops changing before the engine stops reading it.
+    // The catalog stops changing before the engine stops reading it. An agent that leaves
+    // takes its status with it; one that closes leaves it to expire, or to the next agent.
+    if matches!(ending, Ending::Leave(_)) {
+        fleet_revoke.cancel();
+    }
     fleet_stop.cancel();
     if let Some(task) = fleet_task {
         if let Err(err) = task.await {
             tracing::error!(error = %err, "the fleet follower failed");
+        }
+    }
+    if let Some(task) = publisher {
+        if let Err(err) = task.await {
+            tracing::error!(error = %err, "the fleet status publisher failed");
         }
     }
     engine_stop.cancel();

@@ -213,6 +213,7 @@ mod tests {
             probe_failures: 0,
             usage: None,
             reloads: None,
+            applied_revision: None,
         }
     }
 

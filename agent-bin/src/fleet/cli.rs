@@ -19,7 +19,7 @@ fn usage(message: String) -> anyhow::Error {
     UsageError(message).into()
 }
 
-fn etcd_failure(err: EtcdError) -> anyhow::Error {
+pub(crate) fn etcd_failure(err: EtcdError) -> anyhow::Error {
     if err.is_usage() { usage(crate::error::error_chain(&err)) } else { err.into() }
 }
 
@@ -37,6 +37,31 @@ pub(crate) async fn run(command: FleetCommand) -> anyhow::Result<ExitCode> {
         FleetCommand::Put { etcd, node, file } => put(&etcd, &node, &file).await,
         FleetCommand::Ls { etcd, node } => ls(&etcd, &node).await,
         FleetCommand::Rm { etcd, node, id } => rm(&etcd, &node, &id).await,
+        FleetCommand::Rollout { etcd, file, nodes, max_parallel, wait, on_failure, resume } => {
+            let layout = Layout::new(&etcd.etcd.etcd_prefix, "any").map_err(|err| usage(err.to_string()))?;
+            let options = EtcdOptions::from_args(etcd.endpoints.clone(), &etcd.etcd);
+            options.connect_options().map_err(etcd_failure)?;
+            let request = super::rollout::Request {
+                file: file.as_deref(),
+                nodes: &nodes,
+                max_parallel,
+                wait,
+                on_failure,
+                resume: resume.as_deref(),
+            };
+            super::rollout::run(&options, layout.prefix(), request).await
+        }
+        FleetCommand::Status { etcd, node, service, json } => {
+            // A node name or service id that cannot exist is a usage error, not an empty table.
+            let layout = Layout::new(&etcd.etcd.etcd_prefix, node.as_deref().unwrap_or("any"))
+                .map_err(|err| usage(err.to_string()))?;
+            if let Some(service) = &service {
+                ServiceId::new(service).map_err(|err| usage(format!("--service {service}: {err}")))?;
+            }
+            let options = EtcdOptions::from_args(etcd.endpoints.clone(), &etcd.etcd);
+            options.connect_options().map_err(etcd_failure)?;
+            super::status::run(&options, layout.prefix(), node.as_deref(), service.as_deref(), json).await
+        }
     }
 }
 

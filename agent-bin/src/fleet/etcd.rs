@@ -1,5 +1,5 @@
-//! A client of etcd's v3 API: ranges, puts, deletes and watches over gRPC, with TLS, user
-//! authentication and HTTP/2 keep-alive pings.
+//! A client of etcd's v3 API: ranges, puts, deletes, transactions, leases and watches over
+//! gRPC, with TLS, user authentication and HTTP/2 keep-alive pings.
 //!
 //! The transport is tonic's; the messages and stubs are generated at build time from
 //! `proto/etcd.proto`, the part of etcd's API that tether speaks. This module owns the
@@ -26,6 +26,7 @@ pub(crate) mod pb {
 
 use pb::auth_client::AuthClient;
 use pb::kv_client::KvClient;
+use pb::lease_client::LeaseClient;
 use pb::watch_client::WatchClient;
 
 /// How to connect: timeouts, keep-alive pings, TLS and a user.
@@ -211,6 +212,20 @@ impl Client {
         .await
     }
 
+    /// The key `key`, if it exists, with its value.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe: a read changes nothing.
+    pub(crate) async fn get(&self, key: &str) -> Result<pb::RangeResponse, Error> {
+        let request = pb::RangeRequest { key: key.as_bytes().to_vec(), ..Default::default() };
+        self.with_token(|| {
+            let (mut kv, request) = (self.kv(), request.clone());
+            async move { kv.range(request).await }
+        })
+        .await
+    }
+
     /// The number of keys under `prefix`, and the store's revision in the header.
     ///
     /// # Cancel safety
@@ -256,6 +271,73 @@ impl Client {
             async move { kv.delete_range(request).await }
         })
         .await
+    }
+
+    /// Runs a transaction: `success` if every comparison holds, `failure` otherwise.
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel-safe: a transaction dropped after it was sent may still be applied.
+    pub(crate) async fn txn(&self, request: pb::TxnRequest) -> Result<pb::TxnResponse, Error> {
+        self.with_token(|| {
+            let (mut kv, request) = (self.kv(), request.clone());
+            async move { kv.txn(request).await }
+        })
+        .await
+    }
+
+    fn lease(&self) -> LeaseClient<Authorized> {
+        LeaseClient::with_interceptor(self.channel.clone(), self.token.clone())
+    }
+
+    /// Grants a lease of `ttl` seconds; its id is in the response.
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel-safe: a lease granted after the call was dropped lives out its TTL unused.
+    pub(crate) async fn lease_grant(&self, ttl: i64) -> Result<pb::LeaseGrantResponse, Error> {
+        let request = pb::LeaseGrantRequest { ttl, id: 0 };
+        self.with_token(|| {
+            let mut lease = self.lease();
+            async move { lease.lease_grant(request).await }
+        })
+        .await
+    }
+
+    /// Revokes lease `id`: every key under it is deleted.
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel-safe: a revoke dropped after it was sent may still be applied.
+    pub(crate) async fn lease_revoke(&self, id: i64) -> Result<pb::LeaseRevokeResponse, Error> {
+        let request = pb::LeaseRevokeRequest { id };
+        self.with_token(|| {
+            let mut lease = self.lease();
+            async move { lease.lease_revoke(request).await }
+        })
+        .await
+    }
+
+    /// Opens a keep-alive stream for lease `id`; [`KeepAlive::renew`] renews it once.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe: dropping it drops the stream (the lease lives out its TTL).
+    pub(crate) async fn lease_keep_alive(&self, id: i64) -> Result<KeepAlive, Error> {
+        let mut requests = None;
+        let responses = self
+            .with_token(|| {
+                let (sender, receiver) = mpsc::channel(1);
+                // etcd answers the stream's headers only once a request arrived: the first
+                // renewal goes with the opening, and its answer is the first `renew`'s.
+                let _ = sender.try_send(pb::LeaseKeepAliveRequest { id });
+                requests = Some(sender);
+                let mut lease = self.lease();
+                async move { lease.lease_keep_alive(ReceiverStream::new(receiver)).await }
+            })
+            .await?;
+        let Some(requests) = requests else { unreachable!("with_token calls its request at least once") };
+        Ok(KeepAlive { id, requests, responses, sent: true })
     }
 
     /// Watches every key under `prefix` from `start_revision` on.
@@ -305,6 +387,62 @@ impl WatchStream {
     /// Cancel-safe: a response is taken from the stream only when this returns it.
     pub(crate) async fn message(&mut self) -> Result<Option<pb::WatchResponse>, Error> {
         Ok(self.responses.message().await.map_err(Rejected)?)
+    }
+}
+
+/// The keep-alive stream of one lease.
+pub(crate) struct KeepAlive {
+    id: i64,
+    requests: mpsc::Sender<pb::LeaseKeepAliveRequest>,
+    responses: tonic::Streaming<pb::LeaseKeepAliveResponse>,
+    /// A renewal was sent whose answer is not read yet.
+    sent: bool,
+}
+
+impl KeepAlive {
+    /// Renews the lease once; returns its new time to live in seconds, 0 when the lease is
+    /// gone (expired or revoked).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Rejected`] when the stream failed or etcd ended it.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe: the answer to a renewal dropped midway is read by the next call.
+    pub(crate) async fn renew(&mut self) -> Result<i64, Error> {
+        let ended = || Rejected(Status::unavailable("the lease keep-alive stream ended"));
+        if !self.sent {
+            self.requests.send(pb::LeaseKeepAliveRequest { id: self.id }).await.map_err(|_| ended())?;
+            self.sent = true;
+        }
+        let response = self.responses.message().await.map_err(Rejected)?.ok_or_else(ended)?;
+        self.sent = false;
+        Ok(response.ttl)
+    }
+}
+
+/// A put of `value` at `key` under lease `lease` (0: none), as one operation of a transaction.
+pub(crate) fn put_op(key: &str, value: Vec<u8>, lease: i64) -> pb::RequestOp {
+    let put = pb::PutRequest { key: key.as_bytes().to_vec(), value, lease, ..Default::default() };
+    pb::RequestOp { request: Some(pb::request_op::Request::RequestPut(put)) }
+}
+
+/// A delete of `key`, as one operation of a transaction.
+pub(crate) fn delete_op(key: &str) -> pb::RequestOp {
+    let delete = pb::DeleteRangeRequest { key: key.as_bytes().to_vec(), ..Default::default() };
+    pb::RequestOp { request: Some(pb::request_op::Request::RequestDeleteRange(delete)) }
+}
+
+/// A comparison that holds when `key`'s mod revision is `mod_revision` (0: the key does not
+/// exist).
+pub(crate) fn mod_revision_is(key: &str, mod_revision: i64) -> pb::Compare {
+    pb::Compare {
+        result: pb::compare::CompareResult::Equal.into(),
+        target: pb::compare::CompareTarget::Mod.into(),
+        key: key.as_bytes().to_vec(),
+        target_union: Some(pb::compare::TargetUnion::ModRevision(mod_revision)),
+        range_end: Vec::new(),
     }
 }
 

@@ -24,6 +24,7 @@ use tether_state::{Backoff, CatalogError, Service, Source};
 use tokio_util::sync::CancellationToken;
 
 use super::etcd::{self, Client, WatchStream};
+use super::publish::Revisions;
 use super::store::FleetStore;
 use super::{Desired, EtcdError, EtcdOptions, Layout, SOURCE_NAME, source_kind, timed};
 use crate::catalog::sources::Sources;
@@ -97,6 +98,8 @@ pub(crate) struct Follower {
     store: FleetStore,
     desired: Desired,
     status: SharedStatus,
+    /// What the status publisher learns of each applied set.
+    revisions: Revisions,
 }
 
 impl Follower {
@@ -110,7 +113,8 @@ impl Follower {
             shown.node = layout.node().to_owned();
             shown.prefix = layout.prefix().to_owned();
         }
-        let mut follower = Self { layout, etcd, sources, store, desired: Desired::default(), status };
+        let revisions = Revisions::default();
+        let mut follower = Self { layout, etcd, sources, store, desired: Desired::default(), status, revisions };
         if let Some(persisted) = follower.store.load(&follower.layout) {
             tracing::info!(
                 services = persisted.services.len(),
@@ -124,6 +128,11 @@ impl Follower {
 
     pub(crate) fn status(&self) -> SharedStatus {
         self.status.clone()
+    }
+
+    /// The revisions of each applied set, for the status publisher.
+    pub(crate) fn revisions(&self) -> Revisions {
+        self.revisions.clone()
     }
 
     /// Follows etcd until `stop` is cancelled.
@@ -213,7 +222,7 @@ impl Follower {
                 let Some(kv) = &event.kv else { continue };
                 match event.r#type() {
                     etcd::pb::event::EventType::Put => {
-                        next.put(&self.layout, &kv.key, &kv.value);
+                        next.put_at(&self.layout, &kv.key, &kv.value, kv.mod_revision);
                     }
                     etcd::pb::event::EventType::Delete => next.delete(&self.layout, &kv.key),
                 }
@@ -231,7 +240,7 @@ impl Follower {
         let revision = etcd::revision(response.header.as_ref());
         let mut next = Desired { revision, ..Desired::default() };
         for kv in &response.kvs {
-            next.put(&self.layout, &kv.key, &kv.value);
+            next.put_at(&self.layout, &kv.key, &kv.value, kv.mod_revision);
         }
         let next = self.desired.carry_over(&self.layout, next);
         self.status.lock().counters.full_reads += 1;
@@ -282,6 +291,13 @@ impl Follower {
             }
         }
         self.sources.save_tokens();
+        let state = self.sources.state();
+        let applied = services.iter().filter_map(|(service, _)| {
+            let entry = state.get(&service.id)?;
+            let mod_revision = *next.mod_revisions.get(&service.id)?;
+            (entry.source.kind() == source_kind()).then_some((service.id.clone(), entry.revision, mod_revision))
+        });
+        self.revisions.record(next.revision, applied.collect::<Vec<_>>());
         let persist_failed = if next != self.desired {
             match self.store.save(&self.layout, &next) {
                 Ok(()) => false,
@@ -307,7 +323,7 @@ impl Follower {
 
 /// `delay` ± 20%, so that a fleet of agents does not reconnect in lockstep; the clock's
 /// nanoseconds are random enough for that.
-fn jittered(delay: Duration) -> Duration {
+pub(crate) fn jittered(delay: Duration) -> Duration {
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().subsec_nanos();
     Backoff::jitter(delay, JITTER_PER_MILLE, u64::from(nanos))
 }

@@ -10,6 +10,9 @@
 pub(crate) mod cli;
 pub(crate) mod etcd;
 pub(crate) mod follow;
+pub(crate) mod publish;
+pub(crate) mod rollout;
+pub(crate) mod status;
 pub(crate) mod store;
 
 use std::collections::BTreeMap;
@@ -63,6 +66,22 @@ impl Layout {
 
     pub(crate) fn node(&self) -> &str {
         &self.node
+    }
+
+    /// The key of this node's status: `<prefix>/status/<node>`.
+    pub(crate) fn status_key(&self) -> String {
+        format!("{}/status/{}", self.prefix, self.node)
+    }
+
+    /// The key of one proxy's status: `<prefix>/status/<node>/proxies/<proxy id>`.
+    pub(crate) fn proxy_status_key(&self, proxy: &tether_state::ProxyId) -> String {
+        format!("{}/proxies/{proxy}", self.status_key())
+    }
+
+    /// The key that lists one ready instance of a service:
+    /// `<prefix>/instances/<service name>/<node>/<service id>`.
+    pub(crate) fn instance_key(&self, name: &tether_state::ServiceName, id: &ServiceId) -> String {
+        format!("{}/instances/{name}/{}/{id}", self.prefix, self.node)
     }
 
     /// The prefix of every service key of this node, ending in `/`.
@@ -120,15 +139,29 @@ pub(crate) fn key_id(layout: &Layout, key: &[u8]) -> Result<ServiceId, ValueErro
 
 /// The desired set of one node as last read from etcd: every valid value, by key id, and
 /// every invalid key with its problem. `revision` is the etcd revision it reflects (0 when
-/// unknown), so that a follower can resume watching at `revision + 1`.
+/// unknown), so that a follower can resume watching at `revision + 1`; `mod_revisions` holds,
+/// for each service in force, the mod revision of the key it was read from.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub(crate) struct Desired {
     pub(crate) revision: i64,
     pub(crate) services: BTreeMap<ServiceId, Service>,
+    pub(crate) mod_revisions: BTreeMap<ServiceId, i64>,
     pub(crate) invalid: BTreeMap<String, String>,
 }
 
 impl Desired {
+    /// Records a put of `key` at `mod_revision`. Returns the problem when the value was
+    /// skipped (the key's last valid service, and its mod revision, stay in force).
+    pub(crate) fn put_at(&mut self, layout: &Layout, key: &[u8], value: &[u8], mod_revision: i64) -> Option<String> {
+        let problem = self.put(layout, key, value);
+        if problem.is_none() {
+            if let Ok(id) = key_id(layout, key) {
+                self.mod_revisions.insert(id, mod_revision);
+            }
+        }
+        problem
+    }
+
     /// Records a put of `key`. Returns the problem when the value was skipped.
     pub(crate) fn put(&mut self, layout: &Layout, key: &[u8], value: &[u8]) -> Option<String> {
         let shown = String::from_utf8_lossy(key).into_owned();
@@ -154,6 +187,9 @@ impl Desired {
         for key in next.invalid.keys() {
             if let Ok(id) = key_id(layout, key.as_bytes()) {
                 if let Some(service) = self.services.get(&id) {
+                    if let Some(mod_revision) = self.mod_revisions.get(&id) {
+                        next.mod_revisions.entry(id.clone()).or_insert(*mod_revision);
+                    }
                     next.services.entry(id).or_insert_with(|| service.clone());
                 }
             }
@@ -166,6 +202,7 @@ impl Desired {
         self.invalid.remove(String::from_utf8_lossy(key).as_ref());
         if let Ok(id) = key_id(layout, key) {
             self.services.remove(&id);
+            self.mod_revisions.remove(&id);
         }
     }
 }
@@ -175,6 +212,8 @@ impl Desired {
 pub(crate) struct FleetOptions {
     pub(crate) layout: Layout,
     pub(crate) etcd: EtcdOptions,
+    /// The TTL of the status lease (`--fleet-ttl`).
+    pub(crate) ttl: Duration,
 }
 
 impl FleetOptions {
@@ -190,7 +229,12 @@ impl FleetOptions {
         let layout = Layout::new(&args.etcd_options.etcd_prefix, node).map_err(|err| usage(err.to_string()))?;
         let etcd = EtcdOptions::from_args(args.etcd.clone(), &args.etcd_options);
         etcd.connect_options().map_err(|err| usage(crate::error::error_chain(&err)))?;
-        Ok(Some(Self { layout, etcd }))
+        let ttl = args.fleet_ttl;
+        if ttl.as_secs() == 0 || ttl.subsec_nanos() != 0 {
+            let shown = humantime::format_duration(ttl);
+            return Err(usage(format!("--fleet-ttl {shown}: a lease lives whole seconds, at least one")));
+        }
+        Ok(Some(Self { layout, etcd, ttl }))
     }
 }
 

@@ -34,6 +34,9 @@ struct FleetFile {
     /// Keys whose values were skipped, with the problem.
     #[serde(default)]
     invalid: BTreeMap<String, String>,
+    /// The mod revision of each service's key (absent in files of earlier agents).
+    #[serde(default)]
+    mod_revisions: BTreeMap<String, i64>,
 }
 
 /// The fleet's file in the data dir.
@@ -80,6 +83,11 @@ impl FleetStore {
         }
         let origin = Origin::File(self.path.clone());
         let mut desired = Desired { revision: file.revision, invalid: file.invalid, ..Desired::default() };
+        for (id, mod_revision) in file.mod_revisions {
+            if let Ok(id) = tether_state::ServiceId::new(&id) {
+                desired.mod_revisions.insert(id, mod_revision);
+            }
+        }
         for (id, value) in file.services {
             match config::parse_service(&value.to_string(), Format::Json, &origin) {
                 Ok(service) if service.id.as_str() == id => {
@@ -124,6 +132,7 @@ impl FleetStore {
             revision: desired.revision,
             services,
             invalid: desired.invalid.clone(),
+            mod_revisions: desired.mod_revisions.iter().map(|(id, revision)| (id.to_string(), *revision)).collect(),
         };
         let text = serde_json::to_string_pretty(&file).map_err(|err| encode(err.to_string()))?;
         // Power-loss durability, as before: an agent that starts while etcd is down runs
@@ -143,7 +152,12 @@ mod tests {
         let store = FleetStore::in_data_dir(&data);
         let layout = Layout::new("/tether", "n1").unwrap();
         let mut desired = Desired::default();
-        desired.put(&layout, b"/tether/nodes/n1/services/web", br#"{"name": "web", "proxy": {"kill_timeout": "1s"}}"#);
+        desired.put_at(
+            &layout,
+            b"/tether/nodes/n1/services/web",
+            br#"{"name": "web", "proxy": {"kill_timeout": "1s"}}"#,
+            5,
+        );
         desired.put(&layout, b"/tether/nodes/n1/services/bad", b"{");
         desired.revision = 7;
         store.save(&layout, &desired).unwrap();

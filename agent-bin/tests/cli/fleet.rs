@@ -7,6 +7,7 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Output, Stdio};
+use std::time::{Duration, Instant};
 
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD as BASE64;
@@ -263,6 +264,14 @@ fn fleet_ok(etcd: &Etcd, args: &[&str]) -> String {
     String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
+/// The revision that `tether fleet put` reports for its (last) key.
+fn put_revision(output: &str) -> i64 {
+    let last = output.lines().last().unwrap_or_default();
+    last.rsplit_once("(revision ")
+        .and_then(|(_, rest)| rest.strip_suffix(')')?.parse().ok())
+        .unwrap_or_else(|| panic!("{output}"))
+}
+
 /// A service file with one `/bin/sleep SECONDS` proxy, written to the temp dir.
 fn service_file(dirs: &Dirs, name: &str, seconds: u32, kill_timeout: &str) -> PathBuf {
     let path = dirs.temp.path().join(format!("{name}-{seconds}-{kill_timeout}.toml"));
@@ -334,8 +343,9 @@ fn a_put_starts_a_proxy_an_update_restarts_or_applies_in_place_and_a_delete_stop
 
     // A new kill_timeout applies in place: same process.
     let in_place = service_file(&dirs, "web", 3601, "3s");
-    fleet_ok(&etcd, &["put", "n1", in_place.to_str().unwrap()]);
-    let revision = etcd.revision();
+    let put = fleet_ok(&etcd, &["put", "n1", in_place.to_str().unwrap()]);
+    // The put's own revision: the store's moves on with the status the agent publishes.
+    let revision = put_revision(&put);
     wait_until("the agent to apply the in-place change", || {
         let status = fleet_status(&agent);
         (status["revision"].as_i64() >= Some(revision)).then_some(()).ok_or(status.to_string())
@@ -581,4 +591,468 @@ fn the_first_change_after_a_quiet_period_applies_at_once_from_etcd() {
     wait_for("the watch on etcd", || fleet_status(&agent)["connected"].as_bool().filter(|connected| *connected));
     put_sleeper(&etcd, &dirs, "n1", "web", 3600);
     agent.wait_state("web-proxy", "running");
+}
+
+/// The status lease's TTL of the agents of the multi-node tests: short, so that a dead
+/// agent's node shows `down` soon.
+const TTL_SECONDS: u64 = 2;
+
+/// Starts an agent that follows `node` and publishes its status under a short lease.
+fn publishing_agent(dirs: &Dirs, etcd: &Etcd, node: &str) -> Agent {
+    let url = etcd.url();
+    let ttl = format!("{TTL_SECONDS}s");
+    let mut flags = vec!["--etcd", url.as_str(), "--node", node, "--fleet-ttl", ttl.as_str()];
+    if is_root() {
+        flags.push("--allow-root");
+    }
+    Agent::start(dirs, &flags)
+}
+
+/// `tether fleet status --json`: its exit code and its document.
+fn fleet_view(etcd: &Etcd) -> (Option<i32>, serde_json::Value) {
+    let output = fleet(&etcd.url(), &["status", "--json"]);
+    let text = String::from_utf8_lossy(&output.stdout);
+    let value = serde_json::from_str(&text)
+        .unwrap_or_else(|err| panic!("{err}: {text}{}", String::from_utf8_lossy(&output.stderr)));
+    (output.status.code(), value)
+}
+
+/// Node `node` of a `fleet status --json` document.
+fn node_of<'a>(view: &'a serde_json::Value, node: &str) -> &'a serde_json::Value {
+    view["nodes"]
+        .as_array()
+        .and_then(|nodes| nodes.iter().find(|n| n["node"] == node))
+        .unwrap_or(&serde_json::Value::Null)
+}
+
+/// Three agents on one machine as three nodes, each running `web` from etcd.
+struct ThreeNodes {
+    // Agents first: they go before etcd and their dirs.
+    agents: Vec<Agent>,
+    dirs: Vec<Dirs>,
+    etcd: Etcd,
+}
+
+impl ThreeNodes {
+    const NODES: [&'static str; 3] = ["n1", "n2", "n3"];
+
+    fn start(test: &str) -> Option<Self> {
+        let etcd = Etcd::start(test)?;
+        let dirs: Vec<Dirs> = Self::NODES.iter().map(|_| Dirs::new()).collect();
+        let agents = Self::NODES.iter().zip(&dirs).map(|(node, dirs)| publishing_agent(dirs, &etcd, node)).collect();
+        Some(Self { agents, dirs, etcd })
+    }
+
+    /// Waits until `fleet status` exits 0 with every node up and `proxies` proxies ready on
+    /// each; returns the document.
+    #[track_caller]
+    fn wait_all_ready(&self, proxies: usize) -> serde_json::Value {
+        wait_until("every node up with every proxy ready on its desired revision", || {
+            let (code, view) = fleet_view(&self.etcd);
+            let ready = Self::NODES.iter().all(|node| {
+                let node = node_of(&view, node);
+                node["state"] == "up"
+                    && node["proxies"].as_array().is_some_and(|p| {
+                        p.len() == proxies
+                            && p.iter().all(|p| p["ready"] == true && p["running_revision"] == p["desired_revision"])
+                    })
+            });
+            (code == Some(0) && ready).then(|| view.clone()).ok_or(view.to_string())
+        })
+    }
+}
+
+#[test]
+fn fleet_status_shows_every_node_and_a_killed_agent_is_down_within_the_ttl_then_up_with_nothing_restarted() {
+    let Some(mut fleet_nodes) = ThreeNodes::start("fleet status of three nodes") else { return };
+    let _sweeps: Vec<support::SweepOnDrop> =
+        fleet_nodes.dirs.iter().map(|dirs| support::SweepOnDrop(dirs.socket())).collect();
+    for (node, dirs) in ThreeNodes::NODES.iter().zip(&fleet_nodes.dirs) {
+        put_sleeper(&fleet_nodes.etcd, dirs, node, "web", 3600);
+    }
+    let view = fleet_nodes.wait_all_ready(1);
+    let n2 = &node_of(&view, "n2")["proxies"][0];
+    let (pid, desired) = (n2["pid"].as_i64().unwrap(), n2["desired_revision"].as_i64().unwrap());
+    assert_eq!(pid, pid_of(&fleet_nodes.agents[1], "web-proxy"));
+
+    // The table: a row per node and proxy, and the counts.
+    let table = fleet_ok(&fleet_nodes.etcd, &["status"]);
+    for node in ThreeNodes::NODES {
+        assert!(
+            table.lines().any(|line| line.starts_with(node) && line.contains("web-proxy") && line.contains("running")),
+            "{table}"
+        );
+    }
+    assert!(table.trim_end().ends_with("nodes: 3 up, 0 down; proxies: 3 ready, 0 not ready"), "{table}");
+
+    // Nothing secret is published: no command line, no environment, no token.
+    let published = fleet_nodes
+        .etcd
+        .call(
+            "/v3/kv/range",
+            &format!(
+                r#"{{"key": "{}", "range_end": "{}"}}"#,
+                BASE64.encode("/tether/status/"),
+                BASE64.encode("/tether/status0")
+            ),
+        )
+        .unwrap();
+    let published: serde_json::Value = serde_json::from_str(&published).unwrap();
+    for kv in published["kvs"].as_array().unwrap() {
+        let value = String::from_utf8(BASE64.decode(kv["value"].as_str().unwrap()).unwrap()).unwrap();
+        for secret in ["/bin/sleep", "TETHER_", "token", "env"] {
+            assert!(!value.contains(secret), "{value}");
+        }
+    }
+
+    // An idle fleet writes nothing: the store's revision stays put across lease renewals.
+    let before = fleet_nodes.etcd.revision();
+    std::thread::sleep(Duration::from_secs(TTL_SECONDS * 2));
+    assert_eq!(fleet_nodes.etcd.revision(), before, "idle agents wrote to etcd");
+
+    // kill -9 of n2's agent: its node is down within the TTL and 2 s; its proxy runs on.
+    fleet_nodes.agents[1].signal(Signal::SIGKILL);
+    fleet_nodes.agents[1].wait();
+    let killed = Instant::now();
+    wait_until("n2 to be down", || {
+        let (code, view) = fleet_view(&fleet_nodes.etcd);
+        (node_of(&view, "n2")["state"] == "down" && code == Some(0)).then_some(()).ok_or(view.to_string())
+    });
+    assert!(killed.elapsed() <= Duration::from_secs(TTL_SECONDS + 2), "down after {:?}", killed.elapsed());
+    assert!(alive(pid));
+    let table = fleet_ok(&fleet_nodes.etcd, &["status"]);
+    assert!(table.lines().any(|line| line.starts_with("n2") && line.contains(" down")), "{table}");
+    assert!(table.trim_end().ends_with("nodes: 2 up, 1 down; proxies: 2 ready, 1 not ready"), "{table}");
+
+    // A new agent adopts the proxy: n2 is up again, nothing restarted.
+    // The killed agent's guard is kept until the end: dropping it now would kill the proxies
+    // that the new agent adopts.
+    let _killed =
+        std::mem::replace(&mut fleet_nodes.agents[1], publishing_agent(&fleet_nodes.dirs[1], &fleet_nodes.etcd, "n2"));
+    let view = fleet_nodes.wait_all_ready(1);
+    let n2 = &node_of(&view, "n2")["proxies"][0];
+    assert_eq!((n2["pid"].as_i64(), n2["restarts"].as_u64()), (Some(pid), Some(0)));
+    assert_eq!(n2["running_revision"].as_i64(), Some(desired));
+}
+
+#[test]
+fn fleet_status_fails_while_a_node_runs_an_old_revision_or_is_not_ready() {
+    let Some(etcd) = Etcd::start("fleet status exit code") else { return };
+    let dirs = Dirs::new();
+    let _sweep = support::SweepOnDrop(dirs.socket());
+    let agent = publishing_agent(&dirs, &etcd, "n1");
+    put_sleeper(&etcd, &dirs, "n1", "web", 3600);
+    pid_of(&agent, "web-proxy");
+    wait_until("fleet status to succeed", || {
+        let (code, view) = fleet_view(&etcd);
+        (code == Some(0)).then_some(()).ok_or(view.to_string())
+    });
+    // A desired key that the agent cannot run (its program does not exist) fails the check,
+    // with the proxy's error shown.
+    etcd.put_raw(
+        "/tether/nodes/n1/services/broken",
+        r#"{"name": "broken", "proxy": {"command": ["/nonexistent/program"]}}"#,
+    );
+    let view = wait_until("the broken proxy's error to show", || {
+        let (code, view) = fleet_view(&etcd);
+        let broken = node_of(&view, "n1")["proxies"]
+            .as_array()
+            .and_then(|p| p.iter().find(|p| p["proxy"] == "broken-proxy").cloned());
+        (code == Some(1) && broken.as_ref().is_some_and(|b| b["error"].is_string()))
+            .then(|| view.clone())
+            .ok_or(view.to_string())
+    });
+    let broken = node_of(&view, "n1")["proxies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["proxy"] == "broken-proxy")
+        .unwrap()
+        .clone();
+    assert_eq!(broken["ready"], false, "{broken}");
+    // Filtered to the service that runs, the check passes again.
+    let output = fleet(&etcd.url(), &["status", "--service", "web"]);
+    assert_eq!(output.status.code(), Some(0), "{}", String::from_utf8_lossy(&output.stdout));
+    let bad = fleet(&etcd.url(), &["status", "--node", "a/b"]);
+    assert_eq!(bad.status.code(), Some(2), "{}", String::from_utf8_lossy(&bad.stderr));
+}
+
+/// A service file of `web`: `/bin/sleep SECONDS`, ready once `probe` (an exec readiness
+/// probe's words) passes.
+fn web_version(dirs: &Dirs, seconds: u32, probe: &[&str]) -> PathBuf {
+    let path = dirs.temp.path().join(format!("web-{seconds}.toml"));
+    let probe = probe.iter().map(|word| format!("\"{word}\"")).collect::<Vec<_>>().join(", ");
+    std::fs::write(
+        &path,
+        format!(
+            "[[service]]\nname = \"web\"\n[service.proxy]\ncommand = [\"/bin/sleep\", \"{seconds}\"]\nkill_timeout = \"2s\"\n[service.proxy.readiness]\nexec = [{probe}]\ninterval = \"100ms\"\ntimeout = \"2s\"\n"
+        ),
+    )
+    .unwrap();
+    path
+}
+
+/// `tether fleet rollout ARGS...` as a child whose output goes to a file; killed on drop.
+struct RolloutCli {
+    child: Option<Child>,
+    out: PathBuf,
+}
+
+impl RolloutCli {
+    fn spawn(etcd: &Etcd, dirs: &Dirs, args: &[&str]) -> Self {
+        static STARTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let out = dirs.temp.path().join(format!("rollout-{n}.out"));
+        let file = std::fs::File::create(&out).unwrap();
+        let child = support::tether()
+            .arg("fleet")
+            .arg("rollout")
+            .args(args)
+            .args(["--etcd", &etcd.url()])
+            .stdin(Stdio::null())
+            .stdout(file.try_clone().unwrap())
+            .stderr(file)
+            .spawn()
+            .unwrap();
+        Self { child: Some(child), out }
+    }
+
+    fn output(&self) -> String {
+        std::fs::read_to_string(&self.out).unwrap_or_default()
+    }
+
+    /// Waits for the command's exit code.
+    #[track_caller]
+    fn wait(&mut self) -> Option<i32> {
+        let child = self.child.as_mut().unwrap();
+        let status = wait_for("the rollout to end", || child.try_wait().unwrap());
+        self.child = None;
+        status.code()
+    }
+}
+
+impl Drop for RolloutCli {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Each node's published `web-proxy`: (ready, running revision), from the status keys.
+fn published_web(etcd: &Etcd) -> std::collections::BTreeMap<String, (bool, Option<i64>)> {
+    let body = etcd
+        .call(
+            "/v3/kv/range",
+            &format!(
+                r#"{{"key": "{}", "range_end": "{}"}}"#,
+                BASE64.encode("/tether/status/"),
+                BASE64.encode("/tether/status0")
+            ),
+        )
+        .unwrap();
+    let value: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let mut seen = std::collections::BTreeMap::new();
+    for kv in value["kvs"].as_array().cloned().unwrap_or_default() {
+        let key = String::from_utf8(BASE64.decode(kv["key"].as_str().unwrap()).unwrap()).unwrap();
+        let Some(node) = key.strip_prefix("/tether/status/").and_then(|rest| rest.strip_suffix("/proxies/web-proxy"))
+        else {
+            continue;
+        };
+        let status: serde_json::Value =
+            serde_json::from_slice(&BASE64.decode(kv["value"].as_str().unwrap()).unwrap()).unwrap();
+        seen.insert(node.to_owned(), (status["ready"] == true, status["revision"].as_i64()));
+    }
+    seen
+}
+
+/// Puts version 3600 of `web` on every node and waits until all run it; returns each node's
+/// revision and pid.
+fn first_version(fleet_nodes: &ThreeNodes) -> std::collections::BTreeMap<String, (i64, i64)> {
+    let v1 = web_version(&fleet_nodes.dirs[0], 3600, &["/bin/true"]);
+    for node in ThreeNodes::NODES {
+        fleet_ok(&fleet_nodes.etcd, &["put", node, v1.to_str().unwrap()]);
+    }
+    let view = fleet_nodes.wait_all_ready(1);
+    ThreeNodes::NODES
+        .iter()
+        .map(|node| {
+            let proxy = &node_of(&view, node)["proxies"][0];
+            ((*node).to_owned(), (proxy["running_revision"].as_i64().unwrap(), proxy["pid"].as_i64().unwrap()))
+        })
+        .collect()
+}
+
+#[test]
+fn a_rollout_goes_one_node_at_a_time_in_the_given_order() {
+    let Some(fleet_nodes) = ThreeNodes::start("fleet rollout order") else { return };
+    let _sweeps: Vec<support::SweepOnDrop> =
+        fleet_nodes.dirs.iter().map(|dirs| support::SweepOnDrop(dirs.socket())).collect();
+    let before = first_version(&fleet_nodes);
+    // The new version gets ready half a second after it starts: a window that two nodes
+    // between versions at once would show in.
+    let v2 = web_version(&fleet_nodes.dirs[0], 3601, &["/bin/sleep", "0.5"]);
+    let mut rollout = RolloutCli::spawn(
+        &fleet_nodes.etcd,
+        &fleet_nodes.dirs[0],
+        &[v2.to_str().unwrap(), "--nodes", "n3,n1,n2", "--max-parallel", "1"],
+    );
+    let mut order: Vec<String> = Vec::new();
+    let mut snapshots = 0;
+    let code = loop {
+        let seen = published_web(&fleet_nodes.etcd);
+        snapshots += 1;
+        let mut between = Vec::new();
+        for node in ThreeNodes::NODES {
+            match seen.get(node) {
+                Some((true, Some(revision))) if *revision == before[node].0 => {}
+                Some((true, Some(revision))) if *revision > before[node].0 => {
+                    if !order.iter().any(|done| done == node) {
+                        order.push(node.to_owned());
+                    }
+                }
+                other => between.push(format!("{node}: {other:?}")),
+            }
+        }
+        assert!(between.len() <= 1, "two nodes between versions at once: {between:?}\n{}", rollout.output());
+        if let Some(status) = rollout.child.as_mut().unwrap().try_wait().unwrap() {
+            rollout.child = None;
+            break status.code();
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert_eq!(code, Some(0), "{}", rollout.output());
+    assert_eq!(order, ["n3", "n1", "n2"], "{}", rollout.output());
+    assert!(snapshots > 10, "the rollout was observed {snapshots} times only");
+    let output = rollout.output();
+    let lines: Vec<&str> = output.lines().filter(|line| line.contains("running and ready")).collect();
+    assert!(lines.len() == 3 && lines[0].starts_with("n3:") && lines[2].starts_with("n2:"), "{output}");
+    let view = fleet_nodes.wait_all_ready(1);
+    for node in ThreeNodes::NODES {
+        assert_ne!(node_of(&view, node)["proxies"][0]["pid"].as_i64(), Some(before[node].1));
+    }
+}
+
+#[test]
+fn a_version_that_never_gets_ready_fails_at_the_first_node_and_is_rolled_back() {
+    let Some(fleet_nodes) = ThreeNodes::start("fleet rollout failure") else { return };
+    let _sweeps: Vec<support::SweepOnDrop> =
+        fleet_nodes.dirs.iter().map(|dirs| support::SweepOnDrop(dirs.socket())).collect();
+    let before = first_version(&fleet_nodes);
+    let broken = web_version(&fleet_nodes.dirs[0], 3602, &["/bin/false"]);
+    let mut rollout = RolloutCli::spawn(
+        &fleet_nodes.etcd,
+        &fleet_nodes.dirs[0],
+        &[broken.to_str().unwrap(), "--nodes", "n1,n2,n3", "--wait", "2s", "--on-failure", "rollback"],
+    );
+    assert_eq!(rollout.wait(), Some(1), "{}", rollout.output());
+    let output = rollout.output();
+    assert!(output.contains("n1: not running and ready") && output.contains("/bin/false"), "{output}");
+    assert!(output.contains("n1: rolled back") && !output.contains("n2:") && !output.contains("n3:"), "{output}");
+    // n2 and n3 never saw the new version; n1 runs the old one again and is ready.
+    let view = fleet_nodes.wait_all_ready(1);
+    for node in ["n2", "n3"] {
+        let proxy = &node_of(&view, node)["proxies"][0];
+        assert_eq!(
+            (proxy["running_revision"].as_i64(), proxy["pid"].as_i64()),
+            (Some(before[node].0), Some(before[node].1))
+        );
+    }
+    let n1 = pid_of(&fleet_nodes.agents[0], "web-proxy");
+    assert!(support::cmdline(i32::try_from(n1).unwrap()).contains(&"3600".to_owned()));
+    // The rollout is over: the next one may start (and, without rollback, leaves n1 failing).
+    let mut again = RolloutCli::spawn(
+        &fleet_nodes.etcd,
+        &fleet_nodes.dirs[0],
+        &[broken.to_str().unwrap(), "--nodes", "n1,n2", "--wait", "1s"],
+    );
+    assert_eq!(again.wait(), Some(1), "{}", again.output());
+    assert!(!again.output().contains("rolled back"), "{}", again.output());
+    let (code, _) = fleet_view(&fleet_nodes.etcd);
+    assert_eq!(code, Some(1), "n1 is not ready on its desired revision");
+}
+
+#[test]
+fn a_rollout_whose_command_died_refuses_a_second_and_finishes_with_resume() {
+    let Some(fleet_nodes) = ThreeNodes::start("fleet rollout resume") else { return };
+    let _sweeps: Vec<support::SweepOnDrop> =
+        fleet_nodes.dirs.iter().map(|dirs| support::SweepOnDrop(dirs.socket())).collect();
+    let before = first_version(&fleet_nodes);
+    // Slow to get ready, so that the command can be killed after the first node.
+    let v2 = web_version(&fleet_nodes.dirs[0], 3601, &["/bin/sleep", "1"]);
+    let mut rollout =
+        RolloutCli::spawn(&fleet_nodes.etcd, &fleet_nodes.dirs[0], &[v2.to_str().unwrap(), "--nodes", "n1,n2,n3"]);
+    // Once n2 is written, n1's batch is recorded as done.
+    wait_until("n1 to finish", || {
+        let output = rollout.output();
+        output.contains("n2: wrote").then_some(()).ok_or(output)
+    });
+    rollout.child.as_mut().unwrap().kill().unwrap();
+    rollout.wait();
+    let n1 = wait_for("n1's new pid", || {
+        let view = fleet_view(&fleet_nodes.etcd).1;
+        node_of(&view, "n1")["proxies"][0]["pid"].as_i64()
+    });
+    assert_ne!(n1, before["n1"].1);
+
+    // A second rollout of the same service is refused while the first is not over.
+    let mut second =
+        RolloutCli::spawn(&fleet_nodes.etcd, &fleet_nodes.dirs[0], &[v2.to_str().unwrap(), "--nodes", "n3"]);
+    assert_eq!(second.wait(), Some(1), "{}", second.output());
+    assert!(
+        second.output().contains("another rollout is running") && second.output().contains("--resume web"),
+        "{}",
+        second.output()
+    );
+
+    let mut resumed = RolloutCli::spawn(&fleet_nodes.etcd, &fleet_nodes.dirs[0], &["--resume", "web"]);
+    assert_eq!(resumed.wait(), Some(0), "{}", resumed.output());
+    let output = resumed.output();
+    assert!(!output.contains("n1:") && output.contains("n3: running and ready"), "{output}");
+    let view = fleet_nodes.wait_all_ready(1);
+    assert_eq!(node_of(&view, "n1")["proxies"][0]["pid"].as_i64(), Some(n1), "the resumed rollout left n1 alone");
+    let mut nothing = RolloutCli::spawn(&fleet_nodes.etcd, &fleet_nodes.dirs[0], &["--resume", "web"]);
+    assert_eq!(nothing.wait(), Some(1), "{}", nothing.output());
+}
+
+#[test]
+fn after_an_outage_or_a_lost_lease_the_agent_publishes_everything_again() {
+    let Some(mut etcd) = Etcd::start("fleet status republish") else { return };
+    let dirs = Dirs::new();
+    let _sweep = support::SweepOnDrop(dirs.socket());
+    let agent = publishing_agent(&dirs, &etcd, "n1");
+    put_sleeper(&etcd, &dirs, "n1", "web", 3600);
+    let first = pid_of(&agent, "web-proxy");
+    let published_pid = |etcd: &Etcd| {
+        let view = fleet_view(etcd).1;
+        node_of(&view, "n1")["proxies"][0]["pid"].as_i64()
+    };
+    wait_for("the proxy's status", || (published_pid(&etcd) == Some(first)).then_some(()));
+
+    // While etcd is away the proxy dies and is restarted: the new pid shows once it is back.
+    etcd.stop();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(i32::try_from(first).unwrap()), Signal::SIGKILL).unwrap();
+    let second = wait_for("the proxy's restart", || {
+        let proxy = agent.proxy("web-proxy").filter(|p| p["state"] == "running")?;
+        proxy["pid"].as_i64().filter(|pid| *pid != first)
+    });
+    etcd.resume();
+    wait_until("the restarted proxy's status", || {
+        let pid = published_pid(&etcd);
+        (pid == Some(second)).then_some(()).ok_or(format!("{pid:?}"))
+    });
+
+    // A lease that etcd dropped (revoked here, as an expiry would) takes the keys with it:
+    // the agent takes a new lease and writes them all again.
+    let leases: serde_json::Value = serde_json::from_str(&etcd.call("/v3/lease/leases", "{}").unwrap()).unwrap();
+    let lease = leases["leases"][0]["ID"].as_str().unwrap().to_owned();
+    etcd.call("/v3/lease/revoke", &format!(r#"{{"ID": "{lease}"}}"#)).unwrap();
+    wait_until("the node's status to come back under a new lease", || {
+        let (code, view) = fleet_view(&etcd);
+        let leases: serde_json::Value = serde_json::from_str(&etcd.call("/v3/lease/leases", "{}").unwrap()).unwrap();
+        let renewed = leases["leases"].as_array().is_some_and(|l| l.len() == 1 && l[0]["ID"] != lease.as_str());
+        (code == Some(0) && renewed && node_of(&view, "n1")["state"] == "up").then_some(()).ok_or(view.to_string())
+    });
+    assert_eq!(pid_of(&agent, "web-proxy"), second);
 }

@@ -22,11 +22,13 @@ use crate::status::{ActionKind, Request, RequestError};
 impl Manager {
     pub(super) fn launch(&mut self, id: &ProxyId, action: Action) {
         let wanted = self.desired.get(id).map(|d| d.proxy.clone());
+        let wanted_revision = self.desired.get(id).map(|d| d.revision);
         let Some(slot) = self.slots.get_mut(id) else { return };
         let installed = slot.installed.as_ref().map(|installed| (installed.handle.clone(), installed.generation));
         let handle = installed.as_ref().map(|(handle, _)| handle.clone());
         slot.busy = Some(action);
         slot.launched_for = wanted.clone();
+        slot.launched_revision = wanted_revision;
         slot.old_serves = false;
         // An overlapping update publishes its new instance while the old one serves.
         let overlap = match (action, &wanted, &installed) {
@@ -100,6 +102,7 @@ impl Manager {
             watcher.abort();
         }
         let wanted = slot.launched_for.take();
+        let wanted_revision = slot.launched_revision.take();
         let mut failed = None;
         let succeeded = matches!(outcome, Ok(Outcome::Started { .. } | Outcome::Stopped | Outcome::Updated { .. }));
         if let Some(kind) = action.and_then(action_kind) {
@@ -116,6 +119,7 @@ impl Manager {
                 slot.retry_at = None;
                 // A restart asked by the operator keeps the count; any other start is new.
                 slot.restarts_base = slot.requested.as_ref().map_or(0, |(_, base)| *base);
+                slot.applied_revision = wanted_revision;
                 self.uninstall(&id);
                 self.install(&id, handle.into(), encoded_service(&proxy), Some(proxy.token().fingerprint()));
             }
@@ -158,6 +162,7 @@ impl Manager {
                 tracing::info!(proxy = %id, "change applied in place");
                 slot.observed = Observed::Running { applied: proxy.clone() };
                 slot.error = None;
+                slot.applied_revision = wanted_revision;
                 if let Some(installed) = &mut slot.installed {
                     installed.service = encoded_service(&proxy);
                     installed.token = Some(proxy.token().fingerprint());

@@ -224,6 +224,33 @@ async fn restart_relevant_change_stops_then_starts() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn the_applied_revision_is_the_definition_the_instance_runs() {
+    let running = run(&[service("web")]);
+    let first = running.until_state(&pid("web"), ProxyState::Running).await;
+    let started = running.state.get(&ServiceId::new("web").unwrap()).unwrap().revision;
+    assert_eq!(first.applied_revision, Some(started));
+
+    // A change that touches nothing of the proxy is applied at once, without an action.
+    let mut tagged = service("web");
+    tagged.tags = vec!["blue".into()];
+    let tags_revision = running.state.upsert(tagged.clone(), Source::Api).unwrap();
+    let mut events = running.handle.subscribe();
+    while running.handle.proxy(&pid("web")).and_then(|s| s.applied_revision) != Some(tags_revision) {
+        tokio::time::timeout(LIMIT, events.recv()).await.expect("the tags' revision is applied").unwrap();
+    }
+    assert_eq!(running.fake.calls_of(Call::Start).len(), 1);
+
+    // A restart: the new instance applies the new revision once it runs.
+    tagged.proxy.as_mut().unwrap().env.insert("LOG_LEVEL".into(), "debug".into());
+    let restart_revision = running.state.upsert(tagged, Source::Api).unwrap();
+    running.fake.wait_calls(Call::Start, 2).await;
+    let second = running.until_state(&pid("web"), ProxyState::Running).await;
+    assert_ne!(first.pid, second.pid);
+    assert_eq!(second.applied_revision, Some(restart_revision));
+    running.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
 async fn in_place_change_is_applied_without_a_restart() {
     let running = run(&[service("web")]);
     running.until_state(&pid("web"), ProxyState::Running).await;

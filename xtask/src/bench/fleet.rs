@@ -7,6 +7,11 @@
 //! value is committed) to the mtime of the proxy's pid file, which the backend writes as it
 //! spawns the process; convergence is checked through each agent's API. Everything runs in
 //! a temp dir under /tmp, and a guard stops every agent, proxy and etcd, even on failure.
+//!
+//! Then the status the agents publish: how long a proxy's restart (its new pid file) takes
+//! to show in its status key, which `tether fleet status` reads; and etcd's write rate (its
+//! revision, which every write transaction moves) while the fleet is idle and while one
+//! agent's proxies restart 10 times a second.
 
 use std::fs;
 use std::io::{Read, Write};
@@ -129,7 +134,7 @@ impl Fleet {
             .and_then(|last| last.duration_since(start_wall).ok())
             .unwrap_or(converged);
         latencies.sort();
-        let rows = vec![
+        let mut rows = vec![
             ("fleet: agents × proxies each".to_owned(), format!("{AGENTS} × {per_agent} (one etcd)")),
             (
                 "fleet: agent coalescing".to_owned(),
@@ -146,7 +151,118 @@ impl Fleet {
             ("fleet: etcd-to-running latency, p99".to_owned(), ms(percentile(&latencies, 99.0))),
             ("fleet: etcd-to-running latency, max".to_owned(), ms(percentile(&latencies, 100.0))),
         ];
+        rows.extend(self.status_figures()?);
         Ok(rows)
+    }
+
+    /// The store's revision now.
+    fn revision(&self) -> Result<i64, String> {
+        let body = http_tcp(self.etcd_port, "/v3/kv/range", r#"{"key": "AA=="}"#)?;
+        let value: serde_json::Value = serde_json::from_str(&body).map_err(|err| err.to_string())?;
+        value["header"]["revision"].as_str().and_then(|r| r.parse().ok()).ok_or_else(|| format!("no revision: {body}"))
+    }
+
+    /// The status key of `proxy` on agent `index`, parsed (`Null` while there is none).
+    fn published(&self, index: usize, proxy: &str) -> Result<serde_json::Value, String> {
+        let key = format!("/tether/status/{}/proxies/{proxy}", node(index));
+        let body = http_tcp(self.etcd_port, "/v3/kv/range", &format!(r#"{{"key": "{}"}}"#, BASE64.encode(key)))?;
+        let value: serde_json::Value = serde_json::from_str(&body).map_err(|err| err.to_string())?;
+        let Some(encoded) = value["kvs"][0]["value"].as_str() else { return Ok(serde_json::Value::Null) };
+        let raw = BASE64.decode(encoded).map_err(|err| err.to_string())?;
+        serde_json::from_slice(&raw).map_err(|err| err.to_string())
+    }
+
+    /// The pid in a proxy's pid file.
+    fn pid_of(&self, index: usize, proxy: &str) -> Result<i32, String> {
+        let path = self.agents[index].1.join("pids").join(format!("{proxy}.pid"));
+        let text = fs::read_to_string(&path).map_err(|err| format!("{}: {err}", path.display()))?;
+        text.split_whitespace()
+            .next()
+            .and_then(|pid| pid.parse().ok())
+            .ok_or_else(|| format!("{}: no pid", path.display()))
+    }
+
+    /// Kills `proxy` of agent `index`; returns its old pid.
+    fn kill_proxy(&self, index: usize, proxy: &str) -> Result<i32, String> {
+        let pid = self.pid_of(index, proxy)?;
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL)
+            .map_err(|err| format!("kill {pid}: {err}"))?;
+        Ok(pid)
+    }
+
+    /// etcd write transactions per second over `window`, from the store's revision.
+    fn write_rate(&self, window: Duration, mut during: impl FnMut() -> Result<(), String>) -> Result<f64, String> {
+        let before = self.revision()?;
+        let start = Instant::now();
+        while start.elapsed() < window {
+            during()?;
+        }
+        let after = self.revision()?;
+        Ok((after - before) as f64 / start.elapsed().as_secs_f64())
+    }
+
+    /// Restart-to-visible latency and etcd write rates of the status the agents publish.
+    fn status_figures(&self) -> Result<Vec<(String, String)>, String> {
+        // Every proxy published running: the fleet is settled.
+        wait("every proxy's status published", || {
+            (0..AGENTS)
+                .try_fold(true, |all, index| Ok(all && self.published(index, "s99-proxy")?["state"] == "running"))
+        })?;
+        let window = Duration::from_secs(5);
+        let idle = self.write_rate(window, || {
+            thread::sleep(Duration::from_millis(100));
+            Ok(())
+        })?;
+        // Restarts one at a time over the agents: from the new pid file to the new pid in the key.
+        const RESTARTS: usize = 100;
+        let mut visible = Vec::with_capacity(RESTARTS);
+        for restart in 0..RESTARTS {
+            let (index, proxy) = (restart % AGENTS, format!("s{}-proxy", 50 + restart / AGENTS));
+            let old = self.kill_proxy(index, &proxy)?;
+            let mut new = 0;
+            wait(&format!("{proxy} of {} to restart", node(index)), || {
+                new = self.pid_of(index, &proxy).unwrap_or(old);
+                Ok(new != old)
+            })?;
+            let pid_file = self.agents[index].1.join("pids").join(format!("{proxy}.pid"));
+            let spawned = fs::metadata(&pid_file).and_then(|meta| meta.modified()).map_err(|err| err.to_string())?;
+            wait(&format!("{proxy} of {} to show its new pid", node(index)), || {
+                let status = self.published(index, &proxy)?;
+                Ok(status["pid"].as_i64() == Some(i64::from(new)) && status["state"] == "running")
+            })?;
+            visible.push(SystemTime::now().duration_since(spawned).unwrap_or(Duration::ZERO));
+        }
+        visible.sort();
+        // 10 restarts a second on one agent (node-00), distinct proxies so that none backs off.
+        let mut next = 0;
+        let mut due = Instant::now();
+        let busy = self.write_rate(window, || {
+            if Instant::now() >= due {
+                self.kill_proxy(0, &format!("s{next}-proxy"))?;
+                next += 1;
+                due += Duration::from_millis(100);
+            }
+            thread::sleep(Duration::from_millis(5));
+            Ok(())
+        })?;
+        Ok(vec![
+            (
+                format!("fleet status: a proxy restart → visible in its status key, median ({RESTARTS} restarts)"),
+                ms(percentile(&visible, 50.0)),
+            ),
+            (
+                "fleet status: a proxy restart → visible, p99 (target ≤ 200 ms)".to_owned(),
+                ms(percentile(&visible, 99.0)),
+            ),
+            (
+                "fleet status: etcd write transactions/s per agent, idle (target 0)".to_owned(),
+                format!("{:.2}", idle / AGENTS as f64),
+            ),
+            (
+                "fleet status: etcd write transactions/s of one agent with 10 restarts/s".to_owned(),
+                format!("{busy:.1}"),
+            ),
+        ])
     }
 
     fn etcd_url(&self) -> String {

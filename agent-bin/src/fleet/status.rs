@@ -1,0 +1,274 @@
+//! `tether fleet status`: every node's desired services and what its agent publishes, read
+//! from etcd directly (no agent needed), with an exit code a deploy script can use.
+//!
+//! A node is `up` while its agent's status key lives (under the agent's lease), `down` when
+//! it has desired keys but no status. The command succeeds when every desired proxy of every
+//! up node runs the revision of its desired key and is ready.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::process::ExitCode;
+
+use tether_state::ServiceId;
+
+use super::{EtcdOptions, timed};
+
+/// One proxy as its node publishes it (`<prefix>/status/<node>/proxies/<proxy id>`).
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+pub(crate) struct PublishedProxy {
+    pub(crate) state: String,
+    #[serde(default)]
+    pub(crate) ready: bool,
+    pub(crate) pid: Option<u32>,
+    #[serde(default)]
+    pub(crate) restarts: u64,
+    pub(crate) error: Option<String>,
+    pub(crate) revision: Option<i64>,
+    pub(crate) service: Option<String>,
+}
+
+/// One node: its desired services (by id, with the mod revision of each key) and, while its
+/// agent is up, what it publishes.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct NodeView {
+    pub(crate) desired: BTreeMap<String, i64>,
+    /// The node's status key's `revision`, while it is up.
+    pub(crate) up: Option<i64>,
+    /// Published proxies, by proxy id.
+    pub(crate) proxies: BTreeMap<String, PublishedProxy>,
+}
+
+impl NodeView {
+    /// The proxy of desired service `id`, as published.
+    pub(crate) fn proxy_of(&self, id: &str) -> Option<&PublishedProxy> {
+        let proxy = ServiceId::new(id).ok()?.proxy_id();
+        self.proxies.get(proxy.as_str())
+    }
+
+    /// Whether the node is up and its proxy of `id` runs desired revision `revision` and is
+    /// ready.
+    pub(crate) fn runs(&self, id: &str, revision: i64) -> bool {
+        self.up.is_some() && self.proxy_of(id).is_some_and(|proxy| proxy.ready && proxy.revision == Some(revision))
+    }
+}
+
+/// The whole fleet as etcd holds it now.
+pub(crate) type FleetView = BTreeMap<String, NodeView>;
+
+/// Reads every node's desired keys and status keys under `prefix`.
+///
+/// # Errors
+///
+/// An [`super::EtcdError`] when etcd cannot be asked.
+pub(crate) async fn read(
+    options: &EtcdOptions,
+    client: &super::etcd::Client,
+    prefix: &str,
+) -> Result<FleetView, super::EtcdError> {
+    let mut view = FleetView::new();
+    let nodes_prefix = format!("{prefix}/nodes/");
+    let desired = timed(options, "read", client.get_prefix(&nodes_prefix)).await?;
+    for kv in &desired.kvs {
+        let key = String::from_utf8_lossy(&kv.key);
+        let Some(rest) = key.strip_prefix(&nodes_prefix) else { continue };
+        let Some((node, id)) = rest.split_once("/services/") else { continue };
+        view.entry(node.to_owned()).or_default().desired.insert(id.to_owned(), kv.mod_revision);
+    }
+    let status_prefix = format!("{prefix}/status/");
+    let published = timed(options, "read", client.get_prefix(&status_prefix)).await?;
+    for kv in &published.kvs {
+        let key = String::from_utf8_lossy(&kv.key);
+        let Some(rest) = key.strip_prefix(&status_prefix) else { continue };
+        match rest.split_once("/proxies/") {
+            None if !rest.contains('/') => {
+                let revision = serde_json::from_slice::<serde_json::Value>(&kv.value)
+                    .ok()
+                    .and_then(|value| value["revision"].as_i64())
+                    .unwrap_or(0);
+                view.entry(rest.to_owned()).or_default().up = Some(revision);
+            }
+            Some((node, proxy)) => {
+                // A value that does not parse is shown as such rather than dropped.
+                let parsed = serde_json::from_slice::<PublishedProxy>(&kv.value).unwrap_or_else(|err| PublishedProxy {
+                    state: "invalid".to_owned(),
+                    error: Some(format!("{key}: {err}")),
+                    ..PublishedProxy::default()
+                });
+                view.entry(node.to_owned()).or_default().proxies.insert(proxy.to_owned(), parsed);
+            }
+            None => {}
+        }
+    }
+    Ok(view)
+}
+
+/// One row of the table or of `--json`.
+#[derive(Debug, serde::Serialize)]
+struct Row {
+    proxy: String,
+    service: Option<String>,
+    state: Option<String>,
+    ready: bool,
+    pid: Option<u32>,
+    restarts: u64,
+    desired_revision: Option<i64>,
+    running_revision: Option<i64>,
+    error: Option<String>,
+}
+
+#[derive(Debug, serde::Serialize)]
+struct NodeRow {
+    node: String,
+    state: &'static str,
+    revision: Option<i64>,
+    proxies: Vec<Row>,
+}
+
+/// The rows of `view`, filtered; and whether every desired proxy of every up node runs its
+/// desired revision and is ready.
+fn rows(view: &FleetView, node: Option<&str>, service: Option<&str>) -> (Vec<NodeRow>, bool) {
+    let mut all_good = true;
+    let mut nodes = Vec::new();
+    for (name, seen) in view {
+        if node.is_some_and(|wanted| wanted != name) {
+            continue;
+        }
+        let mut proxies = Vec::new();
+        let mut ids: BTreeMap<String, Option<String>> = BTreeMap::new();
+        for id in seen.desired.keys() {
+            let proxy = ServiceId::new(id).map_or_else(|_| id.clone(), |id| id.proxy_id().to_string());
+            ids.insert(proxy, Some(id.clone()));
+        }
+        for (proxy, published) in &seen.proxies {
+            ids.entry(proxy.clone()).or_insert_with(|| published.service.clone());
+        }
+        for (proxy, service_id) in ids {
+            let service_id = service_id.or_else(|| seen.proxies.get(&proxy).and_then(|p| p.service.clone()));
+            if service.is_some_and(|wanted| service_id.as_deref() != Some(wanted)) {
+                continue;
+            }
+            let desired = service_id.as_deref().and_then(|id| seen.desired.get(id).copied());
+            let published = seen.up.and(seen.proxies.get(&proxy));
+            if let (Some(id), Some(revision)) = (service_id.as_deref(), desired) {
+                if seen.up.is_some() && !seen.runs(id, revision) {
+                    all_good = false;
+                }
+            }
+            proxies.push(Row {
+                proxy,
+                service: service_id,
+                state: published.map(|p| p.state.clone()),
+                ready: published.is_some_and(|p| p.ready),
+                pid: published.and_then(|p| p.pid),
+                restarts: published.map_or(0, |p| p.restarts),
+                desired_revision: desired,
+                running_revision: published.and_then(|p| p.revision),
+                error: published.and_then(|p| p.error.clone()),
+            });
+        }
+        nodes.push(NodeRow {
+            node: name.clone(),
+            state: if seen.up.is_some() { "up" } else { "down" },
+            revision: seen.up,
+            proxies,
+        });
+    }
+    (nodes, all_good)
+}
+
+/// Runs `tether fleet status`.
+pub(crate) async fn run(
+    options: &EtcdOptions,
+    prefix: &str,
+    node: Option<&str>,
+    service: Option<&str>,
+    json: bool,
+) -> anyhow::Result<ExitCode> {
+    let client = options.connect().await.map_err(super::cli::etcd_failure)?;
+    let view = read(options, &client, prefix).await?;
+    let (nodes, all_good) = rows(&view, node, service);
+    let mut stdout = std::io::stdout().lock();
+    if json {
+        writeln!(stdout, "{}", serde_json::json!({ "nodes": nodes }))?;
+    } else {
+        let dash = |value: Option<String>| value.unwrap_or_else(|| "-".to_owned());
+        let mut table = vec![
+            ["NODE", "PROXY", "STATE", "READY", "PID", "RESTARTS", "DESIRED", "RUNNING", "ERROR"].map(str::to_owned),
+        ];
+        for node in &nodes {
+            if node.proxies.is_empty() {
+                let state = if node.state == "up" { "-" } else { "down" };
+                table.push([&node.node, "-", state, "-", "-", "-", "-", "-", "-"].map(str::to_owned));
+            }
+            for row in &node.proxies {
+                let state = if node.state == "down" { "down".to_owned() } else { dash(row.state.clone()) };
+                table.push([
+                    node.node.clone(),
+                    row.proxy.clone(),
+                    state,
+                    if row.ready { "yes" } else { "no" }.to_owned(),
+                    dash(row.pid.map(|pid| pid.to_string())),
+                    row.restarts.to_string(),
+                    dash(row.desired_revision.map(|r| r.to_string())),
+                    dash(row.running_revision.map(|r| r.to_string())),
+                    dash(row.error.as_ref().map(|e| e.escape_debug().to_string())),
+                ]);
+            }
+        }
+        let widths: Vec<usize> =
+            (0..9).map(|c| table.iter().map(|row| row[c].chars().count()).max().unwrap_or(0)).collect();
+        for row in &table {
+            let mut line = String::new();
+            for (column, cell) in row.iter().enumerate() {
+                if column == 8 {
+                    line.push_str(cell);
+                } else {
+                    line.push_str(&format!("{cell:<width$}  ", width = widths[column]));
+                }
+            }
+            writeln!(stdout, "{}", line.trim_end())?;
+        }
+        let up = nodes.iter().filter(|node| node.state == "up").count();
+        let ready = nodes.iter().flat_map(|node| &node.proxies).filter(|row| row.ready).count();
+        let total = nodes.iter().map(|node| node.proxies.len()).sum::<usize>();
+        writeln!(
+            stdout,
+            "nodes: {up} up, {} down; proxies: {ready} ready, {} not ready",
+            nodes.len() - up,
+            total - ready
+        )?;
+    }
+    Ok(if all_good { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn proxy(ready: bool, revision: Option<i64>) -> PublishedProxy {
+        PublishedProxy { state: "running".to_owned(), ready, revision, ..PublishedProxy::default() }
+    }
+
+    #[test]
+    fn success_needs_every_desired_proxy_of_every_up_node_on_its_revision_and_ready() {
+        let mut view = FleetView::new();
+        let n1 = view.entry("n1".to_owned()).or_default();
+        n1.up = Some(9);
+        n1.desired.insert("web".to_owned(), 5);
+        n1.proxies.insert("web-proxy".to_owned(), proxy(true, Some(5)));
+        // A down node does not fail the check: its agent cannot say anything.
+        view.entry("n2".to_owned()).or_default().desired.insert("web".to_owned(), 6);
+        let (nodes, good) = rows(&view, None, None);
+        assert!(good);
+        assert_eq!(nodes[1].state, "down");
+
+        view.get_mut("n1").unwrap().proxies.insert("web-proxy".to_owned(), proxy(true, Some(4)));
+        assert!(!rows(&view, None, None).1, "an old revision runs");
+        view.get_mut("n1").unwrap().proxies.insert("web-proxy".to_owned(), proxy(false, Some(5)));
+        assert!(!rows(&view, None, None).1, "not ready");
+        view.get_mut("n1").unwrap().proxies.clear();
+        assert!(!rows(&view, None, None).1, "not published at all");
+        assert!(rows(&view, Some("n2"), None).1, "filtered to the down node");
+        assert!(rows(&view, None, Some("other")).1, "filtered to another service");
+    }
+}
