@@ -57,18 +57,23 @@ pub enum TemplateSource {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum OnChange {
-    /// The proxy is restarted, with its `update` strategy.
+    /// The proxy is restarted, with its `update` strategy (the default of a proxy without a
+    /// `reload` table).
     #[default]
     Restart,
+    /// The proxy is reloaded through its `reload` table (the default of a proxy with one):
+    /// a refused reload puts the previous file back.
+    Reload,
     /// Nothing: the proxy reads the file when it wants to.
     Nothing,
 }
 
 impl OnChange {
-    /// The name the config uses: `restart` or `none`.
+    /// The name the config uses: `restart`, `reload` or `none`.
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Restart => "restart",
+            Self::Reload => "reload",
             Self::Nothing => "none",
         }
     }

@@ -27,7 +27,7 @@ use prometheus_client::metrics::counter::ConstCounter;
 use tether_manager::{ManagerHandle, ProxyEvent};
 use tether_proxy_daemon::BeforeStart;
 use tether_state::config::DisplayPath;
-use tether_state::{Catalog, LocalState, ManagedProxy, OnChange, ProxyId, Template, TemplateSource};
+use tether_state::{Catalog, LocalState, ManagedProxy, OnChange, ProxyId, ReloadResult, Template, TemplateSource};
 use tokio::sync::broadcast;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -35,7 +35,7 @@ use tokio_util::sync::CancellationToken;
 
 pub(crate) use render::check_syntax;
 use render::{Instance, InstanceSource, RenderError, ServiceData, SharedData};
-use write::{Owner, WriteError};
+use write::{Owner, WriteError, Written};
 
 /// Why one template of a proxy did not put its file in place.
 #[derive(Debug, thiserror::Error)]
@@ -52,6 +52,9 @@ pub(crate) enum TemplateError {
     /// The proxy's `user`, who owns the file, is not known.
     #[error("template {}: unknown user {user:?}", DisplayPath(.destination))]
     User { destination: PathBuf, user: String },
+    /// Its new file was refused by the proxy's reload check, and the previous one is back.
+    #[error("template {}: the reload was refused, and the previous file is back: {reason}", DisplayPath(.destination))]
+    Refused { destination: PathBuf, reason: String },
 }
 
 impl TemplateError {
@@ -60,10 +63,14 @@ impl TemplateError {
             Self::Source { destination, .. }
             | Self::Render { destination, .. }
             | Self::Write { destination, .. }
-            | Self::User { destination, .. } => destination,
+            | Self::User { destination, .. }
+            | Self::Refused { destination, .. } => destination,
         }
     }
 }
+
+/// A template whose file changed, with what the file held before (`None`: no file).
+type Changed = (Template, Option<Vec<u8>>);
 
 /// What happened to a template, as the events stream tells it.
 #[derive(Debug, Clone)]
@@ -146,8 +153,9 @@ impl Templates {
     }
 
     /// Renders every template of `proxy` and puts each file in place, stopping at the first
-    /// that fails. Returns the templates whose files changed.
-    fn render_proxy(&self, proxy: &ManagedProxy) -> Result<Vec<Template>, TemplateError> {
+    /// that fails. Returns the templates whose files changed, each with what its file held
+    /// before.
+    fn render_proxy(&self, proxy: &ManagedProxy) -> Result<Vec<Changed>, TemplateError> {
         let templates = &proxy.spec().templates;
         self.forget_other_templates(proxy.id(), templates);
         if templates.is_empty() {
@@ -166,11 +174,11 @@ impl Templates {
         let mut changed = Vec::new();
         for template in templates {
             match self.render_one(proxy, template, &service, &shared) {
-                Ok(true) => {
+                Ok(Written::Replaced { previous }) => {
                     self.record(proxy.id(), template, "rendered", None);
-                    changed.push(template.clone());
+                    changed.push((template.clone(), previous));
                 }
-                Ok(false) => self.record(proxy.id(), template, "unchanged", None),
+                Ok(Written::Unchanged) => self.record(proxy.id(), template, "unchanged", None),
                 Err(error) => {
                     self.record(proxy.id(), template, "failed", Some(&error));
                     return Err(error);
@@ -209,7 +217,7 @@ impl Templates {
         template: &Template,
         service: &ServiceData,
         shared: &SharedData,
-    ) -> Result<bool, TemplateError> {
+    ) -> Result<Written, TemplateError> {
         let destination = template.destination.clone();
         let text = match &template.source {
             TemplateSource::Inline(text) => std::borrow::Cow::Borrowed(text.as_str()),
@@ -339,26 +347,67 @@ impl Templates {
         }
     }
 
-    /// Renders the templates of `proxy` again, and restarts it when a file that asks for it
-    /// changed while it runs.
+    /// Renders the templates of `proxy` again and, when a file changed while it runs, does
+    /// what that file's `on_change` asks: a restart (which reads every file) wins over a
+    /// reload; a refused reload puts the previous files back.
     async fn rerender(&self, manager: &ManagerHandle, proxy_id: &ProxyId, restarts: &mut JoinSet<()>) {
         let Some(proxy) = self.shared.catalog.get(&proxy_id.service_id()).and_then(|entry| entry.proxy) else {
             return;
         };
         let this = self.clone();
-        let rendered = tokio::task::spawn_blocking(move || this.render_proxy(&proxy)).await;
+        let rendering = proxy.clone();
+        let rendered = tokio::task::spawn_blocking(move || this.render_proxy(&rendering)).await;
         let Ok(Ok(changed)) = rendered else { return };
-        let restart = changed.iter().any(|template| template.on_change == OnChange::Restart);
         let running = manager.proxy(proxy_id).is_some_and(|status| status.pid.is_some());
-        if restart && running {
-            let manager = manager.clone();
-            let id = proxy_id.clone();
+        if !running {
+            return;
+        }
+        let restart = changed.iter().any(|(template, _)| template.on_change == OnChange::Restart);
+        let reloaded: Vec<_> =
+            changed.into_iter().filter(|(template, _)| template.on_change == OnChange::Reload).collect();
+        let manager = manager.clone();
+        let id = proxy_id.clone();
+        if restart {
             restarts.spawn(async move {
                 tracing::info!(proxy = %id, "a template's file changed: restarting the proxy");
                 if let Err(err) = manager.restart(&id).await {
                     tracing::warn!(proxy = %id, error = %err, "restart after a template change failed");
                 }
             });
+        } else if !reloaded.is_empty() {
+            let this = self.clone();
+            restarts.spawn(async move {
+                tracing::info!(proxy = %id, "a template's file changed: reloading the proxy");
+                match manager.reload(&id).await {
+                    Ok(outcome) if outcome.result == ReloadResult::Refused => {
+                        let reason = outcome.error.unwrap_or_else(|| "its check failed".to_owned());
+                        let _ = tokio::task::spawn_blocking(move || this.put_back(&proxy, reloaded, &reason)).await;
+                    }
+                    Ok(outcome) if !outcome.result.succeeded() => {
+                        let error = outcome.error.unwrap_or_default();
+                        tracing::warn!(proxy = %id, result = %outcome.result, error = %error, "reload after a template change did not apply");
+                    }
+                    Ok(_) => {}
+                    Err(err) => tracing::warn!(proxy = %id, error = %err, "reload after a template change failed"),
+                }
+            });
+        }
+    }
+
+    /// Puts back the files that a refused reload was asked for, and says why on each.
+    fn put_back(&self, proxy: &ManagedProxy, templates: Vec<Changed>, reason: &str) {
+        let owner = owner(proxy).ok().flatten();
+        for (template, previous) in templates {
+            let destination = template.destination.clone();
+            let error = match previous {
+                Some(bytes) => match write::write_if_changed(&destination, &bytes, template.mode, owner) {
+                    Ok(_) => TemplateError::Refused { destination, reason: reason.to_owned() },
+                    Err(source) => TemplateError::Write { destination, source },
+                },
+                // There was no file before this one: nothing to put back, and the refusal stands.
+                None => TemplateError::Refused { destination, reason: reason.to_owned() },
+            };
+            self.record(proxy.id(), &template, "failed", Some(&error));
         }
     }
 }

@@ -28,8 +28,17 @@ pub(crate) enum WriteError {
 /// Who owns a rendered file: the proxy's user and group, when the agent runs as root.
 pub(crate) type Owner = Option<(Uid, Gid)>;
 
-/// Puts `bytes` at `destination` unless the file there holds them already: `Ok(true)` when
-/// it wrote, `Ok(false)` when the file was unchanged.
+/// What [`write_if_changed`] did.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Written {
+    /// The file held these bytes already: nothing was written.
+    Unchanged,
+    /// The file was replaced; `previous` is what it held (`None`: there was none), so that a
+    /// refused reload can put it back.
+    Replaced { previous: Option<Vec<u8>> },
+}
+
+/// Puts `bytes` at `destination` unless the file there holds them already.
 ///
 /// Durability: a rendered file is derived from the catalog again at each start and each
 /// change, so it needs only to survive an agent crash (a rename), not a power loss.
@@ -38,13 +47,18 @@ pub(crate) type Owner = Option<(Uid, Gid)>;
 ///
 /// [`WriteError::Unsafe`] when something other than a regular file of its own is at the
 /// destination; [`WriteError::Io`] otherwise. The old file is then untouched.
-pub(crate) fn write_if_changed(destination: &Path, bytes: &[u8], mode: u32, owner: Owner) -> Result<bool, WriteError> {
-    match read_current(destination) {
-        Ok(Some(current)) if current == bytes => return Ok(false),
-        Ok(_) => {}
+pub(crate) fn write_if_changed(
+    destination: &Path,
+    bytes: &[u8],
+    mode: u32,
+    owner: Owner,
+) -> Result<Written, WriteError> {
+    let previous = match read_current(destination) {
+        Ok(Some(current)) if current == bytes => return Ok(Written::Unchanged),
+        Ok(current) => current,
         Err(Current::Unsafe(source)) => return Err(WriteError::Unsafe { path: destination.to_owned(), source }),
         Err(Current::Io(source)) => return Err(WriteError::Io { path: destination.to_owned(), source }),
-    }
+    };
     persist::write_atomic_file(destination, Durability::Crash, |file| {
         file.set_permissions(std::fs::Permissions::from_mode(mode))?;
         if let Some((uid, gid)) = owner {
@@ -53,7 +67,7 @@ pub(crate) fn write_if_changed(destination: &Path, bytes: &[u8], mode: u32, owne
         file.write_all(bytes)
     })
     .map_err(|err| WriteError::Io { path: destination.to_owned(), source: io::Error::other(err) })?;
-    Ok(true)
+    Ok(Written::Replaced { previous })
 }
 
 /// Why the file at a destination could not be compared.
@@ -98,18 +112,21 @@ mod tests {
     fn a_file_is_written_with_its_mode_and_unchanged_bytes_are_not_rewritten() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("haproxy.cfg");
-        assert!(write_if_changed(&path, b"one\n", 0o640, None).unwrap());
+        assert_eq!(write_if_changed(&path, b"one\n", 0o640, None).unwrap(), Written::Replaced { previous: None });
         assert_eq!(std::fs::read(&path).unwrap(), b"one\n");
         let first = std::fs::metadata(&path).unwrap();
         assert_eq!(first.mode() & 0o7777, 0o640);
 
         // The same bytes: nothing is written, the file keeps its inode and its mode.
-        assert!(!write_if_changed(&path, b"one\n", 0o640, None).unwrap());
+        assert_eq!(write_if_changed(&path, b"one\n", 0o640, None).unwrap(), Written::Unchanged);
         let again = std::fs::metadata(&path).unwrap();
         assert_eq!((again.ino(), again.mode() & 0o7777), (first.ino(), 0o640));
 
         // New bytes: a new file renamed into place, nothing else left in the directory.
-        assert!(write_if_changed(&path, b"two\n", 0o600, None).unwrap());
+        assert_eq!(
+            write_if_changed(&path, b"two\n", 0o600, None).unwrap(),
+            Written::Replaced { previous: Some(b"one\n".to_vec()) }
+        );
         let second = std::fs::metadata(&path).unwrap();
         assert_ne!(second.ino(), first.ino(), "replaced by a rename, not written in place");
         assert_eq!(second.mode() & 0o7777, 0o600);
@@ -147,7 +164,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("owned");
         let owner = Some((Uid::from_raw(65534), Gid::from_raw(65534)));
-        assert!(write_if_changed(&path, b"x", 0o644, owner).unwrap());
+        assert_eq!(write_if_changed(&path, b"x", 0o644, owner).unwrap(), Written::Replaced { previous: None });
         let meta = std::fs::metadata(&path).unwrap();
         assert_eq!((meta.uid(), meta.gid()), (65534, 65534));
     }

@@ -240,3 +240,56 @@ fn instances_follow_readiness_and_on_change_none_leaves_the_proxy_running() {
     wait_for("api back in the file", || (std::fs::read_to_string(rendered(&dirs)).ok()? == "api\n").then_some(()));
     assert_eq!(agent.proxy("web-proxy").unwrap()["pid"], web["pid"], "on_change = \"none\" restarts nothing");
 }
+
+#[test]
+fn a_changed_file_reloads_its_proxy_and_a_refused_reload_puts_the_previous_file_back() {
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    std::fs::create_dir(dirs.temp.path().join("rendered")).unwrap();
+    let destination = rendered(&dirs);
+    // A proxy that counts its SIGHUPs in its log, whose check refuses a file naming `bad`;
+    // with a reload table, `on_change` defaults to `reload`.
+    let config = format!(
+        "[[service]]\nname = \"web\"\nport = 8080\n[service.proxy]\n\
+         command = [\"/bin/sh\", \"-c\", \"trap 'echo hup' HUP; while :; do sleep 0.05; done\"]\n\
+         kill_timeout = \"2s\"\n\
+         [service.proxy.reload]\nsignal = \"SIGHUP\"\n\
+         check = [\"/bin/sh\", \"-c\", \"if grep -q bad {dest}; then echo 'bad line in {dest}'; exit 1; fi\"]\n\
+         [[service.proxy.template]]\ncontents = '''{SERVICES}'''\ndestination = \"{dest}\"\nwait = \"50ms\"\n",
+        dest = destination.display()
+    );
+    dirs.write_config("web.toml", &config);
+    let agent = Agent::start(&dirs, &root_flags());
+    let first = agent.wait_state("web-proxy", "running");
+    assert_eq!(std::fs::read_to_string(&destination).unwrap(), "web 127.0.0.1:8080\n");
+
+    // A new service: the file changes, the check passes, the proxy is signalled, not restarted.
+    let answer = register(&dirs, r#"{"name": "cache", "port": 6379}"#);
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let good = "cache 127.0.0.1:6379\nweb 127.0.0.1:8080\n";
+    let reloaded = wait_for("a reload after the new file", || {
+        let now = agent.proxy("web-proxy")?;
+        (!now["last_reload"].is_null()).then_some(now)
+    });
+    assert_eq!(reloaded["last_reload"]["result"], "signalled", "{reloaded}");
+    assert_eq!(reloaded["pid"], first["pid"], "reloaded, not restarted");
+    assert_eq!(std::fs::read_to_string(&destination).unwrap(), good);
+    wait_for("the proxy to see its SIGHUP", || stdout_log(&dirs).contains("hup\n").then_some(()));
+
+    // A service whose name the check refuses: the reload is refused, the previous file is
+    // back, the proxy keeps running, and its status says why.
+    let answer = register(&dirs, r#"{"name": "bad", "port": 9}"#);
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let refused = wait_for("a refused reload", || {
+        let now = agent.proxy("web-proxy")?;
+        (now["last_reload"]["result"] == "refused").then_some(now)
+    });
+    assert_eq!(refused["pid"], first["pid"], "still the same process");
+    let error = wait_for("the template's error", || {
+        let now = agent.proxy("web-proxy")?;
+        now["error"].as_str().filter(|e| e.contains("previous file is back")).map(str::to_owned)
+    });
+    assert!(error.contains("bad line in"), "the check's own output: {error}");
+    assert_eq!(std::fs::read_to_string(&destination).unwrap(), good, "the previous file is back");
+    assert_eq!(stdout_log(&dirs).matches("hup\n").count(), 1, "nothing signalled for the refused file");
+}

@@ -324,8 +324,23 @@ impl TryFrom<ServiceDef> for Validated {
         service.proxy = def.proxy.map(ProxySpec::from);
         if let Some(proxy) = &service.proxy {
             check_descriptors(proxy)?;
+            check_reloads(proxy)?;
         }
         Ok(Self(service))
+    }
+}
+
+/// A template that reloads its proxy needs the proxy's `reload` table.
+fn check_reloads(proxy: &ProxySpec) -> Result<(), String> {
+    if proxy.reload.is_some() {
+        return Ok(());
+    }
+    match proxy.templates.iter().position(|t| t.on_change == crate::OnChange::Reload) {
+        Some(index) => Err(format!(
+            "`proxy.template[{index}].on_change` is \"reload\", but the proxy has no [service.proxy.reload] table: \
+             add one, or use \"restart\" or \"none\""
+        )),
+        None => Ok(()),
     }
 }
 
@@ -373,8 +388,8 @@ impl From<ProxyDef> for ProxySpec {
                 cpus: def.cpus.map(|c| c.0),
                 pids_max: def.pids_max.map(|p| p.0),
             },
+            templates: def.template.map(|t| t.resolve(def.reload.is_some())).unwrap_or_default(),
             reload: def.reload.map(|r| r.0),
-            templates: def.template.map(|t| t.0).unwrap_or_default(),
         }
     }
 }

@@ -12,8 +12,26 @@ use super::*;
 /// The most templates of one proxy.
 pub const MAX_TEMPLATES: usize = 64;
 
-/// The `[[service.proxy.template]]` array, checked.
-pub(super) struct TemplatesDef(pub(super) Vec<Template>);
+/// The `[[service.proxy.template]]` array, checked; each with whether its `on_change` was
+/// given, since the default depends on the proxy's `reload` table.
+pub(super) struct TemplatesDef(Vec<(Template, bool)>);
+
+impl TemplatesDef {
+    /// The templates of a proxy that has a `reload` table (`reloadable`) or not: `on_change`
+    /// defaults to `reload` or `restart`.
+    pub(super) fn resolve(self, reloadable: bool) -> Vec<Template> {
+        let default = if reloadable { OnChange::Reload } else { OnChange::Restart };
+        self.0
+            .into_iter()
+            .map(|(mut template, given)| {
+                if !given {
+                    template.on_change = default;
+                }
+                template
+            })
+            .collect()
+    }
+}
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -74,7 +92,8 @@ impl<'de> Deserialize<'de> for ModeDef {
     }
 }
 
-/// `on_change`: `restart` or `none`; `reload` is refused until proxies can be reloaded.
+/// `on_change`: `restart`, `reload` or `none`. Whether `reload` has a `reload` table to use
+/// is the proxy's check; so is the default.
 struct OnChangeDef(OnChange);
 
 impl<'de> Deserialize<'de> for OnChangeDef {
@@ -82,11 +101,11 @@ impl<'de> Deserialize<'de> for OnChangeDef {
         let raw = String::deserialize(deserializer)?;
         match raw.as_str() {
             "restart" => Ok(Self(OnChange::Restart)),
+            "reload" => Ok(Self(OnChange::Reload)),
             "none" => Ok(Self(OnChange::Nothing)),
-            "reload" => Err(de::Error::custom(
-                "on_change = \"reload\" needs a [service.proxy.reload] table, which this proxy cannot have yet: use \"restart\" or \"none\"",
-            )),
-            other => Err(de::Error::custom(format!("unknown on_change {other:?}: expected \"restart\" or \"none\""))),
+            other => Err(de::Error::custom(format!(
+                "unknown on_change {other:?}: expected \"reload\", \"restart\" or \"none\""
+            ))),
         }
     }
 }
@@ -97,15 +116,15 @@ impl<'de> Deserialize<'de> for TemplatesDef {
         if defs.len() > MAX_TEMPLATES {
             return Err(de::Error::custom(format!("{} templates: a proxy has at most {MAX_TEMPLATES}", defs.len())));
         }
-        let mut templates: Vec<Template> = Vec::with_capacity(defs.len());
-        for TemplateDefChecked(template) in defs {
-            if templates.iter().any(|t| t.destination == template.destination) {
+        let mut templates: Vec<(Template, bool)> = Vec::with_capacity(defs.len());
+        for TemplateDefChecked(template, given) in defs {
+            if templates.iter().any(|(t, _)| t.destination == template.destination) {
                 return Err(de::Error::custom(format!(
                     "two templates have the destination {}",
                     DisplayPath(&template.destination)
                 )));
             }
-            templates.push(template);
+            templates.push((template, given));
         }
         Ok(Self(templates))
     }
@@ -115,7 +134,7 @@ impl<'de> Deserialize<'de> for TemplatesDef {
 /// names the template's table.
 #[derive(Deserialize)]
 #[serde(try_from = "TemplateDef")]
-struct TemplateDefChecked(Template);
+struct TemplateDefChecked(Template, bool);
 
 impl TryFrom<TemplateDef> for TemplateDefChecked {
     type Error = String;
@@ -132,13 +151,15 @@ impl TryFrom<TemplateDef> for TemplateDefChecked {
                 return Err(format!("`source` and `destination` are the same file {}", DisplayPath(path)));
             }
         }
-        Ok(Self(Template {
+        let given = def.on_change.is_some();
+        let template = Template {
             source,
             destination: def.destination.0,
             mode: def.mode.map_or(DEFAULT_TEMPLATE_MODE, |m| m.0),
             on_change: def.on_change.map_or_else(OnChange::default, |o| o.0),
             wait: def.wait.map_or(DEFAULT_TEMPLATE_WAIT, |w| w.0),
-        }))
+        };
+        Ok(Self(template, given))
     }
 }
 

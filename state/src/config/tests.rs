@@ -691,12 +691,25 @@ fn bad_templates_are_named_with_their_file_line_and_field() {
     assert!(error.contains("template[0].mode"), "{error}");
     let error = template("contents = \"x\"\ndestination = \"/etc/x\"\non_change = \"reload\"");
     assert!(
-        error.starts_with("conf.d/web.toml:7:13: field `service[0].proxy.template[0].on_change`")
-            && error.contains("needs a [service.proxy.reload] table"),
+        error.starts_with("conf.d/web.toml:")
+            && error.contains(
+                "`proxy.template[0].on_change` is \"reload\", but the proxy has no [service.proxy.reload] table"
+            ),
         "{error}"
     );
     let error = template("contents = \"x\"\ndestination = \"/etc/x\"\non_change = \"signal\"");
     assert!(error.contains("unknown on_change \"signal\""), "{error}");
+    // With a reload table, `reload` is the default and may be named.
+    let reloadable = |on_change: &str| {
+        let text = format!(
+            "[[service]]\nname = \"web\"\n[service.proxy.reload]\nsignal = \"SIGHUP\"\n\
+             [[service.proxy.template]]\ncontents = \"x\"\ndestination = \"/etc/x\"\n{on_change}"
+        );
+        one(&text).proxy.unwrap().templates[0].on_change
+    };
+    assert_eq!(reloadable(""), crate::OnChange::Reload);
+    assert_eq!(reloadable("on_change = \"reload\""), crate::OnChange::Reload);
+    assert_eq!(reloadable("on_change = \"restart\""), crate::OnChange::Restart);
     let error = template("contents = \"x\"\ndestination = \"/etc/x\"\nwait = \"soon\"");
     assert!(error.contains("template[0].wait") && error.contains("invalid duration"), "{error}");
     let error = template("contents = \"x\"\ndestination = \"/etc/x\"\nowner = \"root\"");
