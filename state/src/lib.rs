@@ -117,6 +117,7 @@ mod exit;
 mod health;
 mod id;
 mod listener;
+mod ordering;
 pub mod persist;
 pub mod proxy_env;
 mod resources;
@@ -137,6 +138,7 @@ pub use id::{
     check_process_name, check_service_id,
 };
 pub use listener::{LISTENER_NAME_RULE, ListenAddress, Listener, ListenerName, UpdatePolicy, UpdateStrategy};
+pub use ordering::{Condition, Dependency, DependsOn, cycle_text, dependency_cycles};
 pub use resources::{CpuLimit, ResourceLimits};
 pub use service::{
     CommandLine, ExecMode, KillPolicy, KillSignal, LogPolicy, ManagedProxy, NameError, ProxyChange, ProxyCommand,

@@ -14,6 +14,7 @@ use crate::backoff::Backoff;
 use crate::health::{Liveness, Readiness};
 use crate::id::{ProxyId, ServiceId};
 use crate::listener::{Listener, UpdatePolicy};
+use crate::ordering::DependsOn;
 use crate::resources::ResourceLimits;
 use crate::token::ProxyToken;
 
@@ -419,6 +420,9 @@ pub struct ProxySpec {
     pub update: UpdatePolicy,
     /// Its cgroup's limits, applied in place when they change.
     pub limits: ResourceLimits,
+    /// What must have started, or be ready, before it starts; stopped after it. A change
+    /// applies in place: the engine orders starts and stops by it, the process never sees it.
+    pub depends_on: DependsOn,
 }
 
 /// A service's managed proxy as the engine sees it: its id, its service, its spec and its
@@ -587,6 +591,13 @@ mod tests {
         assert_eq!(change(|s| spec(s).liveness = Some(Liveness::new(crate::Probe::Notify))), ProxyChange::InPlace);
         assert_eq!(change(|s| spec(s).update.strategy = crate::UpdateStrategy::Overlap), ProxyChange::InPlace);
         assert_eq!(change(|s| spec(s).update.timeout = Duration::from_secs(1)), ProxyChange::InPlace);
+        let dependency = crate::Dependency::new("db").unwrap();
+        assert_eq!(
+            change(|s| {
+                spec(s).depends_on.insert(dependency, crate::Condition::Ready);
+            }),
+            ProxyChange::InPlace
+        );
     }
 
     #[test]

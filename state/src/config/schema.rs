@@ -55,6 +55,7 @@ pub(super) struct ProxyDef {
     memory_max: Option<MemoryMax>,
     cpus: Option<Cpus>,
     pids_max: Option<PidsMax>,
+    depends_on: Option<DependsOn>,
 }
 
 /// A `readiness` or `liveness` table as written: exactly one probe kind, its timing, and
@@ -299,6 +300,7 @@ impl From<ProxyDef> for ProxySpec {
                 cpus: def.cpus.map(|c| c.0),
                 pids_max: def.pids_max.map(|p| p.0),
             },
+            depends_on: def.depends_on.unwrap_or_default(),
         }
     }
 }
@@ -656,6 +658,21 @@ impl<'de> Deserialize<'de> for KillSignal {
 impl Serialize for KillSignal {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         serializer.serialize_str(self.name())
+    }
+}
+
+impl<'de> Deserialize<'de> for Dependency {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let raw = String::deserialize(deserializer)?;
+        Dependency::new(raw).map_err(|err| de::Error::custom(format!("invalid dependency: {err}")))
+    }
+}
+
+impl<'de> Deserialize<'de> for Condition {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let raw = String::deserialize(deserializer)?;
+        Condition::from_name(&raw)
+            .ok_or_else(|| de::Error::custom(format!("unknown condition {raw:?}: expected \"started\" or \"ready\"")))
     }
 }
 

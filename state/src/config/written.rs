@@ -52,6 +52,8 @@ pub(super) struct ProxyOut<'a> {
     cpus: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pids_max: Option<u64>,
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    depends_on: BTreeMap<&'a str, &'static str>,
 }
 
 #[derive(Serialize)]
@@ -157,6 +159,7 @@ impl<'a> From<&'a ProxySpec> for ProxyOut<'a> {
             memory_max: spec.limits.memory_max,
             cpus: spec.limits.cpus.map(CpuLimit::cores),
             pids_max: spec.limits.pids_max,
+            depends_on: spec.depends_on.iter().map(|(name, condition)| (name.as_str(), condition.as_str())).collect(),
         }
     }
 }
