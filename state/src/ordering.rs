@@ -83,13 +83,13 @@ impl Dependency {
     /// that id if there is one, else the proxy of the service of that id (as the command
     /// line takes a service id for its proxy).
     pub fn resolve(&self, exists: impl Fn(&ProxyId) -> bool) -> Option<ProxyId> {
-        if let Ok(id) = ProxyId::parse(self.as_str()) {
-            if exists(&id) {
-                return Some(id);
-            }
-        }
-        let id = ServiceId::new(self.as_str()).ok()?.proxy_id();
-        exists(&id).then_some(id)
+        self.candidates().into_iter().flatten().find(|id| exists(id))
+    }
+
+    /// The proxies this name may stand for, in the order [`Dependency::resolve`] tries them:
+    /// the proxy of that id, then the proxy of the service of that id.
+    pub fn candidates(&self) -> [Option<ProxyId>; 2] {
+        [ProxyId::parse(self.as_str()).ok(), ServiceId::new(self.as_str()).ok().map(|id| id.proxy_id())]
     }
 }
 
