@@ -131,8 +131,9 @@ impl Collector for ResourcesCollector {
 
 /// The states a proxy can be in, all reported (zero included) so that dashboards and
 /// alerts see every series.
-const STATES: [ProxyState; 8] = [
+const STATES: [ProxyState; 9] = [
     ProxyState::Pending,
+    ProxyState::Waiting,
     ProxyState::Starting,
     ProxyState::Running,
     ProxyState::Backoff,
