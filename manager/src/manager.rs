@@ -380,8 +380,9 @@ impl Manager {
         self.flush().await
     }
 
-    /// Shuts down and stops every proxy, all in parallel, each with its own kill policy;
-    /// the snapshot is then written empty.
+    /// Shuts down and stops every proxy, in parallel, each with its own kill policy, but a
+    /// proxy that others depend on (`depends_on`) only once they are down; the snapshot is
+    /// then written empty.
     ///
     /// # Errors
     ///
