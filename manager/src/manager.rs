@@ -410,10 +410,8 @@ impl Manager {
         }));
         let mut stopping = JoinSet::new();
         let mut stopping_ids = HashMap::new();
+        // Each stop publishes its proxy as it starts; the others' statuses do not change.
         self.launch_stops(order.ready(0), &mut stopping, &mut stopping_ids);
-        for id in self.slots.keys().cloned().collect::<Vec<_>>() {
-            self.publish(&id);
-        }
         let mut failed = Vec::new();
         let mut first_error = None;
         while let Some(joined) = stopping.join_next_with_id().await {
