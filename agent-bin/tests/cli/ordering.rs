@@ -82,6 +82,15 @@ fn a_dependent_starts_only_once_its_dependency_is_ready() {
     assert!(b_started >= ready, "b started {} ms before a was ready", (ready - b_started) / 1_000_000);
     assert!(b_started - a_started >= 2_000_000_000, "b started {} ms after a", (b_started - a_started) / 1_000_000);
     assert_eq!(b_status["error"], serde_json::Value::Null);
+
+    // A dependency that exits is restarted by the supervisor; its dependent keeps running.
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(a_pid as i32), Signal::SIGKILL).unwrap();
+    wait_for("a-proxy to run again", || {
+        agent.proxy("a-proxy").filter(|p| p["state"] == "running" && p["pid"].as_i64().is_some_and(|pid| pid != a_pid))
+    });
+    let b_after = agent.proxy("b-proxy").unwrap();
+    assert_eq!((b_after["state"].as_str(), pid_of(&b_after)), (Some("running"), b_pid), "b was not restarted");
+    assert!(alive(b_pid));
     tether().arg("leave").arg("--data-dir").arg(&dirs.data).assert().code(0);
 }
 
