@@ -109,8 +109,9 @@ fn encode_backend(stats: &BackendStats, encoder: &mut DescriptorEncoder<'_>) -> 
 
 /// The states a proxy can be in, all reported (zero included) so that dashboards and
 /// alerts see every series.
-const STATES: [ProxyState; 8] = [
+const STATES: [ProxyState; 9] = [
     ProxyState::Pending,
+    ProxyState::Waiting,
     ProxyState::Starting,
     ProxyState::Running,
     ProxyState::Backoff,

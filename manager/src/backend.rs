@@ -27,6 +27,9 @@ pub enum ProxyState {
     /// Wanted, not started yet.
     #[default]
     Pending,
+    /// Wanted, and not started yet because what it depends on (`depends_on`) has not reached
+    /// its condition; the error names what it waits for.
+    Waiting,
     /// Being started, or started and not ready yet (its readiness check has not passed).
     Starting,
     /// Running, and ready: a backend that checks readiness reports `Starting` until then.
@@ -48,6 +51,7 @@ impl ProxyState {
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Pending => "pending",
+            Self::Waiting => "waiting",
             Self::Starting => "starting",
             Self::Running => "running",
             Self::Backoff => "backoff",
@@ -68,8 +72,9 @@ impl fmt::Display for ProxyState {
 /// The state of one proxy's process as its backend observes it: the part of [`ProxyState`]
 /// that a backend reports.
 ///
-/// The other states are the engine's own: `blocked` (refused by policy) and `stopped` (held
-/// down by the operator) are decisions, not observations, and the engine shows `pending`,
+/// The other states are the engine's own: `blocked` (refused by policy), `stopped` (held
+/// down by the operator) and `waiting` (for its dependencies) are decisions, not
+/// observations, and the engine shows `pending`,
 /// `starting` and `stopping` by itself while its actions run. What a backend reports is shown
 /// as the engine's [`ProxyState`] of the same name, converted by `From` in one place.
 ///
@@ -554,7 +559,10 @@ mod tests {
             let shown = ProxyState::from(state);
             assert_eq!(shown.as_str(), state.to_string());
             // The engine's decisions are never a backend's to report.
-            assert!(!matches!(shown, ProxyState::Blocked | ProxyState::Stopped), "{state} is shown as {shown}");
+            assert!(
+                !matches!(shown, ProxyState::Blocked | ProxyState::Stopped | ProxyState::Waiting),
+                "{state} is shown as {shown}"
+            );
         }
     }
 }

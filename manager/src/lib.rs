@@ -2,8 +2,9 @@
 //!
 //! It keeps the proxies that run equal to the proxies the catalog asks for, through traits,
 //! and never touches an operating-system process itself: it owns the decisions (start,
-//! stop, restart on change, in place, blocked, failed), the coalescing of catalog changes,
-//! the snapshot of what runs, and the two shutdowns. It must never depend on `nix`,
+//! stop, restart on change, in place, blocked, failed), the order between proxies (a proxy
+//! `waiting` until its `depends_on` is met; dependents stopped before what they depend on),
+//! the coalescing of catalog changes, the snapshot of what runs, and the two shutdowns. It must never depend on `nix`,
 //! `tokio::process` or `tether-proxy-daemon`.
 //!
 //! - [`Manager`]: the engine; [`ManagerConfig`]: its windows, bounds and root policy, with

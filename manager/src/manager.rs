@@ -126,6 +126,11 @@ struct Slot {
     /// The last overlapping update was abandoned, and the instance it would have replaced
     /// still serves: shown as it runs, with the error.
     old_serves: bool,
+    /// Not started because its dependencies have not reached their conditions; `error`
+    /// says which.
+    waiting: bool,
+    /// Runs, and must stop because a dependency goes away: its dependents stop first.
+    draining: bool,
 }
 
 impl Slot {
@@ -144,6 +149,8 @@ impl Slot {
             requested: None,
             overlap: None,
             old_serves: false,
+            waiting: false,
+            draining: false,
         }
     }
 }
@@ -215,6 +222,10 @@ pub struct Manager {
     requests: mpsc::UnboundedReceiver<Request>,
     /// Proxies held down by the operator: stopped, and shown `stopped`, while wanted.
     held: BTreeSet<ProxyId>,
+    /// For each proxy a `depends_on` may name, the proxies that name it (`ordering`).
+    dependents: HashMap<ProxyId, Vec<ProxyId>>,
+    /// Proxies to plan again because something they are ordered with changed.
+    woken: Vec<ProxyId>,
     generation: u64,
     restore: RestoreStage,
     writer: Option<WriterSender>,
@@ -276,6 +287,8 @@ impl Manager {
             status_rx,
             requests,
             held,
+            dependents: HashMap::new(),
+            woken: Vec::new(),
             generation: 0,
             restore: RestoreStage::Load,
             writer: None,
@@ -383,8 +396,9 @@ impl Manager {
         self.flush().await
     }
 
-    /// Shuts down and stops every proxy, all in parallel, each with its own kill policy;
-    /// the snapshot is then written empty.
+    /// Shuts down and stops every proxy, in parallel, each with its own kill policy, but a
+    /// proxy that others depend on (`depends_on`) only once they are down; the snapshot is
+    /// then written empty.
     ///
     /// # Errors
     ///
@@ -401,27 +415,40 @@ impl Manager {
     /// Not cancel safe: a dropped call abandons the stops it started.
     pub async fn kill(mut self) -> Result<(), ShutdownError> {
         self.finish_actions().await;
+        // Dependents stop first: a proxy is stopped once every proxy that depends on it is
+        // down; proxies that nothing orders are all stopped at once.
+        let installed: HashSet<ProxyId> =
+            self.slots.iter().filter(|(_, slot)| slot.installed.is_some()).map(|(id, _)| id.clone()).collect();
+        let mut order = StopOrder::new(installed.iter().map(|id| {
+            let mut dependencies = self.dependencies_of(id);
+            dependencies.retain(|dependency| installed.contains(dependency) && dependency != id);
+            (id.clone(), dependencies)
+        }));
         let mut stopping = JoinSet::new();
-        for (id, slot) in &mut self.slots {
-            if let Some(installed) = &slot.installed {
-                let (id, handle) = (id.clone(), installed.handle.clone());
-                slot.busy = Some(Action::Stop);
-                stopping.spawn(async move { (id, handle.stop().await) });
-            }
-        }
-        for id in self.slots.keys().cloned().collect::<Vec<_>>() {
-            self.publish(&id);
-        }
+        let mut stopping_ids = HashMap::new();
+        // Each stop publishes its proxy as it starts; the others' statuses do not change.
+        self.launch_stops(order.ready(0), &mut stopping, &mut stopping_ids);
         let mut failed = Vec::new();
         let mut first_error = None;
-        while let Some(joined) = stopping.join_next().await {
+        while let Some(joined) = stopping.join_next_with_id().await {
             let (id, result) = match joined {
-                Ok(stopped) => stopped,
+                Ok((task, stopped)) => {
+                    stopping_ids.remove(&task);
+                    stopped
+                }
                 Err(join) => {
+                    if let Some(id) = stopping_ids.remove(&join.id()) {
+                        order.done(&id);
+                    }
                     ended_abnormally("stop", join);
+                    let next = order.ready(stopping.len());
+                    self.launch_stops(next, &mut stopping, &mut stopping_ids);
                     continue;
                 }
             };
+            order.done(&id);
+            let next = order.ready(stopping.len());
+            self.launch_stops(next, &mut stopping, &mut stopping_ids);
             match result {
                 Ok(()) => {
                     self.uninstall(&id);
@@ -442,6 +469,25 @@ impl Manager {
         }
         tracing::info!("manager killed; every proxy stopped");
         flushed
+    }
+
+    /// Starts the stops of a kill for `ids`, each in its own task.
+    fn launch_stops(
+        &mut self,
+        ids: Vec<ProxyId>,
+        stopping: &mut JoinSet<(ProxyId, Result<(), BackendError>)>,
+        stopping_ids: &mut HashMap<tokio::task::Id, ProxyId>,
+    ) {
+        for id in ids {
+            let Some(slot) = self.slots.get_mut(&id) else { continue };
+            let Some(installed) = &slot.installed else { continue };
+            let handle = installed.handle.clone();
+            slot.busy = Some(Action::Stop);
+            let stopped = id.clone();
+            let task = stopping.spawn(async move { (stopped, handle.stop().await) });
+            stopping_ids.insert(task.id(), id.clone());
+            self.publish(&id);
+        }
     }
 
     /// Waits for every running action and applies its result; starts no new one.
@@ -511,6 +557,9 @@ impl Manager {
                 continue;
             }
             self.resolve_user(&desired.proxy);
+            if !desired.proxy.spec().depends_on.is_empty() {
+                self.index_dependencies(&id, &desired.proxy.spec().depends_on);
+            }
             self.desired.insert(id.clone(), desired);
             self.dirty.insert(id);
         }
@@ -525,6 +574,7 @@ impl Manager {
         for id in dirty {
             self.consider(&id);
         }
+        self.plan_woken();
         let elapsed = started.elapsed();
         let mut board = self.published.lock();
         board.stats.observe_pass(elapsed);
@@ -563,8 +613,33 @@ impl Manager {
                 slot.observed = Observed::Idle;
                 slot.error = None;
                 slot.retry_at = None;
+                slot.waiting = false;
+                slot.draining = false;
                 self.publish(id);
                 return;
+            }
+        } else if let Some(slot) =
+            slot.filter(|slot| slot.observed.has_process() || slot.installed.is_some() || slot.draining)
+        {
+            // A dependency that goes away stops its dependents first.
+            let going_away = if self.dependents.is_empty() { None } else { self.dependency_going_away(id) };
+            let up = slot.observed.has_process() || slot.installed.is_some();
+            let draining = up && desired.is_some() && going_away.is_some();
+            if slot.draining != draining {
+                if let Some(slot) = self.slots.get_mut(id) {
+                    slot.draining = draining;
+                }
+            }
+            let slot = self.slots.get(id).map(|slot| &slot.observed);
+            match going_away {
+                Some(dependency) if draining && up => {
+                    tracing::info!(proxy = %id, %dependency, "stopping before what it depends on");
+                    Action::Stop
+                }
+                _ => {
+                    let Some(action) = decide(desired, slot, &self.policy) else { return };
+                    action
+                }
             }
         } else {
             let Some(action) = decide(desired, slot.map(|slot| &slot.observed), &self.policy) else {
@@ -574,12 +649,43 @@ impl Manager {
             action
         };
         tracing::debug!(proxy = %id, ?action, "decided");
+        if action == Action::Start {
+            if let Some(waits) = self.unmet_dependencies(id) {
+                let slot = self.slots.entry(id.clone()).or_insert_with(|| Box::new(Slot::new()));
+                slot.observed = Observed::Idle;
+                slot.retry_at = None;
+                let changed = !slot.waiting || slot.error.as_deref() != Some(waits.as_str());
+                slot.waiting = true;
+                if changed {
+                    tracing::debug!(proxy = %id, reason = %waits, "waiting for its dependencies");
+                    slot.error = Some(waits);
+                    self.publish(id);
+                    // Those waiting for it say what it is now.
+                    let dependents = self.dependents_of(id);
+                    self.wake(dependents);
+                }
+                return;
+            }
+        }
+        if action == Action::Stop && !self.dependents.is_empty() {
+            let up = self.dependents_up(id);
+            if !up.is_empty() {
+                // Its dependents stop first; the last of them to stop plans it again.
+                tracing::debug!(proxy = %id, dependents = up.len(), "stopping once its dependents are down");
+                self.wake(up);
+                return;
+            }
+        }
         match action {
             Action::Forget => {
+                // While it is still known: what it depended on may stop now, and its
+                // dependents wait for it by name.
+                self.wake_around(id);
                 self.uninstall(id);
                 self.slots.remove(id);
                 self.published.remove(id);
                 self.send_record(id);
+                self.unindex_dependencies(id);
             }
             Action::Block => {
                 let Some(wanted) = desired.cloned() else { return };
@@ -648,6 +754,9 @@ impl Manager {
             // A restart by the backend changes the process: keep the snapshot in step (the
             // writer drops records that did not change).
             self.send_record(id);
+            // Its dependents may be waiting for what it just reached.
+            self.wake_around(id);
+            self.plan_woken();
         }
     }
 
@@ -684,6 +793,7 @@ impl Manager {
             }
             (_, Observed::Failed { .. }) => (ProxyState::Failed, slot.error.clone()),
             (_, Observed::Idle) if slot.installed.is_none() && self.held.contains(id) => (ProxyState::Stopped, None),
+            (_, Observed::Idle) if slot.waiting => (ProxyState::Waiting, slot.error.clone()),
             (_, Observed::Idle) => (ProxyState::Pending, None),
             _ if queued && slot.installed.is_none() => (ProxyState::Pending, None),
             _ => (process.state.into(), process.error.clone()),
@@ -715,9 +825,11 @@ async fn sleep_until(deadline: Option<Instant>) {
 }
 
 mod actions;
+mod ordering;
 mod records;
 mod restore;
 
+use ordering::StopOrder;
 use records::encoded_service;
 use restore::RestoreStage;
 

@@ -19,8 +19,10 @@ use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, Visitor};
 use serde::{Deserialize, Serialize, Serializer};
 
 use crate::health::{HttpTarget, LinePattern, Liveness, Probe, Readiness, TcpTarget};
-use crate::id::ServiceId;
+use crate::id::{ProxyId, ServiceId};
 use crate::listener::{ListenAddress, Listener, ListenerName, UpdatePolicy, UpdateStrategy};
+use crate::ordering::dependency_cycles;
+use crate::ordering::{Condition, Dependency, DependsOn};
 use crate::reload::{ReloadAction, ReloadPolicy};
 use crate::resources::{CpuLimit, ResourceLimits};
 use crate::service::{
@@ -267,6 +269,60 @@ fn service_location(text: &str, format: Format, origin: &Origin, index: usize) -
             Location::at(origin, line, column)
         }
         None => Location { origin: origin.clone(), line: None, column: None },
+    }
+}
+
+/// Where the `depends_on` of the `index`-th service of a text that parsed is, or where the
+/// service starts when that cannot be found. Used only to point at a dependency cycle.
+fn depends_on_location(text: &str, format: Format, origin: &Origin, index: usize) -> Location {
+    let start: Option<usize> = match format {
+        Format::Toml => {
+            #[derive(Deserialize)]
+            struct Probe {
+                #[serde(default)]
+                service: Vec<ServiceProbe>,
+            }
+            #[derive(Deserialize)]
+            struct ServiceProbe {
+                proxy: Option<ProxyProbe>,
+            }
+            #[derive(Deserialize)]
+            struct ProxyProbe {
+                depends_on: Option<toml::Spanned<IgnoredAny>>,
+            }
+            toml::from_str::<Probe>(text).ok().and_then(|probe| {
+                let proxy = probe.service.into_iter().nth(index)?.proxy?;
+                proxy.depends_on.map(|d| d.span().start)
+            })
+        }
+        Format::Json => {
+            #[derive(Deserialize)]
+            struct Probe<'a> {
+                #[serde(borrow, default)]
+                service: Vec<ServiceProbe<'a>>,
+            }
+            #[derive(Deserialize)]
+            struct ServiceProbe<'a> {
+                #[serde(borrow)]
+                proxy: Option<ProxyProbe<'a>>,
+            }
+            #[derive(Deserialize)]
+            struct ProxyProbe<'a> {
+                #[serde(borrow)]
+                depends_on: Option<&'a serde_json::value::RawValue>,
+            }
+            serde_json::from_str::<Probe<'_>>(text).ok().and_then(|probe| {
+                let raw = probe.service.into_iter().nth(index)?.proxy?.depends_on?;
+                Some(raw.get().as_ptr() as usize - text.as_ptr() as usize)
+            })
+        }
+    };
+    match start {
+        Some(start) => {
+            let (line, column) = line_column(text, start);
+            Location::at(origin, line, column)
+        }
+        None => service_location(text, format, origin, index),
     }
 }
 

@@ -118,6 +118,7 @@ mod exit;
 mod health;
 mod id;
 mod listener;
+mod ordering;
 #[cfg(feature = "persist")]
 pub mod persist;
 pub mod proxy_env;
@@ -141,6 +142,7 @@ pub use id::{
     check_process_name, check_service_id,
 };
 pub use listener::{LISTENER_NAME_RULE, ListenAddress, Listener, ListenerName, UpdatePolicy, UpdateStrategy};
+pub use ordering::{Condition, Dependency, DependsOn, cycle_text, dependency_cycles};
 pub use reload::{ReloadAction, ReloadCounts, ReloadOutcome, ReloadPolicy, ReloadResult, Reloads, WATCH_DEBOUNCE};
 pub use resources::{CpuLimit, ResourceLimits};
 pub use service::{

@@ -14,6 +14,7 @@ use crate::backoff::Backoff;
 use crate::health::{Liveness, Readiness};
 use crate::id::{ProxyId, ServiceId};
 use crate::listener::{Listener, UpdatePolicy};
+use crate::ordering::DependsOn;
 use crate::reload::ReloadPolicy;
 use crate::resources::ResourceLimits;
 use crate::token::ProxyToken;
@@ -425,6 +426,9 @@ pub struct ProxySpec {
     /// Files the agent renders for it from the catalog, before each start and when their
     /// data changes.
     pub templates: Vec<crate::Template>,
+    /// What must have started, or be ready, before it starts; stopped after it. A change
+    /// applies in place: the engine orders starts and stops by it, the process never sees it.
+    pub depends_on: DependsOn,
 }
 
 /// A service's managed proxy as the engine sees it: its id, its service, its spec and its
@@ -600,6 +604,13 @@ mod tests {
         assert_eq!(change(|s| spec(s).liveness = Some(Liveness::new(crate::Probe::Notify))), ProxyChange::InPlace);
         assert_eq!(change(|s| spec(s).update.strategy = crate::UpdateStrategy::Overlap), ProxyChange::InPlace);
         assert_eq!(change(|s| spec(s).update.timeout = Duration::from_secs(1)), ProxyChange::InPlace);
+        let dependency = crate::Dependency::new("db").unwrap();
+        assert_eq!(
+            change(|s| {
+                spec(s).depends_on.insert(dependency, crate::Condition::Ready);
+            }),
+            ProxyChange::InPlace
+        );
     }
 
     #[test]

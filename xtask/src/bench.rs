@@ -7,8 +7,8 @@
 //! under /tmp, and leaves no process behind, even when it fails.
 //!
 //! For work on one figure, `XTASK_BENCH_ONLY` narrows the run: `e2e` skips the crate
-//! benchmarks; a comma-separated list of sections (`many`, `scale`, `some`, `health`, `updates`, `reload`, `cgroups`, `peers`,
-//! `builtin-proxy`, `fleet`) runs only those end-to-end sections and prints their table without rewriting
+//! benchmarks; a comma-separated list of sections (`many`, `scale`, `some`, `health`, `updates`, `reload`, `cgroups`,
+//! `peers`, `builtin-proxy`, `ordering`, `fleet`) runs only those end-to-end sections and prints their table without rewriting
 //! `BENCHMARKS.md`, which always holds a whole run.
 
 mod builtin_proxy;
@@ -17,6 +17,7 @@ mod e2e;
 mod fleet;
 mod health;
 mod lab;
+mod ordering;
 mod peers;
 mod reload;
 mod report;
@@ -32,7 +33,7 @@ use report::{Machine, Row};
 
 /// The end-to-end sections that `XTASK_BENCH_ONLY` can name.
 const SECTIONS: &[&str] =
-    &["many", "scale", "some", "health", "updates", "reload", "cgroups", "peers", "builtin-proxy", "fleet"];
+    &["many", "scale", "some", "health", "updates", "reload", "cgroups", "peers", "builtin-proxy", "ordering", "fleet"];
 
 /// What `XTASK_BENCH_ONLY` asks for: `None` for a whole run.
 struct Only {
@@ -163,6 +164,13 @@ fn end_to_end(
         {
             lab.keep();
             rows.push(Row::failed("built-in proxy figures", &err));
+            errors.push(err);
+        }
+        if only.wants("ordering")
+            && let Err(err) = ordering::run(&lab, &mut rows)
+        {
+            lab.keep();
+            rows.push(Row::failed("ordering: chains against independent proxies", &err));
             errors.push(err);
         }
         // The simulated fleet (20 agents, one etcd, 2 000 puts): informational figures.

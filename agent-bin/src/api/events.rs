@@ -4,8 +4,9 @@
 //! The events are told from the engine's status changes, compared with the last status seen
 //! of each proxy: a new pid is `started` (or `restarted`, when the restart count grew), a
 //! pid that is gone is `exited` (or `stopped`, during a stop), and a proxy entering
-//! `backoff`, `failed` or `blocked` says so, and a new last reload is `reloaded` (applied or
-//! signalled) or `reload-failed` (refused, failed or timed out; the detail says why). This module keeps one map of statuses per
+//! `backoff`, `failed`, `blocked` or `waiting` says so, and a new last reload is `reloaded`
+//! (applied or signalled) or `reload-failed` (refused, failed or timed out; the detail says
+//! why). This module keeps one map of statuses per
 //! client and nothing else; it never decides or changes anything.
 
 use std::collections::HashMap;
@@ -184,6 +185,7 @@ pub(crate) fn diff(before: Option<&ProxyStatus>, after: &ProxyStatus, now: Syste
             ProxyState::Failed => Some("failed"),
             ProxyState::Stopped => Some("held"),
             ProxyState::Blocked => Some("blocked"),
+            ProxyState::Waiting => Some("waiting"),
             _ => None,
         };
         if let Some(name) = name {
@@ -249,6 +251,19 @@ mod tests {
         let failed = status(ProxyState::Failed, None, 0);
         assert_eq!(names(None, &failed), [("failed", None)]);
         assert_eq!(names(Some(&failed), &failed), []);
+    }
+
+    #[test]
+    fn waiting_for_dependencies_is_named_with_what_it_waits_for() {
+        let pending = status(ProxyState::Pending, None, 0);
+        let mut waiting = status(ProxyState::Waiting, None, 0);
+        waiting.error = Some("waiting for db-proxy to be ready (it is starting)".into());
+        let events = diff(Some(&pending), &waiting, SystemTime::UNIX_EPOCH);
+        assert_eq!((events.len(), events[0].event), (1, "waiting"));
+        assert_eq!(events[0].detail, waiting.error);
+        assert_eq!(names(Some(&waiting), &waiting), []);
+        let started = status(ProxyState::Starting, Some(10), 0);
+        assert_eq!(names(Some(&waiting), &started), [("started", Some(10))]);
     }
 
     #[test]

@@ -167,6 +167,7 @@ impl From<RegisterError> for ApiError {
     fn from(err: RegisterError) -> Self {
         let status = match &err {
             RegisterError::CommandRefused { .. } => StatusCode::FORBIDDEN,
+            RegisterError::Cycle { .. } => StatusCode::BAD_REQUEST,
             RegisterError::Catalog(CatalogError::Conflict { .. } | CatalogError::Duplicate { .. }) => {
                 StatusCode::CONFLICT
             }

@@ -17,7 +17,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use tether_state::config::{ConfigErrors, ConfigFile, ConfigLoader, DisplayPath, LoadStats};
 use tether_state::persist::{DataDir, PersistError};
 use tether_state::{
-    CatalogError, LocalState, ProxyId, ProxyToken, ReplaceReport, Service, ServiceId, Source, SourceKind,
+    CatalogError, DependsOn, LocalState, ProxyId, ProxyToken, ReplaceReport, Service, ServiceId, Source, SourceKind,
+    cycle_text, dependency_cycles,
 };
 
 use super::policy::{self, ApiSetting};
@@ -37,6 +38,14 @@ pub(crate) enum RegisterError {
         id: Option<ServiceId>,
         /// The first refused setting.
         setting: ApiSetting,
+    },
+    /// Its `depends_on` closes a dependency cycle with services of the catalog (400).
+    #[error("service {id}: field `proxy.depends_on`: dependency cycle: {cycle}")]
+    Cycle {
+        /// The service.
+        id: ServiceId,
+        /// The cycle, as `a-proxy -> b-proxy -> a-proxy`.
+        cycle: String,
     },
     /// The catalog refused it: conflict with a config file (409) or unknown id (404).
     #[error(transparent)]
@@ -288,6 +297,7 @@ impl Sources {
     pub(crate) fn register(&self, service: Service) -> Result<(), RegisterError> {
         self.check_command_policy(&service)?;
         let _api = lock(&self.api_changes);
+        self.check_cycle(&service)?;
         let id = service.id.clone();
         match self.state.get(&id) {
             Some(entry) if entry.source.kind() != SourceKind::Api => {
@@ -298,6 +308,28 @@ impl Sources {
         }
         tracing::info!(service = %id, "service registered");
         Ok(())
+    }
+
+    /// Refuses `service` when its `depends_on` closes a cycle with what the catalog holds.
+    /// Only proxies with a `depends_on` can be on a cycle, so a service without one costs
+    /// nothing.
+    fn check_cycle(&self, service: &Service) -> Result<(), RegisterError> {
+        let Some(proxy) = service.proxy.as_ref().filter(|proxy| !proxy.depends_on.is_empty()) else { return Ok(()) };
+        let entries = self.state.entries();
+        let mut proxies: Vec<(ProxyId, &DependsOn)> = vec![(service.id.proxy_id(), &proxy.depends_on)];
+        for entry in &entries {
+            if entry.service.id == service.id {
+                continue;
+            }
+            if let Some(other) = entry.service.proxy.as_ref() {
+                proxies.push((entry.service.id.proxy_id(), &other.depends_on));
+            }
+        }
+        let own = service.id.proxy_id();
+        match dependency_cycles(&proxies).into_iter().find(|cycle| cycle.contains(&own)) {
+            Some(cycle) => Err(RegisterError::Cycle { id: service.id.clone(), cycle: cycle_text(&cycle) }),
+            None => Ok(()),
+        }
     }
 
     /// A new service: to disk first, its registration and its proxy's token, so that the
@@ -517,6 +549,28 @@ mod tests {
         let strict = Sources::open(data.clone(), vec![config], false).unwrap();
         assert!(strict.state().is_empty());
         assert!(data.registrations_dir().join("web.json").is_file());
+    }
+
+    #[test]
+    fn a_registration_that_closes_a_dependency_cycle_is_refused_and_changes_nothing() {
+        let root = tempfile::tempdir().unwrap();
+        let (sources, _data) = open(root.path());
+        let depending = |name: &str, on: &str| {
+            let mut service = service(name, 1000);
+            let spec = service.proxy.as_mut().unwrap();
+            spec.depends_on.insert(tether_state::Dependency::new(on).unwrap(), tether_state::Condition::Ready);
+            service
+        };
+        sources.register(depending("a", "b")).unwrap();
+        sources.register(depending("b", "c-proxy")).unwrap();
+        let refused = sources.register(depending("c", "a")).unwrap_err();
+        assert!(matches!(refused, RegisterError::Cycle { .. }), "{refused:?}");
+        assert_eq!(
+            refused.to_string(),
+            "service c: field `proxy.depends_on`: dependency cycle: c-proxy -> a-proxy -> b-proxy -> c-proxy"
+        );
+        assert!(sources.state().get(&ServiceId::new("c").unwrap()).is_none());
+        sources.register(depending("c", "d")).unwrap();
     }
 
     #[test]

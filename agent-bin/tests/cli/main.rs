@@ -15,6 +15,7 @@ mod limits;
 mod lookup;
 mod operations;
 mod operator;
+mod ordering;
 mod page;
 mod policy;
 mod reload;

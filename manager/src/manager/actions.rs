@@ -30,6 +30,9 @@ impl Manager {
         slot.launched_for = wanted.clone();
         slot.launched_revision = wanted_revision;
         slot.old_serves = false;
+        if std::mem::take(&mut slot.waiting) {
+            slot.error = None;
+        }
         // An overlapping update publishes its new instance while the old one serves.
         let overlap = match (action, &wanted, &installed) {
             (Action::Restart, Some(proxy), Some((_, generation)))
@@ -96,6 +99,12 @@ impl Manager {
             Err(join) => (join.id(), Err(join)),
         };
         let Some(id) = self.action_ids.remove(&task) else { return };
+        if !self.dependents.is_empty() {
+            // Read before the outcome changes what it runs: what it depends on may stop once
+            // it is down.
+            let dependencies = self.dependencies_of(&id);
+            self.wake(dependencies);
+        }
         let Some(slot) = self.slots.get_mut(&id) else { return };
         let action = slot.busy.take();
         if let Some((_, watcher)) = slot.overlap.take() {
@@ -219,8 +228,11 @@ impl Manager {
             }
         }
         self.publish(&id);
-        // Level-triggered: plan the proxy again against what is wanted now.
+        // Level-triggered: plan the proxy again against what is wanted now, and those
+        // ordered with it: its dependents may start, what it depends on may stop.
         self.consider(&id);
+        self.wake_around(&id);
+        self.plan_woken();
         while self.actions.len() < self.config.max_concurrent_actions.max(1) && !self.closing {
             let Some(next) = self.backlog.pop_front() else { break };
             self.in_backlog.remove(&next);
@@ -259,6 +271,9 @@ impl Manager {
                         slot.retry_at = None;
                     }
                     self.consider(&id);
+                    // What depends on it stops first, or may start again.
+                    self.wake_around(&id);
+                    self.plan_woken();
                     self.publish(&id);
                 }
                 let _caller_gone = done.send(Ok(()));
@@ -317,6 +332,9 @@ impl Manager {
         if let Observed::Blocked { .. } = slot.observed {
             return Err(RequestError::Blocked { id: id.clone(), reason: slot.error.clone().unwrap_or_default() });
         }
+        if slot.waiting {
+            return Err(RequestError::Blocked { id: id.clone(), reason: slot.error.clone().unwrap_or_default() });
+        }
         slot.retry_at = None;
         let action = if slot.observed.has_process() {
             Action::Restart
@@ -348,6 +366,7 @@ impl Manager {
                 self.consider(&id);
             }
         }
+        self.plan_woken();
     }
 }
 

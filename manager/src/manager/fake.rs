@@ -40,6 +40,8 @@ pub(super) struct FakeState {
     pub(super) candidates: Vec<ProxyId>,
     /// Proxies whose instances stay `starting`: never ready.
     pub(super) never_ready: HashSet<ProxyId>,
+    /// Proxies whose instances stay `starting` this long after their start, then are ready.
+    pub(super) ready_after: HashMap<ProxyId, Duration>,
     /// What a restored handle says its process runs, when not as recorded.
     pub(super) adopted: HashMap<ProxyId, Adopted>,
     /// The pid of the instance that runs, by proxy: a stop removes only its own.
@@ -163,12 +165,27 @@ impl ProxyHandle for FakeHandle {
             if let (Some(proxy), Some(old_pid)) = (replaced, replaced_pid) {
                 state.previous.insert(self.id.clone(), (old_pid, proxy));
             }
-            let ready = !state.never_ready.contains(&self.id);
+            let ready_after = state.ready_after.get(&self.id).copied();
+            let ready = !state.never_ready.contains(&self.id) && ready_after.is_none();
             drop(state);
             self.status.send_modify(|s| {
                 s.state = if ready { BackendState::Running } else { BackendState::Starting };
                 s.pid = Some(pid);
             });
+            if let Some(after) = ready_after {
+                // Its readiness passes later, as a probe's would.
+                let status = self.status.clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(after).await;
+                    status.send_if_modified(|s| {
+                        let same = s.pid == Some(pid) && s.state == BackendState::Starting;
+                        if same {
+                            s.state = BackendState::Running;
+                        }
+                        same
+                    });
+                });
+            }
             Ok(())
         };
         self.fake.leave(&self.id);

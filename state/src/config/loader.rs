@@ -214,12 +214,57 @@ impl Scan {
             };
             self.errors.push((self.places[file_index], duplicate));
         }
+        if self.errors.is_empty() {
+            self.check_cycles();
+        }
         // Stable: a file that loaded has no other error, and its duplicates are already in
         // the order of its services.
         self.errors.sort_by_key(|(place, _)| *place);
         match ConfigErrors::new(self.errors.into_iter().map(|(_, error)| error).collect()) {
             Some(errors) => Err(errors),
             None => Ok(self.files),
+        }
+    }
+}
+
+impl Scan {
+    /// Refuses every dependency cycle among the files' proxies, each at the `depends_on` of
+    /// its first proxy in the order of the files, naming every proxy on it with its place.
+    /// Run only when the ids are unique, so that each name means one proxy.
+    fn check_cycles(&mut self) {
+        let mut places: HashMap<ProxyId, (usize, usize)> = HashMap::new();
+        let mut proxies = Vec::new();
+        for (file_index, file) in self.files.iter().enumerate() {
+            for (service_index, service) in file.services.iter().enumerate() {
+                if let Some(proxy) = &service.proxy {
+                    let id = service.id.proxy_id();
+                    places.insert(id.clone(), (file_index, service_index));
+                    proxies.push((id, &proxy.depends_on));
+                }
+            }
+        }
+        if proxies.iter().all(|(_, depends_on)| depends_on.is_empty()) {
+            return;
+        }
+        let cycles = dependency_cycles(&proxies);
+        for cycle in cycles {
+            let Some(&(file_index, service_index)) = cycle.first().and_then(|first| places.get(first)) else {
+                continue;
+            };
+            let file = &self.files[file_index];
+            let members: Vec<String> = cycle
+                .iter()
+                .map(|id| match places.get(id) {
+                    Some(&(f, s)) => format!("{id} ({})", self.files[f].depends_on_location(s)),
+                    None => id.to_string(),
+                })
+                .collect();
+            let error = ConfigError::Invalid {
+                location: file.depends_on_location(service_index),
+                field: Some(format!("service[{service_index}].proxy.depends_on")),
+                message: format!("dependency cycle: {} -> {}", members.join(" -> "), cycle[0]),
+            };
+            self.errors.push((self.places[file_index], error));
         }
     }
 }
@@ -314,6 +359,17 @@ impl LoadedFile {
         match read_text(&self.path) {
             Ok((text, now)) if Fingerprint::of(&now) == self.fingerprint => {
                 service_location(&text, self.format, &Origin::File(self.path.clone()), index)
+            }
+            _ => Location::file(&self.path),
+        }
+    }
+
+    /// Where the `depends_on` of its `index`-th service is, read again as
+    /// [`LoadedFile::location_of`] does.
+    fn depends_on_location(&self, index: usize) -> Location {
+        match read_text(&self.path) {
+            Ok((text, now)) if Fingerprint::of(&now) == self.fingerprint => {
+                depends_on_location(&text, self.format, &Origin::File(self.path.clone()), index)
             }
             _ => Location::file(&self.path),
         }

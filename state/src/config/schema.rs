@@ -57,6 +57,7 @@ pub(super) struct ProxyDef {
     pids_max: Option<PidsMax>,
     reload: Option<ReloadDef>,
     template: Option<TemplatesDef>,
+    depends_on: Option<DependsOn>,
 }
 
 /// A `readiness` or `liveness` table as written: exactly one probe kind, its timing, and
@@ -390,6 +391,7 @@ impl From<ProxyDef> for ProxySpec {
             },
             templates: def.template.map(|t| t.resolve(def.reload.is_some())).unwrap_or_default(),
             reload: def.reload.map(|r| r.0),
+            depends_on: def.depends_on.unwrap_or_default(),
         }
     }
 }
@@ -747,6 +749,21 @@ impl<'de> Deserialize<'de> for KillSignal {
 impl Serialize for KillSignal {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         serializer.serialize_str(self.name())
+    }
+}
+
+impl<'de> Deserialize<'de> for Dependency {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let raw = String::deserialize(deserializer)?;
+        Dependency::new(raw).map_err(|err| de::Error::custom(format!("invalid dependency: {err}")))
+    }
+}
+
+impl<'de> Deserialize<'de> for Condition {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let raw = String::deserialize(deserializer)?;
+        Condition::from_name(&raw)
+            .ok_or_else(|| de::Error::custom(format!("unknown condition {raw:?}: expected \"started\" or \"ready\"")))
     }
 }
 

@@ -56,6 +56,8 @@ pub(super) struct ProxyOut<'a> {
     reload: Option<ReloadOut<'a>>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     template: Vec<TemplateOut<'a>>,
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    depends_on: BTreeMap<&'a str, &'static str>,
 }
 
 #[derive(Serialize)]
@@ -192,6 +194,7 @@ impl<'a> From<&'a ProxySpec> for ProxyOut<'a> {
             pids_max: spec.limits.pids_max,
             reload: spec.reload.as_ref().map(ReloadOut::from),
             template: spec.templates.iter().map(TemplateOut::from).collect(),
+            depends_on: spec.depends_on.iter().map(|(name, condition)| (name.as_str(), condition.as_str())).collect(),
         }
     }
 }

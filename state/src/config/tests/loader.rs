@@ -324,3 +324,63 @@ fn control_characters_in_file_names_are_escaped() {
     assert!(!message.contains('\n') && !message.contains('\x1b'), "{message:?}");
     assert!(message.contains("evil\\n\\u{1b}[31m.toml"), "{message:?}");
 }
+
+#[test]
+fn depends_on_reads_proxy_and_service_ids_and_is_written_back() {
+    let text = "[[service]]\nname = \"web\"\n[service.proxy]\ndepends_on = { db = \"ready\", \"cache-proxy\" = \"started\" }\n";
+    let services = parse_file(text, Format::Toml, &Origin::Body).unwrap();
+    let depends_on = &services[0].proxy.as_ref().unwrap().depends_on;
+    let written: Vec<(&str, Condition)> = depends_on.iter().map(|(name, c)| (name.as_str(), *c)).collect();
+    assert_eq!(written, [("cache-proxy", Condition::Started), ("db", Condition::Ready)]);
+    for format in [Format::Toml, Format::Json] {
+        let again = parse_file(&to_file_text(&services, format).unwrap(), format, &Origin::Body).unwrap();
+        assert_eq!(again, services, "{format:?}");
+    }
+}
+
+#[test]
+fn depends_on_refuses_unknown_conditions_and_invalid_names_naming_the_field() {
+    let bad_condition = "[[service]]\nname = \"web\"\n[service.proxy]\ndepends_on = { db = \"healthy\" }\n";
+    let err = parse_file(bad_condition, Format::Toml, &Origin::Body).unwrap_err().to_string();
+    assert!(err.contains("request body:4:") && err.contains("service[0].proxy.depends_on"), "{err}");
+    assert!(err.contains("unknown condition \"healthy\""), "{err}");
+    let bad_name = r#"{"service": [{"name": "web", "proxy": {"depends_on": {"../db": "ready"}}}]}"#;
+    let err = parse_file(bad_name, Format::Json, &Origin::Body).unwrap_err().to_string();
+    assert!(err.contains("service[0].proxy.depends_on") && err.contains("../db"), "{err}");
+}
+
+#[test]
+fn a_dependency_cycle_across_files_is_refused_naming_the_cycle_with_file_line_and_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = write(dir.path(), "a.toml", "[[service]]\nname = \"a\"\n[service.proxy]\ndepends_on = { b = \"ready\" }\n");
+    let b = write(
+        dir.path(),
+        "b.json",
+        "{\"service\": [{\"name\": \"c\", \"proxy\": {}},\n {\"name\": \"b\", \"proxy\": {\"depends_on\": {\"a-proxy\": \"started\"}}}]}",
+    );
+    let errors = load_dirs(&[dir.path()]).unwrap_err();
+    let messages: Vec<String> = errors.iter().map(ToString::to_string).collect();
+    assert_eq!(
+        messages,
+        [format!(
+            "{a}:4:14: field `service[0].proxy.depends_on`: dependency cycle: a-proxy ({a}:4:14) -> b-proxy ({b}:2:40) -> a-proxy",
+            a = a.display(),
+            b = b.display()
+        )]
+    );
+    // The incremental loader refuses it too, and accepts the fix.
+    let mut loader = ConfigLoader::with_settle_time(vec![dir.path().to_owned()], Duration::ZERO);
+    assert!(loader.load().is_err());
+    write(dir.path(), "a.toml", "[[service]]\nname = \"a\"\n[service.proxy]\n");
+    assert_eq!(loader.load().unwrap().len(), 3);
+}
+
+#[test]
+fn a_dependency_on_itself_or_on_an_unknown_proxy() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "a.toml", "[[service]]\nname = \"a\"\n[service.proxy]\ndepends_on = { nowhere = \"ready\" }\n");
+    assert_eq!(load_dirs(&[dir.path()]).unwrap().len(), 1, "an unknown dependency may come from the API");
+    write(dir.path(), "a.toml", "[[service]]\nname = \"a\"\n[service.proxy]\ndepends_on = { a = \"ready\" }\n");
+    let err = load_dirs(&[dir.path()]).unwrap_err().to_string();
+    assert!(err.contains("dependency cycle: a-proxy (") && err.ends_with(") -> a-proxy"), "{err}");
+}

@@ -127,6 +127,11 @@ fn proxy_spec_without_health() -> impl Strategy<Value = ProxySpec> {
             prop::option::of(CpuLimit::MIN_MILLICORES..=CpuLimit::MAX_MILLICORES),
             prop::option::of(1u64..1_000_000),
         ),
+        prop::collection::btree_map(
+            "[a-z][a-z0-9]{0,6}(-proxy)?".prop_map(|name| Dependency::new(name).unwrap()),
+            prop::sample::select(vec![Condition::Started, Condition::Ready]),
+            0..3,
+        ),
     )
         .prop_map(
             |(
@@ -140,6 +145,7 @@ fn proxy_spec_without_health() -> impl Strategy<Value = ProxySpec> {
                 (max_size, keep),
                 config,
                 (memory_max, millicores, pids_max),
+                depends_on,
             )| {
                 ProxySpec {
                     exec_mode: ExecMode::Daemon,
@@ -165,6 +171,7 @@ fn proxy_spec_without_health() -> impl Strategy<Value = ProxySpec> {
                     },
                     reload: None,
                     templates: Vec::new(),
+                    depends_on,
                 }
             },
         )
