@@ -69,8 +69,13 @@ impl TemplateError {
     }
 }
 
-/// A template whose file changed, with what the file held before (`None`: no file).
-type Changed = (Template, Option<Vec<u8>>);
+/// A template whose file changed: what it wrote, and what the file held before (`None`: no
+/// file).
+struct Changed {
+    template: Template,
+    written: Vec<u8>,
+    previous: Option<Vec<u8>>,
+}
 
 /// What happened to a template, as the events stream tells it.
 #[derive(Debug, Clone)]
@@ -174,11 +179,11 @@ impl Templates {
         let mut changed = Vec::new();
         for template in templates {
             match self.render_one(proxy, template, &service, &shared) {
-                Ok(Written::Replaced { previous }) => {
+                Ok((Written::Replaced { previous }, written)) => {
                     self.record(proxy.id(), template, "rendered", None);
-                    changed.push((template.clone(), previous));
+                    changed.push(Changed { template: template.clone(), written, previous });
                 }
-                Ok(Written::Unchanged) => self.record(proxy.id(), template, "unchanged", None),
+                Ok((Written::Unchanged, _)) => self.record(proxy.id(), template, "unchanged", None),
                 Err(error) => {
                     self.record(proxy.id(), template, "failed", Some(&error));
                     return Err(error);
@@ -217,7 +222,7 @@ impl Templates {
         template: &Template,
         service: &ServiceData,
         shared: &SharedData,
-    ) -> Result<Written, TemplateError> {
+    ) -> Result<(Written, Vec<u8>), TemplateError> {
         let destination = template.destination.clone();
         let text = match &template.source {
             TemplateSource::Inline(text) => std::borrow::Cow::Borrowed(text.as_str()),
@@ -231,8 +236,9 @@ impl Templates {
             .map_err(|source| TemplateError::Render { destination: destination.clone(), source })?;
         lock(&self.shared.board).instances_of.insert((proxy.id().clone(), destination.clone()), rendered.instances_of);
         let owner = owner(proxy).map_err(|user| TemplateError::User { destination: destination.clone(), user })?;
-        write::write_if_changed(&destination, rendered.text.as_bytes(), template.mode, owner)
-            .map_err(|source| TemplateError::Write { destination, source })
+        let written = write::write_if_changed(&destination, rendered.text.as_bytes(), template.mode, owner)
+            .map_err(|source| TemplateError::Write { destination, source })?;
+        Ok((written, rendered.text.into_bytes()))
     }
 
     /// Counts a render, keeps or clears its error, and tells of a new file or a failure.
@@ -362,9 +368,9 @@ impl Templates {
         if !running {
             return;
         }
-        let restart = changed.iter().any(|(template, _)| template.on_change == OnChange::Restart);
+        let restart = changed.iter().any(|change| change.template.on_change == OnChange::Restart);
         let reloaded: Vec<_> =
-            changed.into_iter().filter(|(template, _)| template.on_change == OnChange::Reload).collect();
+            changed.into_iter().filter(|change| change.template.on_change == OnChange::Reload).collect();
         let manager = manager.clone();
         let id = proxy_id.clone();
         if restart {
@@ -394,18 +400,20 @@ impl Templates {
         }
     }
 
-    /// Puts back the files that a refused reload was asked for, and says why on each.
-    fn put_back(&self, proxy: &ManagedProxy, templates: Vec<Changed>, reason: &str) {
+    /// Puts back the files that a refused reload was asked for (unless a newer render
+    /// replaced one meanwhile), and says why on each.
+    fn put_back(&self, proxy: &ManagedProxy, changes: Vec<Changed>, reason: &str) {
         let owner = owner(proxy).ok().flatten();
-        for (template, previous) in templates {
+        for Changed { template, written, previous } in changes {
             let destination = template.destination.clone();
+            let refused = |destination| TemplateError::Refused { destination, reason: reason.to_owned() };
             let error = match previous {
-                Some(bytes) => match write::write_if_changed(&destination, &bytes, template.mode, owner) {
-                    Ok(_) => TemplateError::Refused { destination, reason: reason.to_owned() },
+                Some(previous) => match write::put_back(&destination, &written, &previous, template.mode, owner) {
+                    Ok(_) => refused(destination),
                     Err(source) => TemplateError::Write { destination, source },
                 },
                 // There was no file before this one: nothing to put back, and the refusal stands.
-                None => TemplateError::Refused { destination, reason: reason.to_owned() },
+                None => refused(destination),
             };
             self.record(proxy.id(), &template, "failed", Some(&error));
         }

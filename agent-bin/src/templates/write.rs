@@ -70,6 +70,28 @@ pub(crate) fn write_if_changed(
     Ok(Written::Replaced { previous })
 }
 
+/// Puts `previous` back at `destination` if the file there still holds `written` (a refused
+/// reload's file): `Ok(false)`, touching nothing, when a newer render replaced it meanwhile.
+///
+/// # Errors
+///
+/// As [`write_if_changed`].
+pub(crate) fn put_back(
+    destination: &Path,
+    written: &[u8],
+    previous: &[u8],
+    mode: u32,
+    owner: Owner,
+) -> Result<bool, WriteError> {
+    match read_current(destination) {
+        Ok(Some(current)) if current == written => {}
+        Ok(_) => return Ok(false),
+        Err(Current::Unsafe(source)) => return Err(WriteError::Unsafe { path: destination.to_owned(), source }),
+        Err(Current::Io(source)) => return Err(WriteError::Io { path: destination.to_owned(), source }),
+    }
+    write_if_changed(destination, previous, mode, owner).map(|_| true)
+}
+
 /// Why the file at a destination could not be compared.
 enum Current {
     /// Something other than a regular file is there.
@@ -136,6 +158,19 @@ mod tests {
         // A directory at the destination is left alone.
         let error = write_if_changed(dir.path(), b"x", 0o644, None).unwrap_err();
         assert!(matches!(error, WriteError::Unsafe { .. }), "{error:?}");
+    }
+
+    #[test]
+    fn a_file_is_put_back_only_while_it_holds_what_was_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("haproxy.cfg");
+        std::fs::write(&path, b"new\n").unwrap();
+        assert!(put_back(&path, b"new\n", b"old\n", 0o644, None).unwrap());
+        assert_eq!(std::fs::read(&path).unwrap(), b"old\n");
+        // A newer render replaced it meanwhile: it stands.
+        std::fs::write(&path, b"newer\n").unwrap();
+        assert!(!put_back(&path, b"new\n", b"old\n", 0o644, None).unwrap());
+        assert_eq!(std::fs::read(&path).unwrap(), b"newer\n");
     }
 
     #[test]
