@@ -253,7 +253,9 @@ impl Task {
                     } => Event::Reload(step),
                     () = async {
                         match watching.as_mut() {
-                            Some(watching) => watching.changed().await,
+                            // Boxed, as the other branches' futures: held inline, its timer
+                            // would grow every process's task, though few watch files.
+                            Some(watching) => Box::pin(watching.changed()).await,
                             None => std::future::pending().await,
                         }
                     } => Event::Watched,
