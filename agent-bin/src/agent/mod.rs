@@ -173,8 +173,10 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
     };
     warn_of_missing_programs(sources.state());
     // Rendered before each start, through the backend; re-rendered by their own task.
-    let node = options.fleet.as_ref().map(|fleet| fleet.layout.node().to_owned());
-    let templates = Templates::new(sources.state().clone(), node);
+    let templates = Templates::new(
+        sources.state().clone(),
+        options.fleet.as_ref().map(|fleet| (fleet.etcd.clone(), &fleet.layout)),
+    );
     // Before the engine's first reconcile, so that it adopts the fleet's running proxies.
     let follower = options
         .fleet

@@ -12,6 +12,7 @@
 //! It decides nothing about processes: a restart goes through the engine's
 //! `ManagerHandle::restart`.
 
+mod fleet;
 mod render;
 mod write;
 
@@ -28,7 +29,7 @@ use tether_manager::{ManagerHandle, ProxyEvent};
 use tether_proxy_daemon::BeforeStart;
 use tether_state::config::DisplayPath;
 use tether_state::{Catalog, LocalState, ManagedProxy, OnChange, ProxyId, ReloadResult, Template, TemplateSource};
-use tokio::sync::broadcast;
+use tokio::sync::{broadcast, mpsc};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -36,6 +37,8 @@ use tokio_util::sync::CancellationToken;
 pub(crate) use render::check_syntax;
 use render::{Instance, InstanceSource, RenderError, ServiceData, SharedData};
 use write::{Owner, WriteError, Written};
+
+use crate::fleet::{EtcdOptions, Layout};
 
 /// Why one template of a proxy did not put its file in place.
 #[derive(Debug, thiserror::Error)]
@@ -101,6 +104,11 @@ struct Shared {
     manager: Arc<OnceLock<ManagerHandle>>,
     /// Where `instances(name)` looks.
     instances: Arc<dyn InstanceSource>,
+    /// The names whose fleet instances changed, taken by [`Templates::run`]; `None` without
+    /// a fleet.
+    fleet_changes: Mutex<Option<mpsc::UnboundedReceiver<String>>>,
+    /// Ends the fleet's watches with the renderer.
+    fleet_stop: CancellationToken,
     board: Mutex<Board>,
     events: broadcast::Sender<TemplateEvent>,
 }
@@ -127,13 +135,34 @@ fn lock(board: &Mutex<Board>) -> MutexGuard<'_, Board> {
 }
 
 impl Templates {
-    /// Templates of the proxies of `catalog`, on node `node` (`--node`), if any.
-    pub(crate) fn new(catalog: LocalState, node: Option<String>) -> Self {
+    /// Templates of the proxies of `catalog`: `instances` from the fleet of `fleet` (etcd
+    /// and the node's layout, `--node`) when the agent follows one, else from `catalog`.
+    /// Inside a tokio runtime.
+    pub(crate) fn new(catalog: LocalState, fleet: Option<(EtcdOptions, &Layout)>) -> Self {
         let (events, _) = broadcast::channel(256);
         let manager: Arc<OnceLock<ManagerHandle>> = Arc::default();
-        let instances =
-            Arc::new(LocalInstances { catalog: catalog.clone(), node: node.clone(), manager: manager.clone() });
-        let shared = Shared { catalog, node, manager, instances, board: Mutex::new(Board::default()), events };
+        let node = fleet.as_ref().map(|(_, layout)| layout.node().to_owned());
+        let fleet_stop = CancellationToken::new();
+        let (instances, fleet_changes): (Arc<dyn InstanceSource>, _) = match fleet {
+            Some((etcd, layout)) => {
+                let (changed, changes) = mpsc::unbounded_channel();
+                (Arc::new(fleet::FleetInstances::new(etcd, layout, changed, fleet_stop.clone())), Some(changes))
+            }
+            None => {
+                let local = LocalInstances { catalog: catalog.clone(), node: node.clone(), manager: manager.clone() };
+                (Arc::new(local), None)
+            }
+        };
+        let shared = Shared {
+            catalog,
+            node,
+            manager,
+            instances,
+            fleet_changes: Mutex::new(fleet_changes),
+            fleet_stop,
+            board: Mutex::new(Board::default()),
+            events,
+        };
         Self { shared: Arc::new(shared) }
     }
 
@@ -278,7 +307,10 @@ impl Templates {
     ///
     /// Meant to run as a task of its own; restarts it asked for are aborted with it.
     pub(crate) async fn run(self, stop: CancellationToken) {
+        let _fleet_stop = self.shared.fleet_stop.clone().drop_guard();
         let Some(manager) = self.shared.manager.get().cloned() else { return };
+        let mut fleet_changes =
+            self.shared.fleet_changes.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
         let mut catalog = self.shared.catalog.subscribe();
         let mut statuses = manager.subscribe();
         let mut ready: HashMap<ProxyId, bool> =
@@ -324,6 +356,9 @@ impl Templates {
                     for proxy in ready_now {
                         self.rerender(&manager, &proxy, &mut restarts).await;
                     }
+                }
+                Some(name) = async { fleet_changes.as_mut()?.recv().await }, if fleet_changes.is_some() => {
+                    self.mark(&mut due, |_, names| names.contains(&name));
                 }
                 Some(_) = restarts.join_next(), if !restarts.is_empty() => {}
             }
@@ -460,11 +495,8 @@ impl BeforeStart for Templates {
 }
 
 /// `instances(name)` from this agent's own catalog: each service named `name` that has no
-/// proxy, or whose proxy is `running`.
-///
-/// The fleet's `instances/<name>/` prefix is the other source of this shape: it would be
-/// chosen in [`Templates::new`] when the agent follows etcd, and tell the watcher of changes
-/// of the names that templates ask for (kept in `Board::instances_of`).
+/// proxy, or whose proxy is `running`. An agent that follows etcd reads the fleet's instead
+/// ([`fleet::FleetInstances`]).
 struct LocalInstances {
     catalog: LocalState,
     node: Option<String>,
@@ -473,9 +505,10 @@ struct LocalInstances {
 }
 
 impl InstanceSource for LocalInstances {
-    fn instances(&self, name: &str) -> Vec<Instance> {
+    fn instances(&self, name: &str) -> Result<Vec<Instance>, String> {
         let manager = self.manager.get();
-        self.catalog
+        Ok(self
+            .catalog
             .entries()
             .iter()
             .filter(|entry| entry.service.name.as_str() == name)
@@ -484,7 +517,7 @@ impl InstanceSource for LocalInstances {
                 Some(proxy) => manager.and_then(|m| m.proxy(proxy.id())).is_some_and(|status| status.ready()),
             })
             .map(|entry| Instance::of(self.node.as_deref(), &entry.service))
-            .collect()
+            .collect())
     }
 }
 

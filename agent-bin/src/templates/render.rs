@@ -37,7 +37,7 @@ impl From<&Service> for ServiceData {
 }
 
 /// One ready instance of a service, as `instances(name)` lists it.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, serde::Deserialize)]
 pub(crate) struct Instance {
     /// The node it runs on; `None` for this agent's own catalog without a node name.
     pub(crate) node: Option<String>,
@@ -63,12 +63,12 @@ impl Instance {
     }
 }
 
-/// Where `instances(name)` finds the ready instances of a service: this agent's catalog
-/// today; the fleet's `instances/<name>/` prefix in etcd is another source of the same
-/// shape.
+/// Where `instances(name)` finds the ready instances of a service: this agent's catalog, or
+/// the fleet's `instances/<name>/` prefix in etcd.
 pub(crate) trait InstanceSource: Send + Sync {
-    /// The ready instances of the services named `name`, in any order.
-    fn instances(&self, name: &str) -> Vec<Instance>;
+    /// The ready instances of the services named `name`, in any order; `Err` with the reason
+    /// when they are not known (the render fails, and the last good file stays).
+    fn instances(&self, name: &str) -> Result<Vec<Instance>, String>;
 }
 
 /// What every template of an agent sees besides its own service.
@@ -161,10 +161,13 @@ pub(crate) fn render(
     let asked: Arc<Mutex<BTreeSet<String>>> = Arc::default();
     let recorder = asked.clone();
     env.add_function("instances", move |name: String| {
-        let mut found = instances.instances(&name);
+        // Recorded first: a name whose instances are not known yet renders again once they are.
+        recorder.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).insert(name.clone());
+        let mut found = instances
+            .instances(&name)
+            .map_err(|reason| minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, reason))?;
         found.sort_by(|a, b| (&a.node, &a.id).cmp(&(&b.node, &b.id)));
-        recorder.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).insert(name);
-        minijinja::Value::from_serialize(found)
+        Ok::<_, minijinja::Error>(minijinja::Value::from_serialize(found))
     });
     let context = Context { service, node: &shared.node, services: &shared.services };
     let text = env.render_named_str(name, text, context)?;
@@ -185,8 +188,8 @@ mod tests {
     struct Fixed(Vec<Instance>);
 
     impl InstanceSource for Fixed {
-        fn instances(&self, name: &str) -> Vec<Instance> {
-            self.0.iter().filter(|i| i.meta.get("of").is_some_and(|of| of == name)).cloned().collect()
+        fn instances(&self, name: &str) -> Result<Vec<Instance>, String> {
+            Ok(self.0.iter().filter(|i| i.meta.get("of").is_some_and(|of| of == name)).cloned().collect())
         }
     }
 

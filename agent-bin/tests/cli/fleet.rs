@@ -9,11 +9,12 @@ use std::path::PathBuf;
 use std::process::{Child, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use assert_cmd::prelude::*;
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use nix::sys::signal::Signal;
 
-use crate::support::{self, Agent, Dirs, alive, is_root, mode, wait_for, wait_until};
+use crate::support::{self, Agent, Dirs, alive, is_root, mode, tether, wait_for, wait_until};
 
 /// The etcd binary, if this machine has one.
 fn etcd_binary() -> Option<PathBuf> {
@@ -1055,4 +1056,70 @@ fn after_an_outage_or_a_lost_lease_the_agent_publishes_everything_again() {
         (code == Some(0) && renewed && node_of(&view, "n1")["state"] == "up").then_some(()).ok_or(view.to_string())
     });
     assert_eq!(pid_of(&agent, "web-proxy"), second);
+}
+
+#[test]
+fn a_template_lists_the_fleets_ready_instances_and_follows_them() {
+    let Some(etcd) = Etcd::start("templates over the fleet's instances") else { return };
+    let (api_dirs, web_dirs) = (Dirs::new(), Dirs::new());
+    let _sweeps = (support::SweepOnDrop(api_dirs.socket()), support::SweepOnDrop(web_dirs.socket()));
+    // On n2, a proxy whose file lists every ready instance of `api` across the fleet; it
+    // reads the file when it wants to (`on_change = "none"`).
+    std::fs::create_dir(web_dirs.temp.path().join("rendered")).unwrap();
+    let rendered = web_dirs.temp.path().join("rendered").join("api.list");
+    web_dirs.write_config(
+        "web.toml",
+        &format!(
+            "[[service]]\nname = \"web\"\n[service.proxy]\ncommand = [\"/bin/sleep\", \"3600\"]\n\
+             [[service.proxy.template]]\n\
+             contents = '''{{% for i in instances(\"api\") %}}{{{{ i.node }}}} {{{{ i.id }}}}\n{{% endfor %}}'''\n\
+             destination = \"{}\"\non_change = \"none\"\nwait = \"50ms\"\n",
+            rendered.display()
+        ),
+    );
+    let api = publishing_agent(&api_dirs, &etcd, "n1");
+    let web = publishing_agent(&web_dirs, &etcd, "n2");
+    web.wait_state("web-proxy", "running");
+    let read = || std::fs::read_to_string(&rendered).unwrap_or_default();
+
+    // n1's api, once ready, is published and rendered on n2.
+    put_sleeper(&etcd, &api_dirs, "n1", "api", 3600);
+    api.wait_state("api-proxy", "running");
+    wait_for("n1's api in n2's file", || (read() == "n1 api\n").then_some(()));
+
+    // Held down on n1, it leaves the fleet's instances, and n2's file.
+    tether().args(["stop", "api-proxy", "--data-dir"]).arg(&api_dirs.data).assert().code(0);
+    wait_for("n1's api gone from n2's file", || read().is_empty().then_some(()));
+    // Back: listed again; n2's own proxy ran throughout.
+    tether().args(["start", "api-proxy", "--data-dir"]).arg(&api_dirs.data).assert().code(0);
+    wait_for("n1's api back in n2's file", || (read() == "n1 api\n").then_some(()));
+    assert_eq!(web.proxy("web-proxy").unwrap()["restarts"], 0);
+}
+
+#[test]
+fn a_template_whose_fleet_instances_are_unknown_fails_its_proxy_naming_why() {
+    let dirs = Dirs::new();
+    let _sweep = support::SweepOnDrop(dirs.socket());
+    let closed = format!("http://127.0.0.1:{}", free_port());
+    let rendered = dirs.temp.path().join("api.list");
+    dirs.write_config(
+        "web.toml",
+        &format!(
+            "[[service]]\nname = \"web\"\n[service.proxy]\ncommand = [\"/bin/sleep\", \"3600\"]\n\
+             [[service.proxy.template]]\ncontents = '''{{{{ instances(\"api\") | length }}}}'''\n\
+             destination = \"{}\"\n",
+            rendered.display()
+        ),
+    );
+    let mut flags = vec!["--etcd", closed.as_str(), "--node", "n1"];
+    if is_root() {
+        flags.push("--allow-root");
+    }
+    let agent = Agent::start(&dirs, &flags);
+    // Not an empty list, which would render a file with no backends: the render fails, and
+    // nothing is written or started.
+    let failed = agent.wait_state("web-proxy", "failed");
+    let error = failed["error"].as_str().unwrap();
+    assert!(error.contains("the fleet's instances of \"api\" are not known"), "{error}");
+    assert!(!rendered.exists());
 }
