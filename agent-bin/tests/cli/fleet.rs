@@ -14,7 +14,7 @@ use base64::Engine;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use nix::sys::signal::Signal;
 
-use crate::support::{self, Agent, Dirs, alive, is_root, mode, tether, wait_for, wait_until};
+use crate::support::{self, Agent, Dirs, Prober, alive, is_root, mode, tether, wait_for, wait_until};
 
 /// The etcd binary, if this machine has one.
 fn etcd_binary() -> Option<PathBuf> {
@@ -1122,4 +1122,128 @@ fn a_template_whose_fleet_instances_are_unknown_fails_its_proxy_naming_why() {
     let error = failed["error"].as_str().unwrap();
     assert!(error.contains("the fleet's instances of \"api\" are not known"), "{error}");
     assert!(!rendered.exists());
+}
+
+/// `GET /` on `port`: the body, or why not.
+fn http_body(port: u16) -> Result<String, String> {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).map_err(|err| err.to_string())?;
+    stream.set_read_timeout(Some(Duration::from_secs(2))).map_err(|err| err.to_string())?;
+    stream.write_all(b"GET / HTTP/1.0\r\nHost: test\r\n\r\n").map_err(|err| err.to_string())?;
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).map_err(|err| err.to_string())?;
+    let (head, body) = answer.split_once("\r\n\r\n").ok_or_else(|| format!("no body in {answer:?}"))?;
+    if !head.starts_with("HTTP/1.0 200") && !head.starts_with("HTTP/1.1 200") {
+        return Err(head.lines().next().unwrap_or_default().to_owned());
+    }
+    Ok(body.trim().to_owned())
+}
+
+/// A service `api` (id `id`) on `port` that answers every request with `answer`, ready once
+/// its port accepts: Debian's Python serving one file.
+fn api_service(dirs: &Dirs, id: &str, port: u16, answer: &str) -> PathBuf {
+    let root = dirs.temp.path().join(format!("www-{id}"));
+    std::fs::create_dir_all(&root).unwrap();
+    std::fs::write(root.join("index.html"), answer).unwrap();
+    let path = dirs.temp.path().join(format!("{id}.toml"));
+    std::fs::write(
+        &path,
+        format!(
+            "[[service]]\nname = \"api\"\nid = \"{id}\"\naddress = \"127.0.0.1\"\nport = {port}\n[service.proxy]\n\
+             command = [\"/usr/bin/python3\", \"-m\", \"http.server\", \"{port}\", \"--bind\", \"127.0.0.1\", \"--directory\", \"{}\"]\n\
+             kill_signal = \"SIGTERM\"\n[service.proxy.readiness]\ntcp = \"127.0.0.1:{port}\"\ninterval = \"100ms\"\n",
+            root.display()
+        ),
+    )
+    .unwrap();
+    path
+}
+
+/// The HAProxy config template of the edge: one HTTP frontend on `port`, balancing over every
+/// ready `api` instance of the fleet.
+fn edge_template(port: u16) -> String {
+    format!(
+        "global\n    maxconn 256\ndefaults\n    mode http\n    timeout connect 1s\n    timeout client 5s\n    \
+         timeout server 5s\n    retries 3\n    option redispatch\nfrontend edge\n    bind 127.0.0.1:{port}\n    \
+         default_backend api\nbackend api\n    balance roundrobin\n\
+         {{% for i in instances(\"api\") %}}    server {{{{ i.node }}}}-{{{{ i.id }}}} {{{{ i.address }}}}:{{{{ i.port }}}}\n{{% endfor %}}"
+    )
+}
+
+#[test]
+fn haproxy_balances_over_the_fleets_instances_rendered_by_a_template_and_reloaded_in_place() {
+    let Some(haproxy) = support::haproxy() else {
+        assert!(std::env::var_os("CI").is_none(), "CI must have haproxy (.ci/run installs it)");
+        eprintln!("skipped: haproxy is not installed");
+        return;
+    };
+    let Some(mut fleet_nodes) = ThreeNodes::start("haproxy over the fleet's instances") else { return };
+    let _sweeps: Vec<support::SweepOnDrop> =
+        fleet_nodes.dirs.iter().map(|dirs| support::SweepOnDrop(dirs.socket())).collect();
+    // On n1 (from a config file, so that it stays when n1's etcd keys change): an HAProxy whose
+    // config is rendered from the fleet's `api` instances, reloaded in place when they change.
+    let edge_port = free_port();
+    let edge_dirs = &fleet_nodes.dirs[0];
+    let config = edge_dirs.temp.path().join("haproxy.cfg");
+    edge_dirs.write_config(
+        "edge.toml",
+        &format!(
+            "[[service]]\nname = \"edge\"\n[service.proxy]\ncommand = [\"{haproxy}\", \"-Ws\", \"-f\", \"{cfg}\"]\n\
+             kill_signal = \"SIGUSR1\"\nkill_timeout = \"5s\"\n[service.proxy.readiness]\nnotify = true\n\
+             [service.proxy.reload]\nsignal = \"SIGUSR2\"\ncheck = [\"{haproxy}\", \"-c\", \"-f\", \"{cfg}\"]\n\
+             [[service.proxy.template]]\ncontents = '''{template}'''\ndestination = \"{cfg}\"\nwait = \"50ms\"\n",
+            cfg = config.display(),
+            template = edge_template(edge_port),
+        ),
+    );
+    tether().args(["reload", "--data-dir"]).arg(&edge_dirs.data).assert().code(0);
+    let master = fleet_nodes.agents[0].wait_state("edge-proxy", "running")["pid"].as_i64().unwrap();
+
+    // An `api` on every node, each answering with its node's name.
+    let mut ports = Vec::new();
+    for (node, dirs) in ThreeNodes::NODES.iter().zip(&fleet_nodes.dirs) {
+        let port = free_port();
+        ports.push(port);
+        let file = api_service(dirs, "api", port, node);
+        fleet_ok(&fleet_nodes.etcd, &["put", node, file.to_str().unwrap()]);
+    }
+    let prober = Prober::start(edge_port);
+    let answers = |expected: &[&str]| {
+        wait_until("the edge to answer from exactly these nodes", || {
+            let mut seen = std::collections::BTreeSet::new();
+            for _ in 0..12 {
+                seen.insert(http_body(edge_port)?);
+            }
+            let expected: std::collections::BTreeSet<String> = expected.iter().map(|s| (*s).to_owned()).collect();
+            (seen == expected).then_some(()).ok_or(format!("{seen:?}"))
+        })
+    };
+    answers(&["n1", "n2", "n3"]);
+
+    // A fourth instance, on n2: served within a second of becoming ready, by the same master.
+    let extra_port = free_port();
+    let file = api_service(&fleet_nodes.dirs[1], "api-extra", extra_port, "n2-extra");
+    fleet_ok(&fleet_nodes.etcd, &["put", "n2", file.to_str().unwrap()]);
+    fleet_nodes.agents[1].wait_state("api-extra-proxy", "running");
+    let ready_at = Instant::now();
+    answers(&["n1", "n2", "n2-extra", "n3"]);
+    assert!(ready_at.elapsed() < Duration::from_secs(1), "served after {:?}", ready_at.elapsed());
+    assert_eq!(fleet_nodes.agents[0].proxy("edge-proxy").unwrap()["pid"].as_i64(), Some(master));
+
+    // n3 dies whole, agent and api: its instance leaves the backend once its lease expires.
+    let api_pid = pid_of(&fleet_nodes.agents[2], "api-proxy");
+    fleet_nodes.agents[2].signal(Signal::SIGKILL);
+    let _ = fleet_nodes.agents[2].wait();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(api_pid as i32), Signal::SIGKILL).unwrap();
+    let died = Instant::now();
+    wait_for("n3's instance out of the rendered config", || {
+        (!std::fs::read_to_string(&config).unwrap_or_default().contains(&format!(":{}", ports[2]))).then_some(())
+    });
+    assert!(died.elapsed() < Duration::from_secs(TTL_SECONDS + 1), "gone after {:?}", died.elapsed());
+    answers(&["n1", "n2", "n2-extra"]);
+    assert_eq!(fleet_nodes.agents[0].proxy("edge-proxy").unwrap()["pid"].as_i64(), Some(master));
+
+    let (tried, refused) = prober.counts();
+    drop(prober);
+    assert!(tried > 100, "the client connected {tried} times");
+    assert_eq!(refused, 0, "{refused} of {tried} connections to the edge were refused");
 }

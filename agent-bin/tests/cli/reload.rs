@@ -6,9 +6,6 @@
 use std::net::{TcpListener, TcpStream};
 use std::path::Path;
 use std::process::Output;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::Duration;
 
 use crate::support::*;
 
@@ -35,45 +32,6 @@ fn children(pid: i64) -> Vec<i64> {
     let mut pids: Vec<i64> = tasks.split_whitespace().filter_map(|p| p.parse().ok()).collect();
     pids.sort_unstable();
     pids
-}
-
-/// A client that connects to `port` every millisecond until dropped, counting refusals.
-struct Prober {
-    stop: Arc<AtomicBool>,
-    counts: Arc<(AtomicU64, AtomicU64)>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Prober {
-    fn start(port: u16) -> Self {
-        let stop = Arc::new(AtomicBool::new(false));
-        let counts = Arc::new((AtomicU64::new(0), AtomicU64::new(0)));
-        let (stopping, counting) = (Arc::clone(&stop), Arc::clone(&counts));
-        let thread = std::thread::spawn(move || {
-            while !stopping.load(Ordering::Relaxed) {
-                counting.0.fetch_add(1, Ordering::Relaxed);
-                if TcpStream::connect(("127.0.0.1", port)).is_err() {
-                    counting.1.fetch_add(1, Ordering::Relaxed);
-                }
-                std::thread::sleep(Duration::from_millis(1));
-            }
-        });
-        Self { stop, counts, thread: Some(thread) }
-    }
-
-    /// Connections tried and refused so far.
-    fn counts(&self) -> (u64, u64) {
-        (self.counts.0.load(Ordering::Relaxed), self.counts.1.load(Ordering::Relaxed))
-    }
-}
-
-impl Drop for Prober {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
-    }
 }
 
 /// An HAProxy config with one TCP frontend per port.

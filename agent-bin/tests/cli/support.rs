@@ -5,10 +5,12 @@
 #![allow(dead_code)]
 
 use std::io::{Read, Write};
+use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::{Signal, kill, killpg};
@@ -462,4 +464,43 @@ pub fn haproxy() -> Option<&'static str> {
     ["/usr/sbin/haproxy", "/usr/bin/haproxy", "/usr/local/sbin/haproxy"]
         .into_iter()
         .find(|path| std::path::Path::new(path).exists())
+}
+
+/// A client that connects to `port` every millisecond until dropped, counting refusals.
+pub struct Prober {
+    stop: Arc<AtomicBool>,
+    counts: Arc<(AtomicU64, AtomicU64)>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Prober {
+    pub fn start(port: u16) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let counts = Arc::new((AtomicU64::new(0), AtomicU64::new(0)));
+        let (stopping, counting) = (Arc::clone(&stop), Arc::clone(&counts));
+        let thread = std::thread::spawn(move || {
+            while !stopping.load(Ordering::Relaxed) {
+                counting.0.fetch_add(1, Ordering::Relaxed);
+                if TcpStream::connect(("127.0.0.1", port)).is_err() {
+                    counting.1.fetch_add(1, Ordering::Relaxed);
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        });
+        Self { stop, counts, thread: Some(thread) }
+    }
+
+    /// Connections tried and refused so far.
+    pub fn counts(&self) -> (u64, u64) {
+        (self.counts.0.load(Ordering::Relaxed), self.counts.1.load(Ordering::Relaxed))
+    }
+}
+
+impl Drop for Prober {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
 }
