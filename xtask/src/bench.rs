@@ -8,7 +8,7 @@
 //!
 //! For work on one figure, `XTASK_BENCH_ONLY` narrows the run: `e2e` skips the crate
 //! benchmarks; a comma-separated list of sections (`many`, `scale`, `some`, `health`, `updates`, `reload`, `cgroups`,
-//! `peers`, `builtin-proxy`, `ordering`, `fleet`) runs only those end-to-end sections and prints their table without rewriting
+//! `peers`, `builtin-proxy`, `ordering`, `templates`, `fleet`) runs only those end-to-end sections and prints their table without rewriting
 //! `BENCHMARKS.md`, which always holds a whole run.
 
 mod builtin_proxy;
@@ -23,6 +23,7 @@ mod reload;
 mod report;
 mod scale;
 mod sys;
+mod templates;
 mod updates;
 
 use std::path::{Path, PathBuf};
@@ -32,8 +33,20 @@ use std::time::{Duration, Instant};
 use report::{Machine, Row};
 
 /// The end-to-end sections that `XTASK_BENCH_ONLY` can name.
-const SECTIONS: &[&str] =
-    &["many", "scale", "some", "health", "updates", "reload", "cgroups", "peers", "builtin-proxy", "ordering", "fleet"];
+const SECTIONS: &[&str] = &[
+    "many",
+    "scale",
+    "some",
+    "health",
+    "updates",
+    "reload",
+    "cgroups",
+    "peers",
+    "builtin-proxy",
+    "ordering",
+    "templates",
+    "fleet",
+];
 
 /// What `XTASK_BENCH_ONLY` asks for: `None` for a whole run.
 struct Only {
@@ -171,6 +184,13 @@ fn end_to_end(
         {
             lab.keep();
             rows.push(Row::failed("ordering: chains against independent proxies", &err));
+            errors.push(err);
+        }
+        if only.wants("templates")
+            && let Err(err) = templates::run(&lab, &mut rows)
+        {
+            lab.keep();
+            rows.push(Row::failed("templates: change to verdict, and CPU", &err));
             errors.push(err);
         }
         // The simulated fleet (20 agents, one etcd, 2 000 puts): informational figures.

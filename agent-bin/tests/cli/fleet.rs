@@ -1227,7 +1227,9 @@ fn haproxy_balances_over_the_fleets_instances_rendered_by_a_template_and_reloade
     let ready_at = Instant::now();
     answers(&["n1", "n2", "n2-extra", "n3"]);
     assert!(ready_at.elapsed() < Duration::from_secs(1), "served after {:?}", ready_at.elapsed());
-    assert_eq!(fleet_nodes.agents[0].proxy("edge-proxy").unwrap()["pid"].as_i64(), Some(master));
+    let edge = fleet_nodes.agents[0].proxy("edge-proxy").unwrap();
+    assert_eq!(edge["pid"].as_i64(), Some(master), "reloaded, not restarted: {edge}");
+    assert_eq!(edge["last_reload"]["result"], "applied", "HAProxy's own verdict: {edge}");
 
     // n3 dies whole, agent and api: its instance leaves the backend once its lease expires.
     let api_pid = pid_of(&fleet_nodes.agents[2], "api-proxy");
