@@ -15,8 +15,22 @@ use super::{EtcdError, EtcdOptions, Layout, etcd, key_id, parse_entry, timed};
 use crate::cli::{FleetCommand, FleetEtcdArgs};
 use crate::error::UsageError;
 
-fn usage(message: String) -> anyhow::Error {
+pub(super) fn usage(message: String) -> anyhow::Error {
     UsageError(message).into()
+}
+
+/// The services of the file `file` (`.toml` or `.json`), for `what` (`put`, `roll out`): a
+/// usage error names the file when it cannot be read, is invalid or holds none.
+pub(super) fn read_services(file: &std::path::Path, what: &str) -> anyhow::Result<Vec<tether_state::Service>> {
+    let format = Format::of_path(file)
+        .ok_or_else(|| usage(format!("{}: a service file ends in .toml or .json", file.display())))?;
+    let text = std::fs::read_to_string(file).map_err(|err| usage(format!("{}: cannot read: {err}", file.display())))?;
+    let services = config::parse_file(&text, format, &Origin::File(file.to_owned()))
+        .map_err(|err| usage(crate::error::error_chain(&err)))?;
+    if services.is_empty() {
+        return Err(usage(format!("{}: no [[service]] to {what}", file.display())));
+    }
+    Ok(services)
 }
 
 pub(crate) fn etcd_failure(err: EtcdError) -> anyhow::Error {
@@ -67,14 +81,7 @@ pub(crate) async fn run(command: FleetCommand) -> anyhow::Result<ExitCode> {
 
 async fn put(args: &FleetEtcdArgs, node: &str, file: &std::path::Path) -> anyhow::Result<ExitCode> {
     let (options, layout) = setup(args, node)?;
-    let format = Format::of_path(file)
-        .ok_or_else(|| usage(format!("{}: a service file ends in .toml or .json", file.display())))?;
-    let text = std::fs::read_to_string(file).map_err(|err| usage(format!("{}: cannot read: {err}", file.display())))?;
-    let services = config::parse_file(&text, format, &Origin::File(file.to_owned()))
-        .map_err(|err| usage(crate::error::error_chain(&err)))?;
-    if services.is_empty() {
-        return Err(usage(format!("{}: no [[service]] to put", file.display())));
-    }
+    let services = read_services(file, "put")?;
     let client = options.connect().await.map_err(etcd_failure)?;
     let mut stdout = std::io::stdout().lock();
     for service in &services {

@@ -15,20 +15,16 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use tether_state::ServiceId;
-use tether_state::config::{self, Format, Origin};
+use tether_state::config::{self, Format};
 
+use super::cli::usage;
 use super::etcd::{self, Client};
 use super::status::FleetView;
 use super::{EtcdOptions, Layout, timed};
 use crate::cli::OnFailure;
-use crate::error::UsageError;
 
 /// How often the nodes' status is read while a batch is awaited.
 const POLL: Duration = Duration::from_millis(50);
-
-fn usage(message: String) -> anyhow::Error {
-    UsageError(message).into()
-}
 
 /// A rollout as etcd keeps it.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -141,14 +137,7 @@ fn new_record(prefix: &str, request: &Request<'_>) -> anyhow::Result<Record> {
             return Err(usage(format!("--nodes: node {node} is named twice")));
         }
     }
-    let format = Format::of_path(file)
-        .ok_or_else(|| usage(format!("{}: a service file ends in .toml or .json", file.display())))?;
-    let text = std::fs::read_to_string(file).map_err(|err| usage(format!("{}: cannot read: {err}", file.display())))?;
-    let services = config::parse_file(&text, format, &Origin::File(file.to_owned()))
-        .map_err(|err| usage(crate::error::error_chain(&err)))?;
-    if services.is_empty() {
-        return Err(usage(format!("{}: no [[service]] to roll out", file.display())));
-    }
+    let services = super::cli::read_services(file, "roll out")?;
     let mut values = BTreeMap::new();
     for service in &services {
         values.insert(service.id.to_string(), config::to_service_text(service, Format::Json)?);
