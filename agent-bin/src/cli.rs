@@ -315,11 +315,11 @@ pub(crate) struct AgentArgs {
     /// Allow the register API to set a proxy's `command`.
     #[arg(long)]
     pub(crate) allow_api_commands: bool,
-    /// While catalog changes keep coming, sync after this long without a further one (the
-    /// first change after a quiet period is synced at once).
+    /// A change to a proxy quiet for this long applies at once; further changes of the same
+    /// proxy that keep coming apply once it has been quiet this long.
     #[arg(long, value_name = "DUR", default_value = "500ms", value_parser = humantime::parse_duration)]
     pub(crate) sync_quiescent: Duration,
-    /// While catalog changes keep coming, sync at most this long after the first unsynced one.
+    /// A proxy's changes that keep coming apply at most this long after the first held one.
     #[arg(long, value_name = "DUR", default_value = "5s", value_parser = humantime::parse_duration)]
     pub(crate) sync_max_delay: Duration,
     /// The least severe log level shown: error, warn, info, debug or trace.

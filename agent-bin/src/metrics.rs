@@ -269,13 +269,17 @@ impl Collector for ManagerCollector {
             let counter = ConstCounter::new(value);
             counter.encode(encoder.encode_descriptor(name, help, None, counter.metric_type())?)?;
         }
-        let in_flight = ConstGauge::new(i64::try_from(stats.in_flight).unwrap_or(i64::MAX));
-        in_flight.encode(encoder.encode_descriptor(
-            "tether_actions_in_flight",
-            "Actions running now",
-            None,
-            in_flight.metric_type(),
-        )?)?;
+        for (name, help, value) in [
+            ("tether_actions_in_flight", "Actions running now", stats.in_flight),
+            (
+                "tether_reconcile_deferred",
+                "Proxies whose latest change is held back because they keep changing",
+                stats.deferred,
+            ),
+        ] {
+            let gauge = ConstGauge::new(i64::try_from(value).unwrap_or(i64::MAX));
+            gauge.encode(encoder.encode_descriptor(name, help, None, gauge.metric_type())?)?;
+        }
         encode_backend(&self.manager.backend_stats(), &mut encoder)?;
         if self.measured {
             encode_usage(&statuses, &mut encoder)?;

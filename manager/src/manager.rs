@@ -28,11 +28,12 @@ use crate::users::UserLookup;
 /// flags).
 #[derive(Debug, Clone)]
 pub struct ManagerConfig {
-    /// Sync after this long without a further catalog change (default 500ms, as
-    /// `--sync-quiescent`).
+    /// Coalescing, per proxy: a change to a proxy that has not changed for this long applies
+    /// at once; a further change of the same proxy within it is held until the proxy has not
+    /// changed for this long (default 500ms, as `--sync-quiescent`).
     pub sync_quiescent: Duration,
-    /// Sync at most this long after the first unsynced change (default 5s, as
-    /// `--sync-max-delay`).
+    /// A held change applies at most this long after the first held change of its proxy
+    /// (default 5s, as `--sync-max-delay`).
     pub sync_max_delay: Duration,
     /// Actions (start, stop, restart, update) running at once, at least 1.
     pub max_concurrent_actions: usize,
@@ -180,11 +181,39 @@ enum Outcome {
     },
 }
 
-/// A catalog change the engine has not synced yet.
-#[derive(Clone, Copy)]
-struct Unsynced {
+/// A proxy's change held back because the proxy keeps changing: its latest definition
+/// (`None`: no longer wanted), and when the run of changes began and last moved.
+struct Deferred {
+    change: Option<DesiredProxy>,
     first: Instant,
     last: Instant,
+}
+
+/// Coalescing, proxy by proxy: a change to a proxy that has not changed for
+/// `sync_quiescent` applies at once; a change that follows another of the same proxy within
+/// it is held until the proxy has been quiet for `sync_quiescent`, and at most
+/// `sync_max_delay` after the first held one. A proxy that keeps changing never delays
+/// another.
+#[derive(Default)]
+struct Coalescing {
+    /// When each recently changed proxy last changed; forgotten once all are older than the
+    /// window.
+    changed: HashMap<ProxyId, Instant>,
+    /// When every entry of `changed` is older than the window.
+    stale_at: Option<Instant>,
+    deferred: HashMap<ProxyId, Deferred>,
+    /// No deferred change is due before this (it may be early, never late).
+    next_release: Option<Instant>,
+}
+
+impl Coalescing {
+    /// When the engine must next look at the coalescing state.
+    fn deadline(&self) -> Option<Instant> {
+        match (self.next_release, self.stale_at) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
 }
 
 /// The reconcile engine: keeps the proxies that run equal to the proxies the catalog wants.
@@ -201,9 +230,7 @@ pub struct Manager {
     subscription: Subscription,
     catalog_open: bool,
     seen: Option<Revision>,
-    unsynced: Option<Unsynced>,
-    /// When the catalog last said it changed: a change after a quiet period is synced at once.
-    last_change: Option<Instant>,
+    coalescing: Coalescing,
     desired: HashMap<ProxyId, DesiredProxy>,
     /// Boxed: the table keeps spare room for a quarter to a half of its entries, which
     /// would otherwise each be a whole slot.
@@ -272,8 +299,7 @@ impl Manager {
             subscription,
             catalog_open: true,
             seen: None,
-            unsynced: None,
-            last_change: None,
+            coalescing: Coalescing::default(),
             desired: HashMap::new(),
             slots: HashMap::new(),
             dirty: HashSet::new(),
@@ -337,27 +363,26 @@ impl Manager {
             self.sync();
         }
         while !shutdown.is_cancelled() {
-            let deadline =
-                self.unsynced.map(|u| (u.last + self.config.sync_quiescent).min(u.first + self.config.sync_max_delay));
+            let deadline = self.coalescing.deadline();
             let retry = self.retries.peek().map(|Reverse((at, _))| *at);
             if deadline.is_some_and(|deadline| deadline <= Instant::now()) {
-                // Due already (a zero window): sync now rather than wait for the timer wheel's
-                // next millisecond.
-                self.sync();
+                // Due already (a zero window): release now rather than wait for the timer
+                // wheel's next millisecond.
+                self.release_due();
                 continue;
             }
             tokio::select! {
                 // Every branch is cancel safe; the sleep's deadline is absolute and kept in
-                // `self.unsynced`, so re-creating it each turn moves nothing.
+                // `self.coalescing`, so re-creating it each turn moves nothing.
                 () = shutdown.cancelled() => break,
                 Some(done) = self.actions.join_next_with_id(), if !self.actions.is_empty() => self.on_done(done),
                 Some((id, generation)) = self.status_rx.recv() => self.on_status(&id, generation),
                 Some(request) = self.requests.recv() => self.on_request(request),
                 changed = self.subscription.changed(), if self.catalog_open => match changed {
-                    Some(_) => self.note_change(),
+                    Some(_) => self.sync(),
                     None => self.catalog_open = false,
                 },
-                () = sleep_until(deadline), if deadline.is_some() => self.sync(),
+                () = sleep_until(deadline), if deadline.is_some() => self.release_due(),
                 () = sleep_until(retry), if retry.is_some() => self.retry_due(),
                 else => break,
             }
@@ -516,57 +541,132 @@ impl Manager {
         result.map_err(|source| ShutdownError::Snapshot { source })
     }
 
-    /// Coalesces bursts, not changes: the first change after a quiet period (no change for
-    /// `sync_quiescent`) is synced at once; changes that keep coming after it wait for a
-    /// quiet `sync_quiescent`, at most `sync_max_delay` after the first of them.
-    fn note_change(&mut self) {
-        let now = Instant::now();
-        let quiet = self.unsynced.is_none()
-            && self.last_change.is_none_or(|last| now.duration_since(last) >= self.config.sync_quiescent);
-        self.last_change = Some(now);
-        if quiet {
-            self.sync();
-            return;
-        }
-        let first = self.unsynced.map_or(now, |u| u.first);
-        self.unsynced = Some(Unsynced { first, last: now });
-    }
-
-    /// One reconcile pass: reads what changed, plans the proxies it touches, dispatches.
+    /// One reconcile pass over what the catalog changed: a proxy's change applies now, or is
+    /// held while the proxy keeps changing (see [`Coalescing`]).
     fn sync(&mut self) {
         let started = std::time::Instant::now();
-        self.unsynced = None;
         let changes = self.catalog.changes_since(self.seen);
         let span = tracing::debug_span!("reconcile", revision = %changes.revision, complete = changes.complete);
         let _entered = span.enter();
+        // The first read is where the engine starts from, not a change: nothing it reads is
+        // held, and nothing in it holds a later change back.
+        let now = self.seen.is_some().then(Instant::now);
         self.seen = Some(changes.revision);
         if changes.complete {
             // A complete answer is the whole desired set: compare it with everything known.
             let wanted: HashSet<ProxyId> = changes.upserted.iter().map(|d| d.proxy.id().clone()).collect();
-            let gone: Vec<ProxyId> =
-                self.desired.keys().chain(self.slots.keys()).filter(|id| !wanted.contains(*id)).cloned().collect();
+            let deferred = self.coalescing.deferred.iter().filter(|(_, d)| d.change.is_some()).map(|(id, _)| id);
+            let gone: Vec<ProxyId> = self
+                .desired
+                .keys()
+                .chain(self.slots.keys())
+                .chain(deferred)
+                .filter(|id| !wanted.contains(*id))
+                .cloned()
+                .collect::<HashSet<_>>()
+                .into_iter()
+                .collect();
             for id in gone {
-                self.desired.remove(&id);
-                self.dirty.insert(id);
+                self.note(id, None, now);
             }
         }
         for desired in changes.upserted {
             let id = desired.proxy.id().clone();
             // Unchanged entries are skipped by revision, without a deep comparison.
-            if self.desired.get(&id).is_some_and(|old| old.revision == desired.revision) {
+            let known = match self.coalescing.deferred.get(&id) {
+                Some(deferred) => deferred.change.as_ref().map(|d| d.revision),
+                None => self.desired.get(&id).map(|d| d.revision),
+            };
+            if known == Some(desired.revision) {
                 continue;
             }
-            self.resolve_user(&desired.proxy);
-            if !desired.proxy.spec().depends_on.is_empty() {
-                self.index_dependencies(&id, &desired.proxy.spec().depends_on);
-            }
-            self.desired.insert(id.clone(), desired);
-            self.dirty.insert(id);
+            self.note(id, Some(desired), now);
         }
         for id in changes.removed {
-            self.desired.remove(&id);
-            self.dirty.insert(id);
+            self.note(id, None, now);
         }
+        if let Some(now) = now {
+            self.forget_stale(now);
+        }
+        self.pass(started);
+    }
+
+    /// Applies the deferred changes that are due, then plans what they touched.
+    fn release_due(&mut self) {
+        let started = std::time::Instant::now();
+        let now = Instant::now();
+        let (quiescent, max_delay) = (self.config.sync_quiescent, self.config.sync_max_delay);
+        let due_at = |d: &Deferred| (d.last + quiescent).min(d.first + max_delay);
+        let due: Vec<ProxyId> =
+            self.coalescing.deferred.iter().filter(|(_, d)| due_at(d) <= now).map(|(id, _)| id.clone()).collect();
+        for id in due {
+            if let Some(deferred) = self.coalescing.deferred.remove(&id) {
+                self.apply(id, deferred.change);
+            }
+        }
+        self.coalescing.next_release = self.coalescing.deferred.values().map(due_at).min();
+        if self.coalescing.deferred.is_empty() {
+            self.coalescing.deferred.shrink_to_fit();
+        }
+        self.forget_stale(now);
+        if !self.dirty.is_empty() {
+            self.pass(started);
+        }
+    }
+
+    /// Records a change of `id` at `now`: applies it, or holds it while `id` keeps changing.
+    /// Without `now` (the engine's first read) it applies at once and is not remembered.
+    fn note(&mut self, id: ProxyId, change: Option<DesiredProxy>, now: Option<Instant>) {
+        let Some(now) = now else {
+            self.apply(id, change);
+            return;
+        };
+        let quiescent = self.config.sync_quiescent;
+        let coalescing = &mut self.coalescing;
+        let previous = coalescing.changed.insert(id.clone(), now);
+        coalescing.stale_at = Some(now + quiescent);
+        if let Some(deferred) = coalescing.deferred.get_mut(&id) {
+            deferred.change = change;
+            deferred.last = now;
+            return;
+        }
+        if previous.is_some_and(|at| now.duration_since(at) < quiescent) {
+            let due = now + quiescent.min(self.config.sync_max_delay);
+            coalescing.next_release = Some(coalescing.next_release.map_or(due, |next| next.min(due)));
+            coalescing.deferred.insert(id, Deferred { change, first: now, last: now });
+            return;
+        }
+        self.apply(id, change);
+    }
+
+    /// Forgets when proxies changed once every such change is older than the window.
+    fn forget_stale(&mut self, now: Instant) {
+        let coalescing = &mut self.coalescing;
+        if coalescing.stale_at.is_some_and(|at| at <= now) {
+            coalescing.changed = HashMap::new();
+            coalescing.stale_at = None;
+        }
+    }
+
+    /// Makes `change` the desired definition of `id` (`None`: unwanted) and marks it.
+    fn apply(&mut self, id: ProxyId, change: Option<DesiredProxy>) {
+        match change {
+            Some(desired) => {
+                self.resolve_user(&desired.proxy);
+                if !desired.proxy.spec().depends_on.is_empty() {
+                    self.index_dependencies(&id, &desired.proxy.spec().depends_on);
+                }
+                self.desired.insert(id.clone(), desired);
+            }
+            None => {
+                self.desired.remove(&id);
+            }
+        }
+        self.dirty.insert(id);
+    }
+
+    /// Plans every marked proxy and what is ordered with them, and dispatches.
+    fn pass(&mut self, started: std::time::Instant) {
         // `take`, not `drain`: draining walks the set's whole capacity, which grows with the
         // largest pass ever made, and a one-change pass must not pay for it.
         let dirty = std::mem::take(&mut self.dirty);
@@ -581,6 +681,7 @@ impl Manager {
         board.stats.revision = self.seen;
         board.stats.in_flight = self.actions.len();
         board.stats.queued = self.backlog.len();
+        board.stats.deferred = self.coalescing.deferred.len();
     }
 
     /// Asks the user lookup again for the uid of `proxy`'s `user`, when root is refused: a

@@ -131,6 +131,9 @@ pub struct ReconcileStats {
     pub in_flight: usize,
     /// Actions waiting for a free slot now.
     pub queued: usize,
+    /// Proxies whose latest change is held back now, because they keep changing (see
+    /// `ManagerConfig::sync_quiescent`).
+    pub deferred: usize,
     /// Passes by duration: entry `i` counts the passes that took at most `PASS_BUCKETS[i]`
     /// and more than the bucket before; the last entry counts the longer ones.
     pub pass_buckets: [u64; PASS_BUCKETS.len() + 1],

@@ -440,3 +440,33 @@ fn the_first_change_after_a_quiet_period_applies_at_once_from_the_api() {
         agent.proxy("api-proxy").filter(|status| !status["pid"].is_null() || !status["last_exit"].is_null())
     });
 }
+
+#[test]
+fn a_proxy_that_keeps_changing_holds_back_only_its_own_change() {
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    let mut flags = root_flags();
+    flags.extend(HOUR_WINDOWS);
+    flags.push("--allow-api-commands");
+    let agent = Agent::start(&dirs, &flags);
+    let register = |name: &str, version: u32| {
+        let body = format!(
+            r#"{{"name": "{name}", "proxy": {{"command": ["/bin/sleep", "3600"], "env": {{"VERSION": "{version}"}}}}}}"#
+        );
+        let response = put(&dirs.socket(), "/v1/agent/service/register", Some(&body)).unwrap();
+        assert_eq!(response.status, 200, "{}", response.body);
+    };
+    register("web", 1);
+    let web = pid_of(&agent.wait_state("web-proxy", "running"));
+    // A second change of web within the window is held (for an hour)...
+    register("web", 2);
+    wait_for("web's second change held", || {
+        let metrics = get(&dirs.socket(), "/metrics").ok()?.body;
+        metrics.lines().any(|line| line == "tether_reconcile_deferred 1").then_some(())
+    });
+    // ...and delays nothing else: db is new, and starts at once.
+    register("db", 1);
+    agent.wait_state("db-proxy", "running");
+    let status = agent.proxy("web-proxy").unwrap();
+    assert_eq!((pid_of(&status), &status["restarts"]), (web, &serde_json::json!(0)), "web's held change waits");
+}

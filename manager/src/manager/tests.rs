@@ -78,6 +78,18 @@ impl Running {
         tokio::time::timeout(LIMIT, self.task).await.expect("run ends once cancelled").expect("run does not panic")
     }
 
+    /// Waits until `id` runs the definition of catalog revision `revision`.
+    async fn until_applied(&self, id: &ProxyId, revision: Revision) {
+        let mut events = self.handle.subscribe();
+        let applied = tokio::time::timeout(LIMIT, async {
+            while self.handle.proxy(id).and_then(|s| s.applied_revision) != Some(revision) {
+                let _ = events.recv().await;
+            }
+        })
+        .await;
+        assert!(applied.is_ok(), "{id} never ran revision {revision}: {:?}", self.handle.proxy(id));
+    }
+
     /// Waits until `id` shows `state`.
     async fn until_state(&self, id: &ProxyId, state: ProxyState) -> ProxyStatus {
         let mut events = self.handle.subscribe();
@@ -132,22 +144,69 @@ async fn the_first_change_after_a_quiet_period_is_synced_at_once() {
     running.stop().await;
 }
 
+/// `web` with its port set to `port`: a change applied in place.
+fn web_on(port: u16) -> Service {
+    let mut web = service("web");
+    web.port = Some(port);
+    web
+}
+
 #[tokio::test(start_paused = true)]
-async fn a_change_soon_after_another_waits_for_a_quiet_window() {
+async fn a_change_soon_after_another_of_the_same_proxy_waits_for_a_quiet_window() {
     let running = run(&[]);
     tokio::time::sleep(QUIESCENT).await;
     let t0 = Instant::now();
-    running.state.upsert(service("web"), Source::Api).unwrap();
+    running.state.upsert(web_on(1), Source::Api).unwrap();
     tokio::time::sleep(Duration::from_millis(100)).await;
-    running.state.upsert(service("db"), Source::Api).unwrap();
+    running.state.upsert(web_on(2), Source::Api).unwrap();
     tokio::time::sleep(Duration::from_millis(399)).await;
     let t1 = Instant::now();
+    running.state.upsert(web_on(3), Source::Api).unwrap();
+    let starts = running.fake.wait_calls(Call::Start, 1).await;
+    assert_eq!(starts[0], (t0, pid("web")), "the first change at once");
+    assert_eq!(running.handle.stats().deferred, 1, "the rest of the burst is held");
+    // The rest of the burst, once: when the proxy has been quiet for the window.
+    let updates = running.fake.wait_calls(Call::Update, 1).await;
+    assert_eq!(updates, [(t1 + QUIESCENT, pid("web"))]);
+    let wanted = running.state.get(&ServiceId::new("web").unwrap()).unwrap().revision;
+    running.until_applied(&pid("web"), wanted).await;
+    assert_eq!(running.fake.state().live[&pid("web")].service().port, Some(3), "the latest change is the one applied");
+    assert_eq!(running.fake.calls_of(Call::Update).len(), 1, "the held changes apply as one");
+    assert_eq!(running.handle.stats().deferred, 0);
+    running.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_proxy_that_keeps_changing_delays_no_other() {
+    let running = run(&[]);
+    tokio::time::sleep(QUIESCENT).await;
+    running.state.upsert(web_on(1), Source::Api).unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    running.state.upsert(web_on(2), Source::Api).unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // `web` is in a burst; `db` and `cache` are not, and start at once, one after the other.
+    let t1 = Instant::now();
+    running.state.upsert(service("db"), Source::Api).unwrap();
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let t2 = Instant::now();
     running.state.upsert(service("cache"), Source::Api).unwrap();
     let starts = running.fake.wait_calls(Call::Start, 3).await;
-    assert_eq!(starts[0], (t0, pid("web")), "the first change of the burst at once");
-    // The rest of the burst: once it has been quiet for the window after its last change.
-    assert!(starts[1..].iter().all(|(at, _)| *at - t1 == QUIESCENT), "{starts:?} vs {t1:?}");
-    assert_eq!(running.handle.stats().passes, 3, "the start, the first change, and the rest of the burst");
+    assert_eq!(starts[1..], [(t1, pid("db")), (t2, pid("cache"))]);
+    assert!(running.fake.calls_of(Call::Update).is_empty(), "web's second change is still held");
+    running.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_removal_soon_after_a_change_waits_like_a_change() {
+    let running = run(&[]);
+    tokio::time::sleep(QUIESCENT).await;
+    running.state.upsert(service("web"), Source::Api).unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let t1 = Instant::now();
+    running.state.remove(&ServiceId::new("web").unwrap(), &tether_state::SourceKind::Api).unwrap();
+    let stops = running.fake.wait_calls(Call::Stop, 1).await;
+    assert_eq!(stops, [(t1 + QUIESCENT, pid("web"))]);
+    running.until_gone(&pid("web")).await;
     running.stop().await;
 }
 
@@ -178,12 +237,12 @@ async fn coalescing_windows_are_configurable() {
     let config = ManagerConfig { sync_quiescent: Duration::from_millis(20), ..ManagerConfig::default() };
     let running = run_with(&catalog(&[]), &Fake::new(), &Arc::new(MemorySnapshotStore::new()), config);
     tokio::time::sleep(Duration::from_millis(20)).await;
-    running.state.upsert(service("web"), Source::Api).unwrap();
+    running.state.upsert(web_on(1), Source::Api).unwrap();
     tokio::time::sleep(Duration::from_millis(10)).await;
     let t1 = Instant::now();
-    running.state.upsert(service("db"), Source::Api).unwrap();
-    let starts = running.fake.wait_calls(Call::Start, 2).await;
-    assert_eq!(starts[1], (t1 + Duration::from_millis(20), pid("db")));
+    running.state.upsert(web_on(2), Source::Api).unwrap();
+    let updates = running.fake.wait_calls(Call::Update, 1).await;
+    assert_eq!(updates, [(t1 + Duration::from_millis(20), pid("web"))]);
     running.stop().await;
 }
 

@@ -32,9 +32,6 @@ use super::report::{ms, percentile, secs};
 const AGENTS: usize = 20;
 /// Puts in all, spread round-robin over the agents' nodes.
 const PUTS: usize = 2_000;
-/// The agents' coalescing: quick enough that the figure shows the fleet path, not the wait.
-const SYNC_QUIESCENT: &str = "50ms";
-const SYNC_MAX_DELAY: &str = "500ms";
 /// How long any phase may take before the bench gives up.
 const LIMIT: Duration = Duration::from_secs(180);
 
@@ -75,7 +72,7 @@ impl Fleet {
                 .arg("--data-dir")
                 .arg(&data)
                 .args(["--etcd", &self.etcd_url(), "--node", &node(index)])
-                .args(["--sync-quiescent", SYNC_QUIESCENT, "--sync-max-delay", SYNC_MAX_DELAY, "--log-format", "json"])
+                .args(["--log-format", "json"])
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(log);
@@ -138,7 +135,7 @@ impl Fleet {
             ("fleet: agents × proxies each".to_owned(), format!("{AGENTS} × {per_agent} (one etcd)")),
             (
                 "fleet: agent coalescing".to_owned(),
-                format!("--sync-quiescent {SYNC_QUIESCENT} --sync-max-delay {SYNC_MAX_DELAY}"),
+                "the defaults (--sync-quiescent 500ms --sync-max-delay 5s)".to_owned(),
             ),
             (
                 format!("fleet: {PUTS} puts written"),
