@@ -316,6 +316,13 @@ impl ManagerHandle {
         statuses
     }
 
+    /// The status of every proxy, ordered by id, as the engine last published it: without
+    /// `usage`, which takes a read of each proxy's accounting (for a cgroup, a flush of the
+    /// kernel's counters). For readers that only want states, pids and errors, often.
+    pub fn status_unmeasured(&self) -> Vec<ProxyStatus> {
+        self.published.lock().proxies.values().cloned().collect()
+    }
+
     /// The status of one proxy, with what it uses now.
     pub fn proxy(&self, id: &ProxyId) -> Option<ProxyStatus> {
         let mut status = self.published.lock().proxies.get(id).cloned()?;

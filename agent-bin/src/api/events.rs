@@ -34,7 +34,7 @@ pub(crate) async fn get_events(
     let changes = state.manager.subscribe();
     let templates = state.templates.subscribe();
     let seen: HashMap<ProxyId, ProxyStatus> =
-        state.manager.status().into_iter().map(|status| (status.id.clone(), status)).collect();
+        state.manager.status_unmeasured().into_iter().map(|status| (status.id.clone(), status)).collect();
     let (lines, receiver) = mpsc::channel(64);
     tokio::spawn(stream(Events { seen }, changes, templates, lines, state.clone(), slot));
     Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], Body::new(ChannelBody(receiver))).into_response())
@@ -73,7 +73,9 @@ async fn stream(
         let found = match change {
             Ok(change) => events.on(&change, SystemTime::now()),
             // Too slow a client: compare with the statuses as they are now.
-            Err(broadcast::error::RecvError::Lagged(_)) => events.resync(state.manager.status(), SystemTime::now()),
+            Err(broadcast::error::RecvError::Lagged(_)) => {
+                events.resync(state.manager.status_unmeasured(), SystemTime::now())
+            }
             Err(broadcast::error::RecvError::Closed) => return,
         };
         for event in found {

@@ -280,7 +280,9 @@ impl Publisher {
             "revision": self.revisions.applied(),
         });
         values.insert(self.layout.status_key(), node.to_string().into_bytes());
-        for status in self.manager.status() {
+        // Unmeasured: usage is not published, and measuring would read every proxy's
+        // cgroup on every flush.
+        for status in self.manager.status_unmeasured() {
             let entry = self.catalog.get(&status.service);
             let from_etcd = entry.as_ref().is_some_and(|entry| entry.source.kind() == super::source_kind());
             let revision = match (from_etcd, status.applied_revision) {

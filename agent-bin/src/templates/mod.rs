@@ -314,7 +314,7 @@ impl Templates {
         let mut catalog = self.shared.catalog.subscribe();
         let mut statuses = manager.subscribe();
         let mut ready: HashMap<ProxyId, bool> =
-            manager.status().into_iter().map(|status| (status.id.clone(), status.ready())).collect();
+            manager.status_unmeasured().into_iter().map(|status| (status.id.clone(), status.ready())).collect();
         let mut due: HashMap<(ProxyId, PathBuf), Instant> = HashMap::new();
         let mut restarts = JoinSet::new();
         // Proxies adopted from an earlier agent did not start here: their files are checked now.
@@ -343,7 +343,7 @@ impl Templates {
                     }
                     Ok(_) => {}
                     Err(broadcast::error::RecvError::Lagged(_)) => {
-                        ready = manager.status().into_iter().map(|status| (status.id.clone(), status.ready())).collect();
+                        ready = manager.status_unmeasured().into_iter().map(|status| (status.id.clone(), status.ready())).collect();
                         self.mark(&mut due, |_, names| !names.is_empty());
                     }
                     Err(broadcast::error::RecvError::Closed) => return,

@@ -141,6 +141,9 @@ async fn what_a_meter_measures_is_in_the_status_read_and_not_in_events() {
     // An event is the status as the engine published it: no figures, which would be stale.
     let ProxyEvent::Changed(changed) = events.recv().await.unwrap() else { panic!("a change comes first") };
     assert_eq!(changed.usage, None);
+    // Nor a read that asks for none.
+    let unmeasured = running.handle().status_unmeasured();
+    assert_eq!((unmeasured.len(), unmeasured[0].pid, unmeasured[0].usage.as_deref()), (1, Some(42), None));
 
     // No process: nothing measured (the meter would fail the test if asked).
     status.send_modify(|status| {
