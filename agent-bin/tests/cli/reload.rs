@@ -260,3 +260,52 @@ fn a_reload_table_added_to_a_running_proxy_applies_in_place() {
     let status = agent.proxy("s-proxy").unwrap();
     assert_eq!((status["pid"].as_i64(), status["restarts"].as_u64()), (Some(pid), Some(0)), "not restarted: {status}");
 }
+
+#[test]
+fn an_exec_reload_runs_like_the_proxy_and_its_exit_is_the_verdict() {
+    let dirs = Dirs::new();
+    let marks = dirs.data.parent().unwrap().join("reloads");
+    let pid_file = dirs.data.parent().unwrap().join("main.pid");
+    // A proxy that re-reads on SIGHUP; its reload program finds it by its pid file and
+    // signals it, as `nginx -s reload` does.
+    let proxy = format!(
+        "echo $$ > {pid}; trap 'echo reloaded >> {marks}' HUP; while :; do sleep 0.1; done",
+        pid = pid_file.display(),
+        marks = marks.display()
+    );
+    let exec = format!(
+        "echo reload of $TETHER_PROXY_ID; [ ! -e {fail} ] || {{ echo refusing; exit 3; }}; kill -HUP $(cat {pid})",
+        fail = dirs.data.parent().unwrap().join("fail").display(),
+        pid = pid_file.display()
+    );
+    dirs.write_config(
+        "s.toml",
+        &format!(
+            "[[service]]\nname = \"s\"\n[service.proxy]\ncommand = [\"/bin/sh\", \"-c\", \"{proxy}\"]\n\
+             kill_timeout = \"2s\"\n[service.proxy.reload]\nexec = [\"/bin/sh\", \"-c\", \"{exec}\"]\n"
+        ),
+    );
+    let agent = Agent::start(&dirs, &root_flags());
+    let pid = agent.wait_state("s-proxy", "running")["pid"].as_i64().unwrap();
+    wait_for("the proxy's pid file", || std::fs::read_to_string(&pid_file).ok().filter(|text| text.ends_with('\n')));
+
+    // Nothing tells more than the program's exit 0: `signalled`, and the proxy got it.
+    let answer = reload(&dirs, "s");
+    assert_eq!(answer.status.code(), Some(0), "{}", text(&answer.stderr));
+    assert!(text(&answer.stdout).contains("signalled"), "{}", text(&answer.stdout));
+    wait_for("the proxy's own account of the reload", || {
+        std::fs::read_to_string(&marks).ok().filter(|text| text == "reloaded\n")
+    });
+    let log = std::fs::read_to_string(dirs.data.join("logs").join("s-proxy-reload.log")).unwrap();
+    assert_eq!(log, "reload of s-proxy\n", "run with the proxy's environment");
+
+    // A program that exits non-zero fails the reload with its output; the proxy runs on.
+    std::fs::write(dirs.data.parent().unwrap().join("fail"), "").unwrap();
+    let failed = reload(&dirs, "s");
+    assert_eq!(failed.status.code(), Some(1), "{}", text(&failed.stderr));
+    assert!(text(&failed.stderr).contains("refusing"), "{}", text(&failed.stderr));
+    let status = agent.proxy("s-proxy").unwrap();
+    assert_eq!(status["last_reload"]["result"], "failed", "{status}");
+    assert_eq!((status["pid"].as_i64(), status["restarts"].as_u64()), (Some(pid), Some(0)), "not restarted: {status}");
+    assert_eq!(std::fs::read_to_string(&marks).unwrap(), "reloaded\n", "not signalled");
+}
