@@ -117,6 +117,20 @@ impl DataDir {
         Ok(dir)
     }
 
+    /// Removes the temporary files that a crash of an earlier agent left in the data dir and
+    /// its subdirectories (`.<name>.tmp.<pid>.<n>`, between a write and its rename); returns
+    /// their paths. Call it only while holding the data dir's lock: every temporary not of
+    /// this process is then an abandoned one.
+    pub fn remove_temporaries(&self) -> Vec<PathBuf> {
+        let own = std::process::id();
+        [&self.root, &self.registrations, &self.pids, &self.logs]
+            .into_iter()
+            .flat_map(|dir| {
+                dir.remove_temporaries(None, |pid| pid != own).into_iter().map(|name| dir.path().join(name))
+            })
+            .collect()
+    }
+
     /// The data dir itself.
     pub fn root(&self) -> &Path {
         self.root.path()
@@ -262,6 +276,24 @@ pub fn write_atomic_file(
     let (dir, name) =
         PrivateDir::open_parent_of(path).map_err(|source| PersistError::Write { path: path.to_owned(), source })?;
     dir.write_atomic_file(name, durability, write)
+}
+
+/// Removes the temporary files that [`write_atomic_file`] and its kin left beside `path`
+/// when their process died between a write and its rename (`.<file name>.tmp.<pid>.<n>`),
+/// if that process is gone; returns their paths. Other entries of the directory, and the
+/// temporaries of live processes, are not touched.
+///
+/// # Errors
+///
+/// When the directory of `path` cannot be opened.
+pub fn remove_abandoned_temporaries(path: &Path) -> io::Result<Vec<PathBuf>> {
+    let (dir, name) = PrivateDir::open_parent_of(path)?;
+    let own = std::process::id();
+    let gone = |pid: u32| {
+        let Ok(raw) = i32::try_from(pid) else { return false };
+        pid != own && nix::sys::signal::kill(nix::unistd::Pid::from_raw(raw), None) == Err(nix::errno::Errno::ESRCH)
+    };
+    Ok(dir.remove_temporaries(Some(name), gone).into_iter().map(|entry| dir.path().join(entry)).collect())
 }
 
 /// Reads the whole regular file at `path` without following it if it is a link (its

@@ -167,6 +167,9 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
     tracing::info!(nofile, unix_connections = caps.unix, tcp_connections = caps.tcp, "descriptor limit");
     let data = DataDir::open(&options.data_dir).context("preparing the data dir")?;
     let lock = lock_data_dir(&data).await?;
+    for path in data.remove_temporaries() {
+        tracing::info!(path = %DisplayPath(&path), "removed a temporary file that an earlier agent's crash left");
+    }
     let sources = match Sources::open(data.clone(), options.config_dirs.clone(), options.allow_api_commands) {
         Ok(sources) => Arc::new(sources),
         Err(errors) => return Err(UsageError(format!("invalid config:\n{errors}")).into()),

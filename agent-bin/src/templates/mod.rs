@@ -16,7 +16,7 @@ mod fleet;
 mod render;
 mod write;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::SystemTime;
@@ -127,6 +127,8 @@ struct Board {
     renders: BTreeMap<(ProxyId, &'static str), u64>,
     /// The service names each template asked `instances` for, at its last render.
     instances_of: HashMap<(ProxyId, PathBuf), BTreeSet<String>>,
+    /// The destinations whose directory was cleared of an earlier agent's temporaries.
+    swept: HashSet<PathBuf>,
 }
 
 fn lock(board: &Mutex<Board>) -> MutexGuard<'_, Board> {
@@ -265,6 +267,12 @@ impl Templates {
             .map_err(|source| TemplateError::Render { destination: destination.clone(), source })?;
         lock(&self.shared.board).instances_of.insert((proxy.id().clone(), destination.clone()), rendered.instances_of);
         let owner = owner(proxy).map_err(|user| TemplateError::User { destination: destination.clone(), user })?;
+        if lock(&self.shared.board).swept.insert(destination.clone()) {
+            // A crash between a write and its rename leaves a temporary beside the file.
+            for path in tether_state::persist::remove_abandoned_temporaries(&destination).unwrap_or_default() {
+                tracing::info!(path = %DisplayPath(&path), "removed a temporary file that an earlier agent's crash left");
+            }
+        }
         let written = write::write_if_changed(&destination, rendered.text.as_bytes(), template.mode, owner)
             .map_err(|source| TemplateError::Write { destination, source })?;
         Ok((written, rendered.text.into_bytes()))

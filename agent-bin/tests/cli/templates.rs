@@ -293,3 +293,38 @@ fn a_changed_file_reloads_its_proxy_and_a_refused_reload_puts_the_previous_file_
     assert_eq!(std::fs::read_to_string(&destination).unwrap(), good, "the previous file is back");
     assert_eq!(stdout_log(&dirs).matches("hup\n").count(), 1, "nothing signalled for the refused file");
 }
+
+#[test]
+fn temporaries_that_a_crash_left_beside_a_rendered_file_and_in_the_data_dir_are_removed() {
+    let dirs = Dirs::new();
+    let destination = rendered(&dirs);
+    std::fs::create_dir_all(destination.parent().unwrap()).unwrap();
+    std::fs::create_dir_all(dirs.data.join("registrations")).unwrap();
+    // A crashed agent's: its pid is gone.
+    let mut crashed = std::process::Command::new("/bin/true").spawn().unwrap();
+    let gone = crashed.id();
+    crashed.wait().unwrap();
+    let left = [
+        destination.with_file_name(format!(".web.conf.tmp.{gone}.0")),
+        dirs.data.join(format!(".snapshot.json.tmp.{gone}.4")),
+        dirs.data.join("registrations").join(format!(".api.json.tmp.{gone}.1")),
+    ];
+    // Not the agent's to remove: a live writer's, and another file's.
+    let kept = [
+        destination.with_file_name(format!(".web.conf.tmp.{}.0", std::process::id())),
+        destination.with_file_name(format!(".other.conf.tmp.{gone}.0")),
+    ];
+    for path in left.iter().chain(&kept) {
+        std::fs::write(path, "partial").unwrap();
+    }
+    dirs.write_config("web.toml", &web(&destination, "port {{ service.port }}"));
+    let agent = Agent::start(&dirs, &root_flags());
+    agent.wait_state("web-proxy", "running");
+    assert_eq!(std::fs::read_to_string(&destination).unwrap(), "port 8080");
+    for path in &left {
+        assert!(!path.exists(), "{} is left", path.display());
+    }
+    for path in &kept {
+        assert!(path.exists(), "{} was removed", path.display());
+    }
+}

@@ -489,6 +489,29 @@ impl PrivateDir {
         Ok(self.path().join(target))
     }
 
+    /// Removes the temporary files that atomic writes in this directory left behind (a
+    /// crash between a temporary's creation and its rename): the entries named
+    /// `.<name>.tmp.<pid>.<n>`, of `name` only when `of` is given, whose writer `abandoned`
+    /// says is gone. Returns the names removed. A directory of such a name is left alone,
+    /// and a link is removed, not followed.
+    pub fn remove_temporaries(&self, of: Option<&OsStr>, abandoned: impl Fn(u32) -> bool) -> Vec<OsString> {
+        let Ok(names) = self.names() else { return Vec::new() };
+        let mut removed = Vec::new();
+        for entry in names {
+            let Some((name, pid)) = temporary_of(&entry) else { continue };
+            if of.is_some_and(|of| of.as_bytes() != name) || !abandoned(pid) {
+                continue;
+            }
+            match unlinkat(self.fd(), entry.as_os_str(), UnlinkatFlags::NoRemoveDir) {
+                Ok(()) => removed.push(entry),
+                Err(errno) => {
+                    tracing::debug!(path = %DisplayPath(&self.path().join(&entry)), %errno, "a temporary file stays")
+                }
+            }
+        }
+        removed
+    }
+
     /// The names of the directory's entries, in no particular order.
     ///
     /// # Errors
@@ -637,4 +660,22 @@ fn set_mode(fd: BorrowedFd<'_>, stat: &FileStat, mode: u32, path: &Path) -> io::
 
 fn kept_changing() -> io::Error {
     io::Error::other("the entry kept changing while it was opened")
+}
+
+/// The name and writer's pid of a temporary file of [`PrivateDir::write_atomic_file`]
+/// (`.<name>.tmp.<pid>.<n>`), or `None` for any other entry.
+fn temporary_of(entry: &OsStr) -> Option<(&[u8], u32)> {
+    fn split_last_dot(bytes: &[u8]) -> Option<(&[u8], &[u8])> {
+        let dot = bytes.iter().rposition(|b| *b == b'.')?;
+        Some((&bytes[..dot], &bytes[dot + 1..]))
+    }
+    let digits = |part: &[u8]| !part.is_empty() && part.iter().all(u8::is_ascii_digit);
+    let bytes = entry.as_bytes().strip_prefix(b".")?;
+    let (rest, counter) = split_last_dot(bytes)?;
+    let (rest, pid) = split_last_dot(rest)?;
+    let name = rest.strip_suffix(b".tmp")?;
+    if name.is_empty() || !digits(counter) || !digits(pid) {
+        return None;
+    }
+    Some((name, std::str::from_utf8(pid).ok()?.parse().ok()?))
 }

@@ -465,3 +465,88 @@ fn a_removed_subdirectory_is_made_again_when_a_file_is_next_created_in_it() {
     assert_eq!(fs::read_dir(&elsewhere).unwrap().count(), 0);
     target.assert_untouched();
 }
+
+/// The names in `dir`, sorted.
+fn names_in(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> =
+        fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    names.sort();
+    names
+}
+
+#[test]
+fn the_temporaries_a_crash_left_in_the_data_dir_are_removed_and_nothing_else() {
+    let parent = tempfile::tempdir().unwrap();
+    let dir = DataDir::open(parent.path().join("data")).unwrap();
+    let own = std::process::id();
+    // What a crash between the write and the rename leaves, in each directory; and what
+    // only looks like it.
+    for (path, kind) in [
+        (dir.root().join(".snapshot.json.tmp.4000000.3"), "file"),
+        (dir.registrations_dir().join(".web.json.tmp.17.0"), "file"),
+        (dir.pids_dir().join(".web-proxy.pid.tmp.17.1"), "file"),
+        (dir.logs_dir().join(".web-proxy-stdout.log.1.tmp.4000000.0"), "file"),
+        (dir.root().join(format!(".tokens.json.tmp.{own}.9")), "file"),
+        (dir.root().join(".snapshot.json.tmp.17"), "file"),
+        (dir.root().join(".tmp.17.0"), "file"),
+        (dir.root().join("snapshot.json.tmp.17.0"), "file"),
+        (dir.root().join(".notes.tmp.17.x"), "file"),
+        (dir.root().join(".dir.tmp.17.0"), "dir"),
+    ] {
+        if kind == "dir" {
+            fs::create_dir(&path).unwrap();
+        } else {
+            fs::write(&path, "partial").unwrap();
+        }
+    }
+    write_atomic(&dir.snapshot_path(), b"{}").unwrap();
+    let mut removed = dir.remove_temporaries();
+    removed.sort();
+    let mut expected = vec![
+        dir.root().join(".snapshot.json.tmp.4000000.3"),
+        dir.registrations_dir().join(".web.json.tmp.17.0"),
+        dir.pids_dir().join(".web-proxy.pid.tmp.17.1"),
+        dir.logs_dir().join(".web-proxy-stdout.log.1.tmp.4000000.0"),
+    ];
+    expected.sort();
+    assert_eq!(removed, expected);
+    assert_eq!(
+        names_in(dir.root()),
+        [
+            ".dir.tmp.17.0".into(),
+            ".notes.tmp.17.x".into(),
+            ".snapshot.json.tmp.17".into(),
+            ".tmp.17.0".into(),
+            format!(".tokens.json.tmp.{own}.9"),
+            "logs".into(),
+            "pids".into(),
+            "registrations".into(),
+            "snapshot.json".into(),
+            "snapshot.json.tmp.17.0".into(),
+        ],
+        "this process's own temporary, look-alikes and a directory stay"
+    );
+    assert_eq!(fs::read(dir.snapshot_path()).unwrap(), b"{}");
+}
+
+#[test]
+fn beside_a_file_only_its_own_temporaries_of_gone_writers_are_removed() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("haproxy.cfg");
+    fs::write(&file, "in place").unwrap();
+    let live = std::process::id();
+    let mut child = std::process::Command::new("/bin/true").spawn().unwrap();
+    let gone = child.id();
+    child.wait().unwrap();
+    let planted = [
+        format!(".haproxy.cfg.tmp.{gone}.0"),
+        format!(".haproxy.cfg.tmp.{live}.1"),
+        format!(".other.cfg.tmp.{gone}.0"),
+    ];
+    for name in &planted {
+        fs::write(dir.path().join(name), "partial").unwrap();
+    }
+    let removed = remove_abandoned_temporaries(&file).unwrap();
+    assert_eq!(removed, [dir.path().join(&planted[0])]);
+    assert_eq!(names_in(dir.path()), [planted[1].clone(), planted[2].clone(), "haproxy.cfg".into()]);
+}
