@@ -55,6 +55,10 @@ pub(crate) enum TemplateError {
     /// The proxy's `user`, who owns the file, is not known.
     #[error("template {}: unknown user {user:?}", DisplayPath(.destination))]
     User { destination: PathBuf, user: String },
+    /// Another proxy's template writes the same file (a config file and etcd, say, which
+    /// are not validated together): the first to render keeps it.
+    #[error("template {}: the file is also the destination of a template of {owner}, which keeps it", DisplayPath(.destination))]
+    Taken { destination: PathBuf, owner: ProxyId },
     /// Its new file was refused by the proxy's reload check, and the previous one is back.
     #[error("template {}: the reload was refused, and the previous file is back: {reason}", DisplayPath(.destination))]
     Refused { destination: PathBuf, reason: String },
@@ -67,6 +71,7 @@ impl TemplateError {
             | Self::Render { destination, .. }
             | Self::Write { destination, .. }
             | Self::User { destination, .. }
+            | Self::Taken { destination, .. }
             | Self::Refused { destination, .. } => destination,
         }
     }
@@ -129,6 +134,8 @@ struct Board {
     instances_of: HashMap<(ProxyId, PathBuf), BTreeSet<String>>,
     /// The destinations whose directory was cleared of an earlier agent's temporaries.
     swept: HashSet<PathBuf>,
+    /// The proxy that writes each destination: the first to render it, while it wants it.
+    writers: HashMap<PathBuf, ProxyId>,
 }
 
 fn lock(board: &Mutex<Board>) -> MutexGuard<'_, Board> {
@@ -245,6 +252,26 @@ impl Templates {
         let mut board = lock(&self.shared.board);
         board.errors.retain(|id, _| wanted.contains(id));
         board.instances_of.retain(|(id, _), _| wanted.contains(id));
+        board.writers.retain(|_, id| wanted.contains(id));
+    }
+
+    /// Makes `proxy` the writer of `destination`, unless another proxy that still has a
+    /// template there writes it.
+    fn claim(&self, proxy: &ManagedProxy, destination: &Path) -> Result<(), TemplateError> {
+        let mut board = lock(&self.shared.board);
+        if let Some(owner) = board.writers.get(destination).filter(|owner| *owner != proxy.id()) {
+            let still_writes = self
+                .shared
+                .catalog
+                .get(&owner.service_id())
+                .and_then(|entry| entry.proxy)
+                .is_some_and(|other| other.spec().templates.iter().any(|t| t.destination == destination));
+            if still_writes {
+                return Err(TemplateError::Taken { destination: destination.to_owned(), owner: owner.clone() });
+            }
+        }
+        board.writers.insert(destination.to_owned(), proxy.id().clone());
+        Ok(())
     }
 
     fn render_one(
@@ -255,6 +282,7 @@ impl Templates {
         shared: &SharedData,
     ) -> Result<(Written, Vec<u8>), TemplateError> {
         let destination = template.destination.clone();
+        self.claim(proxy, &destination)?;
         let text = match &template.source {
             TemplateSource::Inline(text) => std::borrow::Cow::Borrowed(text.as_str()),
             TemplateSource::File(path) => match std::fs::read_to_string(path) {

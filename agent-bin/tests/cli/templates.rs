@@ -328,3 +328,30 @@ fn temporaries_that_a_crash_left_beside_a_rendered_file_and_in_the_data_dir_are_
         assert!(path.exists(), "{} was removed", path.display());
     }
 }
+
+#[test]
+fn a_destination_that_another_proxy_writes_fails_the_second_and_leaves_the_file_alone() {
+    let dirs = Dirs::new();
+    let destination = rendered(&dirs);
+    std::fs::create_dir_all(destination.parent().unwrap()).unwrap();
+    dirs.write_config("web.toml", &web(&destination, "web's"));
+    let mut flags = root_flags();
+    flags.push("--allow-api-commands");
+    let agent = Agent::start(&dirs, &flags);
+    agent.wait_state("web-proxy", "running");
+    // From another source, which the config files are not validated with.
+    let body = format!(
+        r#"{{"name": "other", "proxy": {{"command": ["/bin/sleep", "3600"],
+            "template": [{{"contents": "other's", "destination": "{}"}}]}}}}"#,
+        destination.display()
+    );
+    let response = register(&dirs, &body);
+    assert_eq!(response.status, 200, "{}", response.body);
+    let other = wait_for("other-proxy refused its template", || {
+        agent.proxy("other-proxy").filter(|status| status["state"] == "failed" || status["state"] == "backoff")
+    });
+    let error = other["error"].as_str().unwrap_or_default();
+    assert!(error.contains("also the destination of a template of web-proxy"), "{other}");
+    assert_eq!(std::fs::read_to_string(&destination).unwrap(), "web's");
+    assert_eq!(agent.proxy("web-proxy").unwrap()["state"], "running");
+}

@@ -216,6 +216,7 @@ impl Scan {
         }
         if self.errors.is_empty() {
             self.check_cycles();
+            self.check_destinations();
         }
         // Stable: a file that loaded has no other error, and its duplicates are already in
         // the order of its services.
@@ -263,6 +264,44 @@ impl Scan {
                 location: file.depends_on_location(service_index),
                 field: Some(format!("service[{service_index}].proxy.depends_on")),
                 message: format!("dependency cycle: {} -> {}", members.join(" -> "), cycle[0]),
+            };
+            self.errors.push((self.places[file_index], error));
+        }
+    }
+}
+
+impl Scan {
+    /// Refuses a template destination that two proxies write: each would overwrite the
+    /// other's file at every render. The second is the error, naming the first.
+    fn check_destinations(&mut self) {
+        let mut first: HashMap<&Path, (usize, usize)> = HashMap::new();
+        let mut clashes = Vec::new();
+        for (file_index, file) in self.files.iter().enumerate() {
+            for (service_index, service) in file.services.iter().enumerate() {
+                let Some(proxy) = &service.proxy else { continue };
+                for (template_index, template) in proxy.templates.iter().enumerate() {
+                    match first.get(template.destination.as_path()) {
+                        Some(&earlier) => clashes.push((file_index, service_index, template_index, earlier)),
+                        None => {
+                            first.insert(&template.destination, (file_index, service_index));
+                        }
+                    }
+                }
+            }
+        }
+        for (file_index, service_index, template_index, (first_file, first_service)) in clashes {
+            let file = &self.files[file_index];
+            let proxy = file.services[service_index].proxy.as_ref().expect("a clash is of a template of a proxy");
+            let destination = &proxy.templates[template_index].destination;
+            let error = ConfigError::Invalid {
+                location: file.location_of(service_index),
+                field: Some(format!("service[{service_index}].proxy.template[{template_index}].destination")),
+                message: format!(
+                    "{} is also the destination of a template of {} ({}): two proxies cannot write one file",
+                    DisplayPath(destination),
+                    self.files[first_file].services[first_service].id.proxy_id(),
+                    self.files[first_file].location_of(first_service)
+                ),
             };
             self.errors.push((self.places[file_index], error));
         }

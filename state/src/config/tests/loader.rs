@@ -384,3 +384,32 @@ fn a_dependency_on_itself_or_on_an_unknown_proxy() {
     let err = load_dirs(&[dir.path()]).unwrap_err().to_string();
     assert!(err.contains("dependency cycle: a-proxy (") && err.ends_with(") -> a-proxy"), "{err}");
 }
+
+#[test]
+fn one_destination_for_the_templates_of_two_proxies_is_refused_naming_both() {
+    let dir = tempfile::tempdir().unwrap();
+    let service = |name: &str, destination: &str| {
+        format!(
+            "[[service]]\nname = \"{name}\"\n[service.proxy]\n[[service.proxy.template]]\ncontents = \"x\"\ndestination = \"{destination}\"\n"
+        )
+    };
+    let a = write(dir.path(), "a.toml", &service("a", "/etc/edge/edge.cfg"));
+    let b = write(
+        dir.path(),
+        "b.toml",
+        &format!("{}{}", service("c", "/etc/edge/c.cfg"), service("b", "/etc/edge/edge.cfg")),
+    );
+    let errors = load_dirs(&[dir.path()]).unwrap_err();
+    let messages: Vec<String> = errors.iter().map(ToString::to_string).collect();
+    assert_eq!(
+        messages,
+        [format!(
+            "{b}:7:1: field `service[1].proxy.template[0].destination`: /etc/edge/edge.cfg is also the destination of a \
+             template of a-proxy ({a}:1:1): two proxies cannot write one file",
+            a = a.display(),
+            b = b.display()
+        )]
+    );
+    write(dir.path(), "b.toml", &service("b", "/etc/edge/b.cfg"));
+    assert_eq!(load_dirs(&[dir.path()]).unwrap().len(), 2);
+}
