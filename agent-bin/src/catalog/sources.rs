@@ -334,7 +334,8 @@ impl Sources {
 
     /// A new service: to disk first, its registration and its proxy's token, so that the
     /// engine, which acts on a change at once, never starts a proxy that was not registered
-    /// or whose token a crash could lose; then into the catalog., the registration and the tokens at the same time.
+    /// or whose token a crash could lose; then into the catalog. The registration and the
+    /// tokens are written at the same time.
     fn add_registration(&self, service: Service) -> Result<(), RegisterError> {
         let registrations = self.data.registrations();
         let id = service.id.clone();
