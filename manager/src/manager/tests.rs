@@ -211,6 +211,40 @@ async fn a_removal_soon_after_a_change_waits_like_a_change() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn an_engine_that_fell_behind_keeps_a_held_change_held_and_applies_the_rest_at_once() {
+    let running = run(&[service("db")]);
+    running.until_state(&pid("db"), ProxyState::Running).await;
+    tokio::time::sleep(QUIESCENT).await;
+    running.state.upsert(web_on(1), Source::Api).unwrap();
+    running.fake.wait_calls(Call::Start, 2).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let held = Instant::now();
+    running.state.upsert(web_on(2), Source::Api).unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(running.handle.stats().deferred, 1);
+    // More removals than the catalog remembers, before the engine looks again: its next
+    // read is the whole desired set.
+    for index in 0..1_100 {
+        let id = ServiceId::new(format!("n{index}")).unwrap();
+        running.state.upsert(Service::new(id, ServiceName::new("n").unwrap()), Source::Api).unwrap();
+    }
+    for index in 0..1_100 {
+        let id = ServiceId::new(format!("n{index}")).unwrap();
+        running.state.remove(&id, &tether_state::SourceKind::Api).unwrap();
+    }
+    let gone = Instant::now();
+    running.state.remove(&ServiceId::new("db").unwrap(), &tether_state::SourceKind::Api).unwrap();
+    // db had been quiet: its removal applies at once. web's change stays held until web
+    // has been quiet for the window.
+    assert_eq!(running.fake.wait_calls(Call::Stop, 1).await, [(gone, pid("db"))]);
+    assert_eq!(running.fake.wait_calls(Call::Update, 1).await, [(held + QUIESCENT, pid("web"))]);
+    let wanted = running.state.get(&ServiceId::new("web").unwrap()).unwrap().revision;
+    running.until_applied(&pid("web"), wanted).await;
+    assert_eq!(running.fake.state().live[&pid("web")].service().port, Some(2));
+    running.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_stream_of_changes_is_synced_at_most_max_delay_after_its_first_unsynced_change() {
     let running = run(&[]);
     tokio::time::sleep(QUIESCENT).await;
