@@ -81,11 +81,51 @@ pub(crate) async fn run(probe: &Probe, timeout: Duration, spec: &ProcessSpec) ->
 }
 
 async fn tcp(target: &TcpTarget) -> Outcome {
+    if let Ok(address) = target.as_str().parse::<std::net::SocketAddr>() {
+        return tcp_to(address).await.map_err(|err| format!("connect: {err}"));
+    }
     let stream = connect(target).await?;
     // Reset rather than close: no FIN exchange and no TIME_WAIT per probe, which is most of
     // a probe's cost on loopback; the peer sees a connection that went away.
     let _best_effort = socket_linger_zero(&stream);
     Ok(())
+}
+
+/// A `tcp` probe of a literal address, at the cost of a blocking connect when the peer
+/// answers at once (loopback, nearly always): the socket meets the runtime's poller only
+/// when the handshake is still under way after the `connect` call, which saves registering
+/// and deregistering it and a wake-up of the runtime per probe.
+async fn tcp_to(address: std::net::SocketAddr) -> std::io::Result<()> {
+    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+    use nix::sys::socket::{
+        AddressFamily, SockFlag, SockType, SockaddrStorage, connect, getsockopt, setsockopt, socket, sockopt,
+    };
+    use std::os::fd::AsFd;
+
+    let family = if address.is_ipv4() { AddressFamily::Inet } else { AddressFamily::Inet6 };
+    let socket = socket(family, SockType::Stream, SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC, None)?;
+    // Reset rather than close: no FIN exchange and no TIME_WAIT per probe, which is most of
+    // a probe's cost on loopback; the peer sees a connection that went away.
+    let _best_effort = setsockopt(&socket, sockopt::Linger, &nix::libc::linger { l_onoff: 1, l_linger: 0 });
+    match connect(std::os::fd::AsRawFd::as_raw_fd(&socket), &SockaddrStorage::from(address)) {
+        Ok(()) => return Ok(()),
+        Err(nix::errno::Errno::EINPROGRESS) => {}
+        Err(errno) => return Err(errno.into()),
+    }
+    let connected = |socket: &std::os::fd::OwnedFd| match getsockopt(socket, sockopt::SocketError)? {
+        0 => Ok(()),
+        code => Err(std::io::Error::from_raw_os_error(code)),
+    };
+    let mut done = [PollFd::new(socket.as_fd(), PollFlags::POLLOUT)];
+    if poll(&mut done, PollTimeout::ZERO)? > 0 {
+        return connected(&socket);
+    }
+    #[allow(unsafe_code)]
+    // SAFETY: the `AsyncFd` owns the `OwnedFd`, so the fd stays open and refers to the same
+    // socket until the `AsyncFd` is dropped, and `as_raw_fd` always returns it.
+    let pending = unsafe { tokio::io::unix::AsyncFd::register_with_interest(socket, tokio::io::Interest::WRITABLE) }?;
+    let _ready = pending.writable().await?;
+    connected(pending.get_ref())
 }
 
 fn socket_linger_zero(stream: &TcpStream) -> std::io::Result<()> {
@@ -202,5 +242,57 @@ async fn exec(command: &CommandLine, spec: &ProcessSpec) -> Outcome {
         },
         Ok(None) => Err("cannot read the probe's exit status".to_owned()),
         Err(err) => Err(format!("cannot reap the probe: {err}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::{SocketAddr, TcpListener, TcpStream};
+    use std::time::Duration;
+
+    use super::tcp_to;
+
+    #[tokio::test]
+    async fn a_tcp_probe_passes_on_a_listener_and_fails_on_a_closed_port_with_the_reason() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let open = listener.local_addr().unwrap();
+        tcp_to(open).await.unwrap();
+        listener.set_nonblocking(false).unwrap();
+        assert!(listener.accept().is_ok(), "the listener saw the probe's connection");
+        drop(listener);
+        let refused = tcp_to(open).await.unwrap_err();
+        assert_eq!(refused.kind(), std::io::ErrorKind::ConnectionRefused, "{refused}");
+        assert!(refused.to_string().starts_with("Connection refused"), "{refused}");
+    }
+
+    #[tokio::test]
+    async fn a_handshake_still_under_way_is_awaited_not_taken_for_success() {
+        // A listener whose accept queue is full drops further handshakes: a probe's connect
+        // stays in progress, and waiting for it goes through the runtime.
+        let socket = nix::sys::socket::socket(
+            nix::sys::socket::AddressFamily::Inet,
+            nix::sys::socket::SockType::Stream,
+            nix::sys::socket::SockFlag::SOCK_CLOEXEC,
+            None,
+        )
+        .unwrap();
+        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        nix::sys::socket::bind(std::os::fd::AsRawFd::as_raw_fd(&socket), &nix::sys::socket::SockaddrStorage::from(any))
+            .unwrap();
+        nix::sys::socket::listen(&socket, nix::sys::socket::Backlog::new(0).unwrap()).unwrap();
+        let listener = TcpListener::from(socket);
+        let address = listener.local_addr().unwrap();
+        let mut queued = Vec::new();
+        while let Ok(stream) = TcpStream::connect_timeout(&address, Duration::from_millis(200)) {
+            queued.push(stream);
+            assert!(queued.len() < 64, "the accept queue never filled");
+        }
+        let waited = tokio::time::timeout(Duration::from_millis(300), tcp_to(address)).await;
+        assert!(waited.is_err(), "a connect with no answer is not a pass: {waited:?}");
+        // Room again: the next handshake completes and the probe passes.
+        drop(queued);
+        listener.set_nonblocking(true).unwrap();
+        while listener.accept().is_ok() {}
+        tokio::time::timeout(Duration::from_secs(10), tcp_to(address)).await.expect("answered").unwrap();
     }
 }
