@@ -215,7 +215,7 @@ impl Active {
             Some((Probe::Notify | Probe::Fd(_), _, _)) if self.readiness.is_some() => None,
             Some((Probe::Notify, interval, _)) => Some(Instant::now() + interval),
             Some((_, interval, _)) if self.readiness.is_some() => Some(Instant::now() + self.jitter(interval / 10)),
-            Some((_, interval, _)) => Some(Instant::now() + interval + self.jitter(interval / 4)),
+            Some((_, interval, _)) => Some(slotted(Instant::now() + interval + self.jitter(interval / 4), interval)),
         };
     }
 
@@ -336,8 +336,8 @@ impl Active {
         };
         // The next probe an interval after this one began: a slow probe does not shift the
         // schedule by its own duration.
-        self.next = Some(started + interval);
         let readiness = self.readiness.is_some();
+        self.next = Some(if readiness { started + interval } else { slotted(started + interval, interval) });
         match (readiness, outcome) {
             (true, Ok(())) => {
                 self.readiness = None;
@@ -415,5 +415,67 @@ pub(crate) fn set_notify_env(spec: &mut ProcessSpec, address: &str) {
     spec.env.push(("NOTIFY_SOCKET".into(), address.into()));
     if let Some(liveness) = spec.health.liveness.as_ref().filter(|l| l.probe == Probe::Notify) {
         spec.env.push(("WATCHDOG_USEC".into(), liveness.interval.as_micros().to_string().into()));
+    }
+}
+
+/// The longest a liveness probe is held back to share its slot with others.
+const MAX_SLOT: Duration = Duration::from_millis(20);
+
+/// `at`, moved up to the next slot boundary: liveness probes of many proxies then come due
+/// in groups, each group taken by one wake-up of the runtime, rather than one wake-up per
+/// probe. A slot is a fiftieth of `interval`, at most [`MAX_SLOT`]: a probe every second
+/// runs up to 20 ms late, and keeps its place in its interval. Readiness probes are not
+/// slotted: a start waits for them.
+fn slotted(at: Instant, interval: Duration) -> Instant {
+    static ORIGIN: std::sync::Mutex<Option<Instant>> = std::sync::Mutex::new(None);
+    let slot = (interval / 50).min(MAX_SLOT);
+    if slot < Duration::from_millis(1) {
+        return at;
+    }
+    // Slots count from the earliest instant seen, so that every proxy shares them; an
+    // earlier one (another runtime's clock, in tests) becomes the origin.
+    let origin = {
+        let mut origin = ORIGIN.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let value = match *origin {
+            Some(earlier) if earlier <= at => earlier,
+            _ => at,
+        };
+        *origin = Some(value);
+        value
+    };
+    let since = at.duration_since(origin).as_nanos();
+    let slot_ns = slot.as_nanos();
+    let late = (slot_ns - since % slot_ns) % slot_ns;
+    at + Duration::from_nanos(u64::try_from(late).unwrap_or(0))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tokio::time::Instant;
+
+    use super::{MAX_SLOT, slotted};
+
+    #[test]
+    fn liveness_probes_due_within_one_slot_share_it_and_are_late_by_less_than_a_slot() {
+        let second = Duration::from_secs(1);
+        let base = Instant::now();
+        let due: Vec<Instant> = (0..200u64).map(|i| base + Duration::from_micros(i * 997)).collect();
+        let slots: Vec<Instant> = due.iter().map(|at| slotted(*at, second)).collect();
+        for (at, slot) in due.iter().zip(&slots) {
+            assert!(*slot >= *at && *slot - *at < MAX_SLOT, "{at:?} went to {slot:?}");
+        }
+        let mut distinct = slots.clone();
+        distinct.dedup();
+        // 200 probes over about 200 ms fall into about ten 20 ms slots.
+        assert!((10..=12).contains(&distinct.len()), "{} slots", distinct.len());
+        // Short intervals get short slots; very short ones none.
+        let tenth = Duration::from_millis(100);
+        assert!(slotted(base + Duration::from_micros(1), tenth) - base <= Duration::from_millis(2));
+        assert_eq!(
+            slotted(base + Duration::from_micros(1), Duration::from_millis(10)),
+            base + Duration::from_micros(1)
+        );
     }
 }
