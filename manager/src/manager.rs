@@ -784,7 +784,17 @@ impl Manager {
         });
         let (state, error) = match (&slot.busy, &slot.observed) {
             // The old instance serves while the new one starts beside it.
-            (Some(Action::Restart), _) if slot.overlap.is_some() => (process.state.into(), process.error.clone()),
+            (Some(Action::Restart), _) if slot.overlap.is_some() => {
+                // A hot restart that waits for an old generation to exit says so.
+                let waits = slot.overlap.as_ref().and_then(|(next, _)| {
+                    next.borrow()
+                        .as_ref()
+                        .filter(|next| next.state == crate::backend::BackendState::Pending)?
+                        .error
+                        .clone()
+                });
+                (process.state.into(), waits.or_else(|| process.error.clone()))
+            }
             (Some(Action::Start), _) => (ProxyState::Starting, None),
             (Some(Action::Stop | Action::Restart), _) => (ProxyState::Stopping, None),
             (_, Observed::Blocked { .. }) => (ProxyState::Blocked, slot.error.clone()),
@@ -810,6 +820,7 @@ impl Manager {
             status_text: process.pid.and(process.status_text),
             probe_failures: process.probe_failures,
             update,
+            generations: process.generations,
             usage: None,
             reloads: process.reloads,
             applied_revision: slot.installed.as_ref().and(slot.applied_revision),

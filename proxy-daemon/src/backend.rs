@@ -503,6 +503,7 @@ fn translate(status: &ProcessStatus) -> tether_manager::BackendStatus {
         status_text: status.status_text.clone(),
         probe_failures: status.probe_failures,
         reloads: status.reloads.clone(),
+        generations: Vec::new(),
     }
 }
 
@@ -586,6 +587,7 @@ impl ProxyHandle for OsProxyHandle {
             health: Some(health_checks(spec)),
             limits: Some(spec.limits),
             reload: Some(spec.reload.clone()),
+            restart_on_exit: None,
         };
         let mut state = self.lock();
         let written = state.process.as_ref().map_or(Ok(()), |process| process.update(update));
