@@ -820,7 +820,7 @@ impl Manager {
             status_text: process.pid.and(process.status_text),
             probe_failures: process.probe_failures,
             update,
-            generations: process.generations,
+            generations: (!process.generations.is_empty()).then(|| process.generations.into_boxed_slice()),
             usage: None,
             reloads: process.reloads,
             applied_revision: slot.installed.as_ref().and(slot.applied_revision),

@@ -42,7 +42,8 @@ pub struct ProxyStatus {
     pub update: Option<UpdateStatus>,
     /// For `update = "epoch"`: every live generation, the current one (described above)
     /// first, then a new one starting and old ones draining. Empty for other proxies.
-    pub generations: Vec<Generation>,
+    /// Boxed: most proxies have none, and the board keeps one status per proxy.
+    pub generations: Option<Box<[Generation]>>,
     /// What its running instance uses now, as the engine's [`Meter`] measures it: read when
     /// the status is read through [`ManagerHandle::status`] or [`ManagerHandle::proxy`];
     /// `None` in [`ProxyEvent`]s, whose figures would be stale at once, and while no process
@@ -404,7 +405,7 @@ mod tests {
     fn status(pid: Option<u32>, last_exit: Option<ExitReason>) -> ProxyStatus {
         ProxyStatus {
             update: None,
-            generations: Vec::new(),
+            generations: None,
             id: ServiceId::new("web").unwrap().proxy_id(),
             service: ServiceId::new("web").unwrap(),
             state: ProxyState::Running,

@@ -203,7 +203,7 @@ mod tests {
         let id = ProxyId::parse("web-proxy").unwrap();
         ProxyStatus {
             update: None,
-            generations: Vec::new(),
+            generations: None,
             service: id.service_id(),
             id,
             state,
