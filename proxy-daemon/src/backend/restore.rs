@@ -13,10 +13,12 @@
 use std::cmp::Ordering;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
+use std::time::SystemTime;
 
 use tether_manager::{Adopted, BackendRecord, ProxyHandle};
-use tether_state::{ManagedProxy, ProxyId};
+use tether_state::{ManagedProxy, ProxyId, UpdateStrategy};
 
+use super::epoch::Draining;
 use super::record::{Read, Record};
 use super::{OsProcessBackend, OsProxyHandle};
 use crate::spec::ProcessSpec;
@@ -109,8 +111,20 @@ impl OsProcessBackend {
                 return None;
             }
         };
-        let mut instances = self.live_instances(&id, desired_proxy, recorded.as_ref());
+        // The generations that drain (`update = "epoch"`) are taken back as they are, first:
+        // they are not instances to choose among, and are never signalled before their time.
+        let epoch = recorded.as_ref().and_then(|record| record.epoch.clone());
+        let mut draining_pids = Vec::new();
+        if let Some(epoch) = &epoch {
+            self.shared.generations.reserve(&id, epoch.base_id);
+            for draining in &epoch.draining {
+                draining_pids.extend(self.adopt_draining(&id, desired_proxy, draining));
+            }
+        }
+        let mut instances = self.live_instances(&id, desired_proxy, recorded.as_ref(), &draining_pids);
         instances.sort_by(|a, b| preference(&a.seen, &b.seen));
+        let handle = OsProxyHandle::new(self.shared.clone(), id.clone(), desired.clone());
+        let hands_over = desired_proxy.is_some_and(|proxy| proxy.spec().update.strategy == UpdateStrategy::Epoch);
 
         let kill = recorded.as_ref().map(|record| record.kill);
         let mut kept: Option<(ProcessHandle, Seen)> = None;
@@ -139,12 +153,23 @@ impl OsProcessBackend {
                 };
             }
             let seen = instance.seen;
+            // A generation of its own, at its recorded epoch, and started again cold.
+            let begun = hands_over.then(|| {
+                let recorded_epoch = epoch.as_ref().filter(|_| seen.recorded).map(|epoch| epoch.epoch);
+                let begun = self.shared.generations.begin(&id, Some(handle.status.clone()), recorded_epoch, None);
+                self.shared.generations.apply(&mut spec, &id, begun);
+                begun
+            });
             let span = tracing::info_span!("proxy.adopt", proxy = %spec.name, pid = seen.pid);
             let adopted = span.in_scope(|| self.shared.supervisor.adopt_proven(spec, instance.proven, true));
             if let Some(process) = adopted {
+                handle.lock().generation = begun.map(|begun| begun.key);
                 kept = Some((process, seen));
                 extras.extend(remaining);
                 break;
+            }
+            if let Some(begun) = begun {
+                self.shared.generations.end(&id, begun.key);
             }
         }
 
@@ -168,16 +193,43 @@ impl OsProcessBackend {
         if !seen.recorded && recorded.is_some() {
             tracing::info!(proxy = %id, pid = seen.pid, "the snapshot's instance is gone or no longer serves; adopted another");
         }
-        let handle = OsProxyHandle { adopted, ..OsProxyHandle::new(self.shared.clone(), id, desired) };
+        let handle = OsProxyHandle { adopted, ..handle };
         handle.attach(process);
         Some(Box::new(handle))
+    }
+
+    /// Takes back `draining`, a generation of `id` that drained when the snapshot was
+    /// written, if it is still the process recorded: awaited until the end of its drain, then
+    /// stopped. Returns its pid when taken.
+    fn adopt_draining(&self, id: &ProxyId, desired: Option<&ManagedProxy>, draining: &Draining) -> Option<u32> {
+        let pid = draining.identity.pid;
+        let span = tracing::info_span!("proxy.adopt", proxy = %id, pid);
+        let _entered = span.enter();
+        let proven = self.shared.supervisor.prove(&draining.identity)?;
+        let mut spec = self.stop_spec(id, desired);
+        spec.kill = draining.kill;
+        let process = self.shared.supervisor.adopt_proven(spec, proven, false)?;
+        let begun = self.shared.generations.begin(id, None, Some(draining.epoch), Some(draining.clone()));
+        let (generations, watched) = (self.shared.generations.clone(), id.clone());
+        process.observe(move |current| generations.observe(&watched, begun.key, current, None));
+        let remaining = draining.until.duration_since(SystemTime::now()).unwrap_or_default();
+        tracing::info!(proxy = %id, pid, epoch = draining.epoch, "adopted an old generation that drains");
+        tokio::spawn(super::epoch::await_drain(id.clone(), process, remaining));
+        Some(pid)
     }
 
     /// Every live instance of `id` that can be proven, each once, with what the rule needs
     /// to know of it: the one `recorded` names, the one the pid file names, and those found
     /// by their environment (an instance started just before a crash, or whose pid-file
     /// write failed, is known only by it).
-    fn live_instances(&self, id: &ProxyId, desired: Option<&ManagedProxy>, recorded: Option<&Record>) -> Vec<Found> {
+    /// The generations that drain (`draining`) are left out: they were taken back already.
+    fn live_instances(
+        &self,
+        id: &ProxyId,
+        desired: Option<&ManagedProxy>,
+        recorded: Option<&Record>,
+        draining: &[u32],
+    ) -> Vec<Found> {
         let name = super::process_name(id);
         let mut instances: Vec<Found> = Vec::new();
         if let Some(record) = recorded {
@@ -195,7 +247,7 @@ impl OsProcessBackend {
         let keep_spec: Option<ProcessSpec> = desired.map(|proxy| self.shared.process_spec(proxy));
         let stop_spec = self.stop_spec(id, desired);
         for pid in pids {
-            if instances.iter().any(|instance| instance.seen.pid == pid) {
+            if instances.iter().any(|instance| instance.seen.pid == pid) || draining.contains(&pid) {
                 continue;
             }
             let span = tracing::info_span!("proxy.adopt", proxy = %name, pid);
