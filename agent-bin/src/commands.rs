@@ -77,6 +77,16 @@ pub(crate) fn table(proxies: &[ProxyStatusDto], now: SystemTime) -> String {
                 state.push_str(&format!(" (new: {})", update.state));
                 pid.push_str(&format!(" (new: {})", update.pid.map_or_else(|| "-".to_owned(), |pid| pid.to_string())));
             }
+            // A hot restart by the proxy itself: the old generations that drain.
+            let draining: Vec<String> = p
+                .generations
+                .iter()
+                .filter(|generation| generation.role == "draining")
+                .map(|generation| generation.pid.map_or_else(|| "-".to_owned(), |pid| pid.to_string()))
+                .collect();
+            if !draining.is_empty() {
+                pid.push_str(&format!(" (draining: {})", draining.join(", ")));
+            }
             [
                 p.id.clone(),
                 p.service.clone(),
@@ -341,6 +351,7 @@ mod tests {
                 }),
                 update: None,
                 last_reload: None,
+                generations: Vec::new(),
             },
             ProxyStatusDto {
                 id: "db-proxy".into(),
@@ -356,6 +367,7 @@ mod tests {
                 resources: None,
                 update: None,
                 last_reload: None,
+                generations: Vec::new(),
             },
         ];
         assert_eq!(
