@@ -370,6 +370,13 @@ mod tests {
                 generations: Vec::new(),
             },
         ];
+        let mut hot = proxies[0].clone();
+        hot.generations = vec![
+            crate::api::dto::GenerationDto { epoch: 2, pid: Some(4242), role: "current".into() },
+            crate::api::dto::GenerationDto { epoch: 1, pid: Some(4100), role: "draining".into() },
+            crate::api::dto::GenerationDto { epoch: 0, pid: None, role: "draining".into() },
+        ];
+        assert!(table(&[hot], now).contains(" 4242 (draining: 4100, -) "), "{}", table(&[proxies[0].clone()], now));
         assert_eq!(
             table(&proxies, now),
             "\
