@@ -51,7 +51,11 @@ impl Manager {
                     }
                 });
                 slot.overlap = Some((next, watcher));
-                Some(progress)
+                let superseded = CancellationToken::new();
+                if proxy.spec().update.strategy == UpdateStrategy::Epoch {
+                    slot.superseded = Some(superseded.clone());
+                }
+                Some((progress, superseded))
             }
             _ => None,
         };
@@ -61,10 +65,10 @@ impl Manager {
             match (action, wanted, handle) {
                 (Action::Start, Some(proxy), _) => start(&*backend, proxy).await,
                 (Action::Restart, Some(proxy), Some(old)) => match overlap {
-                    Some(progress) if proxy.spec().update.strategy == UpdateStrategy::Epoch => {
-                        epoch_update(&*backend, &*old, proxy, progress, shutting_down).await
+                    Some((progress, superseded)) if proxy.spec().update.strategy == UpdateStrategy::Epoch => {
+                        epoch_update(&*backend, &*old, proxy, progress, shutting_down, superseded).await
                     }
-                    Some(progress) => overlap_update(&*backend, &*old, proxy, progress, shutting_down).await,
+                    Some((progress, _)) => overlap_update(&*backend, &*old, proxy, progress, shutting_down).await,
                     None => {
                         // Created before the stop: what the new handle holds (its
                         // listeners) stays open in between.
@@ -114,6 +118,7 @@ impl Manager {
         if let Some((_, watcher)) = slot.overlap.take() {
             watcher.abort();
         }
+        slot.superseded = None;
         let wanted = slot.launched_for.take();
         let wanted_revision = slot.launched_revision.take();
         let mut failed = None;
@@ -396,6 +401,7 @@ async fn epoch_update(
     proxy: Arc<ManagedProxy>,
     progress: watch::Sender<Option<BackendStatus>>,
     shutting_down: CancellationToken,
+    superseded: CancellationToken,
 ) -> Outcome {
     let max = proxy.spec().update.max_generations as usize;
     let mut status = old.status();
@@ -418,6 +424,13 @@ async fn epoch_update(
             () = &mut shutdown => {
                 return Outcome::OverlapFailed {
                     reason: "hot restart abandoned, the current generation serves on: the agent is shutting down"
+                        .to_owned(),
+                };
+            }
+            () = superseded.cancelled() => {
+                return Outcome::OverlapFailed {
+                    reason: "hot restart given up while it waited for an old generation to exit: what it would start \
+                             is no longer wanted"
                         .to_owned(),
                 };
             }

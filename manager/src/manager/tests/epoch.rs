@@ -96,3 +96,26 @@ async fn a_change_waits_while_max_generations_live() {
     assert_eq!(running.fake.calls_of(Call::Start).len(), 2);
     running.stop().await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_change_that_waits_for_max_generations_gives_way_to_a_newer_one_or_a_removal() {
+    let web = epoch("web", Duration::from_secs(30), 2);
+    let running = run(std::slice::from_ref(&web));
+    running.fake.state().generations.insert(pid("web"), 2);
+    running.until_state(&pid("web"), ProxyState::Running).await;
+    running.state.upsert(changed(web.clone(), "debug"), Source::Api).unwrap();
+    status_where(&running, &pid("web"), |s| s.error.as_deref().is_some_and(|e| e.contains("waiting"))).await;
+
+    // A newer change replaces the waiting one, which still waits for room.
+    running.state.upsert(changed(web, "info"), Source::Api).unwrap();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let waiting = running.handle.proxy(&pid("web")).unwrap();
+    assert!(waiting.error.as_deref().is_some_and(|e| e.contains("waiting for an old generation")), "{waiting:?}");
+    assert_eq!(running.fake.calls_of(Call::Start).len(), 1);
+
+    // Deregistered while it waits: stopped at once, not after the old generations.
+    running.state.remove(&ServiceId::new("web").unwrap(), &tether_state::SourceKind::Api).unwrap();
+    running.fake.wait_calls(Call::Stop, 1).await;
+    assert_eq!(running.fake.calls_of(Call::Start).len(), 1, "nothing started for a change no longer wanted");
+    running.stop().await;
+}
