@@ -552,8 +552,15 @@ impl ProxyHandle for OsProxyHandle {
                 .listeners(&proxy, Vec::new())
                 .map_err(|error| BackendError::Start { id: self.id.clone(), source: Box::new(error) })?,
         };
-        // A generation of its own, with its epoch, for a proxy that hands over by itself.
-        let begun = (proxy.spec().update.strategy == UpdateStrategy::Epoch).then(|| {
+        // A generation of its own, with its epoch, for a proxy that hands over by itself. A
+        // start beside generations that drain only (none is current) is a cold start, once
+        // they have exited: the new generation could not take over from them.
+        let hands_over = proxy.spec().update.strategy == UpdateStrategy::Epoch;
+        if hands_over && self.shared.generations.only_draining(&self.id) {
+            tracing::info!(proxy = %self.id, "waiting for the old generations to exit before a cold start");
+            Arc::clone(&self.shared.generations).alone(self.id.clone(), u64::MAX).await;
+        }
+        let begun = hands_over.then(|| {
             let begun = self.shared.generations.begin(&self.id, Some(self.status.clone()), None, None);
             self.shared.generations.apply(&mut spec, &self.id, begun);
             tracing::info!(proxy = %self.id, epoch = begun.epoch, base_id = begun.base_id, "starting a generation");

@@ -366,3 +366,24 @@ fn an_agent_killed_and_started_again_adopts_every_live_generation() {
     assert!(pids.iter().all(|pid| alive(*pid)));
     assert_eq!(wait_for("an answer", || served_by(setup.port)), "epoch 1");
 }
+
+#[test]
+fn a_start_beside_an_old_generation_that_drains_waits_for_it_and_is_cold() {
+    let setup = Setup::new("epoch-hold");
+    let _sweep = SweepOnDrop(setup.dirs.socket());
+    let agent = setup.start(&Knobs { drain_s: 2.0, ..Knobs::default() });
+    let id = setup.id();
+    restart(&agent, &id);
+    let during = wait_generations(&agent, &id, "both generations", |g| g == [(1, "current"), (0, "draining")]);
+    let old = generation_pids(&during)[1];
+
+    let stopped = put(&agent.socket, &format!("/v1/agent/proxy/{id}/stop"), None).unwrap();
+    assert_eq!(stopped.status, 200, "{}", stopped.body);
+    agent.wait_state(&id, "stopped");
+    assert!(alive(old), "the old generation drains on");
+    let started = put(&agent.socket, &format!("/v1/agent/proxy/{id}/start"), None).unwrap();
+    assert_eq!(started.status, 200, "{}", started.body);
+    let cold = wait_generations(&agent, &id, "a cold start", |g| g == [(0, "current")]);
+    assert!(exited(old), "started only once the old generation exited: {cold}");
+    assert_eq!(wait_for("an answer", || served_by(setup.port)), "epoch 0");
+}

@@ -100,8 +100,8 @@ impl Generations {
     }
 
     /// Begins a generation of `id` whose handle reports through `status`: at `epoch` when
-    /// given (an adopted process), else one more than the newest live generation, or 0
-    /// when none lives (a cold start).
+    /// given (an adopted process), else one more than the current generation (a hot
+    /// restart), or 0 when no generation but those that drain lives (a cold start).
     pub(super) fn begin(
         &self,
         id: &ProxyId,
@@ -112,7 +112,8 @@ impl Generations {
         let key = self.next_key.fetch_add(1, Ordering::Relaxed);
         let mut inner = self.lock();
         let proxy = inner.proxy(id);
-        let epoch = epoch.unwrap_or_else(|| proxy.live.iter().map(|live| live.epoch + 1).max().unwrap_or(0));
+        let current = proxy.live.iter().filter(|live| live.draining.is_none());
+        let epoch = epoch.unwrap_or_else(|| current.map(|live| live.epoch + 1).max().unwrap_or(0));
         let pid = draining.as_ref().map(|draining| draining.identity.pid);
         proxy.live.push(Live { key, epoch, pid, restarts: 0, draining, status });
         let base_id = proxy.base_id;
@@ -194,9 +195,23 @@ impl Generations {
         self.lock().proxy(id).base_id
     }
 
+    /// Whether every live generation of `id` drains (and one does): a start is then a cold
+    /// start, which waits for them to exit ([`Generations::alone`]).
+    pub(super) fn only_draining(&self, id: &ProxyId) -> bool {
+        let inner = self.lock();
+        inner
+            .proxies
+            .get(id)
+            .is_some_and(|proxy| !proxy.live.is_empty() && proxy.live.iter().all(|live| live.draining.is_some()))
+    }
+
     /// Resolves once no generation of `id` but `key` has a process: when a crashed
     /// generation may start again cold, at epoch 0.
-    fn alone(self: Arc<Self>, id: ProxyId, key: u64) -> Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
+    pub(super) fn alone(
+        self: Arc<Self>,
+        id: ProxyId,
+        key: u64,
+    ) -> Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
         Box::pin(async move {
             loop {
                 let mut changed = {
@@ -380,12 +395,14 @@ mod tests {
         let listed = second.borrow().generations.clone();
         assert_eq!(listed.iter().map(|g| (g.epoch, g.draining)).collect::<Vec<_>>(), [(1, false), (0, true)]);
         assert_eq!(registry.recorded(&web, one.key), Some((1, one.base_id, vec![draining])));
-        assert_eq!(registry.begin(&web, None, None, None).epoch, 2);
+        assert!(!registry.only_draining(&web));
+        let two = registry.begin(&web, None, None, None);
+        assert_eq!(two.epoch, 2);
 
-        // Once none lives, the next is a cold start.
-        registry.end(&web, zero.key);
+        // With only generations that drain, the next is a cold start.
         registry.end(&web, one.key);
-        registry.end(&web, one.key + 1);
+        registry.end(&web, two.key);
+        assert!(registry.only_draining(&web));
         assert_eq!(registry.begin(&web, None, None, None).epoch, 0);
     }
 }
