@@ -499,9 +499,11 @@ pub trait ProxyBackend: Send + Sync {
     ///   `stop` (old) once the new one reports [`BackendState::Running`]: both run side by side
     ///   until then. When the new one fails to get ready in time, it is stopped instead and the
     ///   old one stays.
-    /// - A hot restart by the proxy itself (`update = "epoch"`): as an overlapping update, but
+    /// - A hot restart by the proxy itself (`update = "epoch"`), when the old handle's status
+    ///   lists generations ([`BackendStatus::generations`]): as an overlapping update, but
     ///   [`ProxyHandle::drain`] (old) instead of `stop`; before `create`, the engine waits while
-    ///   the old handle's status lists `max_generations` live generations.
+    ///   the old handle's status lists `max_generations` live generations. An old handle that
+    ///   lists none cannot hand over, and is restarted.
     ///
     /// Either way the old handle is dropped once the restart is over. So `create` must not
     /// disturb a live handle of the same id, and whatever a backend keeps per proxy id must

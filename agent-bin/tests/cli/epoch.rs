@@ -387,3 +387,37 @@ fn a_start_beside_an_old_generation_that_drains_waits_for_it_and_is_cold() {
     assert!(exited(old), "started only once the old generation exited: {cold}");
     assert_eq!(wait_for("an answer", || served_by(setup.port)), "epoch 0");
 }
+
+#[test]
+fn a_proxy_switched_to_epoch_is_restarted_once_then_hands_over_by_itself() {
+    let setup = Setup::new("epoch-switch");
+    let _sweep = SweepOnDrop(setup.dirs.socket());
+    // Before `update = "epoch"`: its own fixed epoch and base id, restarted as any proxy.
+    setup.dirs.write_config(
+        "envoy.toml",
+        &format!(
+            "[[service]]\nname = \"{}\"\n[service.proxy]\ncommand = [\"/usr/bin/python3\", \"{}\", \"--restart-epoch\", \
+             \"0\", \"--base-id\", \"4242\", \"--port\", \"{}\"]\nkill_timeout = \"2s\"\n\
+             [service.proxy.readiness]\nnotify = true\n",
+            setup.name,
+            setup.script.display(),
+            setup.port
+        ),
+    );
+    let agent = Agent::start(&setup.dirs, &root_flags());
+    let id = setup.id();
+    let plain = agent.wait_state(&id, "running");
+    assert_eq!(plain["generations"], serde_json::json!([]), "no generations without update = \"epoch\"");
+    let old = plain["pid"].as_i64().unwrap();
+
+    // The old instance cannot hand over: it is stopped, and the first generation is cold.
+    setup.write(&Knobs::default());
+    agent.signal(Signal::SIGHUP);
+    let first = wait_generations(&agent, &id, "the first generation", |g| g == [(0, "current")]);
+    assert!(exited(old));
+    assert_ne!(first["pid"].as_i64(), Some(old));
+    assert!(first["error"].is_null(), "{first}");
+
+    restart(&agent, &id);
+    wait_generations(&agent, &id, "a hot restart", |g| g.first() == Some(&(1, "current")));
+}

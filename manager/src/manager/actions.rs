@@ -34,10 +34,14 @@ impl Manager {
             slot.error = None;
         }
         // An overlapping update, or a hot restart by the proxy itself, publishes its new
-        // instance while the old one serves.
+        // instance while the old one serves. Only a generation (its status lists the
+        // proxy's generations) can hand over by itself: an instance started otherwise (before
+        // `update = "epoch"` was set, or by a backend without generations) is restarted.
+        let hands_over = slot.installed.as_ref().is_some_and(|i| !i.status.borrow().generations.is_empty());
         let overlap = match (action, &wanted, &installed) {
             (Action::Restart, Some(proxy), Some((_, generation)))
-                if matches!(proxy.spec().update.strategy, UpdateStrategy::Overlap | UpdateStrategy::Epoch) =>
+                if proxy.spec().update.strategy == UpdateStrategy::Overlap
+                    || (proxy.spec().update.strategy == UpdateStrategy::Epoch && hands_over) =>
             {
                 let (progress, next) = watch::channel(None);
                 let mut changes = next.clone();

@@ -141,6 +141,10 @@ pub(super) struct FakeHandle {
     adopted: Adopted,
 }
 
+fn proxy_epoch(proxy: &ManagedProxy) -> bool {
+    proxy.spec().update.strategy == tether_state::UpdateStrategy::Epoch
+}
+
 fn failure(what: &str) -> crate::BoxError {
     format!("the fake refuses to {what}").into()
 }
@@ -155,6 +159,8 @@ impl FakeHandle {
             Err(BackendError::Start { id: self.id.clone(), source: failure("start") })
         } else {
             let proxy = self.proxy.lock().unwrap().clone().expect("a created handle has its proxy");
+            // A generation lists itself, at least.
+            let hands_over = proxy_epoch(&proxy);
             let mut state = self.fake.state();
             // An overlapping update runs two instances on purpose, until the old one stops.
             let overlaps = matches!(
@@ -174,7 +180,7 @@ impl FakeHandle {
             }
             let ready_after = state.ready_after.get(&self.id).copied();
             let ready = !state.never_ready.contains(&self.id) && ready_after.is_none();
-            let generations = state.generations.get(&self.id).copied().unwrap_or_default();
+            let generations = state.generations.get(&self.id).copied().unwrap_or(usize::from(hands_over));
             state.last_started.insert(self.id.clone(), self.status.clone());
             drop(state);
             self.status.send_modify(|s| {

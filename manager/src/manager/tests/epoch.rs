@@ -119,3 +119,18 @@ async fn a_change_that_waits_for_max_generations_gives_way_to_a_newer_one_or_a_r
     assert_eq!(running.fake.calls_of(Call::Start).len(), 1, "nothing started for a change no longer wanted");
     running.stop().await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn an_instance_that_is_no_generation_is_restarted_instead() {
+    // Started before `update = "epoch"` was set, say: its status lists no generations.
+    let web = epoch("web", Duration::from_secs(30), 3);
+    let running = run(std::slice::from_ref(&web));
+    running.fake.state().generations.insert(pid("web"), 0);
+    running.until_state(&pid("web"), ProxyState::Running).await;
+    running.fake.state().generations.remove(&pid("web"));
+    running.state.upsert(changed(web, "debug"), Source::Api).unwrap();
+    running.fake.wait_calls(Call::Start, 2).await;
+    let calls: Vec<Call> = running.fake.state().calls.iter().map(|(_, _, call)| *call).collect();
+    assert_eq!(calls, [Call::Start, Call::Stop, Call::Start], "stopped, then started: it cannot hand over");
+    running.stop().await;
+}
