@@ -1,10 +1,10 @@
 //! `update = "epoch"`: a hot restart by the proxy itself, as Envoy does it. The proxy of
 //! these tests is a small Python program that follows Envoy's contract: given
 //! `--restart-epoch N --base-id B`, epoch 0 binds its listening socket itself; epoch N > 0
-//! connects to the Unix socket of epoch N - 1 (abstract, named by `B * 10 + epoch` as
-//! Envoy's `envoy_domain_socket_*` are), asks it for its listening socket (`SCM_RIGHTS`),
-//! serves, says it is ready (sd_notify) and tells the old one to drain; the old one stops
-//! accepting, and exits 0 once drained.
+//! asks epoch N - 1 for its listening socket over Unix datagram sockets (abstract, named by
+//! role and `B * 10 + epoch`, as Envoy's `envoy_domain_socket_{parent,child}_*` are), takes
+//! it (`SCM_RIGHTS`), serves, says it is ready (sd_notify) and tells the old one to drain;
+//! the old one stops accepting, and exits 0 once drained.
 
 use std::path::{Path, PathBuf};
 
@@ -14,7 +14,7 @@ use nix::unistd::Pid;
 use crate::support::*;
 
 const FAKE_ENVOY: &str = r#"
-import os, select, socket, sys, time
+import array, os, select, socket, sys, time
 
 args = sys.argv[1:]
 def opt(name, default=None):
@@ -29,12 +29,12 @@ if "--fail" in args:
     print("epoch %d: refusing to start" % epoch, flush=True)
     sys.exit(3)
 
-def address(of_epoch):
-    return "\0tether-test-envoy-%d" % (base_id * 10 + of_epoch)
+def address(role, of_epoch):
+    return "\0tether-test-envoy-%s-%d" % (role, base_id * 10 + of_epoch)
 
-control = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-control.bind(address(epoch))
-control.listen(4)
+# As Envoy's hot restart: datagram sockets, one to answer the next epoch, one to ask the last.
+control = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+control.bind(address("parent", epoch))
 parent = None
 if epoch == 0:
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -42,9 +42,10 @@ if epoch == 0:
     listener.bind(("127.0.0.1", port))
     listener.listen(1024)
 else:
-    parent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    parent.connect(address(epoch - 1))
-    parent.sendall(b"listeners\n")
+    parent = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    parent.bind(address("child", epoch))
+    parent.connect(address("parent", epoch - 1))
+    parent.send(b"listeners")
     _, fds, _, _ = socket.recv_fds(parent, 64, 4)
     listener = socket.socket(fileno=fds[0])
 print("epoch %d: serving on %d" % (epoch, port), flush=True)
@@ -55,34 +56,27 @@ if notify:
         notify = "\0" + notify[1:]
     socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM).sendto(b"READY=1", notify)
 if parent is not None:
-    parent.sendall(b"drain\n")
+    parent.send(b"drain")
 
-peers = []
 drained_at = None
 while True:
-    watched = [control] + peers + ([listener] if listener is not None else [])
+    watched = [control] + ([listener] if listener is not None else [])
     readable, _, _ = select.select(watched, [], [], 0.05)
     for ready in readable:
         if ready is listener:
             connection, _ = listener.accept()
             connection.sendall(b"epoch %d\n" % epoch)
             connection.close()
-        elif ready is control:
-            peers.append(control.accept()[0])
         else:
-            data = ready.recv(64)
-            if not data:
-                peers.remove(ready)
-                ready.close()
-                continue
-            for word in data.decode().split():
-                if word == "listeners":
-                    socket.send_fds(ready, [b"listeners"], [listener.fileno()])
-                elif word == "drain":
-                    print("epoch %d: draining" % epoch, flush=True)
-                    listener.close()
-                    listener = None
-                    drained_at = time.monotonic() + drain_s
+            word, child = control.recvfrom(64)
+            if word == b"listeners":
+                rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [listener.fileno()]))]
+                control.sendmsg([b"listeners"], rights, 0, child)
+            elif word == b"drain":
+                print("epoch %d: draining" % epoch, flush=True)
+                listener.close()
+                listener = None
+                drained_at = time.monotonic() + drain_s
     if drained_at is not None and time.monotonic() >= drained_at and not never_exit:
         print("epoch %d: drained" % epoch, flush=True)
         sys.exit(0)
@@ -420,4 +414,29 @@ fn a_proxy_switched_to_epoch_is_restarted_once_then_hands_over_by_itself() {
 
     restart(&agent, &id);
     wait_generations(&agent, &id, "a hot restart", |g| g.first() == Some(&(1, "current")));
+}
+
+#[test]
+fn without_a_snapshot_the_next_agent_tells_the_generations_apart_by_their_listeners() {
+    let setup = Setup::new("epoch-nosnap");
+    let _sweep = SweepOnDrop(setup.dirs.socket());
+    let mut agent = setup.start(&Knobs { drain_s: 60.0, ..Knobs::default() });
+    let id = setup.id();
+    restart(&agent, &id);
+    let before = wait_generations(&agent, &id, "two generations", |g| g == [(1, "current"), (0, "draining")]);
+    let pids = generation_pids(&before);
+
+    // Killed before its snapshot told of the hot restart: here, no snapshot at all.
+    agent.signal(Signal::SIGKILL);
+    agent.wait();
+    std::fs::remove_file(setup.dirs.data.join("snapshot.json")).unwrap();
+    let agent = Agent::start(&setup.dirs, &root_flags());
+    // The one that holds the listening socket is current; the one that gave it up drains.
+    let after = wait_generations(&agent, &id, "both generations adopted", |g| g == [(1, "current"), (0, "draining")]);
+    assert_eq!(generation_pids(&after), pids, "the same processes, not restarted: {after}");
+    assert!(pids.iter().all(|pid| alive(*pid)));
+    assert_eq!(wait_for("an answer", || served_by(setup.port)), "epoch 1");
+    // The base id came back from the processes: the next hot restart takes over.
+    restart(&agent, &id);
+    wait_generations(&agent, &id, "epoch 2", |g| g.first() == Some(&(2, "current")));
 }

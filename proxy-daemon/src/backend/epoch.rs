@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use tether_manager::{BackendStatus, Generation};
-use tether_state::{KillPolicy, ProxyId, substitute_epoch};
+use tether_state::{KillPolicy, ProxyId, proxy_env, substitute_epoch};
 use tokio::sync::watch;
 
 use crate::proc::Identity;
@@ -238,16 +238,26 @@ impl Generations {
             None => text.clone(),
         };
         let cold_args = spec.args.iter().map(|arg| substitute(arg, 0)).collect();
-        let cold_env = spec
+        // Its own epoch and base id in its environment too: they tell the next agent what a
+        // live process is when no snapshot record does.
+        let told = |epoch: u32| {
+            [
+                (OsString::from(proxy_env::RESTART_EPOCH), OsString::from(epoch.to_string())),
+                (OsString::from(proxy_env::BASE_ID), OsString::from(begun.base_id.to_string())),
+            ]
+        };
+        let mut cold_env: Vec<(OsString, OsString)> = spec
             .env
             .iter()
             .filter(|(_, value)| value.to_str().is_some_and(|v| tether_state::epoch_placeholder_in(v).is_some()))
             .map(|(key, value)| (key.clone(), substitute(value, 0)))
             .collect();
+        cold_env.extend(told(0));
         spec.args = spec.args.iter().map(|arg| substitute(arg, begun.epoch)).collect();
         for (_, value) in &mut spec.env {
             *value = substitute(value, begun.epoch);
         }
+        spec.env.extend(told(begun.epoch));
         let (registry, id, key) = (Arc::clone(self), id.clone(), begun.key);
         spec.restarted = Some(Restarted {
             args: cold_args,
@@ -317,6 +327,19 @@ fn free_base_id(taken: &HashMap<u32, ProxyId>, id: &ProxyId) -> u32 {
         base_id = base_id % BASE_IDS + 1;
     }
     base_id
+}
+
+/// The restart epoch and base id that live process `pid` was started with, from its
+/// environment: what a generation is when no snapshot record says it.
+pub(super) fn told_to(pid: u32) -> (Option<u32>, Option<u32>) {
+    let Ok(environ) = crate::proc::read_environ(pid) else { return (None, None) };
+    let value = |name: &str| {
+        environ.split(|byte| *byte == 0).find_map(|entry| {
+            let value = entry.strip_prefix(name.as_bytes())?.strip_prefix(b"=")?;
+            std::str::from_utf8(value).ok()?.parse::<u32>().ok()
+        })
+    };
+    (value(proxy_env::RESTART_EPOCH), value(proxy_env::BASE_ID))
 }
 
 /// Awaits the exit of a generation that drains, up to `timeout`, then stops it with its
