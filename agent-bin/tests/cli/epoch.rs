@@ -359,6 +359,15 @@ fn an_agent_killed_and_started_again_adopts_every_live_generation() {
     assert_eq!(after["restarts"], 0);
     assert!(pids.iter().all(|pid| alive(*pid)));
     assert_eq!(wait_for("an answer", || served_by(setup.port)), "epoch 1");
+
+    // The base id is the proxy's across the agent restart: the next hot restart takes over.
+    let base_id = |pid: i64| {
+        let words = cmdline(pid as i32);
+        words[words.iter().position(|w| w == "--base-id").unwrap() + 1].clone()
+    };
+    restart(&agent, &id);
+    let next = wait_generations(&agent, &id, "epoch 2", |g| g.first() == Some(&(2, "current")));
+    assert_eq!(base_id(next["pid"].as_i64().unwrap()), base_id(pids[0]));
 }
 
 #[test]
