@@ -35,8 +35,8 @@ pub(crate) struct ProxyStatusDto {
     /// runs.
     #[serde(default)]
     pub(crate) resources: Option<ResourcesDto>,
-    /// The new instance of an overlapping update while it starts beside the one above;
-    /// `null` otherwise.
+    /// The new instance of an overlapping update (or the new generation of a hot restart)
+    /// while it starts beside the one above; `null` otherwise.
     #[serde(default)]
     pub(crate) update: Option<UpdateDto>,
     /// The last reload in place; `null` before the first. Older agents did not send it.
