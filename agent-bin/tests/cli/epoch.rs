@@ -449,3 +449,21 @@ fn without_a_snapshot_the_next_agent_tells_the_generations_apart_by_their_listen
     restart(&agent, &id);
     wait_generations(&agent, &id, "epoch 2", |g| g.first() == Some(&(2, "current")));
 }
+
+#[test]
+fn an_agent_that_shuts_down_leaves_every_generation_running_for_the_next() {
+    let setup = Setup::new("epoch-close");
+    let _sweep = SweepOnDrop(setup.dirs.socket());
+    let mut agent = setup.start(&Knobs { drain_s: 60.0, ..Knobs::default() });
+    let id = setup.id();
+    restart(&agent, &id);
+    let before = wait_generations(&agent, &id, "two generations", |g| g == [(1, "current"), (0, "draining")]);
+    let pids = generation_pids(&before);
+
+    agent.signal(Signal::SIGTERM);
+    assert!(agent.wait().success());
+    assert!(pids.iter().all(|pid| alive(*pid)), "a shutdown of the agent is no restart of its proxies");
+    let agent = Agent::start(&setup.dirs, &root_flags());
+    let after = wait_generations(&agent, &id, "both generations adopted", |g| g == [(1, "current"), (0, "draining")]);
+    assert_eq!(generation_pids(&after), pids, "{after}");
+}
