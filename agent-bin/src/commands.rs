@@ -77,6 +77,16 @@ pub(crate) fn table(proxies: &[ProxyStatusDto], now: SystemTime) -> String {
                 state.push_str(&format!(" (new: {})", update.state));
                 pid.push_str(&format!(" (new: {})", update.pid.map_or_else(|| "-".to_owned(), |pid| pid.to_string())));
             }
+            // A hot restart by the proxy itself: the old generations that drain.
+            let draining: Vec<String> = p
+                .generations
+                .iter()
+                .filter(|generation| generation.role == "draining")
+                .map(|generation| generation.pid.map_or_else(|| "-".to_owned(), |pid| pid.to_string()))
+                .collect();
+            if !draining.is_empty() {
+                pid.push_str(&format!(" (draining: {})", draining.join(", ")));
+            }
             [
                 p.id.clone(),
                 p.service.clone(),
@@ -341,6 +351,7 @@ mod tests {
                 }),
                 update: None,
                 last_reload: None,
+                generations: Vec::new(),
             },
             ProxyStatusDto {
                 id: "db-proxy".into(),
@@ -356,8 +367,16 @@ mod tests {
                 resources: None,
                 update: None,
                 last_reload: None,
+                generations: Vec::new(),
             },
         ];
+        let mut hot = proxies[0].clone();
+        hot.generations = vec![
+            crate::api::dto::GenerationDto { epoch: 2, pid: Some(4242), role: "current".into() },
+            crate::api::dto::GenerationDto { epoch: 1, pid: Some(4100), role: "draining".into() },
+            crate::api::dto::GenerationDto { epoch: 0, pid: None, role: "draining".into() },
+        ];
+        assert!(table(&[hot], now).contains(" 4242 (draining: 4100, -) "), "{}", table(&[proxies[0].clone()], now));
         assert_eq!(
             table(&proxies, now),
             "\

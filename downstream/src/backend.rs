@@ -220,5 +220,6 @@ fn backend_status(observed: &ProcessStatus) -> BackendStatus {
         status_text: observed.status_text.clone(),
         probe_failures: observed.probe_failures,
         reloads: observed.reloads.clone(),
+        generations: Vec::new(),
     }
 }

@@ -145,6 +145,22 @@ pub struct BackendStatus {
     /// Its reloads ([`ProxyHandle::reload`]): the last one and the counts, once there was one.
     /// Boxed: most proxies never reload.
     pub reloads: Option<Box<Reloads>>,
+    /// For a proxy that hands over by itself (`update = "epoch"`): every live generation of
+    /// it, this handle's own first, then the others (a new one starting beside it, old ones
+    /// draining). Empty for other proxies.
+    pub generations: Vec<Generation>,
+}
+
+/// One live generation of a proxy that hands over by itself (`update = "epoch"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Generation {
+    /// Its restart epoch: 0 at a cold start, one more at each hot restart.
+    pub epoch: u32,
+    /// Its process id, while it has a process.
+    pub pid: Option<u32>,
+    /// It handed over to a newer generation and is draining: it exits on its own, and is
+    /// stopped after the proxy's `drain_timeout`.
+    pub draining: bool,
 }
 
 /// What a proxy's running instance uses now (with whatever it started), as a backend
@@ -400,6 +416,25 @@ pub trait ProxyHandle: Send + Sync {
     /// The proxy's status, which changes whenever the backend observes something.
     fn status(&self) -> watch::Receiver<BackendStatus>;
 
+    /// Lets the proxy's process drain and exit on its own: called instead of
+    /// [`ProxyHandle::stop`] on the old handle of a hot restart by the proxy itself
+    /// (`update = "epoch"`), once the new generation, which took its listeners, is ready.
+    /// The process is not signalled; the backend awaits its exit up to the proxy's
+    /// `drain_timeout`, then stops it as [`ProxyHandle::stop`] does, and no longer
+    /// restarts it. Returns once the backend has taken it over for that: the engine then
+    /// drops the handle, and the backend reports the draining generation in the status of
+    /// the proxy's newer handles ([`BackendStatus::generations`]).
+    ///
+    /// # Errors
+    ///
+    /// [`BackendError::Stop`] when the backend cannot take the process over; the engine
+    /// keeps the new generation either way.
+    ///
+    /// The default stops the proxy, for a backend whose proxies cannot hand over.
+    async fn drain(&self) -> Result<(), BackendError> {
+        self.stop().await
+    }
+
     /// Reloads the proxy in place, as its `reload` table says, and returns the verdict; the
     /// status's [`BackendStatus::reloads`] shows it too. `None` when the proxy cannot be
     /// reloaded (it has no `reload` table).
@@ -464,6 +499,11 @@ pub trait ProxyBackend: Send + Sync {
     ///   `stop` (old) once the new one reports [`BackendState::Running`]: both run side by side
     ///   until then. When the new one fails to get ready in time, it is stopped instead and the
     ///   old one stays.
+    /// - A hot restart by the proxy itself (`update = "epoch"`), when the old handle's status
+    ///   lists generations ([`BackendStatus::generations`]): as an overlapping update, but
+    ///   [`ProxyHandle::drain`] (old) instead of `stop`; before `create`, the engine waits while
+    ///   the old handle's status lists `max_generations` live generations. An old handle that
+    ///   lists none cannot hand over, and is restarted.
     ///
     /// Either way the old handle is dropped once the restart is over. So `create` must not
     /// disturb a live handle of the same id, and whatever a backend keeps per proxy id must

@@ -221,8 +221,8 @@ pub mod testing;
 mod users;
 
 pub use backend::{
-    Adopted, BackendError, BackendRecord, BackendState, BackendStats, BackendStatus, BoxError, Histogram, Meter,
-    ProxyBackend, ProxyHandle, ProxyState, ResourceUsage,
+    Adopted, BackendError, BackendRecord, BackendState, BackendStats, BackendStatus, BoxError, Generation, Histogram,
+    Meter, ProxyBackend, ProxyHandle, ProxyState, ResourceUsage,
 };
 #[cfg(any(test, feature = "mock"))]
 pub use backend::{MockProxyBackend, MockProxyHandle};

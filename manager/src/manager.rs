@@ -124,6 +124,9 @@ struct Slot {
     /// The new instance of the overlapping update in flight, and the task that publishes
     /// its changes.
     overlap: Option<(watch::Receiver<Option<BackendStatus>>, AbortHandle)>,
+    /// Cancelled to give up a hot restart (`update = "epoch"`) that still waits for an old
+    /// generation to exit, when what it would start is no longer wanted.
+    superseded: Option<CancellationToken>,
     /// The last overlapping update was abandoned, and the instance it would have replaced
     /// still serves: shown as it runs, with the error.
     old_serves: bool,
@@ -149,6 +152,7 @@ impl Slot {
             restarts_base: 0,
             requested: None,
             overlap: None,
+            superseded: None,
             old_serves: false,
             waiting: false,
             draining: false,
@@ -700,7 +704,8 @@ impl Manager {
     /// taken. A proxy with an action running is left alone: its completion plans it again.
     fn consider(&mut self, id: &ProxyId) {
         let slot = self.slots.get(id);
-        if slot.is_some_and(|slot| slot.busy.is_some()) {
+        if let Some(slot) = slot.filter(|slot| slot.busy.is_some()) {
+            self.supersede_waiting(id, slot);
             return;
         }
         let desired = self.desired.get(id).map(|d| &d.proxy);
@@ -814,6 +819,23 @@ impl Manager {
         }
     }
 
+    /// Gives up the hot restart of `id` that waits for an old generation to exit
+    /// (`max_generations`) when what it would start is no longer what is wanted (changed
+    /// again, gone, or held down): nothing has started yet, and the change that superseded
+    /// it is planned once it has given up.
+    fn supersede_waiting(&self, id: &ProxyId, slot: &Slot) {
+        let Some(superseded) = &slot.superseded else { return };
+        let waits = slot.overlap.as_ref().is_some_and(|(next, _)| {
+            next.borrow().as_ref().is_some_and(|next| next.state == crate::backend::BackendState::Pending)
+        });
+        let wanted = self.desired.get(id).map(|desired| &desired.proxy);
+        let same =
+            matches!((wanted, &slot.launched_for), (Some(wanted), Some(launched)) if Arc::ptr_eq(wanted, launched));
+        if waits && (!same || self.held.contains(id)) {
+            superseded.cancel();
+        }
+    }
+
     fn install(
         &mut self,
         id: &ProxyId,
@@ -885,7 +907,17 @@ impl Manager {
         });
         let (state, error) = match (&slot.busy, &slot.observed) {
             // The old instance serves while the new one starts beside it.
-            (Some(Action::Restart), _) if slot.overlap.is_some() => (process.state.into(), process.error.clone()),
+            (Some(Action::Restart), _) if slot.overlap.is_some() => {
+                // A hot restart that waits for an old generation to exit says so.
+                let waits = slot.overlap.as_ref().and_then(|(next, _)| {
+                    next.borrow()
+                        .as_ref()
+                        .filter(|next| next.state == crate::backend::BackendState::Pending)?
+                        .error
+                        .clone()
+                });
+                (process.state.into(), waits.or_else(|| process.error.clone()))
+            }
             (Some(Action::Start), _) => (ProxyState::Starting, None),
             (Some(Action::Stop | Action::Restart), _) => (ProxyState::Stopping, None),
             (_, Observed::Blocked { .. }) => (ProxyState::Blocked, slot.error.clone()),
@@ -911,6 +943,7 @@ impl Manager {
             status_text: process.pid.and(process.status_text),
             probe_failures: process.probe_failures,
             update,
+            generations: (!process.generations.is_empty()).then(|| process.generations.into_boxed_slice()),
             usage: None,
             reloads: process.reloads,
             applied_revision: slot.installed.as_ref().and(slot.applied_revision),

@@ -11,7 +11,7 @@ use std::time::{Duration, SystemTime};
 use tether_state::{ExitReason, ProxyId, ReloadOutcome, Reloads, Revision, ServiceId};
 use tokio::sync::{broadcast, mpsc, oneshot};
 
-use crate::backend::{BackendStats, Meter, ProxyState, ResourceUsage};
+use crate::backend::{BackendStats, Generation, Meter, ProxyState, ResourceUsage};
 
 /// One proxy's status, as `tether status --json` shows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,9 +36,14 @@ pub struct ProxyStatus {
     pub status_text: Option<String>,
     /// Failed readiness and liveness checks.
     pub probe_failures: u64,
-    /// The new instance of an overlapping update (`update = "overlap"`), while it starts
-    /// beside the instance described above, which serves until it is ready.
+    /// The new instance of an overlapping update (`update = "overlap"`), or the new
+    /// generation of a hot restart (`update = "epoch"`), while it starts beside the instance
+    /// described above, which serves until it is ready.
     pub update: Option<UpdateStatus>,
+    /// For `update = "epoch"`: every live generation, the current one (described above)
+    /// first, then a new one starting and old ones draining. Empty for other proxies.
+    /// Boxed: most proxies have none, and the board keeps one status per proxy.
+    pub generations: Option<Box<[Generation]>>,
     /// What its running instance uses now, as the engine's [`Meter`] measures it: read when
     /// the status is read through [`ManagerHandle::status`] or [`ManagerHandle::proxy`];
     /// `None` in [`ProxyEvent`]s, whose figures would be stale at once, and while no process
@@ -410,6 +415,7 @@ mod tests {
     fn status(pid: Option<u32>, last_exit: Option<ExitReason>) -> ProxyStatus {
         ProxyStatus {
             update: None,
+            generations: None,
             id: ServiceId::new("web").unwrap().proxy_id(),
             service: ServiceId::new("web").unwrap(),
             state: ProxyState::Running,

@@ -5,6 +5,7 @@
 //! pid file, policies), forwards the supervisor's observations as the manager's status, and
 //! records in snapshots only what proves identity: never a token or an environment value.
 
+mod epoch;
 mod record;
 mod restore;
 
@@ -22,7 +23,9 @@ use tether_manager::{
 };
 use tether_state::persist::DataDir;
 use tether_state::proxy_env;
-use tether_state::{CommandLine, ListenAddress, Liveness, ManagedProxy, Probe, ProxyCommand, ProxyId, Readiness};
+use tether_state::{
+    CommandLine, ListenAddress, Liveness, ManagedProxy, Probe, ProxyCommand, ProxyId, Readiness, UpdateStrategy,
+};
 use tokio::sync::watch;
 
 use crate::cgroup::Cgroups;
@@ -83,6 +86,8 @@ struct Shared {
     /// closed once no handle holds it, and shared by every handle of its proxy meanwhile
     /// (the old and the new instance of an update).
     listeners: Mutex<HashMap<ProxyId, Vec<OpenListener>>>,
+    /// The live generations of the proxies with `update = "epoch"`, and their base ids.
+    generations: Arc<epoch::Generations>,
 }
 
 /// A listener's address and its socket, while some handle holds it.
@@ -121,7 +126,8 @@ impl OsProcessBackend {
         let found = Mutex::default();
         let listeners = Mutex::default();
         let supervisor = Supervisor::with_cgroups(data.notify_address(), cgroups)?;
-        Ok(Self { shared: Arc::new(Shared { supervisor, data, environment, found, listeners }) })
+        let generations = Arc::default();
+        Ok(Self { shared: Arc::new(Shared { supervisor, data, environment, found, listeners, generations }) })
     }
 
     /// The cgroup subtree of its proxies, if it uses one.
@@ -440,6 +446,8 @@ struct HandleState {
     record: Option<Record>,
     /// The listeners its start hands over, taken when it was created.
     listeners: Option<Result<Vec<InheritedSocket>, ListenError>>,
+    /// Its generation's key among the proxy's generations, for `update = "epoch"`.
+    generation: Option<u64>,
 }
 
 impl OsProxyHandle {
@@ -448,7 +456,7 @@ impl OsProxyHandle {
         Self {
             shared,
             id,
-            state: Mutex::new(HandleState { proxy, process: None, record: None, listeners: None }),
+            state: Mutex::new(HandleState { proxy, process: None, record: None, listeners: None, generation: None }),
             status,
             adopted: Adopted::AsRecorded,
         }
@@ -464,12 +472,27 @@ impl OsProxyHandle {
         let current = process.status();
         let mut state = self.lock();
         let kill = state.proxy.as_deref().map(kill_policy).unwrap_or_default();
-        state.record = current.identity.clone().map(|identity| Record { identity, kill });
+        state.record = current.identity.clone().map(|identity| Record { identity, kill, epoch: None });
         // Told from the supervising task: no task of its own to forward the statuses.
-        process.observe(move |current| {
-            status.send_replace(translate(current));
-        });
+        match state.generation {
+            // A generation's status lists its proxy's generations, kept in step with them.
+            Some(key) => {
+                let (generations, id) = (self.shared.generations.clone(), self.id.clone());
+                process.observe(move |current| {
+                    generations.observe(&id, key, current, Some((translate(current), &status)));
+                });
+            }
+            None => process.observe(move |current| {
+                status.send_replace(translate(current));
+            }),
+        }
         state.process = Some(process);
+    }
+
+    /// What the snapshot records of its generation, for `update = "epoch"`.
+    fn epoch_record(&self, key: Option<u64>) -> Option<record::EpochRecord> {
+        let (epoch, base_id, draining) = self.shared.generations.recorded(&self.id, key?)?;
+        Some(record::EpochRecord { epoch, base_id, draining })
     }
 
     fn take_process(&self) -> Option<ProcessHandle> {
@@ -503,6 +526,7 @@ fn translate(status: &ProcessStatus) -> tether_manager::BackendStatus {
         status_text: status.status_text.clone(),
         probe_failures: status.probe_failures,
         reloads: status.reloads.clone(),
+        generations: Vec::new(),
     }
 }
 
@@ -528,13 +552,64 @@ impl ProxyHandle for OsProxyHandle {
                 .listeners(&proxy, Vec::new())
                 .map_err(|error| BackendError::Start { id: self.id.clone(), source: Box::new(error) })?,
         };
-        let process = self
-            .shared
-            .supervisor
-            .spawn(spec)
-            .await
-            .map_err(|source| BackendError::Start { id: self.id.clone(), source: Box::new(source) })?;
+        // A generation of its own, with its epoch, for a proxy that hands over by itself. A
+        // start beside generations that drain only (none is current) is a cold start, once
+        // they have exited: the new generation could not take over from them.
+        let hands_over = proxy.spec().update.strategy == UpdateStrategy::Epoch;
+        if hands_over && self.shared.generations.only_draining(&self.id) {
+            tracing::info!(proxy = %self.id, "waiting for the old generations to exit before a cold start");
+            Arc::clone(&self.shared.generations).alone(self.id.clone(), u64::MAX).await;
+        }
+        let begun = hands_over.then(|| {
+            let begun = self.shared.generations.begin(&self.id, Some(self.status.clone()), None, None);
+            self.shared.generations.apply(&mut spec, &self.id, begun);
+            tracing::info!(proxy = %self.id, epoch = begun.epoch, base_id = begun.base_id, "starting a generation");
+            begun
+        });
+        let process = match self.shared.supervisor.spawn(spec).await {
+            Ok(process) => process,
+            Err(source) => {
+                if let Some(begun) = begun {
+                    self.shared.generations.end(&self.id, begun.key);
+                }
+                return Err(BackendError::Start { id: self.id.clone(), source: Box::new(source) });
+            }
+        };
+        self.lock().generation = begun.map(|begun| begun.key);
         self.attach(process);
+        Ok(())
+    }
+
+    async fn drain(&self) -> Result<(), BackendError> {
+        let (key, proxy) = {
+            let state = self.lock();
+            (state.generation, state.proxy.clone())
+        };
+        let (Some(key), Some(proxy)) = (key, proxy) else { return self.stop().await };
+        let Some(process) = self.take_process() else { return Ok(()) };
+        let current = process.status();
+        let Some(identity) = current.identity.clone().filter(|_| current.pid.is_some()) else {
+            // No process (it exited, and waits to start again): nothing drains.
+            let last = process.stop().await;
+            self.status.send_replace(translate(&last));
+            return Ok(());
+        };
+        // Not signalled: it exits by itself once drained, and is not started again.
+        let no_restart = ProcessUpdate { restart_on_exit: Some(false), ..ProcessUpdate::default() };
+        if let Err(error) = process.update(no_restart) {
+            tracing::warn!(proxy = %self.id, %error, "cannot update the draining generation's cgroup");
+        }
+        let timeout = proxy.spec().update.drain_timeout;
+        let draining = epoch::Draining {
+            epoch: self.epoch_record(Some(key)).map_or(0, |record| record.epoch),
+            identity,
+            kill: kill_policy(&proxy),
+            until: std::time::SystemTime::now() + timeout,
+        };
+        tracing::info!(proxy = %self.id, pid = current.pid, epoch = draining.epoch, "the old generation drains");
+        self.shared.generations.drain(&self.id, key, draining);
+        self.lock().record = None;
+        tokio::spawn(epoch::await_drain(self.id.clone(), process, timeout));
         Ok(())
     }
 
@@ -570,7 +645,7 @@ impl ProxyHandle for OsProxyHandle {
             Ok(identity) => {
                 let mut state = self.lock();
                 let kill = state.record.as_ref().map(|record| record.kill).unwrap_or_default();
-                state.record = Some(Record { identity, kill });
+                state.record = Some(Record { identity, kill, epoch: None });
             }
             Err(err) => tracing::info!(proxy = %self.id, error = %err, "nothing to detach"),
         }
@@ -586,6 +661,7 @@ impl ProxyHandle for OsProxyHandle {
             health: Some(health_checks(spec)),
             limits: Some(spec.limits),
             reload: Some(spec.reload.clone()),
+            restart_on_exit: None,
         };
         let mut state = self.lock();
         let written = state.process.as_ref().map_or(Ok(()), |process| process.update(update));
@@ -609,7 +685,11 @@ impl ProxyHandle for OsProxyHandle {
         let live = state.process.as_ref().and_then(|p| p.status().identity);
         if let Some(identity) = live {
             let kill = state.proxy.as_deref().map(kill_policy).unwrap_or_default();
-            state.record = Some(Record { identity, kill });
+            state.record = Some(Record { identity, kill, epoch: None });
+        }
+        let epoch = self.epoch_record(state.generation);
+        if let (Some(record), Some(epoch)) = (&mut state.record, epoch) {
+            record.epoch = Some(epoch);
         }
         state.record.as_ref().map_or_else(BackendRecord::none, Record::encode)
     }

@@ -168,6 +168,7 @@ impl Sender {
                 health: update.health.or(earlier.health),
                 limits: update.limits.or(earlier.limits),
                 reload: update.reload.or(earlier.reload),
+                restart_on_exit: update.restart_on_exit.or(earlier.restart_on_exit),
             }));
         })
     }
@@ -267,6 +268,7 @@ mod tests {
                 health: None,
                 limits: None,
                 reload: None,
+                restart_on_exit: None,
             })
         );
         assert!(taken.stop == Some(Stop::Signalled) && taken.detach.is_none() && !taken.handle_gone);

@@ -128,7 +128,7 @@ pub use spec::{
     Backoff, CommandLine, CpuLimit, Durability, HealthChecks, HttpTarget, InheritedSocket, KillPolicy, KillSignal,
     LinePattern, Liveness, LogFile, LogPolicy, LogSpec, LogTarget, PersistError, PrivateDir, Probe, ProcessName,
     ProcessSpec, ProcessSpecBuilder, ProcessUpdate, Readiness, ReloadAction, ReloadCounts, ReloadOutcome, ReloadPolicy,
-    ReloadResult, Reloads, ResourceLimits, RestartPolicy, TcpTarget, UnsafeEntry, WATCH_DEBOUNCE,
+    ReloadResult, Reloads, ResourceLimits, RestartPolicy, Restarted, TcpTarget, UnsafeEntry, WATCH_DEBOUNCE,
 };
 pub use status::{ExitReason, ProcessState, ProcessStatus, SupervisedProcess};
 pub use supervisor::{ProcessHandle, Supervisor};

@@ -192,6 +192,12 @@ pub struct ProcessSpec {
     /// Whether an exit is followed by a restart at all (default `true`). `false` suits a
     /// process adopted only to be stopped: its exit then ends supervision as `stopped`.
     pub restart_on_exit: bool,
+    /// What an instance started again after an exit runs instead of the first instance's
+    /// arguments and environment, and what it waits for first (default `None`: the same
+    /// arguments and environment, at once). A proxy that hands over to its successor by
+    /// itself (`update = "epoch"`) is started again cold: epoch 0, once no other
+    /// generation runs.
+    pub restarted: Option<Restarted>,
     /// Where its output goes.
     pub logs: LogSpec,
     /// Its readiness and liveness checks (default none).
@@ -294,6 +300,7 @@ impl fmt::Debug for ProcessSpec {
             .field("kill", &self.kill)
             .field("restart", &self.restart)
             .field("restart_on_exit", &self.restart_on_exit)
+            .field("restarted", &self.restarted)
             .field("logs", &self.logs)
             .field("health", &self.health)
             .field("listeners", &self.listeners)
@@ -302,6 +309,38 @@ impl fmt::Debug for ProcessSpec {
             .field("limits", &self.limits)
             .field("reload", &self.reload)
             .finish()
+    }
+}
+
+/// What an instance started again after an exit runs ([`ProcessSpec::restarted`]).
+#[derive(Clone)]
+pub struct Restarted {
+    /// Its arguments, without the program name.
+    pub args: Vec<OsString>,
+    /// Entries that replace those of the same name in [`ProcessSpec::env`] (or are added).
+    pub env: Vec<(OsString, OsString)>,
+    /// Resolves once the instance may be started; the backoff begins after it. While it
+    /// waits, the process is in `backoff`, and a stop or a detach ends supervision.
+    pub after: Arc<dyn Fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> + Send + Sync>,
+}
+
+impl Restarted {
+    /// Applies the arguments and environment to `spec`.
+    pub(crate) fn apply_to(&self, spec: &mut ProcessSpec) {
+        spec.args.clone_from(&self.args);
+        for (key, value) in &self.env {
+            match spec.env.iter_mut().rev().find(|(name, _)| name == key) {
+                Some(entry) => entry.1.clone_from(value),
+                None => spec.env.push((key.clone(), value.clone())),
+            }
+        }
+    }
+}
+
+impl fmt::Debug for Restarted {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let env_names: Vec<_> = self.env.iter().map(|(key, _)| key).collect();
+        f.debug_struct("Restarted").field("args", &self.args).field("env", &env_names).finish_non_exhaustive()
     }
 }
 
@@ -342,6 +381,10 @@ pub struct ProcessUpdate {
     /// A new reload policy (`Some(None)`: the process can no longer reload), used by the
     /// next reload; a reload in flight ends as it began.
     pub reload: Option<Option<ReloadPolicy>>,
+    /// Whether an exit is followed by a restart ([`ProcessSpec::restart_on_exit`]); `false`
+    /// makes the next exit end supervision as `stopped`, and ends at once a supervision
+    /// that waits to start the process again.
+    pub restart_on_exit: Option<bool>,
 }
 
 #[cfg(test)]

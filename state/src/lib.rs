@@ -141,7 +141,10 @@ pub use id::{
     IdError, MAX_PROXY_ID_LEN, MAX_SERVICE_ID_LEN, PROXY_SUFFIX, ProxyId, SERVICE_ID_RULE, ServiceId,
     check_process_name, check_service_id,
 };
-pub use listener::{LISTENER_NAME_RULE, ListenAddress, Listener, ListenerName, UpdatePolicy, UpdateStrategy};
+pub use listener::{
+    BASE_ID_PLACEHOLDER, LISTENER_NAME_RULE, ListenAddress, Listener, ListenerName, RESTART_EPOCH_PLACEHOLDER,
+    UpdatePolicy, UpdateStrategy, epoch_placeholder_in, substitute_epoch,
+};
 pub use ordering::{Condition, Dependency, DependsOn, cycle_text, dependency_cycles};
 pub use reload::{ReloadAction, ReloadCounts, ReloadOutcome, ReloadPolicy, ReloadResult, Reloads, WATCH_DEBOUNCE};
 pub use resources::{CpuLimit, ResourceLimits};

@@ -105,6 +105,10 @@ pub enum UpdateStrategy {
     /// Start the new instance beside the old one, wait until it is ready, then stop the
     /// old one.
     Overlap,
+    /// Hot restart by the proxy itself (Envoy's `--restart-epoch`): start a new generation
+    /// with the next epoch beside the old one, which hands its listeners over, drains and
+    /// exits on its own; it is not signalled, and is stopped only after `drain_timeout`.
+    Epoch,
 }
 
 impl UpdateStrategy {
@@ -113,24 +117,72 @@ impl UpdateStrategy {
         match self {
             Self::Restart => "restart",
             Self::Overlap => "overlap",
+            Self::Epoch => "epoch",
         }
     }
 }
 
-/// `update` and `update_timeout`.
+/// `update`, `update_timeout`, and for `update = "epoch"`, `drain_timeout` and
+/// `max_generations`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct UpdatePolicy {
     /// How an instance is replaced.
     pub strategy: UpdateStrategy,
-    /// How long an overlapping new instance may take to become ready before the update is
-    /// abandoned and the old one keeps serving.
+    /// How long an overlapping new instance (or a new generation) may take to become ready
+    /// before the update is abandoned and the old one keeps serving.
     pub timeout: Duration,
+    /// `update = "epoch"`: how long an old generation may take to drain and exit on its own
+    /// before it is stopped with the kill signal.
+    pub drain_timeout: Duration,
+    /// `update = "epoch"`: the most generations of the proxy that run at once (at least
+    /// [`UpdatePolicy::MIN_GENERATIONS`]); a change beyond it waits for one to exit.
+    pub max_generations: u32,
+}
+
+impl UpdatePolicy {
+    /// The default `drain_timeout`.
+    pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(15 * 60);
+    /// The default `max_generations`.
+    pub const MAX_GENERATIONS: u32 = 3;
+    /// The least `max_generations`: the generation that serves and the one that takes over.
+    pub const MIN_GENERATIONS: u32 = 2;
 }
 
 impl Default for UpdatePolicy {
     fn default() -> Self {
-        Self { strategy: UpdateStrategy::Restart, timeout: Duration::from_secs(30) }
+        Self {
+            strategy: UpdateStrategy::Restart,
+            timeout: Duration::from_secs(30),
+            drain_timeout: Self::DRAIN_TIMEOUT,
+            max_generations: Self::MAX_GENERATIONS,
+        }
     }
+}
+
+/// The placeholder of `command` and `env` that `update = "epoch"` replaces with a
+/// generation's restart epoch: 0 at a cold start, one more at each hot restart.
+pub const RESTART_EPOCH_PLACEHOLDER: &str = "{restart_epoch}";
+/// The placeholder of `command` and `env` that `update = "epoch"` replaces with the proxy's
+/// base id: a number stable for the proxy and unique among the agent's proxies.
+pub const BASE_ID_PLACEHOLDER: &str = "{base_id}";
+
+/// `text` with [`RESTART_EPOCH_PLACEHOLDER`] and [`BASE_ID_PLACEHOLDER`] replaced, wherever
+/// they appear in it.
+///
+/// ```
+/// assert_eq!(tether_state::substitute_epoch("--base-id={base_id}", 1, 7), "--base-id=7");
+/// assert_eq!(tether_state::substitute_epoch("{restart_epoch}", 2, 7), "2");
+/// ```
+pub fn substitute_epoch(text: &str, epoch: u32, base_id: u32) -> String {
+    if !text.contains('{') {
+        return text.to_owned();
+    }
+    text.replace(RESTART_EPOCH_PLACEHOLDER, &epoch.to_string()).replace(BASE_ID_PLACEHOLDER, &base_id.to_string())
+}
+
+/// The first epoch placeholder `text` holds, if any.
+pub fn epoch_placeholder_in(text: &str) -> Option<&'static str> {
+    [RESTART_EPOCH_PLACEHOLDER, BASE_ID_PLACEHOLDER].into_iter().find(|placeholder| text.contains(placeholder))
 }
 
 #[cfg(test)]

@@ -25,13 +25,19 @@ pub const SOCKET: &str = "TETHER_SOCKET";
 /// The agent's loopback HTTP address, when it serves one.
 pub const HTTP_ADDR: &str = "TETHER_HTTP_ADDR";
 
+/// With `update = "epoch"`: the generation's restart epoch, as `{restart_epoch}` says it.
+pub const RESTART_EPOCH: &str = "TETHER_RESTART_EPOCH";
+
+/// With `update = "epoch"`: the proxy's base id, as `{base_id}` says it.
+pub const BASE_ID: &str = "TETHER_BASE_ID";
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn every_name_has_the_prefix() {
-        for name in [PROXY_ID, SERVICE_ID, PROXY_TOKEN, SOCKET, HTTP_ADDR] {
+        for name in [PROXY_ID, SERVICE_ID, PROXY_TOKEN, SOCKET, HTTP_ADDR, RESTART_EPOCH, BASE_ID] {
             assert!(name.starts_with(PREFIX), "{name}");
         }
     }

@@ -35,13 +35,26 @@ pub(crate) struct ProxyStatusDto {
     /// runs.
     #[serde(default)]
     pub(crate) resources: Option<ResourcesDto>,
-    /// The new instance of an overlapping update while it starts beside the one above;
-    /// `null` otherwise.
+    /// The new instance of an overlapping update (or the new generation of a hot restart)
+    /// while it starts beside the one above; `null` otherwise.
     #[serde(default)]
     pub(crate) update: Option<UpdateDto>,
     /// The last reload in place; `null` before the first. Older agents did not send it.
     #[serde(default)]
     pub(crate) last_reload: Option<ReloadDto>,
+    /// For `update = "epoch"`: every live generation, the current one first; empty for
+    /// other proxies. Older agents did not send it.
+    #[serde(default)]
+    pub(crate) generations: Vec<GenerationDto>,
+}
+
+/// `{"epoch": n, "pid": n or null, "role": "current" | "new" | "draining"}`: one live
+/// generation of a proxy with `update = "epoch"`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct GenerationDto {
+    pub(crate) epoch: u32,
+    pub(crate) pid: Option<u32>,
+    pub(crate) role: String,
 }
 
 /// One reload's verdict: `{"at": RFC 3339 to the millisecond (reloads come closer together
@@ -175,10 +188,14 @@ mod tests {
                 result: "timed out".into(),
                 error: Some("no READY=1".into()),
             }),
+            generations: vec![
+                GenerationDto { epoch: 1, pid: Some(42), role: "current".into() },
+                GenerationDto { epoch: 0, pid: Some(41), role: "draining".into() },
+            ],
         };
         assert_eq!(
             serde_json::to_string(&dto).unwrap(),
-            r#"{"id":"web-proxy","service":"web","state":"running","pid":42,"restarts":1,"started_at":"1970-01-01T00:00:00Z","last_exit":{"signal":9},"error":null,"ready":true,"status_text":"serving","resources":null,"update":{"state":"starting","pid":43,"started_at":null},"last_reload":{"at":"1970-01-01T00:00:00Z","result":"timed out","error":"no READY=1"}}"#
+            r#"{"id":"web-proxy","service":"web","state":"running","pid":42,"restarts":1,"started_at":"1970-01-01T00:00:00Z","last_exit":{"signal":9},"error":null,"ready":true,"status_text":"serving","resources":null,"update":{"state":"starting","pid":43,"started_at":null},"last_reload":{"at":"1970-01-01T00:00:00Z","result":"timed out","error":"no READY=1"},"generations":[{"epoch":1,"pid":42,"role":"current"},{"epoch":0,"pid":41,"role":"draining"}]}"#
         );
         assert_eq!(serde_json::to_string(&ExitReason::Code(3)).unwrap(), r#"{"code":3}"#);
     }

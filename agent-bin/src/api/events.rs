@@ -205,6 +205,7 @@ mod tests {
         let id = ProxyId::parse("web-proxy").unwrap();
         ProxyStatus {
             update: None,
+            generations: None,
             service: id.service_id(),
             id,
             state,

@@ -295,6 +295,22 @@ pub(crate) fn status_dto(status: &ProxyStatus) -> ProxyStatusDto {
             started_at: update.started_at.map(dto::rfc3339),
         }),
         last_reload: status.reloads.as_ref().map(|reloads| dto::ReloadDto::from(&reloads.last)),
+        generations: status
+            .generations
+            .iter()
+            .flatten()
+            .enumerate()
+            .map(|(at, generation)| dto::GenerationDto {
+                epoch: generation.epoch,
+                pid: generation.pid,
+                role: match (at, generation.draining) {
+                    (0, _) => "current",
+                    (_, true) => "draining",
+                    (_, false) => "new",
+                }
+                .to_owned(),
+            })
+            .collect(),
     }
 }
 

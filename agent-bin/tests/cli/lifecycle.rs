@@ -320,6 +320,7 @@ fn status_prints_a_table_and_exact_json() {
         keys,
         [
             "error",
+            "generations",
             "id",
             "last_exit",
             "last_reload",

@@ -7,6 +7,7 @@ mod api;
 mod builtin;
 mod cgroups;
 mod datadir;
+mod epoch;
 mod faults;
 mod fleet;
 mod health;

@@ -178,3 +178,48 @@ fn a_relative_program_path_is_a_config_error_naming_file_line_and_field() {
         file.display()
     )));
 }
+
+#[test]
+fn epoch_keys_and_placeholders_beside_another_update_are_config_errors_naming_file_and_field() {
+    let dirs = Dirs::new();
+    dirs.write_config(
+        "a.toml",
+        "[[service]]\nname = \"web\"\n[service.proxy]\ncommand = [\"envoy\"]\ndrain_timeout = \"1m\"\n",
+    );
+    dirs.write_config(
+        "b.toml",
+        "[[service]]\nname = \"api\"\n[service.proxy]\nupdate = \"overlap\"\ncommand = [\"envoy\", \"--base-id\", \"{base_id}\"]\n",
+    );
+    dirs.write_config(
+        "c.toml",
+        "[[service]]\nname = \"db\"\n[service.proxy]\nupdate = \"epoch\"\nmax_generations = 1\n",
+    );
+    let file = |name: &str| dirs.config.join(name).display().to_string();
+    tether()
+        .arg("validate")
+        .arg(&dirs.config)
+        .assert()
+        .code(2)
+        .stderr(predicate::str::contains(format!(
+            "{}:1:1: field `service[0]`: `proxy.drain_timeout` applies to update = \"epoch\" only, and this proxy's \
+             update is \"restart\"",
+            file("a.toml")
+        )))
+        .stderr(predicate::str::contains(format!(
+            "{}:1:1: field `service[0]`: `proxy.command` holds {{base_id}}, which only update = \"epoch\" replaces",
+            file("b.toml")
+        )))
+        .stderr(predicate::str::contains(format!(
+            "{}:5:19: field `service[0].proxy.max_generations`: max_generations 1 is too few",
+            file("c.toml")
+        )))
+        .stderr(predicate::str::contains("3 error(s)"));
+
+    let valid = Dirs::new();
+    valid.write_config(
+        "edge.toml",
+        "[[service]]\nname = \"edge\"\n[service.proxy]\nupdate = \"epoch\"\ndrain_timeout = \"2m\"\nmax_generations = 2\n\
+         command = [\"/bin/true\", \"--restart-epoch\", \"{restart_epoch}\", \"--base-id\", \"{base_id}\"]\n",
+    );
+    tether().arg("validate").arg(&valid.config).assert().code(0);
+}

@@ -33,10 +33,15 @@ impl Manager {
         if std::mem::take(&mut slot.waiting) {
             slot.error = None;
         }
-        // An overlapping update publishes its new instance while the old one serves.
+        // An overlapping update, or a hot restart by the proxy itself, publishes its new
+        // instance while the old one serves. Only a generation (its status lists the
+        // proxy's generations) can hand over by itself: an instance started otherwise (before
+        // `update = "epoch"` was set, or by a backend without generations) is restarted.
+        let hands_over = slot.installed.as_ref().is_some_and(|i| !i.status.borrow().generations.is_empty());
         let overlap = match (action, &wanted, &installed) {
             (Action::Restart, Some(proxy), Some((_, generation)))
-                if proxy.spec().update.strategy == UpdateStrategy::Overlap =>
+                if proxy.spec().update.strategy == UpdateStrategy::Overlap
+                    || (proxy.spec().update.strategy == UpdateStrategy::Epoch && hands_over) =>
             {
                 let (progress, next) = watch::channel(None);
                 let mut changes = next.clone();
@@ -50,7 +55,11 @@ impl Manager {
                     }
                 });
                 slot.overlap = Some((next, watcher));
-                Some(progress)
+                let superseded = CancellationToken::new();
+                if proxy.spec().update.strategy == UpdateStrategy::Epoch {
+                    slot.superseded = Some(superseded.clone());
+                }
+                Some((progress, superseded))
             }
             _ => None,
         };
@@ -60,7 +69,10 @@ impl Manager {
             match (action, wanted, handle) {
                 (Action::Start, Some(proxy), _) => start(&*backend, proxy).await,
                 (Action::Restart, Some(proxy), Some(old)) => match overlap {
-                    Some(progress) => overlap_update(&*backend, &*old, proxy, progress, shutting_down).await,
+                    Some((progress, superseded)) if proxy.spec().update.strategy == UpdateStrategy::Epoch => {
+                        epoch_update(&*backend, &*old, proxy, progress, shutting_down, superseded).await
+                    }
+                    Some((progress, _)) => overlap_update(&*backend, &*old, proxy, progress, shutting_down).await,
                     None => {
                         // Created before the stop: what the new handle holds (its
                         // listeners) stays open in between.
@@ -110,6 +122,7 @@ impl Manager {
         if let Some((_, watcher)) = slot.overlap.take() {
             watcher.abort();
         }
+        slot.superseded = None;
         let wanted = slot.launched_for.take();
         let wanted_revision = slot.launched_revision.take();
         let mut failed = None;
@@ -185,7 +198,7 @@ impl Manager {
             Ok(Outcome::OverlapFailed { reason }) => {
                 // Not tried again until the next change (or `tether restart`): a new instance
                 // that cannot get ready would otherwise be started every `update_timeout`.
-                tracing::warn!(proxy = %id, %reason, "overlapping update abandoned; the old instance serves on");
+                tracing::warn!(proxy = %id, %reason, "update beside the old instance abandoned; the old instance serves on");
                 slot.observed = Observed::Failed { wanted, has_process: true };
                 slot.old_serves = true;
                 slot.error = Some(reason);
@@ -381,6 +394,56 @@ async fn start_created(handle: Box<dyn ProxyHandle>, proxy: Arc<ManagedProxy>) -
     }
 }
 
+/// `update = "epoch"`: waits while `max_generations` generations of the proxy live (as the
+/// old handle's status lists them), then starts the new generation beside `old` as an
+/// overlapping update does, and lets `old` drain once the new one is ready
+/// ([`ProxyHandle::drain`]): it is not signalled. When the new one fails, it is stopped and
+/// `old` stays current, as in an overlapping update.
+async fn epoch_update(
+    backend: &dyn ProxyBackend,
+    old: &dyn ProxyHandle,
+    proxy: Arc<ManagedProxy>,
+    progress: watch::Sender<Option<BackendStatus>>,
+    shutting_down: CancellationToken,
+    superseded: CancellationToken,
+) -> Outcome {
+    let max = proxy.spec().update.max_generations as usize;
+    let mut status = old.status();
+    let cancelled = shutting_down.clone();
+    let mut shutdown = std::pin::pin!(cancelled.cancelled());
+    loop {
+        let live = status.borrow_and_update().generations.len().max(1);
+        if live < max {
+            break;
+        }
+        let waiting = BackendStatus {
+            error: Some(format!("waiting for an old generation to exit: {live} run, and max_generations is {max}")),
+            ..BackendStatus::default()
+        };
+        progress.send_replace(Some(waiting));
+        tokio::select! {
+            changed = status.changed() => if changed.is_err() {
+                break; // the old handle is gone: nothing more to wait for
+            },
+            () = &mut shutdown => {
+                return Outcome::OverlapFailed {
+                    reason: "hot restart abandoned, the current generation serves on: the agent is shutting down"
+                        .to_owned(),
+                };
+            }
+            () = superseded.cancelled() => {
+                return Outcome::OverlapFailed {
+                    reason: "hot restart given up while it waited for an old generation to exit: what it would start \
+                             is no longer wanted"
+                        .to_owned(),
+                };
+            }
+        }
+    }
+    progress.send_replace(None);
+    replace_beside(backend, old, proxy, progress, shutting_down, Retire::Drain).await
+}
+
 /// `update = "overlap"`: starts the new instance beside `old`, and stops `old` once the new
 /// one is ready; abandons the new one, and leaves `old` serving, when it cannot start,
 /// exits or is not ready within `update_timeout`, or the engine shuts down meanwhile.
@@ -392,11 +455,37 @@ async fn overlap_update(
     progress: watch::Sender<Option<BackendStatus>>,
     shutting_down: CancellationToken,
 ) -> Outcome {
+    replace_beside(backend, old, proxy, progress, shutting_down, Retire::Stop).await
+}
+
+/// How the old instance of an update beside it ends once the new one is ready.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Retire {
+    /// `update = "overlap"`: stopped.
+    Stop,
+    /// `update = "epoch"`: left to drain and exit on its own.
+    Drain,
+}
+
+/// Starts the new instance beside `old`, and retires `old` as `retire` says once the new
+/// one is ready; otherwise stops the new one and leaves `old` serving.
+async fn replace_beside(
+    backend: &dyn ProxyBackend,
+    old: &dyn ProxyHandle,
+    proxy: Arc<ManagedProxy>,
+    progress: watch::Sender<Option<BackendStatus>>,
+    shutting_down: CancellationToken,
+    retire: Retire,
+) -> Outcome {
+    let (what, old_name) = match retire {
+        Retire::Stop => ("instance", "instance"),
+        Retire::Drain => ("generation", "generation"),
+    };
     let timeout = proxy.spec().update.timeout;
     let new = backend.create(proxy.clone());
     if let Err(error) = new.start().await {
         return Outcome::OverlapFailed {
-            reason: format!("the new instance did not start: {}", crate::error_chain(&error)),
+            reason: format!("the new {what} did not start: {}", crate::error_chain(&error)),
         };
     }
     let mut status = new.status();
@@ -410,11 +499,11 @@ async fn overlap_update(
             match state {
                 BackendState::Running => return Ok(()),
                 BackendState::Pending | BackendState::Starting => {}
-                _ => return Err(not_ready(&current)),
+                _ => return Err(not_ready(what, &current)),
             }
             tokio::select! {
                 changed = status.changed() => if changed.is_err() {
-                    return Err("the new instance is no longer observed".to_owned());
+                    return Err(format!("the new {what} is no longer observed"));
                 },
                 () = &mut shutdown => return Err("the agent is shutting down".to_owned()),
             }
@@ -424,26 +513,34 @@ async fn overlap_update(
     let reason = match ready {
         Ok(Ok(())) => {
             progress.send_replace(None);
-            if let Err(error) = old.stop().await {
+            let retired = match retire {
+                Retire::Stop => old.stop().await,
+                Retire::Drain => old.drain().await,
+            };
+            if let Err(error) = retired {
                 // The new instance is ready and kept; the old one may still run beside it.
-                tracing::error!(proxy = %proxy.id(), error = %crate::error_chain(&error), "the replaced instance did not stop");
+                tracing::error!(proxy = %proxy.id(), error = %crate::error_chain(&error), "the replaced {old_name} did not stop");
             }
             return Outcome::Started { proxy, handle: new };
         }
         Ok(Err(reason)) => reason,
         Err(_elapsed) => {
-            format!("the new instance was not ready within update_timeout ({})", humantime::format_duration(timeout))
+            format!("the new {what} was not ready within update_timeout ({})", humantime::format_duration(timeout))
         }
     };
     if let Err(error) = new.stop().await {
-        tracing::error!(proxy = %proxy.id(), error = %crate::error_chain(&error), "the abandoned new instance did not stop");
+        tracing::error!(proxy = %proxy.id(), error = %crate::error_chain(&error), "the abandoned new {what} did not stop");
     }
-    Outcome::OverlapFailed { reason: format!("update abandoned, the old instance serves on: {reason}") }
+    let update = match retire {
+        Retire::Stop => "update",
+        Retire::Drain => "hot restart",
+    };
+    Outcome::OverlapFailed { reason: format!("{update} abandoned, the old {old_name} serves on: {reason}") }
 }
 
 /// Why a new instance that left `starting` is not ready, from what the backend saw.
-fn not_ready(status: &BackendStatus) -> String {
-    let mut reason = format!("the new instance is {} before it was ready", status.state);
+fn not_ready(what: &str, status: &BackendStatus) -> String {
+    let mut reason = format!("the new {what} is {} before it was ready", status.state);
     if let Some(exit) = status.last_exit {
         reason.push_str(&format!(" (it exited: {exit})"));
     }

@@ -20,6 +20,7 @@ pub(super) enum Call {
     Detach,
     Restore,
     Reload,
+    Drain,
 }
 
 #[derive(Default)]
@@ -48,6 +49,10 @@ pub(super) struct FakeState {
     live_pid: HashMap<ProxyId, u32>,
     /// The instance an overlapping start ran beside, until one of the two stops.
     previous: HashMap<ProxyId, (u32, Arc<ManagedProxy>)>,
+    /// The live generations each new instance of a proxy reports (`update = "epoch"`).
+    pub(super) generations: HashMap<ProxyId, usize>,
+    /// The status of the last instance started of each proxy.
+    pub(super) last_started: HashMap<ProxyId, watch::Sender<BackendStatus>>,
     next_pid: u32,
 }
 
@@ -136,13 +141,16 @@ pub(super) struct FakeHandle {
     adopted: Adopted,
 }
 
+fn proxy_epoch(proxy: &ManagedProxy) -> bool {
+    proxy.spec().update.strategy == tether_state::UpdateStrategy::Epoch
+}
+
 fn failure(what: &str) -> crate::BoxError {
     format!("the fake refuses to {what}").into()
 }
 
-#[async_trait]
-impl ProxyHandle for FakeHandle {
-    async fn start(&self) -> Result<(), BackendError> {
+impl FakeHandle {
+    async fn start_instance(&self) -> Result<(), BackendError> {
         let (mut fails, delay) = self.fake.enter(&self.id);
         self.fake.record(&self.id, Call::Start);
         tokio::time::sleep(delay).await;
@@ -151,9 +159,14 @@ impl ProxyHandle for FakeHandle {
             Err(BackendError::Start { id: self.id.clone(), source: failure("start") })
         } else {
             let proxy = self.proxy.lock().unwrap().clone().expect("a created handle has its proxy");
+            // A generation lists itself, at least.
+            let hands_over = proxy_epoch(&proxy);
             let mut state = self.fake.state();
             // An overlapping update runs two instances on purpose, until the old one stops.
-            let overlaps = proxy.spec().update.strategy == tether_state::UpdateStrategy::Overlap;
+            let overlaps = matches!(
+                proxy.spec().update.strategy,
+                tether_state::UpdateStrategy::Overlap | tether_state::UpdateStrategy::Epoch
+            );
             let replaced = state.live.insert(self.id.clone(), proxy);
             if replaced.is_some() && !overlaps {
                 state.ran_twice.push(self.id.clone());
@@ -167,10 +180,14 @@ impl ProxyHandle for FakeHandle {
             }
             let ready_after = state.ready_after.get(&self.id).copied();
             let ready = !state.never_ready.contains(&self.id) && ready_after.is_none();
+            let generations = state.generations.get(&self.id).copied().unwrap_or(usize::from(hands_over));
+            state.last_started.insert(self.id.clone(), self.status.clone());
             drop(state);
             self.status.send_modify(|s| {
                 s.state = if ready { BackendState::Running } else { BackendState::Starting };
                 s.pid = Some(pid);
+                s.generations =
+                    (0..generations).map(|n| crate::Generation { epoch: 0, pid: Some(pid), draining: n > 0 }).collect();
             });
             if let Some(after) = ready_after {
                 // Its readiness passes later, as a probe's would.
@@ -192,9 +209,9 @@ impl ProxyHandle for FakeHandle {
         result
     }
 
-    async fn stop(&self) -> Result<(), BackendError> {
+    async fn end(&self, call: Call) -> Result<(), BackendError> {
         let (fails, delay) = self.fake.enter(&self.id);
-        self.fake.record(&self.id, Call::Stop);
+        self.fake.record(&self.id, call);
         let delay = delay.max(self.fake.state().stop_delay.get(&self.id).copied().unwrap_or_default());
         tokio::time::sleep(delay).await;
         let result = if fails {
@@ -223,6 +240,22 @@ impl ProxyHandle for FakeHandle {
         };
         self.fake.leave(&self.id);
         result
+    }
+}
+
+#[async_trait]
+impl ProxyHandle for FakeHandle {
+    async fn start(&self) -> Result<(), BackendError> {
+        self.start_instance().await
+    }
+
+    async fn stop(&self) -> Result<(), BackendError> {
+        self.end(Call::Stop).await
+    }
+
+    /// Ends the instance as a stop does, told apart in the calls.
+    async fn drain(&self) -> Result<(), BackendError> {
+        self.end(Call::Drain).await
     }
 
     async fn detach(&self) {

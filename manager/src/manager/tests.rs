@@ -810,6 +810,7 @@ async fn a_proxy_held_when_the_engine_starts_is_not_started() {
     tokio::time::timeout(LIMIT, manager.close()).await.unwrap().unwrap();
 }
 
+mod epoch;
 mod ordering;
 mod overlap;
 mod snapshot;

@@ -13,10 +13,12 @@
 use std::cmp::Ordering;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
+use std::time::SystemTime;
 
 use tether_manager::{Adopted, BackendRecord, ProxyHandle};
-use tether_state::{ManagedProxy, ProxyId};
+use tether_state::{ManagedProxy, ProxyId, UpdateStrategy};
 
+use super::epoch::Draining;
 use super::record::{Read, Record};
 use super::{OsProcessBackend, OsProxyHandle};
 use crate::spec::ProcessSpec;
@@ -109,11 +111,24 @@ impl OsProcessBackend {
                 return None;
             }
         };
-        let mut instances = self.live_instances(&id, desired_proxy, recorded.as_ref());
+        // The generations that drain (`update = "epoch"`) are taken back as they are, first:
+        // they are not instances to choose among, and are never signalled before their time.
+        let epoch = recorded.as_ref().and_then(|record| record.epoch.clone());
+        let mut draining_pids = Vec::new();
+        if let Some(epoch) = &epoch {
+            self.shared.generations.reserve(&id, epoch.base_id);
+            for draining in &epoch.draining {
+                draining_pids.extend(self.adopt_draining(&id, desired_proxy, draining));
+            }
+        }
+        let mut instances = self.live_instances(&id, desired_proxy, recorded.as_ref(), &draining_pids);
         instances.sort_by(|a, b| preference(&a.seen, &b.seen));
+        let handle = OsProxyHandle::new(self.shared.clone(), id.clone(), desired.clone());
+        let hands_over = desired_proxy.is_some_and(|proxy| proxy.spec().update.strategy == UpdateStrategy::Epoch);
 
         let kill = recorded.as_ref().map(|record| record.kill);
         let mut kept: Option<(ProcessHandle, Seen)> = None;
+        let mut kept_generation = None;
         let mut extras = Vec::new();
         let mut remaining = instances.into_iter();
         while let Some(instance) = remaining.next() {
@@ -139,12 +154,31 @@ impl OsProcessBackend {
                 };
             }
             let seen = instance.seen;
+            // A generation of its own, at its recorded epoch, and started again cold.
+            let begun = hands_over.then(|| {
+                // Its epoch as recorded, else as its environment says (a snapshot that missed
+                // the last hot restart, or none).
+                let recorded_epoch = epoch.as_ref().filter(|_| seen.recorded).map(|epoch| epoch.epoch);
+                let (told_epoch, told_base_id) = super::epoch::told_to(seen.pid);
+                if let (None, Some(base_id)) = (&epoch, told_base_id) {
+                    self.shared.generations.reserve(&id, base_id);
+                }
+                let epoch_of = recorded_epoch.or(told_epoch);
+                let begun = self.shared.generations.begin(&id, Some(handle.status.clone()), epoch_of, None);
+                self.shared.generations.apply(&mut spec, &id, begun);
+                begun
+            });
             let span = tracing::info_span!("proxy.adopt", proxy = %spec.name, pid = seen.pid);
             let adopted = span.in_scope(|| self.shared.supervisor.adopt_proven(spec, instance.proven, true));
             if let Some(process) = adopted {
+                handle.lock().generation = begun.map(|begun| begun.key);
+                kept_generation = begun;
                 kept = Some((process, seen));
                 extras.extend(remaining);
                 break;
+            }
+            if let Some(begun) = begun {
+                self.shared.generations.end(&id, begun.key);
             }
         }
 
@@ -152,13 +186,26 @@ impl OsProcessBackend {
         let kept_seen = kept.as_ref().map(|(_, seen)| *seen);
         for extra in extras {
             let how = retirement(kept_seen.as_ref(), &extra.seen);
-            self.retire(&id, desired_proxy, extra, how).await;
+            // An older generation that gave its listeners up drains: it is left to exit on
+            // its own, as the engine would have after the hot restart the snapshot missed.
+            match (hands_over, how, desired_proxy) {
+                (true, Retirement::AwaitExit, Some(proxy)) => self.drain_extra(&id, proxy, extra),
+                _ => self.retire(&id, desired_proxy, extra, how).await,
+            }
         }
 
         let (process, seen) = kept?;
+        // What the wanted proxy's instance runs: for a generation, with its epoch and base id.
+        let wanted_spec = |proxy: &ManagedProxy| {
+            let mut spec = self.shared.process_spec(proxy);
+            if let Some(begun) = kept_generation {
+                self.shared.generations.apply(&mut spec, &id, begun);
+            }
+            spec
+        };
         let adopted = match desired_proxy {
             _ if seen.recorded => Adopted::AsRecorded,
-            Some(proxy) if process.runs(&self.shared.process_spec(proxy)) => Adopted::Desired,
+            Some(proxy) if process.runs(&wanted_spec(proxy)) => Adopted::Desired,
             Some(_) => {
                 tracing::info!(proxy = %id, pid = seen.pid, "adopted an instance that runs another spec; it will be replaced");
                 Adopted::Unknown
@@ -168,16 +215,75 @@ impl OsProcessBackend {
         if !seen.recorded && recorded.is_some() {
             tracing::info!(proxy = %id, pid = seen.pid, "the snapshot's instance is gone or no longer serves; adopted another");
         }
-        let handle = OsProxyHandle { adopted, ..OsProxyHandle::new(self.shared.clone(), id, desired) };
+        let handle = OsProxyHandle { adopted, ..handle };
         handle.attach(process);
         Some(Box::new(handle))
+    }
+
+    /// Takes back `draining`, a generation of `id` that drained when the snapshot was
+    /// written, if it is still the process recorded: awaited until the end of its drain, then
+    /// stopped. Returns its pid when taken.
+    fn adopt_draining(&self, id: &ProxyId, desired: Option<&ManagedProxy>, draining: &Draining) -> Option<u32> {
+        let pid = draining.identity.pid;
+        let span = tracing::info_span!("proxy.adopt", proxy = %id, pid);
+        let _entered = span.enter();
+        let proven = self.shared.supervisor.prove(&draining.identity)?;
+        let mut spec = self.stop_spec(id, desired);
+        spec.kill = draining.kill;
+        let process = self.shared.supervisor.adopt_proven(spec, proven, false)?;
+        let begun = self.shared.generations.begin(id, None, Some(draining.epoch), Some(draining.clone()));
+        let (generations, watched) = (self.shared.generations.clone(), id.clone());
+        process.observe(move |current| generations.observe(&watched, begun.key, current, None));
+        let remaining = draining.until.duration_since(SystemTime::now()).unwrap_or_default();
+        tracing::info!(proxy = %id, pid, epoch = draining.epoch, "adopted an old generation that drains");
+        tokio::spawn(super::epoch::await_drain(id.clone(), process, remaining));
+        Some(pid)
+    }
+
+    /// Takes back `extra`, a generation of `id` that gave its listeners up and that no
+    /// record names, as one that drains: awaited up to `drain_timeout` from now, then
+    /// stopped.
+    fn drain_extra(&self, id: &ProxyId, desired: &ManagedProxy, extra: Found) {
+        let Found { proven, seen, listening } = extra;
+        drop(listening);
+        let (epoch, _) = super::epoch::told_to(seen.pid);
+        let mut spec = self.stop_spec(id, Some(desired));
+        spec.kill = super::kill_policy(desired);
+        let span = tracing::info_span!("proxy.adopt", proxy = %id, pid = seen.pid);
+        let _entered = span.enter();
+        let Some(process) = self.shared.supervisor.adopt_proven(spec, proven, false) else {
+            tracing::info!(proxy = %id, pid = seen.pid, "an old generation could not be taken over; left alone");
+            return;
+        };
+        let Some(identity) = process.status().identity else {
+            return; // gone meanwhile: nothing drains
+        };
+        let timeout = desired.spec().update.drain_timeout;
+        let draining = Draining {
+            identity,
+            epoch: epoch.unwrap_or_default(),
+            kill: super::kill_policy(desired),
+            until: SystemTime::now() + timeout,
+        };
+        let begun = self.shared.generations.begin(id, None, Some(draining.epoch), Some(draining));
+        let (generations, watched) = (self.shared.generations.clone(), id.clone());
+        process.observe(move |current| generations.observe(&watched, begun.key, current, None));
+        tracing::info!(proxy = %id, pid = seen.pid, epoch = begun.epoch, "adopted an old generation that drains");
+        tokio::spawn(super::epoch::await_drain(id.clone(), process, timeout));
     }
 
     /// Every live instance of `id` that can be proven, each once, with what the rule needs
     /// to know of it: the one `recorded` names, the one the pid file names, and those found
     /// by their environment (an instance started just before a crash, or whose pid-file
     /// write failed, is known only by it).
-    fn live_instances(&self, id: &ProxyId, desired: Option<&ManagedProxy>, recorded: Option<&Record>) -> Vec<Found> {
+    /// The generations that drain (`draining`) are left out: they were taken back already.
+    fn live_instances(
+        &self,
+        id: &ProxyId,
+        desired: Option<&ManagedProxy>,
+        recorded: Option<&Record>,
+        draining: &[u32],
+    ) -> Vec<Found> {
         let name = super::process_name(id);
         let mut instances: Vec<Found> = Vec::new();
         if let Some(record) = recorded {
@@ -195,7 +301,7 @@ impl OsProcessBackend {
         let keep_spec: Option<ProcessSpec> = desired.map(|proxy| self.shared.process_spec(proxy));
         let stop_spec = self.stop_spec(id, desired);
         for pid in pids {
-            if instances.iter().any(|instance| instance.seen.pid == pid) {
+            if instances.iter().any(|instance| instance.seen.pid == pid) || draining.contains(&pid) {
                 continue;
             }
             let span = tracing::info_span!("proxy.adopt", proxy = %name, pid);
@@ -230,13 +336,15 @@ impl OsProcessBackend {
                 .filter(|fd| wanted.iter().any(|listener| crate::listen::listens_on(fd, &listener.address)))
                 .collect()
         };
-        let seen = Seen {
-            keepable,
-            serves: wanted.is_empty() || !listening.is_empty(),
-            recorded,
-            start_time: proven.start_time(),
-            pid: proven.pid(),
+        // A proxy that hands over by itself binds its own listeners: one that holds none
+        // has handed them over (or cannot serve). Where that cannot be read, it may serve.
+        let hands_over = desired.is_some_and(|proxy| proxy.spec().update.strategy == UpdateStrategy::Epoch);
+        let serves = match (wanted.is_empty(), hands_over) {
+            (true, true) => proven.listening_sockets().map_or(true, |sockets| !sockets.is_empty()),
+            (true, false) => true,
+            (false, _) => !listening.is_empty(),
         };
+        let seen = Seen { keepable, serves, recorded, start_time: proven.start_time(), pid: proven.pid() };
         Found { proven, seen, listening }
     }
 

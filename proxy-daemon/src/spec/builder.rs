@@ -298,6 +298,7 @@ impl ProcessSpecBuilder {
             kill: self.kill,
             restart: self.restart,
             restart_on_exit: self.restart_on_exit,
+            restarted: None,
             logs: LogSpec { stdout, stderr, limits: self.log_limits },
             health: self.health,
             listeners: self.listeners,

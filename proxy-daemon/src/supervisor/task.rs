@@ -518,6 +518,9 @@ impl Task {
         if let Some(reload) = update.reload {
             self.spec.reload = reload;
         }
+        if let Some(restart) = update.restart_on_exit {
+            self.spec.restart_on_exit = restart;
+        }
         if let Some(health) = update.health {
             self.spec.health = health;
             // For the next instance: the running one keeps the environment it started with.
@@ -649,6 +652,26 @@ impl Task {
             return None;
         }
 
+        if let Some(restarted) = self.spec.restarted.clone() {
+            // Started again as it says (a cold start), once what it waits for is over.
+            self.set_status(|status| {
+                status.state = ProcessState::Backoff;
+                status.pid = None;
+                status.identity = None;
+                status.last_exit = last_exit;
+                status.ready = false;
+                status.status_text = None;
+            });
+            if let (Some(pid), Some(pid_file)) = (self.last_pid, &self.spec.pid_file) {
+                self.shared.pid_files.forget(pid_file, pid);
+            }
+            tracing::info!(pid, ?last_exit, "process exited; waiting to start it again");
+            if !self.wait_until((restarted.after)()).await {
+                return None;
+            }
+            restarted.apply_to(&mut self.spec);
+        }
+
         self.attempt = self.spec.restart.next_attempt(self.attempt, run);
         let mut delay = self.spec.restart.delay_before(self.attempt);
         let (code, signal) = match last_exit {
@@ -746,15 +769,26 @@ impl Task {
 
     /// Waits `delay` while answering commands. `false` when supervision ended meanwhile.
     async fn wait_backoff(&mut self, delay: Duration) -> bool {
-        let deadline = tokio::time::sleep(delay);
-        tokio::pin!(deadline);
+        self.wait_until(tokio::time::sleep(delay)).await
+    }
+
+    /// Waits until `over` resolves while answering commands. `false` when supervision ended
+    /// meanwhile (a stop, a detach, a dropped handle, or restarts turned off).
+    async fn wait_until(&mut self, over: impl Future<Output = ()>) -> bool {
+        tokio::pin!(over);
         loop {
             tokio::select! {
-                // The sleep is pinned outside the loop, so updates do not restart it.
-                () = &mut deadline => return true,
+                // Pinned outside the loop, so updates do not restart it.
+                () = &mut over => return true,
                 commands = self.commands.recv() => {
                     if let Some(update) = commands.update {
                         self.apply(*update);
+                        if !self.spec.restart_on_exit && commands.stop.is_none() && commands.detach.is_none() {
+                            self.commands.close();
+                            tracing::info!("restarts turned off while waiting to start again");
+                            self.finish(ProcessState::Stopped, None, None).await;
+                            return false;
+                        }
                     }
                     if commands.stop.is_some() {
                         self.commands.close();

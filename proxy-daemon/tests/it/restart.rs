@@ -1,9 +1,11 @@
 //! Restarting: after an exit, the pid file following, the group swept first.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
-use tether_proxy_daemon::{ExitReason, ProcessState, ProcessUpdate, RestartPolicy};
+use tether_proxy_daemon::{ExitReason, ProcessState, ProcessUpdate, RestartPolicy, Restarted};
 
 use crate::support::*;
 
@@ -197,4 +199,65 @@ async fn an_observer_is_told_the_current_status_and_then_every_change_in_order()
     assert!(seen.contains(&(ProcessState::Running, Some(second), 1)), "told of the restart: {seen:?}");
     let restarts: Vec<u64> = seen.iter().map(|(_, _, restarts)| *restarts).collect();
     assert!(restarts.is_sorted(), "in order: {seen:?}");
+}
+
+/// A condition a test opens, and how many times the supervisor asked for it.
+fn gate() -> (tokio::sync::watch::Sender<bool>, Arc<AtomicUsize>, Restarted) {
+    let (open, opened) = tokio::sync::watch::channel(false);
+    let asked = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&asked);
+    let after = Arc::new(move || {
+        counted.fetch_add(1, Ordering::SeqCst);
+        let mut opened = opened.clone();
+        Box::pin(async move {
+            let _open = opened.wait_for(|open| *open).await;
+        }) as std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>
+    });
+    let restarted = Restarted {
+        args: vec!["--print".into(), "cold".into(), "--sleep".into()],
+        env: vec![("GENERATION".into(), "cold".into())],
+        after,
+    };
+    (open, asked, restarted)
+}
+
+#[tokio::test]
+async fn a_process_started_again_waits_for_its_condition_and_runs_its_restarted_arguments() {
+    let fx = Fixture::new();
+    let mut spec = fx.spec("cold-proxy", &["--sleep"]);
+    spec.env.push(("GENERATION".into(), "first".into()));
+    let (open, asked, cold) = gate();
+    spec.restarted = Some(cold);
+    let handle = fx.supervisor.spawn(spec).await.unwrap();
+    let first = handle.status().pid.unwrap();
+
+    send(first, Signal::SIGKILL);
+    eventually("the supervisor to wait for the condition", || asked.load(Ordering::SeqCst) == 1).await;
+    let waiting = handle.status();
+    assert_eq!((waiting.state, waiting.pid), (ProcessState::Backoff, None), "not started before it holds");
+
+    open.send_replace(true);
+    let second = restarted(&handle, first).await;
+    let cmdline = || std::fs::read(format!("/proc/{second}/cmdline")).unwrap_or_default();
+    eventually("the restarted arguments", || cmdline().split(|b| *b == 0).any(|word| word == b"cold")).await;
+    let environ = std::fs::read(format!("/proc/{second}/environ")).unwrap();
+    let entries: Vec<&[u8]> = environ.split(|b| *b == 0).filter(|e| e.starts_with(b"GENERATION=")).collect();
+    assert_eq!(entries, [b"GENERATION=cold".as_slice()], "replaced, not added");
+    assert_eq!(handle.status().restarts, 1);
+    within("stop", handle.stop()).await;
+}
+
+#[tokio::test]
+async fn restarts_turned_off_while_it_waits_to_start_again_end_supervision() {
+    let fx = Fixture::new();
+    let mut spec = fx.spec("drained-proxy", &["--sleep"]);
+    let (_open, asked, cold) = gate();
+    spec.restarted = Some(cold);
+    let handle = fx.supervisor.spawn(spec).await.unwrap();
+    let first = handle.status().pid.unwrap();
+    send(first, Signal::SIGKILL);
+    eventually("the supervisor to wait for the condition", || asked.load(Ordering::SeqCst) == 1).await;
+    handle.update(ProcessUpdate { restart_on_exit: Some(false), ..ProcessUpdate::default() }).unwrap();
+    let last = status_where(&handle, "supervision to end", |status| status.state.is_final()).await;
+    assert_eq!((last.state, last.pid), (ProcessState::Stopped, None));
 }

@@ -67,6 +67,7 @@ impl<'de> Deserialize<'de> for ListenersDef {
 pub(super) enum UpdateDef {
     Restart,
     Overlap,
+    Epoch,
 }
 
 /// Listeners take descriptors 3, 4, … of every instance: a readiness `fd` may not be one.

@@ -52,6 +52,8 @@ pub(super) struct ProxyDef {
     listener: Option<ListenersDef>,
     update: Option<UpdateDef>,
     update_timeout: Option<PositiveDuration>,
+    drain_timeout: Option<PositiveDuration>,
+    max_generations: Option<MaxGenerations>,
     memory_max: Option<MemoryMax>,
     cpus: Option<Cpus>,
     pids_max: Option<PidsMax>,
@@ -292,6 +294,23 @@ impl<'de> Deserialize<'de> for PositiveDuration {
     }
 }
 
+/// `max_generations`: at least the generation that serves and the one that takes over.
+pub(super) struct MaxGenerations(u32);
+
+impl<'de> Deserialize<'de> for MaxGenerations {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let max = u32::deserialize(deserializer)?;
+        if max < UpdatePolicy::MIN_GENERATIONS {
+            return Err(de::Error::custom(format!(
+                "max_generations {max} is too few: a hot restart runs the generation that serves and the one that \
+                 takes over at once, so at least {}",
+                UpdatePolicy::MIN_GENERATIONS
+            )));
+        }
+        Ok(Self(max))
+    }
+}
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RestartDef {
@@ -322,6 +341,9 @@ impl TryFrom<ServiceDef> for Validated {
         service.port = def.port;
         service.tags = def.tags.unwrap_or_default().into_iter().map(|t| t.0).collect();
         service.meta = def.meta.unwrap_or_default().into_iter().map(|(k, v)| (k.0, v.0)).collect();
+        if let Some(proxy) = &def.proxy {
+            check_epoch(proxy)?;
+        }
         service.proxy = def.proxy.map(ProxySpec::from);
         if let Some(proxy) = &service.proxy {
             check_descriptors(proxy)?;
@@ -329,6 +351,47 @@ impl TryFrom<ServiceDef> for Validated {
         }
         Ok(Self(service))
     }
+}
+
+/// `drain_timeout` and `max_generations` belong to `update = "epoch"`, which alone replaces
+/// the placeholders `{restart_epoch}` and `{base_id}`: with another `update` they are
+/// refused rather than passed on as they are written.
+fn check_epoch(proxy: &ProxyDef) -> Result<(), String> {
+    if matches!(proxy.update, Some(UpdateDef::Epoch)) {
+        return Ok(());
+    }
+    let update = match proxy.update {
+        Some(UpdateDef::Overlap) => "overlap",
+        _ => "restart",
+    };
+    for (key, given) in
+        [("drain_timeout", proxy.drain_timeout.is_some()), ("max_generations", proxy.max_generations.is_some())]
+    {
+        if given {
+            return Err(format!(
+                "`proxy.{key}` applies to update = \"epoch\" only, and this proxy's update is \"{update}\": \
+                 remove it, or set update = \"epoch\""
+            ));
+        }
+    }
+    let words = proxy.command.iter().flat_map(|command| command.0.to_words());
+    let placeholder = words
+        .filter_map(|word| crate::epoch_placeholder_in(&word).map(|p| ("command", p)))
+        .chain(
+            proxy
+                .env
+                .iter()
+                .flatten()
+                .filter_map(|(_, value)| crate::epoch_placeholder_in(&value.0).map(|p| ("env", p))),
+        )
+        .next();
+    if let Some((field, placeholder)) = placeholder {
+        return Err(format!(
+            "`proxy.{field}` holds {placeholder}, which only update = \"epoch\" replaces, and this proxy's update is \
+             \"{update}\": set update = \"epoch\", or remove the placeholder"
+        ));
+    }
+    Ok(())
 }
 
 /// A template that reloads its proxy needs the proxy's `reload` table.
@@ -380,9 +443,12 @@ impl From<ProxyDef> for ProxySpec {
             update: UpdatePolicy {
                 strategy: match def.update {
                     Some(UpdateDef::Overlap) => UpdateStrategy::Overlap,
+                    Some(UpdateDef::Epoch) => UpdateStrategy::Epoch,
                     Some(UpdateDef::Restart) | None => UpdateStrategy::Restart,
                 },
                 timeout: def.update_timeout.map_or(UpdatePolicy::default().timeout, |d| d.0),
+                drain_timeout: def.drain_timeout.map_or(UpdatePolicy::DRAIN_TIMEOUT, |d| d.0),
+                max_generations: def.max_generations.map_or(UpdatePolicy::MAX_GENERATIONS, |m| m.0),
             },
             limits: ResourceLimits {
                 memory_max: def.memory_max.map(|m| m.0),

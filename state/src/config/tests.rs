@@ -496,10 +496,53 @@ fn listeners_and_update_are_read_with_their_defaults() {
     let listed: Vec<(&str, String)> =
         proxy.listeners.iter().map(|l| (l.name.as_str(), l.address.to_string())).collect();
     assert_eq!(listed, [("public", "127.0.0.1:21000".to_owned()), ("admin", "/run/web/admin.sock".to_owned())]);
-    assert_eq!(proxy.update, UpdatePolicy { strategy: UpdateStrategy::Overlap, timeout: Duration::from_secs(30) });
+    assert_eq!(
+        proxy.update,
+        UpdatePolicy { strategy: UpdateStrategy::Overlap, timeout: Duration::from_secs(30), ..UpdatePolicy::default() }
+    );
     let plain = one("[[service]]\nname = \"web\"\n[service.proxy]\n").proxy.unwrap();
     assert!(plain.listeners.is_empty());
     assert_eq!(plain.update, UpdatePolicy::default());
+}
+
+#[test]
+fn epoch_updates_are_read_with_their_keys_and_defaults() {
+    let proxy = |lines: &str| one(&format!("[[service]]\nname = \"web\"\n[service.proxy]\n{lines}\n")).proxy.unwrap();
+    let envoy = proxy(
+        "update = \"epoch\"\ndrain_timeout = \"2m\"\nmax_generations = 2\n\
+         command = [\"envoy\", \"--restart-epoch\", \"{restart_epoch}\", \"--base-id\", \"{base_id}\"]\n\
+         env = { ENVOY_EPOCH = \"epoch-{restart_epoch}\" }",
+    );
+    assert_eq!(
+        envoy.update,
+        UpdatePolicy {
+            strategy: UpdateStrategy::Epoch,
+            timeout: Duration::from_secs(30),
+            drain_timeout: Duration::from_secs(120),
+            max_generations: 2,
+        }
+    );
+    let defaults = proxy("update = \"epoch\"").update;
+    assert_eq!((defaults.drain_timeout, defaults.max_generations), (Duration::from_secs(15 * 60), 3));
+}
+
+#[test]
+fn epoch_keys_and_placeholders_are_refused_beside_another_update() {
+    let error = proxy_error("drain_timeout = \"1m\"");
+    assert!(
+        error.contains("web.toml") && error.contains("`proxy.drain_timeout` applies to update = \"epoch\" only"),
+        "{error}"
+    );
+    let error = proxy_error("update = \"overlap\"\nmax_generations = 4");
+    assert!(error.contains("`proxy.max_generations`") && error.contains("update is \"overlap\""), "{error}");
+    let error = proxy_error("command = [\"envoy\", \"--restart-epoch\", \"{restart_epoch}\"]");
+    assert!(error.contains("`proxy.command` holds {restart_epoch}"), "{error}");
+    let error = proxy_error("command = [\"envoy\"]\nenv = { BASE = \"{base_id}\" }");
+    assert!(error.contains("`proxy.env` holds {base_id}"), "{error}");
+    let error = proxy_error("update = \"epoch\"\nmax_generations = 1");
+    assert!(error.contains("web.toml") && error.contains("max_generations") && error.contains("at least 2"), "{error}");
+    let error = proxy_error("update = \"epoch\"\ndrain_timeout = \"0s\"");
+    assert!(error.contains("drain_timeout") && error.contains("more than zero"), "{error}");
 }
 
 #[test]

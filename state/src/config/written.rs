@@ -47,6 +47,10 @@ pub(super) struct ProxyOut<'a> {
     update: UpdateDef,
     update_timeout: String,
     #[serde(skip_serializing_if = "Option::is_none")]
+    drain_timeout: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_generations: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     memory_max: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     cpus: Option<f64>,
@@ -187,8 +191,12 @@ impl<'a> From<&'a ProxySpec> for ProxyOut<'a> {
             update: match spec.update.strategy {
                 UpdateStrategy::Restart => UpdateDef::Restart,
                 UpdateStrategy::Overlap => UpdateDef::Overlap,
+                UpdateStrategy::Epoch => UpdateDef::Epoch,
             },
             update_timeout: duration(spec.update.timeout),
+            // Written only where they apply: the schema refuses them beside another update.
+            drain_timeout: (spec.update.strategy == UpdateStrategy::Epoch).then(|| duration(spec.update.drain_timeout)),
+            max_generations: (spec.update.strategy == UpdateStrategy::Epoch).then_some(spec.update.max_generations),
             memory_max: spec.limits.memory_max,
             cpus: spec.limits.cpus.map(CpuLimit::cores),
             pids_max: spec.limits.pids_max,

@@ -8,7 +8,8 @@ use super::*;
 
 fn overlapping(name: &str, timeout: Duration) -> Service {
     let mut service = service(name);
-    service.proxy.as_mut().unwrap().update = UpdatePolicy { strategy: UpdateStrategy::Overlap, timeout };
+    service.proxy.as_mut().unwrap().update =
+        UpdatePolicy { strategy: UpdateStrategy::Overlap, timeout, ..UpdatePolicy::default() };
     service
 }
 

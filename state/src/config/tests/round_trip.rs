@@ -87,8 +87,18 @@ fn listeners() -> impl Strategy<Value = Vec<Listener>> {
 }
 
 fn update() -> impl Strategy<Value = UpdatePolicy> {
-    (prop::sample::select(vec![UpdateStrategy::Restart, UpdateStrategy::Overlap]), 1u64..100_000)
-        .prop_map(|(strategy, ms)| UpdatePolicy { strategy, timeout: Duration::from_millis(ms) })
+    let strategies = vec![UpdateStrategy::Restart, UpdateStrategy::Overlap, UpdateStrategy::Epoch];
+    (prop::sample::select(strategies), 1u64..100_000, 1u64..10_000_000, UpdatePolicy::MIN_GENERATIONS..10).prop_map(
+        |(strategy, ms, drain_ms, max_generations)| {
+            let mut policy = UpdatePolicy { strategy, timeout: Duration::from_millis(ms), ..UpdatePolicy::default() };
+            // `drain_timeout` and `max_generations` belong to epoch alone.
+            if strategy == UpdateStrategy::Epoch {
+                policy.drain_timeout = Duration::from_millis(drain_ms);
+                policy.max_generations = max_generations;
+            }
+            policy
+        },
+    )
 }
 
 fn proxy_spec() -> impl Strategy<Value = ProxySpec> {
