@@ -88,6 +88,10 @@ struct Shared {
     listeners: Mutex<HashMap<ProxyId, Vec<OpenListener>>>,
     /// The live generations of the proxies with `update = "epoch"`, and their base ids.
     generations: Arc<epoch::Generations>,
+    /// The backend's own tasks (a draining generation's wait, the sweep of unclaimed
+    /// cgroups), aborted with the backend: a waiting drain then leaves its process running,
+    /// for the next agent, which adopts it from the snapshot.
+    background: Mutex<tokio::task::JoinSet<()>>,
 }
 
 /// A listener's address and its socket, while some handle holds it.
@@ -127,7 +131,9 @@ impl OsProcessBackend {
         let listeners = Mutex::default();
         let supervisor = Supervisor::with_cgroups(data.notify_address(), cgroups)?;
         let generations = Arc::default();
-        Ok(Self { shared: Arc::new(Shared { supervisor, data, environment, found, listeners, generations }) })
+        let background = Mutex::default();
+        let shared = Shared { supervisor, data, environment, found, listeners, generations, background };
+        Ok(Self { shared: Arc::new(shared) })
     }
 
     /// The cgroup subtree of its proxies, if it uses one.
@@ -156,6 +162,13 @@ impl OsProcessBackend {
 }
 
 impl Shared {
+    /// Runs `task` in the background, owned by the backend; forgets the tasks that ended.
+    fn spawn(&self, task: impl std::future::Future<Output = ()> + Send + 'static) {
+        let mut background = lock(&self.background);
+        while background.try_join_next().is_some() {}
+        background.spawn(task);
+    }
+
     fn process_spec(&self, proxy: &ManagedProxy) -> ProcessSpec {
         let id = proxy.id();
         let spec = proxy.spec();
@@ -354,7 +367,7 @@ impl ProxyBackend for OsProcessBackend {
     async fn restored(&self) {
         // In the background: a start-up does not wait for orphans to die.
         if let Some(cgroups) = self.shared.supervisor.cgroups().cloned() {
-            tokio::spawn(async move {
+            self.shared.spawn(async move {
                 let stopped = cgroups.sweep_unclaimed().await;
                 if stopped > 0 {
                     tracing::warn!(stopped, "stopped processes in proxy cgroups that no proxy claims");
@@ -609,7 +622,7 @@ impl ProxyHandle for OsProxyHandle {
         tracing::info!(proxy = %self.id, pid = current.pid, epoch = draining.epoch, "the old generation drains");
         self.shared.generations.drain(&self.id, key, draining);
         self.lock().record = None;
-        tokio::spawn(epoch::await_drain(self.id.clone(), process, timeout));
+        self.shared.spawn(epoch::await_drain(self.id.clone(), process, timeout));
         Ok(())
     }
 

@@ -48,6 +48,7 @@ else:
     parent.send(b"listeners")
     _, fds, _, _ = socket.recv_fds(parent, 64, 4)
     listener = socket.socket(fileno=fds[0])
+listener.setblocking(False)
 print("epoch %d: serving on %d" % (epoch, port), flush=True)
 
 notify = os.environ.get("NOTIFY_SOCKET")
@@ -63,8 +64,16 @@ while True:
     watched = [control] + ([listener] if listener is not None else [])
     readable, _, _ = select.select(watched, [], [], 0.05)
     for ready in readable:
-        if ready is listener:
-            connection, _ = listener.accept()
+        if ready is not control:
+            # The listener, shared with the other generation while one hands over: it may
+            # have taken the connection first, and this one may have closed it since.
+            if listener is None:
+                continue
+            try:
+                connection, _ = listener.accept()
+            except BlockingIOError:
+                continue
+            connection.setblocking(True)
             connection.sendall(b"epoch %d\n" % epoch)
             connection.close()
         else:
