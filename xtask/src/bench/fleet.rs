@@ -144,8 +144,8 @@ impl Fleet {
             ("fleet: time to converge (first put → last proxy spawned)".to_owned(), secs(last_spawn)),
             ("fleet: time to converge (first put → every agent's API reports all running)".to_owned(), secs(converged)),
             ("fleet: time to converge after the last put".to_owned(), ms(converged.saturating_sub(puts_took))),
-            ("fleet: etcd-to-running latency, median".to_owned(), ms(percentile(&latencies, 50.0))),
-            ("fleet: etcd-to-running latency, p99".to_owned(), ms(percentile(&latencies, 99.0))),
+            ("fleet: etcd-to-running latency, median (target ≤ 20 ms)".to_owned(), ms(percentile(&latencies, 50.0))),
+            ("fleet: etcd-to-running latency, p99 (target ≤ 100 ms)".to_owned(), ms(percentile(&latencies, 99.0))),
             ("fleet: etcd-to-running latency, max".to_owned(), ms(percentile(&latencies, 100.0))),
         ];
         rows.extend(self.status_figures()?);
