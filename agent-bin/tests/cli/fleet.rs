@@ -435,7 +435,8 @@ fn proxies_outlive_an_etcd_outage_and_an_agent_restart_and_changes_apply_on_retu
     agent.wait_gone("a-proxy");
     assert!(!alive(a));
     assert_eq!(pid_of(&agent, "b-proxy"), b);
-    assert_eq!(fleet_status(&agent)["connected"], true);
+    // Connected once its watch is set up, which may come after the read that started it.
+    wait_for("the watch on etcd", || fleet_status(&agent)["connected"].as_bool().filter(|connected| *connected));
 }
 
 #[test]
@@ -574,7 +575,8 @@ fn tls_with_a_private_ca_and_a_client_certificate_reaches_etcd() {
     }
     let agent = Agent::start(&dirs, &flags);
     pid_of(&agent, "web-proxy");
-    assert_eq!(fleet_status(&agent)["connected"], true);
+    // Connected once its watch is set up, which may come after the read that started it.
+    wait_for("the watch on etcd", || fleet_status(&agent)["connected"].as_bool().filter(|connected| *connected));
 }
 
 #[test]
