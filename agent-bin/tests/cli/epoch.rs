@@ -163,6 +163,16 @@ impl Setup {
         wait_generations(&agent, &self.id(), "the first generation", |g| g == [(0, "current")]);
         agent
     }
+
+    /// An agent whose proxy was hot restarted once and whose old generation drains for a
+    /// minute: the agent, and the pids of the current and the draining generation.
+    fn draining(&self) -> (Agent, Vec<i64>) {
+        let agent = self.start(&Knobs { drain_s: 60.0, ..Knobs::default() });
+        restart(&agent, &self.id());
+        let both = wait_generations(&agent, &self.id(), "two generations", |g| g == [(1, "current"), (0, "draining")]);
+        let pids = generation_pids(&both);
+        (agent, pids)
+    }
 }
 
 fn root_flags() -> Vec<&'static str> {
@@ -350,11 +360,8 @@ fn a_crash_of_the_current_generation_is_a_cold_start_at_epoch_0() {
 fn an_agent_killed_and_started_again_adopts_every_live_generation() {
     let setup = Setup::new("epoch-adopt");
     let _sweep = SweepOnDrop(setup.dirs.socket());
-    let mut agent = setup.start(&Knobs { drain_s: 60.0, ..Knobs::default() });
+    let (mut agent, pids) = setup.draining();
     let id = setup.id();
-    restart(&agent, &id);
-    let before = wait_generations(&agent, &id, "two generations", |g| g == [(1, "current"), (0, "draining")]);
-    let pids = generation_pids(&before);
     wait_for("the snapshot to record both generations", || {
         let text = snapshot(&setup.dirs.data);
         (text.contains("draining") && text.contains(&format!("\"pid\":{}", pids[1]))).then_some(())
@@ -438,11 +445,8 @@ fn a_proxy_switched_to_epoch_is_restarted_once_then_hands_over_by_itself() {
 fn without_a_snapshot_the_next_agent_tells_the_generations_apart_by_their_listeners() {
     let setup = Setup::new("epoch-nosnap");
     let _sweep = SweepOnDrop(setup.dirs.socket());
-    let mut agent = setup.start(&Knobs { drain_s: 60.0, ..Knobs::default() });
+    let (mut agent, pids) = setup.draining();
     let id = setup.id();
-    restart(&agent, &id);
-    let before = wait_generations(&agent, &id, "two generations", |g| g == [(1, "current"), (0, "draining")]);
-    let pids = generation_pids(&before);
 
     // Killed before its snapshot told of the hot restart: here, no snapshot at all.
     agent.signal(Signal::SIGKILL);
@@ -463,11 +467,8 @@ fn without_a_snapshot_the_next_agent_tells_the_generations_apart_by_their_listen
 fn an_agent_that_shuts_down_leaves_every_generation_running_for_the_next() {
     let setup = Setup::new("epoch-close");
     let _sweep = SweepOnDrop(setup.dirs.socket());
-    let mut agent = setup.start(&Knobs { drain_s: 60.0, ..Knobs::default() });
+    let (mut agent, pids) = setup.draining();
     let id = setup.id();
-    restart(&agent, &id);
-    let before = wait_generations(&agent, &id, "two generations", |g| g == [(1, "current"), (0, "draining")]);
-    let pids = generation_pids(&before);
 
     agent.signal(Signal::SIGTERM);
     assert!(agent.wait().success());
