@@ -689,20 +689,9 @@ fn fleet_status_shows_every_node_and_a_killed_agent_is_down_within_the_ttl_then_
     assert!(table.trim_end().ends_with("nodes: 3 up, 0 down; proxies: 3 ready, 0 not ready"), "{table}");
 
     // Nothing secret is published: no command line, no environment, no token.
-    let published = fleet_nodes
-        .etcd
-        .call(
-            "/v3/kv/range",
-            &format!(
-                r#"{{"key": "{}", "range_end": "{}"}}"#,
-                BASE64.encode("/tether/status/"),
-                BASE64.encode("/tether/status0")
-            ),
-        )
-        .unwrap();
-    let published: serde_json::Value = serde_json::from_str(&published).unwrap();
-    for kv in published["kvs"].as_array().unwrap() {
-        let value = String::from_utf8(BASE64.decode(kv["value"].as_str().unwrap()).unwrap()).unwrap();
+    let published = status_keys(&fleet_nodes.etcd);
+    assert!(!published.is_empty(), "no status key was published");
+    for (_, value) in published {
         for secret in ["/bin/sleep", "TETHER_", "token", "env"] {
             assert!(!value.contains(secret), "{value}");
         }
@@ -843,8 +832,8 @@ impl Drop for RolloutCli {
     }
 }
 
-/// Each node's published `web-proxy`: (ready, running revision), from the status keys.
-fn published_web(etcd: &Etcd) -> std::collections::BTreeMap<String, (bool, Option<i64>)> {
+/// Every status key the agents publish (`/tether/status/...`), with its value, as text.
+fn status_keys(etcd: &Etcd) -> Vec<(String, String)> {
     let body = etcd
         .call(
             "/v3/kv/range",
@@ -856,15 +845,22 @@ fn published_web(etcd: &Etcd) -> std::collections::BTreeMap<String, (bool, Optio
         )
         .unwrap();
     let value: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let text = |field: &serde_json::Value| String::from_utf8(BASE64.decode(field.as_str().unwrap()).unwrap()).unwrap();
+    value["kvs"]
+        .as_array()
+        .map(|kvs| kvs.iter().map(|kv| (text(&kv["key"]), text(&kv["value"]))).collect())
+        .unwrap_or_default()
+}
+
+/// Each node's published `web-proxy`: (ready, running revision), from the status keys.
+fn published_web(etcd: &Etcd) -> std::collections::BTreeMap<String, (bool, Option<i64>)> {
     let mut seen = std::collections::BTreeMap::new();
-    for kv in value["kvs"].as_array().cloned().unwrap_or_default() {
-        let key = String::from_utf8(BASE64.decode(kv["key"].as_str().unwrap()).unwrap()).unwrap();
+    for (key, value) in status_keys(etcd) {
         let Some(node) = key.strip_prefix("/tether/status/").and_then(|rest| rest.strip_suffix("/proxies/web-proxy"))
         else {
             continue;
         };
-        let status: serde_json::Value =
-            serde_json::from_slice(&BASE64.decode(kv["value"].as_str().unwrap()).unwrap()).unwrap();
+        let status: serde_json::Value = serde_json::from_str(&value).unwrap();
         seen.insert(node.to_owned(), (status["ready"] == true, status["revision"].as_i64()));
     }
     seen
