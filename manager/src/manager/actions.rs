@@ -477,9 +477,9 @@ async fn replace_beside(
     shutting_down: CancellationToken,
     retire: Retire,
 ) -> Outcome {
-    let (what, old_name) = match retire {
-        Retire::Stop => ("instance", "instance"),
-        Retire::Drain => ("generation", "generation"),
+    let (what, update) = match retire {
+        Retire::Stop => ("instance", "update"),
+        Retire::Drain => ("generation", "hot restart"),
     };
     let timeout = proxy.spec().update.timeout;
     let new = backend.create(proxy.clone());
@@ -519,7 +519,7 @@ async fn replace_beside(
             };
             if let Err(error) = retired {
                 // The new instance is ready and kept; the old one may still run beside it.
-                tracing::error!(proxy = %proxy.id(), error = %crate::error_chain(&error), "the replaced {old_name} did not stop");
+                tracing::error!(proxy = %proxy.id(), error = %crate::error_chain(&error), "the replaced {what} did not stop");
             }
             return Outcome::Started { proxy, handle: new };
         }
@@ -531,11 +531,7 @@ async fn replace_beside(
     if let Err(error) = new.stop().await {
         tracing::error!(proxy = %proxy.id(), error = %crate::error_chain(&error), "the abandoned new {what} did not stop");
     }
-    let update = match retire {
-        Retire::Stop => "update",
-        Retire::Drain => "hot restart",
-    };
-    Outcome::OverlapFailed { reason: format!("{update} abandoned, the old {old_name} serves on: {reason}") }
+    Outcome::OverlapFailed { reason: format!("{update} abandoned, the old {what} serves on: {reason}") }
 }
 
 /// Why a new instance that left `starting` is not ready, from what the backend saw.
