@@ -12,6 +12,9 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 /// The subcommand that runs the built-in proxy: the agent starts its own binary with it.
 pub(crate) const CONNECT_PROXY: &str = "connect-proxy";
 
+/// The subcommand that runs the keeper of the proxies: the agent starts its own binary with it.
+pub(crate) const KEEPER: &str = "keeper";
+
 /// The key prefix of the fleet's keys in etcd when none is given.
 pub(crate) const DEFAULT_ETCD_PREFIX: &str = "/tether";
 
@@ -57,6 +60,10 @@ pub(crate) enum Command {
     /// The built-in TCP proxy; normally started by the agent.
     #[command(name = CONNECT_PROXY)]
     ConnectProxy,
+    /// The keeper: the parent of the proxies, which outlives the agent; only the agent
+    /// starts it.
+    #[command(name = KEEPER, hide = true)]
+    Keeper,
     /// The fleet in etcd: put, list and remove a node's services, see every node's status.
     #[command(subcommand)]
     Fleet(FleetCommand),

@@ -80,6 +80,11 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             // wake-ups that a worker pool adds to every round trip.
             current_thread()?.block_on(connect_proxy::run())
         }
+        Command::Keeper => {
+            // No runtime and no other thread: the keeper's children are created by this one.
+            tether_proxy_daemon::keeper::serve_inherited()?;
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Status(args) => current_thread()?.block_on(commands::status(&args.socket.socket(), args.json)),
         Command::Register(args) => current_thread()?.block_on(commands::register(&args.socket.socket(), &args.file)),
         Command::Deregister(args) => current_thread()?.block_on(commands::deregister(&args.socket.socket(), &args.id)),

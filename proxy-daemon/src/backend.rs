@@ -150,6 +150,26 @@ impl OsProcessBackend {
         self.shared.supervisor.hold_until_exec(fd)
     }
 
+    /// Makes a keeper run as `program args…` the parent of every proxy from now on, with its
+    /// socket in the data dir ([`DataDir::keeper_socket_path`]) and its errors appended to
+    /// `logs/keeper.log` ([`Supervisor::use_keeper`]). Call it before the engine restores,
+    /// so that the exits of the proxies it adopts are known.
+    ///
+    /// # Errors
+    ///
+    /// When a keeper is in use already, or its log file cannot be opened.
+    pub async fn use_keeper(
+        &self,
+        program: impl Into<std::path::PathBuf>,
+        arg0: impl Into<std::ffi::OsString>,
+        args: Vec<std::ffi::OsString>,
+    ) -> std::io::Result<()> {
+        let data = &self.shared.data;
+        let log = data.logs().open_append("keeper.log").map_err(std::io::Error::other)?;
+        let keeper = crate::keeper::Keeper::new(program, args, data.keeper_socket_path()).arg0(arg0).stderr(log);
+        self.shared.supervisor.use_keeper(keeper).await
+    }
+
     /// The process spec that runs `proxy`: its own environment (agent's
     /// `PATH` and `HOME`, then `TETHER_*`, then the proxy's `env`; or the agent's whole
     /// environment with `inherit_env`), log and pid files under the data dir.

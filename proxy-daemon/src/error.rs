@@ -131,6 +131,15 @@ pub enum SpawnError {
     #[error(transparent)]
     Cgroup(#[from] crate::cgroup::CgroupError),
 
+    /// The keeper, the parent of the supervisor's processes, could not be started or
+    /// reached; the start is retried like any other that failed.
+    #[error("the keeper of the processes is not available")]
+    Keeper {
+        /// The cause.
+        #[source]
+        source: io::Error,
+    },
+
     /// The process started, but the supervisor could not watch it, so it was killed.
     #[error("failed to watch pid {pid}")]
     Watch {

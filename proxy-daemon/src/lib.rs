@@ -104,6 +104,7 @@ mod backend;
 mod cgroup;
 mod control;
 mod error;
+pub mod keeper;
 mod listen;
 mod notify;
 mod pidfile;

@@ -59,6 +59,9 @@ struct HubState {
     /// Notices of a group of this process's children that has no route yet: an instance
     /// can notify between its spawn and its registration. Kept for [`PENDING_FOR`].
     pending: Vec<(u32, Instant, Notice)>,
+    /// Besides this process, the processes whose children the supervised instances are: its
+    /// keepers.
+    parents: Vec<u32>,
 }
 
 /// How long the notices of a child's group wait for its registration.
@@ -87,6 +90,15 @@ impl NotifyHub {
     }
 
     /// What `NOTIFY_SOCKET` says.
+    /// Counts the children of `pid` (a keeper) as this process's own: their notices may
+    /// arrive before they are registered, and wait for it.
+    pub(crate) fn add_parent(&self, pid: u32) {
+        let mut state = self.lock();
+        if !state.parents.contains(&pid) {
+            state.parents.push(pid);
+        }
+    }
+
     pub(crate) fn address(&self) -> &str {
         &self.address
     }
@@ -171,8 +183,9 @@ impl NotifyHub {
             }
             return;
         }
-        let ours =
-            group.and_then(|pgid| proc::read_stat(pgid).ok()).is_some_and(|leader| leader.ppid == std::process::id());
+        let ours = group
+            .and_then(|pgid| proc::read_stat(pgid).ok())
+            .is_some_and(|leader| leader.ppid == std::process::id() || state.parents.contains(&leader.ppid));
         match group.filter(|_| ours) {
             Some(pgid) => {
                 let now = Instant::now();

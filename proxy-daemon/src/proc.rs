@@ -141,6 +141,23 @@ pub(crate) fn parse_pid_file(text: &[u8]) -> Option<u32> {
     (pid > 1 && i32::try_from(pid).is_ok()).then_some(pid)
 }
 
+/// Opens a pidfd for `pid`, close-on-exec (as every pidfd is). `ESRCH` when no such process
+/// exists.
+pub(crate) fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
+    let pid = libc::pid_t::try_from(pid).map_err(|_| io::Error::from_raw_os_error(libc::ESRCH))?;
+    #[allow(unsafe_code)]
+    // SAFETY: `pidfd_open(2)` takes a pid and flags and returns a new fd or -1; it
+    // touches no memory of ours. PIDFD_NONBLOCK is not needed: we only poll the fd.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let fd = i32::try_from(fd).map_err(|_| io::Error::other("pidfd_open returned a bad fd"))?;
+    #[allow(unsafe_code)]
+    // SAFETY: `fd` was just returned by the kernel, is open, and is owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
 /// A pidfd: a reference to one process that stays valid however its pid is reused.
 ///
 /// It becomes readable when the process exits, which is how the supervisor learns of
@@ -153,18 +170,13 @@ impl Pidfd {
     ///
     /// Must be called from within a tokio runtime (the fd is registered with its reactor).
     pub(crate) fn open(pid: u32) -> io::Result<Self> {
-        let pid = libc::pid_t::try_from(pid).map_err(|_| io::Error::from_raw_os_error(libc::ESRCH))?;
-        #[allow(unsafe_code)]
-        // SAFETY: `pidfd_open(2)` takes a pid and flags and returns a new fd or -1; it
-        // touches no memory of ours. PIDFD_NONBLOCK is not needed: we only poll the fd.
-        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        let fd = i32::try_from(fd).map_err(|_| io::Error::other("pidfd_open returned a bad fd"))?;
-        #[allow(unsafe_code)]
-        // SAFETY: `fd` was just returned by the kernel, is open, and is owned by nobody else.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        Self::from_owned(pidfd_open(pid)?)
+    }
+
+    /// Watches `fd`, a pidfd opened elsewhere (a keeper's, for its child).
+    ///
+    /// Must be called from within a tokio runtime (the fd is registered with its reactor).
+    pub(crate) fn from_owned(fd: OwnedFd) -> io::Result<Self> {
         #[allow(unsafe_code)]
         // SAFETY: the `AsyncFd` owns the `OwnedFd`, so the fd stays open and refers to the
         // same pidfd until the `AsyncFd` is dropped, and `as_raw_fd` always returns it.

@@ -17,6 +17,7 @@ use std::fs::{self, File};
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
 use std::process::Stdio;
 
 use nix::fcntl::OFlag;
@@ -31,7 +32,7 @@ use crate::spec::{LogFile, ProcessSpec};
 mod clone;
 mod thread;
 
-pub(crate) use thread::hold_until_exec;
+pub(crate) use thread::{MAX_FDS, hold_until_exec};
 
 /// A freshly spawned process, not yet reaped, with a pidfd that proves which one it is.
 #[derive(Debug)]
@@ -115,10 +116,11 @@ fn open_procs(cgroup: &OwnedFd) -> io::Result<OwnedFd> {
 }
 
 /// The ids a process switches to before exec.
-struct Credentials {
-    uid: libc::uid_t,
-    gid: libc::gid_t,
-    groups: Vec<libc::gid_t>,
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Credentials {
+    pub(crate) uid: libc::uid_t,
+    pub(crate) gid: libc::gid_t,
+    pub(crate) groups: Vec<libc::gid_t>,
 }
 
 /// How many processes may be in the making at once, each from its preparation (cgroup, log
@@ -151,9 +153,64 @@ pub(crate) async fn spawn(spec: &ProcessSpec, cgroup: Option<&OwnedFd>, _slot: &
     queue(spec, cgroup, Birth::IntoCgroup)?.finish(&spec.program).await
 }
 
+/// A process created by a keeper: its keeper, which tells how it ends, and what the caller
+/// needs of it, as for [`Spawned`].
+#[derive(Debug)]
+pub(crate) struct KeptSpawn {
+    pub(crate) link: std::sync::Arc<crate::keeper::Link>,
+    pub(crate) process: crate::keeper::Kept,
+    pub(crate) pidfd: Pidfd,
+    pub(crate) notification: Option<OwnedFd>,
+}
+
+/// [`spawn`], by the keeper of `link`, whose child the process is; `held` are held by the
+/// child until its exec.
+///
+/// # Cancel safety
+///
+/// A process created for a caller that stopped waiting is killed.
+pub(crate) async fn spawn_kept(
+    spec: &ProcessSpec,
+    cgroup: Option<&OwnedFd>,
+    link: std::sync::Arc<crate::keeper::Link>,
+    held: &[OwnedFd],
+    _slot: &Slot,
+) -> Result<KeptSpawn, SpawnError> {
+    let prepared = Prepared::new(spec, cgroup.is_some(), Birth::IntoCgroup)?;
+    let (process, pidfd) = link
+        .spawn(&prepared.creation, held, &prepared.passed(spec, cgroup))
+        .await
+        .map_err(|source| SpawnError::Exec { program: spec.program.clone(), source })?;
+    // The keeper had its copies of the log files and of the pipe's write end: ours close.
+    let Prepared { pipe, .. } = prepared;
+    Ok(KeptSpawn { link, process, pidfd, notification: pipe.map(|(read, _write)| read) })
+}
+
+/// Starts a keeper: `program args…` with `fds` as its descriptors 3 and 4, its standard
+/// input and output on `/dev/null`, its errors to `stderr` (else `/dev/null`). It makes a
+/// session of its own; it is this process's child until this process dies.
+pub(crate) fn start_keeper(
+    program: &std::path::Path,
+    arg0: &std::ffi::OsStr,
+    args: &[OsString],
+    fds: [BorrowedFd<'_>; 2],
+    stderr: Option<File>,
+) -> io::Result<std::process::Child> {
+    let mut command = std::process::Command::new(program);
+    command
+        .arg0(arg0)
+        .args(args)
+        .current_dir("/")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(stderr.map_or_else(Stdio::null, Stdio::from));
+    give_fds_before_exec(&mut command, vec![(fds[0].as_raw_fd(), 3), (fds[1].as_raw_fd(), 4)]);
+    command.spawn()
+}
+
 /// How a child gets into its cgroup.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Birth {
+pub(crate) enum Birth {
     /// Born there (`clone3`), unless that is refused.
     IntoCgroup,
     /// It writes itself into `cgroup.procs` before its exec: the way where `clone3` is
@@ -162,148 +219,216 @@ enum Birth {
     EnteringCgroup,
 }
 
-/// Prepares `spec`'s process and queues its creation on the spawn thread.
-fn queue(spec: &ProcessSpec, cgroup: Option<&OwnedFd>, birth: Birth) -> Result<Pending, SpawnError> {
-    let exec_error = |source| SpawnError::Exec { program: spec.program.clone(), source };
-    if spec.program.is_relative() && !program::is_bare_name(&spec.program) {
-        // It would be found relative to the working directory, which is rarely what was
-        // meant (the config refuses it too).
-        let source = io::Error::new(
-            io::ErrorKind::InvalidInput,
-            "a relative path: give an absolute path, or a bare name to look up in PATH",
-        );
-        return Err(exec_error(source));
-    }
-    let env = spec.environment();
-    let path = program::search_path(&env);
-    // Looked for as this process's user before anything is made, so that a name found
-    // nowhere fails here, naming the PATH searched. What is found is what a plain spawn
-    // runs; a child that runs code before its exec looks again, as the user it has become.
-    let found = program::find_in(&spec.program, &path)?;
-    let credentials = spec.user.as_deref().map(resolve_user).transpose()?;
-    match fs::metadata(&spec.working_dir) {
-        Ok(metadata) if metadata.is_dir() => {}
-        Ok(_) => {
+/// Everything the creation of one process needs, prepared from its spec: plain data, with
+/// the descriptors it is handed passed beside it, so that the process can be created on a
+/// spawn thread of this process or by a keeper ([`crate::keeper`]), the same way.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Creation {
+    /// What a plain spawn runs: the program as found in `PATH` by this process's user.
+    pub(crate) found: PathBuf,
+    /// The program as configured: `argv[0]`, and what a child that runs code looks for.
+    pub(crate) program: PathBuf,
+    pub(crate) args: Vec<OsString>,
+    /// The whole environment, in order (a later entry of a name wins).
+    pub(crate) env: Vec<(OsString, OsString)>,
+    /// Where a child that runs code before its exec looks for the program, in order.
+    pub(crate) candidates: Vec<PathBuf>,
+    pub(crate) dir: PathBuf,
+    /// The names of the listeners it is handed, in order (`LISTEN_FDNAMES`).
+    pub(crate) listeners: Vec<String>,
+    pub(crate) credentials: Option<Credentials>,
+    /// Where each handed descriptor goes, in the order they are passed.
+    pub(crate) targets: Vec<RawFd>,
+    /// Whether a cgroup's directory is passed, after the log files.
+    pub(crate) cgroup: bool,
+    pub(crate) birth: Birth,
+}
+
+/// A process prepared for its creation: its [`Creation`] and the descriptors it needs.
+struct Prepared {
+    creation: Creation,
+    stdout: File,
+    stderr: File,
+    /// Its notification pipe (read end, write end), when its readiness check is `fd`.
+    pipe: Option<(OwnedFd, OwnedFd)>,
+}
+
+impl Prepared {
+    /// Prepares `spec`'s process: finds its program, resolves its user, checks its working
+    /// directory and opens its log files, so that what can fail here fails before anything
+    /// is made.
+    fn new(spec: &ProcessSpec, cgroup: bool, birth: Birth) -> Result<Self, SpawnError> {
+        let exec_error = |source| SpawnError::Exec { program: spec.program.clone(), source };
+        if spec.program.is_relative() && !program::is_bare_name(&spec.program) {
+            // It would be found relative to the working directory, which is rarely what was
+            // meant (the config refuses it too).
+            let source = io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "a relative path: give an absolute path, or a bare name to look up in PATH",
+            );
+            return Err(exec_error(source));
+        }
+        let env = spec.environment();
+        let path = program::search_path(&env);
+        // Looked for as this process's user before anything is made, so that a name found
+        // nowhere fails here, naming the PATH searched. What is found is what a plain spawn
+        // runs; a child that runs code before its exec looks again, as the user it has become.
+        let found = program::find_in(&spec.program, &path)?;
+        let credentials = spec.user.as_deref().map(resolve_user).transpose()?;
+        match fs::metadata(&spec.working_dir) {
+            Ok(metadata) if metadata.is_dir() => {}
+            Ok(_) => {
+                return Err(SpawnError::WorkingDir {
+                    dir: spec.working_dir.clone(),
+                    source: io::Error::from_raw_os_error(libc::ENOTDIR),
+                });
+            }
+            Err(source) => return Err(SpawnError::WorkingDir { dir: spec.working_dir.clone(), source }),
+        }
+        if cgroup && spec.working_dir.as_os_str().as_encoded_bytes().contains(&0) {
             return Err(SpawnError::WorkingDir {
                 dir: spec.working_dir.clone(),
-                source: io::Error::from_raw_os_error(libc::ENOTDIR),
+                source: io::Error::new(io::ErrorKind::InvalidInput, "a NUL byte in the path"),
             });
         }
-        Err(source) => return Err(SpawnError::WorkingDir { dir: spec.working_dir.clone(), source }),
+        let stdout = open_log(&spec.logs.stdout)?;
+        let stderr = open_log(&spec.logs.stderr)?;
+        // Descriptors the child holds at fixed numbers: the listeners from 3, then the write
+        // end of its notification pipe.
+        let mut targets: Vec<RawFd> = (3..).take(spec.listeners.len()).collect();
+        let pipe = match &spec.health.readiness {
+            Some(Readiness { probe: Probe::Fd(fd), .. }) => {
+                let pipe =
+                    nix::unistd::pipe2(OFlag::O_CLOEXEC | OFlag::O_NONBLOCK).map_err(|e| exec_error(e.into()))?;
+                targets.push(RawFd::try_from(*fd).unwrap_or(RawFd::MAX));
+                Some(pipe)
+            }
+            _ => None,
+        };
+        let creation = Creation {
+            found,
+            program: spec.program.clone(),
+            args: spec.args.clone(),
+            candidates: program::candidates(&spec.program, &path),
+            env,
+            dir: spec.working_dir.clone(),
+            listeners: spec.listeners.iter().map(|listener| listener.name.as_str().to_owned()).collect(),
+            credentials,
+            targets,
+            cgroup,
+            birth,
+        };
+        Ok(Self { creation, stdout, stderr, pipe })
     }
-    let stdout = open_log(&spec.logs.stdout)?;
-    let stderr = open_log(&spec.logs.stderr)?;
 
-    // Descriptors the child holds at fixed numbers: the listeners from 3, then the write
-    // end of its notification pipe.
-    let mut handed: Vec<(BorrowedFd<'_>, RawFd)> =
-        spec.listeners.iter().zip(3..).map(|(listener, target)| (listener.socket.as_fd(), target)).collect();
-    let pipe = match &spec.health.readiness {
-        Some(Readiness { probe: Probe::Fd(fd), .. }) => {
-            Some((nix::unistd::pipe2(OFlag::O_CLOEXEC | OFlag::O_NONBLOCK).map_err(|e| exec_error(e.into()))?, *fd))
-        }
-        _ => None,
-    };
-    if let Some(((_, write), fd)) = &pipe {
-        handed.push((write.as_fd(), RawFd::try_from(*fd).unwrap_or(RawFd::MAX)));
+    /// The descriptors its creation is handed, in the order [`create`] takes them: the log
+    /// files, the cgroup's directory, then the listeners and the pipe's write end.
+    fn passed<'a>(&'a self, spec: &'a ProcessSpec, cgroup: Option<&'a OwnedFd>) -> Vec<BorrowedFd<'a>> {
+        let mut passed = vec![self.stdout.as_fd(), self.stderr.as_fd()];
+        passed.extend(cgroup.map(AsFd::as_fd));
+        passed.extend(spec.listeners.iter().map(|listener| listener.socket.as_fd()));
+        passed.extend(self.pipe.as_ref().map(|(_, write)| write.as_fd()));
+        passed
     }
+}
+
+/// Prepares `spec`'s process and queues its creation on the spawn thread.
+fn queue(spec: &ProcessSpec, cgroup: Option<&OwnedFd>, birth: Birth) -> Result<Pending, SpawnError> {
+    let prepared = Prepared::new(spec, cgroup.is_some(), birth)?;
+    let creation = prepared.creation.clone();
+    // Created on the spawn thread, from copies of these descriptors in its small table.
+    let reply = thread::queue(&prepared.passed(spec, cgroup), move |fds| {
+        create(&creation, fds).map(|pid| Unclaimed(Child::new(pid)))
+    })
+    .map_err(|source| SpawnError::Exec { program: spec.program.clone(), source })?;
+    // The spawn thread holds copies of the log files and of the pipe's write end from here
+    // on; ours are closed now (the child's end of file on the pipe needs that).
+    let Prepared { pipe, .. } = prepared;
+    let notification = pipe.map(|(read, _write)| read);
+    Ok(Pending { reply, notification })
+}
+
+/// Creates the process `creation` describes, from `fds` (as [`Prepared::passed`] orders
+/// them), and returns its pid once it has exec'd. Runs where the process's parent is: on a
+/// spawn thread, or in a keeper.
+pub(crate) fn create(creation: &Creation, fds: Vec<OwnedFd>) -> io::Result<u32> {
+    let mut fds = fds.into_iter();
+    let (Some(stdout), Some(stderr)) = (fds.next(), fds.next()) else {
+        return Err(io::Error::other("the log files did not reach the process's creator"));
+    };
+    let cgroup = if creation.cgroup { fds.next() } else { None };
+    let handed: Vec<OwnedFd> = fds.collect();
+    if handed.len() != creation.targets.len() {
+        return Err(io::Error::other("the handed descriptors did not reach the process's creator"));
+    }
+    let targets = &creation.targets;
     // A child that runs code before its exec execs itself, from what is prepared here: it
     // looks for the program as the user it has become, and `LISTEN_PID` must be its own
     // pid, known only after the fork. A child born in its cgroup execs the same way.
-    let runs_code = !handed.is_empty() || cgroup.is_some() || credentials.is_some();
-    let exec = runs_code.then(|| Exec::new(spec, &env, &path)).transpose().map_err(exec_error)?;
-    let dir_c =
-        cgroup.is_some().then(|| CString::new(spec.working_dir.as_os_str().as_encoded_bytes())).transpose().map_err(
-            |_| SpawnError::WorkingDir {
-                dir: spec.working_dir.clone(),
-                source: io::Error::new(io::ErrorKind::InvalidInput, "a NUL byte in the path"),
-            },
-        )?;
-
-    // Created on the spawn thread, from copies of these descriptors in its small table.
-    let mut passed = vec![stdout.as_fd(), stderr.as_fd()];
-    passed.extend(cgroup.map(AsFd::as_fd));
-    passed.extend(handed.iter().map(|(fd, _)| *fd));
-    let enters_cgroup = cgroup.is_some();
-    let targets: Vec<RawFd> = handed.iter().map(|(_, target)| *target).collect();
-    let (arg0, args, dir) = (spec.program.clone(), spec.args.clone(), spec.working_dir.clone());
-    let reply = thread::queue(&passed, move |fds| {
-        let mut fds = fds.into_iter();
-        let (Some(stdout), Some(stderr)) = (fds.next(), fds.next()) else {
-            return Err(io::Error::other("the log files did not reach the spawn thread"));
+    let runs_code = !handed.is_empty() || cgroup.is_some() || creation.credentials.is_some();
+    let mut exec = runs_code.then(|| Exec::new(creation)).transpose()?;
+    let mut procs = None;
+    if let (Some(cgroup), Birth::EnteringCgroup) = (&cgroup, creation.birth) {
+        procs = Some(open_procs(cgroup)?);
+    } else if let (Some(cgroup), Some(exec)) = (&cgroup, exec.as_mut()) {
+        let dir = CString::new(creation.dir.as_os_str().as_encoded_bytes())
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a NUL byte in the working directory"))?;
+        let pairs: Vec<(RawFd, RawFd)> = handed.iter().map(AsRawFd::as_raw_fd).zip(targets.iter().copied()).collect();
+        let mut plan = clone::ChildPlan {
+            candidates: exec.candidates.iter().map(|candidate| candidate.as_ptr()).collect(),
+            argv: exec.argv.iter().map(|&address| address as *const libc::c_char).collect(),
+            envp: exec.envp.iter().map(|&address| address as *const libc::c_char).collect(),
+            dir,
+            dev_null: CString::from(c"/dev/null"),
+            stdout: stdout.as_raw_fd(),
+            stderr: stderr.as_raw_fd(),
+            copies: vec![-1; pairs.len()],
+            handed: pairs,
+            credentials: creation.credentials.as_ref().map(|c| (c.uid, c.gid, c.groups.clone())),
+            listen_pid: exec.listen_pid.take().map(|buffer| (buffer, exec.listen_pid_slot)),
+            failed: 0,
         };
-        let cgroup = if enters_cgroup { fds.next() } else { None };
-        let handed: Vec<OwnedFd> = fds.collect();
-        let mut exec = exec;
-        let mut procs = None;
-        if let (Some(cgroup), Birth::EnteringCgroup) = (&cgroup, birth) {
-            procs = Some(open_procs(cgroup)?);
-        } else if let (Some(cgroup), Some(exec), Some(dir)) = (&cgroup, exec.as_mut(), dir_c) {
-            let pairs: Vec<(RawFd, RawFd)> =
-                handed.iter().map(AsRawFd::as_raw_fd).zip(targets.iter().copied()).collect();
-            let mut plan = clone::ChildPlan {
-                candidates: exec.candidates.iter().map(|candidate| candidate.as_ptr()).collect(),
-                argv: exec.argv.iter().map(|&address| address as *const libc::c_char).collect(),
-                envp: exec.envp.iter().map(|&address| address as *const libc::c_char).collect(),
-                dir,
-                dev_null: CString::from(c"/dev/null"),
-                stdout: stdout.as_raw_fd(),
-                stderr: stderr.as_raw_fd(),
-                copies: vec![-1; pairs.len()],
-                handed: pairs,
-                credentials: credentials.as_ref().map(|c| (c.uid, c.gid, c.groups.clone())),
-                listen_pid: exec.listen_pid.take().map(|buffer| (buffer, exec.listen_pid_slot)),
-                failed: 0,
-            };
-            match clone::spawn_into(&mut plan, cgroup.as_raw_fd()) {
-                Ok(pid) => return Ok(Unclaimed(Child::new(pid))),
-                Err(clone::CloneError::Failed(error)) => return Err(error),
-                Err(clone::CloneError::Unsupported) => {
-                    // The standard library's way: the child enters through `cgroup.procs`.
-                    if let Some((buffer, _)) = plan.listen_pid.take() {
-                        exec.listen_pid = Some(buffer);
-                    }
-                    procs = Some(open_procs(cgroup)?);
+        match clone::spawn_into(&mut plan, cgroup.as_raw_fd()) {
+            Ok(pid) => return Ok(pid),
+            Err(clone::CloneError::Failed(error)) => return Err(error),
+            Err(clone::CloneError::Unsupported) => {
+                // The standard library's way: the child enters through `cgroup.procs`.
+                if let Some((buffer, _)) = plan.listen_pid.take() {
+                    exec.listen_pid = Some(buffer);
                 }
+                procs = Some(open_procs(cgroup)?);
             }
         }
-        let mut command = std::process::Command::new(&found); // std, for `process_group`
-        command
-            .arg0(&arg0) // the name as configured, as `execvp` passes it
-            .args(&args)
-            .env_clear() // proxies get only what the spec says, never the agent's secrets
-            .envs(env.iter().map(|(key, value)| (key, value)))
-            .current_dir(&dir)
-            .stdin(Stdio::null())
-            .stdout(File::from(stdout)) // O_APPEND files opened by us: they outlive an agent
-            .stderr(File::from(stderr)) // restart, where a pipe would hand the proxy a SIGPIPE
-            .process_group(0); // own group: terminal Ctrl-C skips it, one killpg reaches its children
-        // First: no later hook, and nothing the program does, runs outside the cgroup.
-        if let Some(procs) = &procs {
-            enter_cgroup_before_exec(&mut command, procs.as_raw_fd());
-        }
-        if let Some(credentials) = credentials {
-            switch_user_before_exec(&mut command, credentials);
-        }
-        if !handed.is_empty() {
-            let pairs = handed.iter().map(AsRawFd::as_raw_fd).zip(targets).collect();
-            give_fds_before_exec(&mut command, pairs);
-        }
-        if let Some(exec) = exec {
-            exec_from_child(&mut command, exec);
-        }
-        // `handed` and `procs` live until the child has its copies.
-        let child = command.spawn().map(|child| Unclaimed(Child::new(child.id())));
-        drop((handed, procs, cgroup));
-        child
-    })
-    .map_err(exec_error)?;
-    // The spawn thread holds copies of the log files and of the pipe's write end from here
-    // on; ours are closed now (the child's end of file on the pipe needs that).
-    drop((passed, handed));
-    drop((stdout, stderr));
-    let notification = pipe.map(|((read, _write), _)| read);
-    Ok(Pending { reply, notification })
+    }
+    let mut command = std::process::Command::new(&creation.found); // std, for `process_group`
+    command
+        .arg0(&creation.program) // the name as configured, as `execvp` passes it
+        .args(&creation.args)
+        .env_clear() // proxies get only what the spec says, never the agent's secrets
+        .envs(creation.env.iter().map(|(key, value)| (key, value)))
+        .current_dir(&creation.dir)
+        .stdin(Stdio::null())
+        .stdout(File::from(stdout)) // O_APPEND files opened by us: they outlive an agent
+        .stderr(File::from(stderr)) // restart, where a pipe would hand the proxy a SIGPIPE
+        .process_group(0); // own group: terminal Ctrl-C skips it, one killpg reaches its children
+    // First: no later hook, and nothing the program does, runs outside the cgroup.
+    if let Some(procs) = &procs {
+        enter_cgroup_before_exec(&mut command, procs.as_raw_fd());
+    }
+    if let Some(credentials) = creation.credentials.clone() {
+        switch_user_before_exec(&mut command, credentials);
+    }
+    if !handed.is_empty() {
+        let pairs = handed.iter().map(AsRawFd::as_raw_fd).zip(targets.iter().copied()).collect();
+        give_fds_before_exec(&mut command, pairs);
+    }
+    if let Some(exec) = exec {
+        exec_from_child(&mut command, exec);
+    }
+    // `handed` and `procs` live until the child has its copies.
+    let child = command.spawn().map(|child| child.id());
+    drop((handed, procs, cgroup));
+    child
 }
 
 /// A child just created, until its creator claims it. Should the creator be gone (its start
@@ -451,30 +576,29 @@ fn write_listen_pid(buffer: &mut [u8; 32], mut pid: u32) {
 }
 
 impl Exec {
-    /// `env` is the spec's [`ProcessSpec::environment`], `path` its `PATH`.
-    fn new(spec: &ProcessSpec, env: &[(OsString, OsString)], path: &std::ffi::OsStr) -> io::Result<Self> {
+    fn new(creation: &Creation) -> io::Result<Self> {
         use std::os::unix::ffi::OsStrExt;
         let c_string = |bytes: &[u8]| {
             CString::new(bytes).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a NUL byte in the command"))
         };
-        let candidates = program::candidates(&spec.program, path)
+        let candidates = creation
+            .candidates
             .iter()
             .map(|candidate| c_string(candidate.as_os_str().as_bytes()))
             .collect::<io::Result<Vec<_>>>()?;
-        let mut strings = vec![c_string(spec.program.as_os_str().as_bytes())?];
-        strings.extend(spec.args.iter().map(|arg| c_string(arg.as_bytes())).collect::<io::Result<Vec<_>>>()?);
+        let mut strings = vec![c_string(creation.program.as_os_str().as_bytes())?];
+        strings.extend(creation.args.iter().map(|arg| c_string(arg.as_bytes())).collect::<io::Result<Vec<_>>>()?);
         let arg_count = strings.len();
         let reserved = |key: &[u8]| matches!(key, b"LISTEN_FDS" | b"LISTEN_PID" | b"LISTEN_FDNAMES");
-        for (key, value) in env {
+        for (key, value) in &creation.env {
             if !reserved(key.as_bytes()) {
                 strings.push(c_string(&[key.as_bytes(), b"=", value.as_bytes()].concat())?);
             }
         }
-        let listens = !spec.listeners.is_empty();
+        let listens = !creation.listeners.is_empty();
         if listens {
-            strings.push(c_string(format!("LISTEN_FDS={}", spec.listeners.len()).as_bytes())?);
-            let names: Vec<&str> = spec.listeners.iter().map(|listener| listener.name.as_str()).collect();
-            strings.push(c_string(format!("LISTEN_FDNAMES={}", names.join(":")).as_bytes())?);
+            strings.push(c_string(format!("LISTEN_FDS={}", creation.listeners.len()).as_bytes())?);
+            strings.push(c_string(format!("LISTEN_FDNAMES={}", creation.listeners.join(":")).as_bytes())?);
         }
         let pointers = |strings: &[CString]| {
             let mut pointers: Vec<usize> = strings.iter().map(|s| s.as_ptr() as usize).collect();

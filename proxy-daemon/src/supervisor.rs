@@ -67,6 +67,12 @@ struct Shared {
     /// supervision began in): its name and its status. A task takes its entry out as its
     /// supervision ends.
     processes: Mutex<BTreeMap<u64, (ProcessName, watch::Receiver<ProcessStatus>)>>,
+    /// The keepers that are the parents of its processes, once it uses them
+    /// ([`Supervisor::use_keeper`]); else its own spawn threads are.
+    keepers: tokio::sync::OnceCell<crate::keeper::Keepers>,
+    /// Copies of what every child holds until its exec ([`Supervisor::hold_until_exec`]),
+    /// handed to a keeper with each spawn.
+    held: Mutex<Arc<Vec<std::os::fd::OwnedFd>>>,
 }
 
 impl std::fmt::Debug for Supervisor {
@@ -128,6 +134,8 @@ impl Supervisor {
             probes: Arc::default(),
             cgroups,
             processes: Mutex::default(),
+            keepers: tokio::sync::OnceCell::new(),
+            held: Mutex::default(),
         };
         Ok(Self { shared: Arc::new(shared) })
     }
@@ -151,7 +159,35 @@ impl Supervisor {
     ///
     /// When that thread cannot start, or `fd` cannot be passed to it.
     pub fn hold_until_exec(&self, fd: std::os::fd::BorrowedFd<'_>) -> io::Result<()> {
-        spawn::hold_until_exec(fd)
+        spawn::hold_until_exec(fd)?;
+        let copy = fd.try_clone_to_owned()?;
+        let mut held = self.shared.held.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut more: Vec<std::os::fd::OwnedFd> = held.iter().map(|fd| fd.try_clone()).collect::<io::Result<_>>()?;
+        more.push(copy);
+        *held = Arc::new(more);
+        Ok(())
+    }
+
+    /// Makes `keeper` the parent of every process this supervisor starts from now on (but
+    /// for probes and reload programs, which end with it), so that its processes outlive it
+    /// whatever they do when their parent dies: a keeper that runs at `keeper`'s socket is
+    /// used (or, of another build, retired: it keeps its children until they exit, and
+    /// their exits are still told here), else one is started with the first spawn.
+    /// Call it before adopting what an earlier supervisor left running, so that the exits
+    /// of adopted children of a keeper are known too.
+    ///
+    /// # Errors
+    ///
+    /// When a keeper is in use already.
+    pub async fn use_keeper(&self, keeper: crate::keeper::Keeper) -> io::Result<()> {
+        if self.shared.keepers.initialized() {
+            return Err(io::Error::new(io::ErrorKind::AlreadyExists, "a keeper is in use already"));
+        }
+        let keepers = crate::keeper::Keepers::find(keeper).await;
+        self.shared
+            .keepers
+            .set(keepers)
+            .map_err(|_| io::Error::new(io::ErrorKind::AlreadyExists, "a keeper is in use already"))
     }
 
     /// The notification socket's address, as `NOTIFY_SOCKET` tells it to processes whose
@@ -209,7 +245,7 @@ impl Supervisor {
                 tracing::warn!(%error, address = %self.shared.notify.address(), "cannot bind the notification socket");
             }
         }
-        let instance = Instance::spawn(&spec, self.shared.cgroups.as_ref(), None).await?;
+        let instance = Instance::spawn(&spec, &self.shared, None).await?;
         let pid = instance.pid;
         tracing::info!(proxy = %spec.name, pid, program = %spec.program.display(), "process started");
         let identity = self.shared.identity(&instance);

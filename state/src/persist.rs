@@ -217,6 +217,12 @@ impl DataDir {
         self.root().join("agent.sock")
     }
 
+    /// `keeper.sock`: the socket of the keeper, the process that is the parent of the
+    /// proxies and outlives the agent.
+    pub fn keeper_socket_path(&self) -> PathBuf {
+        self.root().join("keeper.sock")
+    }
+
     /// The store of API registrations.
     pub fn registrations(&self) -> RegistrationStore {
         RegistrationStore::new(self.registrations.clone())

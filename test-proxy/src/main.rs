@@ -5,6 +5,8 @@
 //! talks to the agent and never runs a shell. Flags:
 //!
 //! - `--ignore-sigint`: ignore SIGINT (inherited by workers forked afterwards).
+//! - `--die-with-parent`: ask for SIGTERM when the parent dies (`PR_SET_PDEATHSIG`), as
+//!   Envoy does for itself.
 //! - `--fork-worker FILE`: fork a worker that sleeps forever, and write its pid to FILE
 //!   (atomically, so a reader never sees half a number).
 //! - `--print TEXT`: print TEXT and a newline to stdout.
@@ -36,6 +38,8 @@ fn main() {
         let mut value = || args.next().unwrap_or_else(|| fail(&format!("{flag} needs a value")));
         match flag.as_str() {
             "--ignore-sigint" => ignore_sigint(),
+            "--die-with-parent" => nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGTERM)
+                .unwrap_or_else(|error| fail(&format!("prctl: {error}"))),
             "--fork-worker" => fork_worker(&value()),
             "--print" => println!("{}", value()),
             "--print-env" => {

@@ -207,6 +207,13 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
     backend
         .hold_until_exec(std::os::fd::AsFd::as_fd(&lock))
         .context("handing the data dir's lock to the spawn thread")?;
+    // The parent of the proxies is the keeper, which outlives this agent: a proxy that asks
+    // to die with its parent (Envoy does) survives the agent's crash, upgrade or SIGTERM.
+    // `/proc/self/exe`: the keeper is this very build, even if an upgrade replaced the file.
+    backend
+        .use_keeper("/proc/self/exe", own_executable(), vec![crate::cli::KEEPER.into()])
+        .await
+        .context("looking for the keeper of the proxies")?;
     let store = Arc::new(FileSnapshotStore::in_data_dir(&data));
     // Proxies held down by `tether stop` stay stopped across agent restarts.
     let held = Arc::new(held::Held::load(&data));

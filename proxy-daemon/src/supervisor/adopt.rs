@@ -192,8 +192,14 @@ impl Supervisor {
         let started_at = self.shared.start_time_to_system_time(stat.start_time).unwrap_or_else(SystemTime::now);
         let age = SystemTime::now().duration_since(started_at).unwrap_or_default();
         let now = Instant::now();
+        // A keeper's child: its keeper tells how it ends.
+        let process = crate::keeper::Kept { pid, start_time: stat.start_time };
+        let kind = match self.shared.keepers.get().and_then(|keepers| keepers.owner(process)) {
+            Some(link) => InstanceKind::Kept(link),
+            None => InstanceKind::Adopted,
+        };
         let instance = Instance {
-            kind: InstanceKind::Adopted,
+            kind,
             pidfd,
             pid,
             pgid: stat.pgid,

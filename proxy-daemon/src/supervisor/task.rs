@@ -44,6 +44,8 @@ pub(super) enum InstanceKind {
     /// Our child: we reap it, once its pidfd says that it exited. A `std` child holds no
     /// descriptor, so the pidfd is the only one a supervised process costs.
     Child(spawn::Child),
+    /// A keeper's child: the keeper sweeps its group, reaps it and tells how it ended.
+    Kept(Arc<crate::keeper::Link>),
     /// Adopted: its parent (init or a subreaper) reaps it.
     Adopted,
 }
@@ -54,9 +56,10 @@ impl Instance {
     /// `spare`: the empty cgroup of the instance it replaces, to take over.
     pub(super) async fn spawn(
         spec: &ProcessSpec,
-        cgroups: Option<&Cgroups>,
+        shared: &Shared,
         spare: Option<Box<str>>,
     ) -> Result<Self, SpawnError> {
+        let cgroups = shared.cgroups.as_ref();
         // A place among the processes in the making, before anything is made for this one.
         let slot = spawn::slot().await;
         // Where its output starts, read before it can write any (readiness `log_line`).
@@ -66,10 +69,34 @@ impl Instance {
             (Some(cgroups), None) => Some(cgroups.create(spec.name.as_str(), &spec.limits)?),
             (None, _) => None,
         };
-        let spawned = spawn::spawn(spec, cgroup.as_ref().map(|cgroup| &cgroup.dir), &slot).await;
+        let dir = cgroup.as_ref().map(|cgroup| &cgroup.dir);
+        let spawned = match shared.keepers.get() {
+            Some(keepers) => {
+                let held = shared.held.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+                let kept = match keepers.current().await {
+                    Ok(link) => {
+                        // Before the process exists: its first notice may come before its
+                        // registration, and waits for it only if its parent is known.
+                        shared.notify.add_parent(link.pid);
+                        spawn::spawn_kept(spec, dir, link, &held, &slot).await
+                    }
+                    Err(source) => Err(SpawnError::Keeper { source }),
+                };
+                kept.map(|kept| {
+                    let spawn::KeptSpawn { link, process, pidfd, notification } = kept;
+                    (InstanceKind::Kept(link), process.pid, pidfd, notification, Some(process.start_time))
+                })
+            }
+            None => spawn::spawn(spec, dir, &slot).await.map(|spawned| {
+                let Spawned { child, pid, pidfd, notification } = spawned;
+                // Our child is not reaped until we wait for it, so its /proc entry is its own.
+                let start_time = proc::read_stat(pid).ok().map(|stat| stat.start_time);
+                (InstanceKind::Child(child), pid, pidfd, notification, start_time)
+            }),
+        };
         drop(slot);
         let cgroup = cgroup.map(|cgroup| cgroup.name);
-        let Spawned { child, pid, pidfd, notification } = match spawned {
+        let (kind, pid, pidfd, notification, start_time) = match spawned {
             Ok(spawned) => spawned,
             Err(error) => {
                 // Nothing entered it: the child that would have is gone.
@@ -79,26 +106,14 @@ impl Instance {
                 return Err(error);
             }
         };
-        // Our child is not reaped until we wait for it, so its /proc entry is its own.
-        let start_time = proc::read_stat(pid).ok().map(|stat| stat.start_time);
-        Ok(Self {
-            kind: InstanceKind::Child(child),
-            pidfd,
-            pid,
-            pgid: pid,
-            start_time,
-            started: Instant::now(),
-            notification,
-            log_offsets,
-            cgroup,
-        })
+        Ok(Self { kind, pidfd, pid, pgid: pid, start_time, started: Instant::now(), notification, log_offsets, cgroup })
     }
 
     /// Kills what is left of the instance once its main process has exited or been
     /// killed: its cgroup as a whole, whose removal is awaited, or else its process group.
     /// Before the reap: until then the group id cannot be reused.
     async fn sweep(&mut self, cgroups: Option<&Cgroups>) {
-        let _empty = proc::signal_group(self.pgid, Signal::SIGKILL);
+        self.sweep_group();
         if let (Some(cgroups), Some(name)) = (cgroups, self.cgroup.take()) {
             cgroups.sweep(&name).await;
         }
@@ -106,13 +121,31 @@ impl Instance {
 
     /// [`Instance::sweep`], keeping its cgroup, once empty, for the next instance.
     async fn clear(&mut self, cgroups: Option<&Cgroups>) -> Option<Box<str>> {
-        let _empty = proc::signal_group(self.pgid, Signal::SIGKILL);
+        self.sweep_group();
         let (cgroups, name) = (cgroups?, self.cgroup.take()?);
         cgroups.reusable(&name).await.then_some(name)
     }
 
-    /// Reaps the exited main process, if it is ours, and reads how it ended.
+    /// SIGKILLs the process group, unless a keeper is the parent: it sweeps the group itself
+    /// before it reaps the leader, so that the group id it signals is still the leader's.
+    fn sweep_group(&self) {
+        if !matches!(self.kind, InstanceKind::Kept(_)) {
+            let _empty = proc::signal_group(self.pgid, Signal::SIGKILL);
+        }
+    }
+
+    /// Reaps the exited main process, if it is ours, and reads how it ended; a keeper's
+    /// child's end is what its keeper tells.
     async fn reap(self) -> Option<ExitReason> {
+        if let InstanceKind::Kept(link) = &self.kind {
+            let process = crate::keeper::Kept { pid: self.pid, start_time: self.start_time.unwrap_or(0) };
+            let status = link.exit_status(process).await;
+            if status.is_none() {
+                tracing::warn!(pid = self.pid, "the keeper did not tell how the process ended");
+            }
+            return status
+                .and_then(|status| ExitReason::from_status(std::os::unix::process::ExitStatusExt::from_raw(status)));
+        }
         let InstanceKind::Child(mut child) = self.kind else { return None };
         // The pidfd said it exited, so the wait does not block; should it ever, it blocks a
         // thread of the blocking pool, not the runtime.
@@ -620,6 +653,9 @@ impl Task {
             _ => Ok(()),
         };
         let error = error.or_else(|| removed.err().map(|cause| format!("failed to remove pid file: {cause}")));
+        // Supervision ends here: its share of the listeners goes now, not whenever this task
+        // is dropped, so that whoever sees the end (a deregistration) finds them closed.
+        self.spec.listeners = Vec::new();
         self.set_status(|status| {
             status.state = state;
             status.pid = None;
@@ -716,8 +752,7 @@ impl Task {
             self.set_status(|status| status.state = ProcessState::Starting);
             // Boxed: the making of a process is rare in a supervisor's life, and its state
             // would otherwise be part of every supervising task's future.
-            let spawning =
-                Box::pin(Instance::spawn(&self.spec, self.shared.cgroups.as_ref(), self.spare_cgroup.take()));
+            let spawning = Box::pin(Instance::spawn(&self.spec, &self.shared, self.spare_cgroup.take()));
             match spawning.await {
                 Ok(instance) => return Some(self.restarted(instance, cause)),
                 Err(error) => {

@@ -200,6 +200,21 @@ impl Agent<'_> {
         self.child.as_ref().map_or(0, Child::id)
     }
 
+    /// The RSS of the agent and of the keeper that is its proxies' parent, in KiB: what
+    /// the agent's proxies cost it, whichever of the two holds it.
+    pub(crate) fn rss_with_keeper_kib(&self) -> Result<u64, String> {
+        let agent = sys::rss_kib(self.pid())?;
+        let keeper = self
+            .proxies()?
+            .iter()
+            .find_map(|proxy| proxy.pid)
+            .and_then(sys::parent)
+            .filter(|&parent| parent != self.pid())
+            .and_then(|keeper| sys::rss_kib(keeper).ok())
+            .unwrap_or(0);
+        Ok(agent + keeper)
+    }
+
     /// What the agent has logged so far.
     pub(crate) fn log_text(&self) -> String {
         fs::read_to_string(&self.log).unwrap_or_default()

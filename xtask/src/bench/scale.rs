@@ -12,7 +12,6 @@ use std::time::{Duration, Instant};
 
 use super::lab::{Lab, raw_bring_up};
 use super::report::{Row, met, ratio, secs};
-use super::sys;
 
 /// The sizes, with how many rounds each (the best is kept) and the ratio to the raw loop
 /// that the target allows, if there is one (at 100 the agent's own start dominates).
@@ -65,13 +64,13 @@ pub(crate) fn run(lab: &Lab, empty_rss: u64, rows: &mut Vec<Row>) -> Result<(), 
                 "10 000 / 0",
                 met(all_running == count && failed == 0),
             ));
-            let rss = sys::rss_kib(agent.pid())?;
+            let rss = agent.rss_with_keeper_kib()?;
             #[allow(clippy::cast_precision_loss)]
             let per_proxy = rss.saturating_sub(empty_rss) as f64 / count as f64;
             rows.push(Row::new(
-                "agent RSS per managed proxy, N = 10 000",
-                format!("agent with 0 proxies: {empty_rss} KiB"),
-                format!("{per_proxy:.1} KiB (agent: {} MiB)", rss / 1024),
+                "agent and keeper RSS per managed proxy, N = 10 000",
+                format!("agent with 0 proxies (no keeper yet): {empty_rss} KiB"),
+                format!("{per_proxy:.1} KiB (agent and keeper: {} MiB)", rss / 1024),
                 "—".into(),
                 "≤ 10 KiB",
                 met(per_proxy <= 10.0),
