@@ -642,7 +642,8 @@ impl ProxyHandle for OsProxyHandle {
         tracing::info!(proxy = %self.id, pid = current.pid, epoch = draining.epoch, "the old generation drains");
         self.shared.generations.drain(&self.id, key, draining);
         self.lock().record = None;
-        self.shared.spawn(epoch::await_drain(self.id.clone(), process, timeout));
+        let cut = self.shared.generations.cut_signal(&self.id);
+        self.shared.spawn(epoch::await_drain(self.id.clone(), process, timeout, cut));
         Ok(())
     }
 

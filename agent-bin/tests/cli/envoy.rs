@@ -551,3 +551,47 @@ fn a_hot_restart_in_progress_survives_an_agent_sigkill() {
     assert_eq!(counts.unserved, 0, "connections accepted but not served: {counts:?}");
     setup.leave(next);
 }
+
+/// Envoy's new generation dies in the middle of a hot restart: the old one has handed its
+/// listeners over and drains (for 20 s, within a `drain_timeout` of 60 s), so nothing listens
+/// until a new generation does. The agent stops the old one at once and starts Envoy cold,
+/// instead of leaving the port closed for the whole drain.
+#[test]
+fn a_crash_of_envoys_new_generation_mid_hand_over_stops_the_old_one_and_starts_cold() {
+    let Some(setup) = Setup::new("envoy-midway") else { return };
+    let _envoys = setup.guard();
+    let _sweep = SweepOnDrop(setup.dirs.socket());
+    let id = setup.id();
+    setup.write_epoch(0);
+    let agent = Agent::start(&setup.dirs, &root_flags());
+    wait_generations(&agent, &id, &[(0, "current")]);
+    setup.note_base_id();
+    assert_eq!(wait_for("a connection through Envoy", || through(setup.listener_port)), GREETING);
+
+    setup.write_epoch(1);
+    agent.signal(Signal::SIGHUP);
+    let both = wait_generations(&agent, &id, &[(1, "current"), (0, "draining")]);
+    wait_until("epoch 1 to answer on the admin address", || match setup.server_info() {
+        Some((state, 1)) if state == "LIVE" => Ok(()),
+        other => Err(format!("{other:?}")),
+    });
+    let pids: Vec<i64> = generations(&both).iter().map(|(_, _, pid)| *pid).collect();
+
+    let client = Client::start(setup.listener_port);
+    client.wait_tries(20);
+    let crashed_at = Instant::now();
+    kill(Pid::from_raw(pids[0] as i32), Signal::SIGKILL).unwrap();
+    let cold = wait_generations(&agent, &id, &[(0, "current")]);
+    let pid = cold["pid"].as_i64().unwrap();
+    assert!(!pids.contains(&pid), "a new Envoy: {cold}");
+    assert!(!alive(pids[1]), "the old generation was stopped: {cold}\n{}", agent.logs());
+    wait_for("a connection through the new Envoy", || through(setup.listener_port));
+    let serving_after = crashed_at.elapsed();
+    setup.note_base_id();
+    client.wait_tries(50);
+    let counts = client.finish();
+    assert_eq!(counts.unserved, 0, "connections accepted but not served: {counts:?}");
+    // A figure, not a bound: the machines are shared.
+    eprintln!("Envoy serving again {serving_after:?} after its new generation's crash: {counts:?}");
+    setup.leave(agent);
+}

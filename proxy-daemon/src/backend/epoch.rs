@@ -48,6 +48,9 @@ struct Proxy {
     live: Vec<Live>,
     /// Told whenever a generation ends or gets a process: a cold start waits on it.
     changed: watch::Sender<()>,
+    /// Told when a cold start is waiting for the generations that drain: they are stopped
+    /// at once ([`await_drain`]).
+    cut: watch::Sender<()>,
 }
 
 #[derive(Debug)]
@@ -168,6 +171,15 @@ impl Generations {
         inner.refresh_others(id, key);
     }
 
+    /// Told when a cold start of `id` would wait for its generations that drain: then they
+    /// are to stop at once.
+    pub(super) fn cut_signal(&self, id: &ProxyId) -> watch::Receiver<()> {
+        let mut inner = self.lock();
+        let mut receiver = inner.proxy(id).cut.subscribe();
+        receiver.mark_unchanged();
+        receiver
+    }
+
     /// Lets generation `key` of `id` drain: from now on it is listed as draining, and the
     /// handle that started it no longer reports it.
     pub(super) fn drain(&self, id: &ProxyId, key: u64, draining: Draining) {
@@ -207,18 +219,37 @@ impl Generations {
 
     /// Resolves once no generation of `id` but `key` has a process: when a crashed
     /// generation may start again cold, at epoch 0.
+    ///
+    /// The generations it waits for that drain are stopped at once: each handed its sockets
+    /// over to a generation that is gone, so until a new generation listens, nothing does
+    /// (and connections are refused); the cold start cannot take over from them, and cannot
+    /// bind beside them under their base id.
     pub(super) fn alone(
         self: Arc<Self>,
         id: ProxyId,
         key: u64,
     ) -> Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
         Box::pin(async move {
+            let mut cut = false;
             loop {
                 let mut changed = {
                     let mut inner = self.lock();
                     let proxy = inner.proxy(&id);
-                    if !proxy.live.iter().any(|live| live.key != key && live.pid.is_some()) {
+                    let others = proxy.live.iter().filter(|live| live.key != key && live.pid.is_some());
+                    let (count, draining) = others.fold((0, 0), |(count, draining), live| {
+                        (count + 1, draining + usize::from(live.draining.is_some()))
+                    });
+                    if count == 0 {
                         return;
+                    }
+                    if !cut && draining == count {
+                        tracing::info!(
+                            proxy = %id,
+                            draining,
+                            "a cold start stops the old generations that drain: they handed their sockets over"
+                        );
+                        proxy.cut.send_replace(());
+                        cut = true;
                     }
                     proxy.changed.subscribe()
                 };
@@ -310,7 +341,7 @@ impl Inner {
 
 impl Proxy {
     fn new(base_id: u32) -> Self {
-        Self { base_id, live: Vec::new(), changed: watch::Sender::new(()) }
+        Self { base_id, live: Vec::new(), changed: watch::Sender::new(()), cut: watch::Sender::new(()) }
     }
 }
 
@@ -343,17 +374,31 @@ pub(super) fn told_to(pid: u32) -> (Option<u32>, Option<u32>) {
 }
 
 /// Awaits the exit of a generation that drains, up to `timeout`, then stops it with its
-/// kill signal (and SIGKILL after its kill timeout).
-pub(super) async fn await_drain(id: ProxyId, process: ProcessHandle, timeout: Duration) {
+/// kill signal (and SIGKILL after its kill timeout); and at once when `cut` is told (a cold
+/// start of its proxy waits for it: [`Generations::alone`]).
+pub(super) async fn await_drain(id: ProxyId, process: ProcessHandle, timeout: Duration, mut cut: watch::Receiver<()>) {
     let mut status = process.subscribe();
     let pid = status.borrow().pid;
     let exited = tokio::time::timeout(timeout, async {
         let _ended = status.wait_for(|status| status.state.is_final()).await.is_ok();
-    })
-    .await;
+    });
+    let cut_short = async {
+        if cut.changed().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    let exited = tokio::select! {
+        exited = exited => Some(exited),
+        () = cut_short => None,
+    };
     match exited {
-        Ok(_) => tracing::info!(proxy = %id, pid, "the old generation drained and exited"),
-        Err(_elapsed) => {
+        Some(Ok(_)) => tracing::info!(proxy = %id, pid, "the old generation drained and exited"),
+        None => {
+            tracing::info!(proxy = %id, pid, "stopping the old generation now: the generation it handed over to is gone");
+            let last = process.stop().await;
+            tracing::info!(proxy = %id, pid, last_exit = ?last.last_exit, "the old generation stopped");
+        }
+        Some(Err(_elapsed)) => {
             tracing::warn!(
                 proxy = %id,
                 pid,
@@ -388,6 +433,31 @@ mod tests {
         taken.insert(first, id("web"));
         taken.insert(first % BASE_IDS + 1, id("db"));
         assert_eq!(free_base_id(&taken, &id("api")), (first + 1) % BASE_IDS + 1);
+    }
+
+    #[tokio::test]
+    async fn a_cold_start_tells_the_generations_that_drain_to_stop_and_waits_for_their_end() {
+        let registry = Arc::new(Generations::default());
+        let web = id("web");
+        let old = registry.begin(&web, None, None, None);
+        let identity = Identity { pid: 10, pgid: 10, start_time: 1, boot_id: "b".into(), cgroup: None };
+        let until = SystemTime::now() + Duration::from_secs(900);
+        registry.drain(&web, old.key, Draining { identity, epoch: 0, kill: KillPolicy::default(), until });
+        let mut cut = registry.cut_signal(&web);
+        let current = registry.begin(&web, None, None, None);
+        {
+            let mut inner = registry.lock();
+            let proxy = inner.proxy(&web);
+            proxy.live.iter_mut().for_each(|live| live.pid = Some(10 + live.key as u32));
+        }
+        assert!(!cut.has_changed().unwrap(), "a hot restart leaves the old generation alone");
+
+        // The current generation crashed and starts again cold: the old one is told to stop.
+        let alone = tokio::spawn(Arc::clone(&registry).alone(web.clone(), current.key));
+        tokio::time::timeout(Duration::from_secs(10), cut.changed()).await.unwrap().unwrap();
+        assert!(!alone.is_finished(), "the cold start waits for the old generation's end");
+        registry.end(&web, old.key);
+        tokio::time::timeout(Duration::from_secs(10), alone).await.unwrap().unwrap();
     }
 
     #[test]

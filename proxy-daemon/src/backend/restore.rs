@@ -236,7 +236,8 @@ impl OsProcessBackend {
         process.observe(move |current| generations.observe(&watched, begun.key, current, None));
         let remaining = draining.until.duration_since(SystemTime::now()).unwrap_or_default();
         tracing::info!(proxy = %id, pid, epoch = draining.epoch, "adopted an old generation that drains");
-        tokio::spawn(super::epoch::await_drain(id.clone(), process, remaining));
+        let cut = self.shared.generations.cut_signal(id);
+        tokio::spawn(super::epoch::await_drain(id.clone(), process, remaining, cut));
         Some(pid)
     }
 
@@ -269,7 +270,8 @@ impl OsProcessBackend {
         let (generations, watched) = (self.shared.generations.clone(), id.clone());
         process.observe(move |current| generations.observe(&watched, begun.key, current, None));
         tracing::info!(proxy = %id, pid = seen.pid, epoch = begun.epoch, "adopted an old generation that drains");
-        tokio::spawn(super::epoch::await_drain(id.clone(), process, timeout));
+        let cut = self.shared.generations.cut_signal(id);
+        tokio::spawn(super::epoch::await_drain(id.clone(), process, timeout, cut));
     }
 
     /// Every live instance of `id` that can be proven, each once, with what the rule needs
