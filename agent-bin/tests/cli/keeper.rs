@@ -176,3 +176,41 @@ fn an_agent_of_another_build_adopts_the_old_keepers_proxies_and_retires_it() {
     assert_eq!(keeper_of(restarted["pid"].as_i64().unwrap() as i32), Some(new_keeper));
     wait_for("the retired keeper to exit", || (!alive(i64::from(old_keeper))).then_some(()));
 }
+
+/// A descriptor that the agent inherited without close-on-exec (from whatever started it)
+/// reaches neither the keeper's children nor, through the keeper, any proxy.
+#[test]
+fn a_proxy_holds_no_descriptor_that_the_agent_inherited() {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::process::CommandExt;
+    let dirs = Dirs::new();
+    dirs.write_config("web.toml", &sleeper("web"));
+    let inherited = std::fs::File::open("/dev/null").unwrap();
+    let source = inherited.as_raw_fd();
+    let agent = Agent::start_configured(&dirs, &["--allow-root"], |command| {
+        // SAFETY: the hook runs in the forked child, where only async-signal-safe calls are
+        // allowed: dup2(2) is one, and the closure allocates nothing.
+        unsafe {
+            command.pre_exec(move || {
+                if libc::dup2(source, 9) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    });
+    let pid = agent.wait_state("web-proxy", "running")["pid"].as_i64().unwrap();
+    let open = |pid: i64| -> Vec<String> {
+        let mut fds: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .unwrap()
+            .flatten()
+            .map(|entry| entry.file_name().to_string_lossy().into_owned())
+            .collect();
+        fds.sort_unstable();
+        fds
+    };
+    assert!(open(i64::from(agent.pid().as_raw())).contains(&"9".to_owned()), "the agent holds it");
+    assert_eq!(open(pid), ["0", "1", "2"], "the proxy holds its standard streams only");
+    let keeper = keeper_of(pid as i32).unwrap();
+    assert!(!open(i64::from(keeper)).contains(&"9".to_owned()), "nor does the keeper");
+}

@@ -135,6 +135,13 @@ impl Agent {
         agent
     }
 
+    /// Like [`Agent::start`], with `configure` applied to the agent's command.
+    pub fn start_configured(dirs: &Dirs, extra: &[&str], configure: impl FnOnce(&mut Command)) -> Self {
+        let agent = Self::spawn_configured(Path::new(env!("CARGO_BIN_EXE_tether")), dirs, extra, configure);
+        wait_for("the agent's socket", || get(&agent.socket, "/v1/agent/health").ok().filter(|r| r.status == 200));
+        agent
+    }
+
     fn spawn_configured(program: &Path, dirs: &Dirs, extra: &[&str], configure: impl FnOnce(&mut Command)) -> Self {
         static STARTED: AtomicUsize = AtomicUsize::new(0);
         let log = dirs.temp.path().join(format!("agent-{}.log", STARTED.fetch_add(1, Ordering::Relaxed)));

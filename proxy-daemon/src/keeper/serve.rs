@@ -38,7 +38,25 @@ const UNHEARD: usize = 4096;
 pub fn serve_inherited() -> io::Result<()> {
     let listener = inherited(3)?;
     let first = inherited(4)?;
+    // Whatever else the supervisor's process held open without close-on-exec (what its own
+    // parent gave it, say) is not the proxies' business: every child would inherit it.
+    close_from(5);
     serve(listener, Some(first))
+}
+
+/// Closes every descriptor from `first` on.
+fn close_from(first: RawFd) {
+    #[allow(unsafe_code)]
+    // SAFETY: close_range(2) takes two descriptor numbers and flags; at the keeper's start no
+    // Rust value owns a descriptor from `first` on (only 0 to 4 are taken).
+    let closed = unsafe { libc::syscall(libc::SYS_close_range, first as libc::c_uint, libc::c_uint::MAX, 0) };
+    if closed < 0 {
+        for fd in first..1024 {
+            #[allow(unsafe_code)]
+            // SAFETY: as above; closing a number that is not open fails harmlessly.
+            let _ = unsafe { libc::close(fd) };
+        }
+    }
 }
 
 /// Takes descriptor `fd`, which must be a socket, and makes it close-on-exec.

@@ -132,12 +132,13 @@ fn raw_restarts(lab: &Lab, count: usize) -> Result<(Vec<Duration>, Vec<Duration>
     Ok((restarts, spawns))
 }
 
-/// Waits until a child of the agent has exec'd with `TETHER_PROXY_ID=proxy`; returns its
-/// pid and when it was seen in `/proc`.
+/// Waits until a child of the agent's keeper (the proxies' parent) has exec'd with
+/// `TETHER_PROXY_ID=proxy`; returns its pid and when it was seen in `/proc`.
 fn wait_new_proxy(agent: &Agent<'_>, watch: &mut sys::NewProcesses, proxy: &str) -> Result<(u32, Instant), String> {
     let deadline = Instant::now() + Duration::from_secs(10);
+    let parent = agent.proxies_parent();
     let (pid, seen) = loop {
-        if let Some(pid) = watch.poll(agent.pid(), "TETHER_PROXY_ID", proxy)? {
+        if let Some(pid) = watch.poll(parent, "TETHER_PROXY_ID", proxy)? {
             break (pid, Instant::now());
         }
         if Instant::now() > deadline {
@@ -257,7 +258,7 @@ fn many(lab: &Lab, idle_agent: &Agent<'_>, empty_rss: u64, rows: &mut Vec<Row>) 
     push(
         rows,
         Row::new(
-            "agent and keeper RSS per managed proxy, N = 1 000",
+            "agent RSS and keeper private memory per managed proxy, N = 1 000",
             format!("agent with 0 proxies (no keeper yet): {}", kib(empty_rss)),
             format!("{per_proxy:.1} KiB (agent and keeper: {})", kib(many_rss)),
             "—".into(),

@@ -200,8 +200,20 @@ impl Agent<'_> {
         self.child.as_ref().map_or(0, Child::id)
     }
 
-    /// The RSS of the agent and of the keeper that is its proxies' parent, in KiB: what
-    /// the agent's proxies cost it, whichever of the two holds it.
+    /// The process whose children the agent's proxies are: the keeper it started (`tether
+    /// keeper`, its child), or the agent itself before it has one.
+    pub(crate) fn proxies_parent(&self) -> u32 {
+        let is_keeper = |pid: &u32| {
+            fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|cmdline| cmdline.split(|byte| *byte == 0).nth(1) == Some(b"keeper".as_slice()))
+        };
+        sys::children_of(self.pid()).into_iter().find(is_keeper).unwrap_or_else(|| self.pid())
+    }
+
+    /// The agent's RSS and the private memory of the keeper that is its proxies' parent, in
+    /// KiB: what the agent's proxies cost, whichever of the two holds it. The keeper runs the
+    /// agent's own program, whose pages it shares with the agent: only what it alone holds
+    /// is its own cost.
     pub(crate) fn rss_with_keeper_kib(&self) -> Result<u64, String> {
         let agent = sys::rss_kib(self.pid())?;
         let keeper = self
@@ -210,7 +222,7 @@ impl Agent<'_> {
             .find_map(|proxy| proxy.pid)
             .and_then(sys::parent)
             .filter(|&parent| parent != self.pid())
-            .and_then(|keeper| sys::rss_kib(keeper).ok())
+            .and_then(|keeper| sys::private_kib(keeper).ok())
             .unwrap_or(0);
         Ok(agent + keeper)
     }

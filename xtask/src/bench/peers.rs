@@ -563,12 +563,7 @@ fn wait_every<T>(what: &str, interval: Duration, mut probe: impl FnMut() -> Opti
 
 /// The children of `pid`, from every one of its threads.
 fn children_of(pid: u32) -> Vec<u32> {
-    let Ok(tasks) = fs::read_dir(format!("/proc/{pid}/task")) else { return Vec::new() };
-    tasks
-        .flatten()
-        .filter_map(|task| fs::read_to_string(task.path().join("children")).ok())
-        .flat_map(|text| text.split_whitespace().filter_map(|pid| pid.parse().ok()).collect::<Vec<u32>>())
-        .collect()
+    sys::children_of(pid)
 }
 
 /// Every process below `root` (children, grandchildren, …).

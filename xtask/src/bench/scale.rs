@@ -68,7 +68,7 @@ pub(crate) fn run(lab: &Lab, empty_rss: u64, rows: &mut Vec<Row>) -> Result<(), 
             #[allow(clippy::cast_precision_loss)]
             let per_proxy = rss.saturating_sub(empty_rss) as f64 / count as f64;
             rows.push(Row::new(
-                "agent and keeper RSS per managed proxy, N = 10 000",
+                "agent RSS and keeper private memory per managed proxy, N = 10 000",
                 format!("agent with 0 proxies (no keeper yet): {empty_rss} KiB"),
                 format!("{per_proxy:.1} KiB (agent and keeper: {} MiB)", rss / 1024),
                 "—".into(),

@@ -61,6 +61,30 @@ pub(crate) fn rss_kib(pid: u32) -> Result<u64, String> {
     value.trim_end_matches("kB").trim().parse().map_err(|err| format!("VmRSS {value:?} of {pid}: {err}"))
 }
 
+/// The children of `pid`, from each of its threads' `children`.
+pub(crate) fn children_of(pid: u32) -> Vec<u32> {
+    let Ok(tasks) = fs::read_dir(format!("/proc/{pid}/task")) else { return Vec::new() };
+    tasks
+        .flatten()
+        .filter_map(|task| fs::read_to_string(task.path().join("children")).ok())
+        .flat_map(|text| text.split_whitespace().filter_map(|pid| pid.parse().ok()).collect::<Vec<u32>>())
+        .collect()
+}
+
+/// The memory that `pid` alone holds, in KiB: its private pages (`Private_Clean` and
+/// `Private_Dirty` of `smaps_rollup`), not the program's pages that it shares with others.
+pub(crate) fn private_kib(pid: u32) -> Result<u64, String> {
+    let path = format!("/proc/{pid}/smaps_rollup");
+    let text = fs::read_to_string(&path).map_err(|err| format!("{path}: {err}"))?;
+    let kib = |name: &str| {
+        text.lines()
+            .find_map(|line| line.strip_prefix(name))
+            .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    Ok(kib("Private_Clean:") + kib("Private_Dirty:"))
+}
+
 /// The CPU time that the live threads of `pid` have run, from their `schedstat`
 /// (nanoseconds, unlike the ticks of `stat`).
 pub(crate) fn cpu_time(pid: u32) -> Result<Duration, String> {
