@@ -134,9 +134,14 @@ fn raw_restarts(lab: &Lab, count: usize) -> Result<(Vec<Duration>, Vec<Duration>
 
 /// Waits until a child of the agent's keeper (the proxies' parent) has exec'd with
 /// `TETHER_PROXY_ID=proxy`; returns its pid and when it was seen in `/proc`.
-fn wait_new_proxy(agent: &Agent<'_>, watch: &mut sys::NewProcesses, proxy: &str) -> Result<(u32, Instant), String> {
+/// `parent` is the proxies' parent ([`Agent::proxies_parent`]), found before the clock starts.
+fn wait_new_proxy(
+    agent: &Agent<'_>,
+    parent: u32,
+    watch: &mut sys::NewProcesses,
+    proxy: &str,
+) -> Result<(u32, Instant), String> {
     let deadline = Instant::now() + Duration::from_secs(10);
-    let parent = agent.proxies_parent();
     let (pid, seen) = loop {
         if let Some(pid) = watch.poll(parent, "TETHER_PROXY_ID", proxy)? {
             break (pid, Instant::now());
@@ -170,13 +175,14 @@ pub(super) fn restart_latencies(
     services: impl Iterator<Item = String>,
 ) -> Result<Latencies, String> {
     let mut latencies = Latencies { process: Vec::new(), pid_file: Vec::new() };
+    let parent = agent.proxies_parent();
     for service in services {
         let proxy = format!("{service}-proxy");
         let old = agent.pid_file(&proxy).ok_or_else(|| agent.error(&format!("no pid file for {proxy}")))?;
         let mut watch = sys::NewProcesses::since_now()?;
         sys::signal(old, sys::SIGKILL)?;
         let start = Instant::now();
-        let (pid, seen) = wait_new_proxy(agent, &mut watch, &proxy)?;
+        let (pid, seen) = wait_new_proxy(agent, parent, &mut watch, &proxy)?;
         latencies.process.push(seen - start);
         wait_for(&format!("the pid file of {proxy}"), Duration::from_secs(10), || {
             (agent.pid_file(&proxy) == Some(pid)).then(Instant::now)
@@ -449,8 +455,9 @@ fn blocking_queries(
 /// One new service at a time, through the register API and through a new config file and
 /// SIGHUP, each after a quiet period, timed until its pid file names a live process.
 fn change_to_running(agent: &Agent<'_>, config: &Path, raw_spawn: Duration, rows: &mut Vec<Row>) -> Result<(), String> {
+    let parent = agent.proxies_parent();
     let wait_started = |proxy: &str, watch: &mut sys::NewProcesses, start: Instant| {
-        let (pid, seen) = wait_new_proxy(agent, watch, proxy)?;
+        let (pid, seen) = wait_new_proxy(agent, parent, watch, proxy)?;
         verify_running(agent, proxy, pid)?;
         Ok::<_, String>(seen - start)
     };

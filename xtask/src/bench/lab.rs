@@ -200,14 +200,20 @@ impl Agent<'_> {
         self.child.as_ref().map_or(0, Child::id)
     }
 
-    /// The process whose children the agent's proxies are: the keeper it started (`tether
-    /// keeper`, its child), or the agent itself before it has one.
+    /// The process whose children the agent's proxies are: the keeper (`tether keeper`),
+    /// the parent of the proxies it lists (an earlier agent's child, after a restart) or the
+    /// one it started; the agent itself before there is one.
     pub(crate) fn proxies_parent(&self) -> u32 {
         let is_keeper = |pid: &u32| {
             fs::read(format!("/proc/{pid}/cmdline"))
                 .is_ok_and(|cmdline| cmdline.split(|byte| *byte == 0).nth(1) == Some(b"keeper".as_slice()))
         };
-        sys::children_of(self.pid()).into_iter().find(is_keeper).unwrap_or_else(|| self.pid())
+        let of_proxies = self.proxies().ok().and_then(|proxies| {
+            proxies.iter().filter_map(|proxy| proxy.pid).filter_map(sys::parent).find(is_keeper)
+        });
+        of_proxies
+            .or_else(|| sys::children_of(self.pid()).into_iter().find(is_keeper))
+            .unwrap_or_else(|| self.pid())
     }
 
     /// The agent's RSS and the private memory of the keeper that is its proxies' parent, in
@@ -216,14 +222,8 @@ impl Agent<'_> {
     /// is its own cost.
     pub(crate) fn rss_with_keeper_kib(&self) -> Result<u64, String> {
         let agent = sys::rss_kib(self.pid())?;
-        let keeper = self
-            .proxies()?
-            .iter()
-            .find_map(|proxy| proxy.pid)
-            .and_then(sys::parent)
-            .filter(|&parent| parent != self.pid())
-            .and_then(|keeper| sys::private_kib(keeper).ok())
-            .unwrap_or(0);
+        let parent = self.proxies_parent();
+        let keeper = if parent == self.pid() { 0 } else { sys::private_kib(parent)? };
         Ok(agent + keeper)
     }
 
