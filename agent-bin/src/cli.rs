@@ -18,6 +18,9 @@ pub(crate) const KEEPER: &str = "keeper";
 /// The key prefix of the fleet's keys in etcd when none is given.
 pub(crate) const DEFAULT_ETCD_PREFIX: &str = "/tether";
 
+/// The environment variable that gives `--data-dir`, to the agent and every command.
+pub(crate) const DATA_DIR_ENV: &str = "TETHER_DATA_DIR";
+
 /// Where the agent keeps its state when `--data-dir` is not given.
 pub(crate) const DEFAULT_DATA_DIR: &str = "/var/lib/tether";
 
@@ -200,7 +203,7 @@ pub(crate) enum FleetCommand {
 #[derive(Debug, Args)]
 pub(crate) struct SocketArgs {
     /// The agent's data dir (its socket is DIR/agent.sock).
-    #[arg(long, value_name = "DIR", env = "TETHER_DATA_DIR", default_value = DEFAULT_DATA_DIR)]
+    #[arg(long, value_name = "DIR", env = DATA_DIR_ENV, default_value = DEFAULT_DATA_DIR)]
     pub(crate) data_dir: PathBuf,
 }
 
@@ -311,7 +314,7 @@ pub(crate) struct AgentArgs {
     #[arg(long = "config-dir", value_name = "DIR")]
     pub(crate) config_dirs: Vec<PathBuf>,
     /// Where the agent keeps its state (created 0700 if missing).
-    #[arg(long, value_name = "DIR", env = "TETHER_DATA_DIR", default_value = DEFAULT_DATA_DIR)]
+    #[arg(long, value_name = "DIR", env = DATA_DIR_ENV, default_value = DEFAULT_DATA_DIR)]
     pub(crate) data_dir: PathBuf,
     /// Serve the read endpoints on this loopback TCP address too.
     #[arg(long, value_name = "ADDR")]
