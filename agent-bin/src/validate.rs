@@ -16,7 +16,8 @@ use crate::cli::ValidateArgs;
 /// program that this host does not have.
 pub(crate) fn run(args: &ValidateArgs) -> anyhow::Result<ExitCode> {
     match tether_state::config::load_dirs(&args.dirs) {
-        Ok(entries) => {
+        Ok(loaded) => {
+            let entries = loaded.services;
             let mut stderr = std::io::stderr().lock();
             let broken = template_errors(&entries);
             if !broken.is_empty() {

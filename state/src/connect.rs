@@ -498,12 +498,7 @@ impl Intention {
     /// [`ConnectValueError::Description`].
     pub fn with_description(mut self, description: impl Into<String>) -> Result<Self, ConnectValueError> {
         let description = description.into();
-        if description.len() > Self::MAX_DESCRIPTION_LEN {
-            return Err(ConnectValueError::Description { reason: "it is longer than 1024 bytes" });
-        }
-        if description.chars().any(char::is_control) {
-            return Err(ConnectValueError::Description { reason: "it contains control characters" });
-        }
+        check_description(&description)?;
         self.description = Some(description.into_boxed_str());
         Ok(self)
     }
@@ -542,6 +537,17 @@ impl Intention {
     pub fn matches(&self, source: &ServiceName, destination: &ServiceName) -> bool {
         self.source.matches(source) && self.destination.matches(destination)
     }
+}
+
+/// The rule of [`Intention::with_description`].
+pub(crate) fn check_description(description: &str) -> Result<(), ConnectValueError> {
+    if description.len() > Intention::MAX_DESCRIPTION_LEN {
+        return Err(ConnectValueError::Description { reason: "it is longer than 1024 bytes" });
+    }
+    if description.chars().any(char::is_control) {
+        return Err(ConnectValueError::Description { reason: "it contains control characters" });
+    }
+    Ok(())
 }
 
 /// Shows the pair, `source -> destination`.
