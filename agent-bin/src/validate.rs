@@ -46,7 +46,15 @@ pub(crate) fn run(args: &ValidateArgs) -> anyhow::Result<ExitCode> {
                 }
             }
             let proxies = entries.iter().filter(|e| e.service.proxy.is_some()).count();
-            writeln!(std::io::stdout(), "valid: {} service(s), {proxies} with a managed proxy", entries.len())?;
+            let mut summary = format!("valid: {} service(s), {proxies} with a managed proxy", entries.len());
+            let intentions = loaded.connect.intentions().rules().len();
+            if intentions > 0 {
+                summary.push_str(&format!(", {intentions} intention(s)"));
+            }
+            if let Some(connect) = loaded.connect.connect() {
+                summary.push_str(&format!(", connect in trust domain {}", connect.trust_domain));
+            }
+            writeln!(std::io::stdout(), "{summary}")?;
             Ok(ExitCode::SUCCESS)
         }
         Err(errors) => {
