@@ -60,6 +60,9 @@ pub(crate) enum Command {
     Events(EventsArgs),
     /// Check config dirs without an agent: exit 0 if valid, 2 and every error otherwise.
     Validate(ValidateArgs),
+    /// Intentions: which services may connect to which, as the config dirs say.
+    #[command(subcommand)]
+    Intention(IntentionCommand),
     /// The built-in TCP proxy; normally started by the agent.
     #[command(name = CONNECT_PROXY)]
     ConnectProxy,
@@ -290,6 +293,26 @@ pub(crate) struct ValidateArgs {
     /// Config dirs to check (every *.toml and *.json file directly in each).
     #[arg(value_name = "DIR", required = true)]
     pub(crate) dirs: Vec<PathBuf>,
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum IntentionCommand {
+    /// Say whether SRC may connect to DST, and which intention decided (or that the default
+    /// did), reading the config dirs without an agent: exit 0 allow, 1 deny, 2 bad input.
+    Check(IntentionCheckArgs),
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct IntentionCheckArgs {
+    /// The service that opens the connection (its name).
+    #[arg(value_name = "SRC")]
+    pub(crate) source: String,
+    /// The service connected to (its name).
+    #[arg(value_name = "DST")]
+    pub(crate) destination: String,
+    /// A directory of *.toml and *.json config files, as the agent's (repeatable).
+    #[arg(long = "config-dir", value_name = "DIR")]
+    pub(crate) config_dirs: Vec<PathBuf>,
 }
 
 /// What a rollout does when a node fails.

@@ -12,6 +12,7 @@ mod commands;
 mod connect_proxy;
 mod error;
 mod fleet;
+mod intention;
 mod logging;
 mod metrics;
 mod templates;
@@ -44,6 +45,7 @@ fn main() -> ExitCode {
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Validate(args) => validate::run(&args),
+        Command::Intention(cli::IntentionCommand::Check(args)) => intention::check(&args),
         Command::Agent(args) => {
             tune_malloc();
             logging::install(&args.log_level, args.log_format)?;

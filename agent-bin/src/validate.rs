@@ -16,7 +16,8 @@ use crate::cli::ValidateArgs;
 /// program that this host does not have.
 pub(crate) fn run(args: &ValidateArgs) -> anyhow::Result<ExitCode> {
     match tether_state::config::load_dirs(&args.dirs) {
-        Ok(entries) => {
+        Ok(loaded) => {
+            let entries = loaded.services;
             let mut stderr = std::io::stderr().lock();
             let broken = template_errors(&entries);
             if !broken.is_empty() {
@@ -45,7 +46,15 @@ pub(crate) fn run(args: &ValidateArgs) -> anyhow::Result<ExitCode> {
                 }
             }
             let proxies = entries.iter().filter(|e| e.service.proxy.is_some()).count();
-            writeln!(std::io::stdout(), "valid: {} service(s), {proxies} with a managed proxy", entries.len())?;
+            let mut summary = format!("valid: {} service(s), {proxies} with a managed proxy", entries.len());
+            let intentions = loaded.connect.intentions().rules().len();
+            if intentions > 0 {
+                summary.push_str(&format!(", {intentions} intention(s)"));
+            }
+            if let Some(connect) = loaded.connect.connect() {
+                summary.push_str(&format!(", connect in trust domain {}", connect.trust_domain));
+            }
+            writeln!(std::io::stdout(), "{summary}")?;
             Ok(ExitCode::SUCCESS)
         }
         Err(errors) => {

@@ -45,8 +45,8 @@ fn main() {
         std::fs::write(dir.path().join(format!("{file:02}.toml")), text).expect("write config");
     }
 
-    let load = measure(5, || load_dirs(&[dir.path()]).expect("valid config"));
-    let entries = load_dirs(&[dir.path()]).expect("valid config");
+    let load = measure(5, || load_dirs(&[dir.path()]).expect("valid config").services);
+    let entries = load_dirs(&[dir.path()]).expect("valid config").services;
     let into_catalog = measure(5, || {
         let state = LocalState::new();
         let services = entries.iter().map(|e| (e.service.clone(), Source::Config { file: e.file.clone() })).collect();

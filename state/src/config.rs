@@ -18,6 +18,7 @@ use std::time::Duration;
 use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, Visitor};
 use serde::{Deserialize, Serialize, Serializer};
 
+use crate::connect::{ConnectConfig, DEFAULT_INTENTION, Intention, IntentionAction, Intentions};
 use crate::health::{HttpTarget, LinePattern, Liveness, Probe, Readiness, TcpTarget};
 use crate::id::{ProxyId, ServiceId};
 use crate::listener::{ListenAddress, Listener, ListenerName, UpdatePolicy, UpdateStrategy};
@@ -41,6 +42,7 @@ pub const MAX_FILE_SIZE: u64 = 16 * 1024 * 1024;
 /// that nested without bound would make those files unreadable.
 pub const MAX_CONFIG_DEPTH: usize = 32;
 
+mod connect;
 mod error;
 mod listeners;
 mod loader;
@@ -49,6 +51,8 @@ mod schema;
 mod templates;
 mod written;
 
+pub use connect::ConnectSection;
+use connect::{ConnectDef, IntentionDef};
 pub use error::*;
 pub use listeners::MAX_LISTENERS;
 use listeners::*;
@@ -114,6 +118,42 @@ impl Format {
 /// assert!(err.to_string().starts_with("request body:3:1: field `service[0].prot`"), "{err}");
 /// ```
 pub fn parse_file(text: &str, format: Format, origin: &Origin) -> Result<Vec<Service>, ConfigError> {
+    let parsed = parse_config_file(text, format, origin)?;
+    // A file of services to register or to put in the fleet: the mesh's settings are the
+    // config dirs' alone, and dropping them quietly would leave the operator believing
+    // they apply.
+    if parsed.connect.is_some() {
+        return Err(ConfigError::Invalid {
+            location: table_location(text, format, origin, Table::Connect),
+            field: Some("connect".to_owned()),
+            message: "`[connect]` is read from config dirs only, not from a file of services to register".to_owned(),
+        });
+    }
+    if !parsed.intentions.is_empty() {
+        return Err(ConfigError::Invalid {
+            location: table_location(text, format, origin, Table::Intention(0)),
+            field: Some("intention[0]".to_owned()),
+            message: "intentions are read from config dirs only, not from a file of services to register".to_owned(),
+        });
+    }
+    Ok(parsed.services)
+}
+
+/// What one file of a config dir holds, every value checked.
+pub(super) struct ParsedFile {
+    pub(super) services: Vec<Service>,
+    pub(super) connect: Option<ConnectConfig>,
+    pub(super) intentions: Vec<Intention>,
+}
+
+/// Parses the text of a file of a config dir: services, and the Connect tables.
+///
+/// # Errors
+///
+/// [`ConfigError::Invalid`] for the first schema error or the first intention that repeats
+/// the source and destination of another, [`ConfigError::Duplicate`] for an id defined twice
+/// in the text.
+pub(super) fn parse_config_file(text: &str, format: Format, origin: &Origin) -> Result<ParsedFile, ConfigError> {
     let file: FileDef = deserialize(text, format, origin)?;
     let services: Vec<Service> = file.service.into_iter().map(|v| v.0).collect();
     let mut seen: HashMap<&ServiceId, usize> = HashMap::new();
@@ -127,7 +167,32 @@ pub fn parse_file(text: &str, format: Format, origin: &Origin) -> Result<Vec<Ser
         }
         seen.insert(&service.id, index);
     }
-    Ok(services)
+    let intentions: Vec<Intention> = file.intention.into_iter().map(|def| def.0).collect();
+    if let Err(duplicates) = Intentions::new(intentions.clone(), DEFAULT_INTENTION) {
+        let (first, second) = duplicates.pairs()[0];
+        return Err(duplicate_intention(
+            table_location(text, format, origin, Table::Intention(second)),
+            second,
+            &intentions[second],
+            &table_location(text, format, origin, Table::Intention(first)),
+        ));
+    }
+    Ok(ParsedFile { services, connect: file.connect.map(|def| def.0), intentions })
+}
+
+/// The error of an intention, the `index`-th of its file, whose source and destination are
+/// those of the intention at `first`.
+pub(super) fn duplicate_intention(
+    location: Location,
+    index: usize,
+    intention: &Intention,
+    first: &Location,
+) -> ConfigError {
+    ConfigError::Invalid {
+        location,
+        field: Some(format!("intention[{index}]")),
+        message: format!("duplicate intention {intention}: already defined at {first}"),
+    }
 }
 
 /// Parses one service object: the body of `PUT /v1/agent/service/register`.
@@ -240,26 +305,58 @@ fn line_column(text: &str, offset: usize) -> (usize, usize) {
     (line, before[line_start..].chars().count() + 1)
 }
 
-/// Where the `index`-th service entry of a text that parsed starts. Used only to point at
-/// duplicates, so it may be slow, and a failure here only loses the line number.
+/// A top-level table of a config file.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Table {
+    /// The `index`-th `[[service]]`.
+    Service(usize),
+    /// The `index`-th `[[intention]]`.
+    Intention(usize),
+    /// `[connect]`.
+    Connect,
+}
+
+/// Where the `index`-th service entry of a text that parsed starts.
 fn service_location(text: &str, format: Format, origin: &Origin, index: usize) -> Location {
+    table_location(text, format, origin, Table::Service(index))
+}
+
+/// Where a table of a text that parsed starts. Used only to point at errors, so it may be
+/// slow, and a failure here only loses the line number.
+pub(super) fn table_location(text: &str, format: Format, origin: &Origin, table: Table) -> Location {
     let start: Option<usize> = match format {
         Format::Toml => {
             #[derive(Deserialize)]
             struct Probe {
                 #[serde(default)]
                 service: Vec<toml::Spanned<IgnoredAny>>,
+                #[serde(default)]
+                intention: Vec<toml::Spanned<IgnoredAny>>,
+                connect: Option<toml::Spanned<IgnoredAny>>,
             }
-            toml::from_str::<Probe>(text).ok().and_then(|probe| probe.service.get(index).map(|s| s.span().start))
+            toml::from_str::<Probe>(text).ok().and_then(|probe| match table {
+                Table::Service(index) => probe.service.get(index).map(|s| s.span().start),
+                Table::Intention(index) => probe.intention.get(index).map(|s| s.span().start),
+                Table::Connect => probe.connect.map(|s| s.span().start),
+            })
         }
         Format::Json => {
             #[derive(Deserialize)]
             struct Probe<'a> {
                 #[serde(borrow, default)]
                 service: Vec<&'a serde_json::value::RawValue>,
+                #[serde(borrow, default)]
+                intention: Vec<&'a serde_json::value::RawValue>,
+                #[serde(borrow)]
+                connect: Option<&'a serde_json::value::RawValue>,
             }
             serde_json::from_str::<Probe<'_>>(text).ok().and_then(|probe| {
-                probe.service.get(index).map(|raw| raw.get().as_ptr() as usize - text.as_ptr() as usize)
+                let raw = match table {
+                    Table::Service(index) => probe.service.get(index).copied(),
+                    Table::Intention(index) => probe.intention.get(index).copied(),
+                    Table::Connect => probe.connect,
+                };
+                raw.map(|raw| raw.get().as_ptr() as usize - text.as_ptr() as usize)
             })
         }
     };

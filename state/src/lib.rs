@@ -6,6 +6,8 @@
 //!   are, with the config's defaults, and [`ManagedProxy::change_to`]: whether a change needs a
 //!   restart or applies in place.
 //! - [`config`]: the TOML/JSON schema, with errors that name file, line and field.
+//! - [`ConnectConfig`] and [`Intentions`]: the service mesh's identity settings and who may
+//!   connect to whom, decided by [`Intentions::decide`].
 //! - [`LocalState`] and the [`Catalog`] trait: the desired set, with revisions, and
 //!   [`Subscription`]s that never miss a change and fold bursts into one wake-up.
 //! - `persist` (feature `persist`, which tether's own crates turn on): the agent's data dir,
@@ -114,6 +116,7 @@
 mod backoff;
 mod catalog;
 pub mod config;
+mod connect;
 mod exit;
 mod health;
 mod id;
@@ -134,6 +137,11 @@ pub use catalog::MockCatalog;
 pub use catalog::{
     Catalog, CatalogError, ChangeNotifier, Changes, DesiredProxy, Entry, LocalState, ReplaceReport, Revision, Source,
     SourceKind, Subscription,
+};
+pub use connect::{
+    CaConfig, CaProvider, ConnectConfig, ConnectValueError, DATACENTER_RULE, DEFAULT_DATACENTER, DEFAULT_INTENTION,
+    Datacenter, Decision, DuplicateIntentions, Intention, IntentionAction, IntentionTarget, Intentions, LeafTtl,
+    MAX_TRUST_DOMAIN_LEN, PemPath, Precedence, TrustDomain, WILDCARD,
 };
 pub use exit::ExitReason;
 pub use health::{HttpTarget, LinePattern, Liveness, Probe, Readiness, TcpTarget};

@@ -173,7 +173,9 @@ impl Sources {
         };
         {
             let mut config = lock(&sources.config);
-            let files = config.loader.load_files()?;
+            // `[connect]` and the intentions are checked with the rest of the files; the
+            // catalog takes only the services.
+            let files = config.loader.load_files()?.files;
             if let Err(err) = sources.apply_config(&mut config.applied, files) {
                 // The loader already refused duplicates; a token failure is all that is left.
                 tracing::error!(error = %crate::error::error_chain(&err), "cannot load the config into the catalog");
@@ -229,7 +231,7 @@ impl Sources {
                 tracing::error!(error = %crate::error::error_chain(error), "config reload refused");
             }
         })?;
-        let catalog = self.apply_config(&mut config.applied, loaded).inspect_err(|err| {
+        let catalog = self.apply_config(&mut config.applied, loaded.files).inspect_err(|err| {
             // A config service that an API registration owns: the registration stays.
             tracing::error!(error = %crate::error::error_chain(err), "config reload refused");
         })?;
@@ -606,6 +608,7 @@ mod tests {
     fn from_scratch(config: &Path) -> Vec<(Service, PathBuf)> {
         let mut entries: Vec<_> = tether_state::config::load_dirs(&[config])
             .unwrap()
+            .services
             .into_iter()
             .map(|entry| (entry.service, entry.file))
             .collect();

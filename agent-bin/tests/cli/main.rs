@@ -12,6 +12,7 @@ mod epoch;
 mod faults;
 mod fleet;
 mod health;
+mod intentions;
 mod keeper;
 mod lifecycle;
 mod limits;

@@ -123,6 +123,7 @@ fn help_lists_every_command() {
         "events",
         "restart",
         "validate",
+        "intention",
         "connect-proxy",
     ] {
         assert!(out.contains(command), "{command} missing from:\n{out}");

@@ -1,22 +1,61 @@
 //! Reading config dirs: [`load_dirs`] once, and [`ConfigLoader`], which reads again only the
-//! files whose inode, size, mtime or ctime changed since the last load.
+//! files whose inode, size, mtime or ctime changed since the last load. Both give the
+//! services, and what the dirs say about Connect ([`ConnectSection`]).
 //!
 //! This module reads files and hands their text to the schema; it never writes a file and
 //! never decides what a service is.
 
 use super::*;
 
+/// Everything a set of config dirs holds, every check passed.
+#[derive(Debug, Clone)]
+pub struct LoadedConfig {
+    /// The services, file by file, each file's in its order.
+    pub services: Vec<ConfigEntry>,
+    /// The `[connect]` table and the intentions.
+    pub connect: ConnectSection,
+}
+
+/// Everything a set of config dirs holds, file by file, as [`ConfigLoader::load_files`]
+/// gives it.
+#[derive(Debug, Clone)]
+pub struct LoadedFiles {
+    /// The files, in the order they were read.
+    pub files: Vec<ConfigFile>,
+    /// The `[connect]` table and the intentions.
+    pub connect: ConnectSection,
+}
+
 /// Loads every `*.toml` and `*.json` file directly in each dir, in lexical order per dir.
 ///
 /// # Errors
 ///
-/// Every error found, across all files: unreadable or invalid files, and service ids
-/// defined twice (in one file or in two). An id defined twice is reported at the definition
-/// read second, pointing at the first. The errors come in the order the files were read
-/// (the dirs in the order given, each in lexical order), and by position within a file.
-pub fn load_dirs<P: AsRef<Path>>(dirs: &[P]) -> Result<Vec<ConfigEntry>, ConfigErrors> {
+/// Every error found, across all files: unreadable or invalid files, service ids defined
+/// twice (in one file or in two), a second `[connect]` table, and intentions that repeat
+/// the source and destination of another. A repeat is reported at the definition read
+/// second, pointing at the first. The errors come in the order the files were read (the
+/// dirs in the order given, each in lexical order), and by position within a file.
+///
+/// ```
+/// use tether_state::IntentionAction;
+/// use tether_state::config::load_dirs;
+///
+/// let dir = tempfile::tempdir().unwrap();
+/// std::fs::write(dir.path().join("web.toml"), "[[service]]\nname = \"web\"\n").unwrap();
+/// std::fs::write(
+///     dir.path().join("mesh.toml"),
+///     "[connect]\ntrust_domain = \"example.org\"\n[connect.ca]\nprovider = \"dev\"\n\n\
+///      [[intention]]\nsource = \"web\"\ndestination = \"db\"\naction = \"allow\"\n",
+/// )
+/// .unwrap();
+/// let loaded = load_dirs(&[dir.path()]).unwrap();
+/// assert_eq!(loaded.services[0].service.id.as_str(), "web");
+/// assert_eq!(loaded.connect.connect().unwrap().trust_domain.as_str(), "example.org");
+/// assert_eq!(loaded.connect.intentions().rules()[0].action(), IntentionAction::Allow);
+/// ```
+pub fn load_dirs<P: AsRef<Path>>(dirs: &[P]) -> Result<LoadedConfig, ConfigErrors> {
     let scan = scan(dirs.iter().map(AsRef::as_ref), &HashMap::new());
-    let files = scan.into_result()?;
+    let (files, connect) = scan.into_result()?;
     let mut entries = Vec::new();
     for file in files {
         // Nothing else holds the file: move its services out rather than clone them.
@@ -28,7 +67,7 @@ pub fn load_dirs<P: AsRef<Path>>(dirs: &[P]) -> Result<Vec<ConfigEntry>, ConfigE
                 .map(|service| ConfigEntry { service: Arc::unwrap_or_clone(service), file: path.clone() }),
         );
     }
-    Ok(entries)
+    Ok(LoadedConfig { services: entries, connect })
 }
 
 /// Loads a set of config dirs again and again, as [`load_dirs`] does, but reads again only
@@ -48,9 +87,9 @@ pub fn load_dirs<P: AsRef<Path>>(dirs: &[P]) -> Result<Vec<ConfigEntry>, ConfigE
 /// let dir = tempfile::tempdir().unwrap();
 /// std::fs::write(dir.path().join("web.toml"), "[[service]]\nname = \"web\"\n").unwrap();
 /// let mut loader = ConfigLoader::new(vec![dir.path().to_owned()]);
-/// assert_eq!(loader.load().unwrap()[0].service.id.as_str(), "web");
+/// assert_eq!(loader.load().unwrap().services[0].service.id.as_str(), "web");
 /// std::fs::write(dir.path().join("api.toml"), "[[service]]\nname = \"api\"\n").unwrap();
-/// let ids: Vec<_> = loader.load().unwrap().into_iter().map(|e| e.service.id.to_string()).collect();
+/// let ids: Vec<_> = loader.load().unwrap().services.into_iter().map(|e| e.service.id.to_string()).collect();
 /// assert_eq!(ids, ["api", "web"]);
 /// ```
 pub struct ConfigLoader {
@@ -109,8 +148,8 @@ impl ConfigLoader {
     ///
     /// Exactly those of [`load_dirs`]. The files that did load are remembered all the same,
     /// so that a reload after a fix reads only the fixed file.
-    pub fn load(&mut self) -> Result<Vec<ConfigEntry>, ConfigErrors> {
-        let files = self.load_files()?;
+    pub fn load(&mut self) -> Result<LoadedConfig, ConfigErrors> {
+        let LoadedFiles { files, connect } = self.load_files()?;
         let mut entries = Vec::new();
         for file in &files {
             entries.extend(
@@ -119,7 +158,7 @@ impl ConfigLoader {
                     .map(|service| ConfigEntry { service: (**service).clone(), file: file.0.path.clone() }),
             );
         }
-        Ok(entries)
+        Ok(LoadedConfig { services: entries, connect })
     }
 
     /// Like [`ConfigLoader::load`], file by file: a file that was not read again is the
@@ -129,7 +168,7 @@ impl ConfigLoader {
     /// # Errors
     ///
     /// As [`ConfigLoader::load`].
-    pub fn load_files(&mut self) -> Result<Vec<ConfigFile>, ConfigErrors> {
+    pub fn load_files(&mut self) -> Result<LoadedFiles, ConfigErrors> {
         let scan = scan(self.dirs.iter().map(PathBuf::as_path), &self.cache);
         self.last = scan.stats;
         self.cache = scan
@@ -138,7 +177,8 @@ impl ConfigLoader {
             .filter(|file| file.settled(self.settle_time))
             .map(|file| (file.path.clone(), file.clone()))
             .collect();
-        Ok(scan.into_result()?.into_iter().map(ConfigFile).collect())
+        let (files, connect) = scan.into_result()?;
+        Ok(LoadedFiles { files: files.into_iter().map(ConfigFile).collect(), connect })
     }
 
     /// What the last load read and what it reused.
@@ -189,9 +229,10 @@ pub(super) struct Scan {
 }
 
 impl Scan {
-    /// The files, or every error: those of the files and ids defined in two files, in the
-    /// order the files were read, and by position within a file.
-    fn into_result(mut self) -> Result<Vec<Arc<LoadedFile>>, ConfigErrors> {
+    /// The files and their Connect section, or every error: those of the files, ids defined
+    /// in two files, a second `[connect]` and intentions repeated across files, in the order
+    /// the files were read, and by position within a file.
+    fn into_result(mut self) -> Result<(Vec<Arc<LoadedFile>>, ConnectSection), ConfigErrors> {
         // Cross-file duplicates; positions are worked out only for the files involved.
         let mut seen: HashMap<&ServiceId, (usize, usize)> = HashMap::new();
         let mut duplicates = Vec::new();
@@ -214,6 +255,9 @@ impl Scan {
             };
             self.errors.push((self.places[file_index], duplicate));
         }
+        let connect = self.check_connect();
+        let default = connect.as_ref().map_or(DEFAULT_INTENTION, |(config, _)| config.default_intention);
+        let intentions = self.check_intentions(default);
         if self.errors.is_empty() {
             self.check_cycles();
             self.check_destinations();
@@ -223,7 +267,69 @@ impl Scan {
         self.errors.sort_by_key(|(place, _)| *place);
         match ConfigErrors::new(self.errors.into_iter().map(|(_, error)| error).collect()) {
             Some(errors) => Err(errors),
-            None => Ok(self.files),
+            None => Ok((self.files, ConnectSection::new(connect, intentions.0, intentions.1))),
+        }
+    }
+}
+
+impl Scan {
+    /// The one `[connect]` table of the files, with its file; a second one is refused,
+    /// naming the first, and the first is kept.
+    fn check_connect(&mut self) -> Option<(ConnectConfig, PathBuf)> {
+        let mut first: Option<usize> = None;
+        for (file_index, file) in self.files.iter().enumerate() {
+            if file.connect.is_none() {
+                continue;
+            }
+            match first {
+                None => first = Some(file_index),
+                Some(first) => {
+                    let error = ConfigError::Invalid {
+                        location: file.table_location(Table::Connect),
+                        field: Some("connect".to_owned()),
+                        message: format!(
+                            "a second [connect] table: the config dirs hold one, and {} has it already",
+                            self.files[first].table_location(Table::Connect)
+                        ),
+                    };
+                    self.errors.push((self.places[file_index], error));
+                }
+            }
+        }
+        let file = &self.files[first?];
+        file.connect.as_deref().map(|config| (config.clone(), file.path.clone()))
+    }
+
+    /// Every intention of the files, with its file, decided with `default`; or none after
+    /// refusing each that repeats the source and destination of an earlier one, naming it.
+    fn check_intentions(&mut self, default: IntentionAction) -> (Intentions, Vec<PathBuf>) {
+        let mut rules = Vec::new();
+        // The file and the index within it of each of `rules`.
+        let mut places: Vec<(usize, usize)> = Vec::new();
+        for (file_index, file) in self.files.iter().enumerate() {
+            rules.extend(file.intentions.iter().cloned());
+            places.extend((0..file.intentions.len()).map(|index| (file_index, index)));
+        }
+        match Intentions::new(rules, default) {
+            Ok(intentions) => {
+                let files = places.iter().map(|&(file_index, _)| self.files[file_index].path.clone()).collect();
+                (intentions, files)
+            }
+            Err(duplicates) => {
+                for &(first, second) in duplicates.pairs() {
+                    let (first_file, first_index) = places[first];
+                    let (file_index, index) = places[second];
+                    let file = &self.files[file_index];
+                    let error = duplicate_intention(
+                        file.table_location(Table::Intention(index)),
+                        index,
+                        &file.intentions[index],
+                        &self.files[first_file].table_location(Table::Intention(first_index)),
+                    );
+                    self.errors.push((self.places[file_index], error));
+                }
+                (Intentions::empty(default), Vec::new())
+            }
         }
     }
 }
@@ -383,6 +489,9 @@ pub(super) struct LoadedFile {
     path: PathBuf,
     format: Format,
     services: Vec<Arc<Service>>,
+    /// Its `[connect]` table, rare: boxed, so that a file without one costs a word.
+    connect: Option<Box<ConnectConfig>>,
+    intentions: Box<[Intention]>,
     /// The metadata of the file as it was read.
     fingerprint: Fingerprint,
     /// The wall clock just before the file was looked at, if known.
@@ -395,9 +504,14 @@ impl LoadedFile {
     /// Read as any config file is (never blocking on a FIFO put in its place); just the file
     /// if it changed since it was loaded.
     fn location_of(&self, index: usize) -> Location {
+        self.table_location(Table::Service(index))
+    }
+
+    /// Where one of its tables starts, read again as [`LoadedFile::location_of`] does.
+    fn table_location(&self, table: Table) -> Location {
         match read_text(&self.path) {
             Ok((text, now)) if Fingerprint::of(&now) == self.fingerprint => {
-                service_location(&text, self.format, &Origin::File(self.path.clone()), index)
+                table_location(&text, self.format, &Origin::File(self.path.clone()), table)
             }
             _ => Location::file(&self.path),
         }
@@ -487,11 +601,20 @@ pub(super) fn load_file(path: &Path) -> Result<LoadedFile, ConfigError> {
         return Err(ConfigError::NotAFile { location });
     };
     let (text, metadata) = read_text(path)?;
-    let services = parse_file(&text, format, &location.origin)?;
+    let parsed = parse_config_file(&text, format, &location.origin)?;
+    let services = parsed.services;
     let fingerprint = Fingerprint::of(&metadata);
     // Not `collect()`: collected in place, the `Arc`s would keep the parsed services' whole
     // buffer (650 bytes a service) as spare capacity for as long as the file is loaded.
     let mut shared = Vec::with_capacity(services.len());
     shared.extend(services.into_iter().map(Arc::new));
-    Ok(LoadedFile { path: path.to_owned(), format, services: shared, fingerprint, read_at })
+    Ok(LoadedFile {
+        path: path.to_owned(),
+        format,
+        services: shared,
+        connect: parsed.connect.map(Box::new),
+        intentions: parsed.intentions.into_boxed_slice(),
+        fingerprint,
+        read_at,
+    })
 }

@@ -13,6 +13,9 @@ use super::*;
 pub(super) struct FileDef {
     #[serde(default)]
     pub(super) service: Vec<Validated>,
+    pub(super) connect: Option<ConnectDef>,
+    #[serde(default)]
+    pub(super) intention: Vec<IntentionDef>,
 }
 
 /// A service that passed every check; the struct-level checks run in `TryFrom`.

@@ -123,7 +123,7 @@ fn unknown_keys_name_file_line_and_field() {
     );
     assert_eq!(
         toml_error("[sevice]\nname = \"web\"\n"),
-        "conf.d/web.toml:1:2: field `sevice`: unknown field `sevice`, expected `service`"
+        "conf.d/web.toml:1:2: field `sevice`: unknown field `sevice`, expected one of `service`, `connect`, `intention`"
     );
     assert!(
         proxy_error("comand = [\"/bin/true\"]")
@@ -585,6 +585,7 @@ fn bad_listeners_and_updates_name_file_line_and_field() {
     );
 }
 
+mod connect;
 mod errors;
 mod loader;
 mod round_trip;

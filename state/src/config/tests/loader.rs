@@ -21,7 +21,7 @@ fn dirs_load_toml_and_json_in_lexical_order_and_ignore_other_files() {
     let nested = dir.path().join("nested");
     fs::create_dir(&nested).unwrap();
     write(&nested, "d.toml", "[[service]]\nname = \"d\"\n");
-    let entries = load_dirs(&[dir.path()]).unwrap();
+    let entries = load_dirs(&[dir.path()]).unwrap().services;
     let ids: Vec<&str> = entries.iter().map(|e| e.service.id.as_str()).collect();
     assert_eq!(ids, ["a", "c", "b"]);
     assert_eq!(entries[2].file, dir.path().join("b.json"));
@@ -152,7 +152,7 @@ fn symlinked_files_are_followed() {
     let dir = tempfile::tempdir().unwrap();
     let target = write(outside.path(), "real.toml", "[[service]]\nname = \"web\"\n");
     symlink(&target, dir.path().join("web.toml")).unwrap();
-    assert_eq!(load_dirs(&[dir.path()]).unwrap()[0].service.id.as_str(), "web");
+    assert_eq!(load_dirs(&[dir.path()]).unwrap().services[0].service.id.as_str(), "web");
 }
 
 #[test]
@@ -222,27 +222,27 @@ fn a_loader_reads_only_changed_files_and_sees_added_and_removed_ones() {
     write(dir.path(), "a.toml", "[[service]]\nname = \"a\"\n");
     let b = write(dir.path(), "b.toml", "[[service]]\nname = \"b\"\n");
     let mut loader = eager_loader(&[dir.path()]);
-    assert_eq!(ids(&loader.load().unwrap()), ["a", "b"]);
+    assert_eq!(ids(&loader.load().unwrap().services), ["a", "b"]);
     assert_eq!(loader.last_stats(), LoadStats { read: 2, reused: 0 });
-    assert_eq!(ids(&loader.load().unwrap()), ["a", "b"]);
+    assert_eq!(ids(&loader.load().unwrap().services), ["a", "b"]);
     assert_eq!(loader.last_stats(), LoadStats { read: 0, reused: 2 });
 
     write(dir.path(), "c.json", r#"{"service": [{"name": "c"}]}"#);
-    let entries = loader.load().unwrap();
+    let entries = loader.load().unwrap().services;
     assert_eq!(ids(&entries), ["a", "b", "c"]);
     assert_eq!(entries[2].file, dir.path().join("c.json"));
     assert_eq!(loader.last_stats(), LoadStats { read: 1, reused: 2 });
 
     fs::remove_file(&b).unwrap();
-    assert_eq!(ids(&loader.load().unwrap()), ["a", "c"]);
+    assert_eq!(ids(&loader.load().unwrap().services), ["a", "c"]);
     assert_eq!(loader.last_stats(), LoadStats { read: 0, reused: 2 });
 
     // A new file under an old name is a new inode, whatever its size and times.
     write(dir.path(), "b.toml.new", "[[service]]\nname = \"d\"\n");
     fs::rename(dir.path().join("b.toml.new"), &b).unwrap();
-    assert_eq!(ids(&loader.load().unwrap()), ["a", "d", "c"]);
+    assert_eq!(ids(&loader.load().unwrap().services), ["a", "d", "c"]);
     assert_eq!(loader.last_stats(), LoadStats { read: 1, reused: 2 });
-    assert_eq!(loader.load().unwrap(), load_dirs(&[dir.path()]).unwrap());
+    assert_eq!(loader.load().unwrap().services, load_dirs(&[dir.path()]).unwrap().services);
 }
 
 #[test]
@@ -250,11 +250,11 @@ fn a_rewrite_in_place_that_keeps_size_and_mtime_is_still_read_again() {
     let dir = tempfile::tempdir().unwrap();
     let path = write(dir.path(), "web.toml", "[[service]]\nname = \"aaa\"\n");
     let mut loader = eager_loader(&[dir.path()]);
-    assert_eq!(ids(&loader.load().unwrap()), ["aaa"]);
+    assert_eq!(ids(&loader.load().unwrap().services), ["aaa"]);
     // The change time still moves, as no tool can set it.
     wait_for_a_later_ctime(&path);
     rewrite_keeping_mtime(&path, "[[service]]\nname = \"bbb\"\n");
-    assert_eq!(ids(&loader.load().unwrap()), ["bbb"]);
+    assert_eq!(ids(&loader.load().unwrap().services), ["bbb"]);
     assert_eq!(loader.last_stats(), LoadStats { read: 1, reused: 0 });
 }
 
@@ -263,13 +263,13 @@ fn a_file_changed_just_before_it_was_read_is_read_again_every_time() {
     let dir = tempfile::tempdir().unwrap();
     let path = write(dir.path(), "web.toml", "[[service]]\nname = \"aaa\"\n");
     let mut loader = ConfigLoader::new(vec![dir.path().to_owned()]);
-    assert_eq!(ids(&loader.load().unwrap()), ["aaa"]);
+    assert_eq!(ids(&loader.load().unwrap().services), ["aaa"]);
     // Within one tick of the file system's clock nothing in the metadata changes: only not
     // trusting a file that changed so recently catches this.
     rewrite_keeping_mtime(&path, "[[service]]\nname = \"bbb\"\n");
-    assert_eq!(ids(&loader.load().unwrap()), ["bbb"]);
+    assert_eq!(ids(&loader.load().unwrap().services), ["bbb"]);
     assert_eq!(loader.last_stats(), LoadStats { read: 1, reused: 0 });
-    assert_eq!(ids(&loader.load().unwrap()), ["bbb"]);
+    assert_eq!(ids(&loader.load().unwrap().services), ["bbb"]);
     assert_eq!(loader.last_stats(), LoadStats { read: 1, reused: 0 });
 }
 
@@ -293,7 +293,7 @@ fn a_loader_reports_exactly_the_errors_of_load_dirs_and_reads_only_the_fix() {
     write(one_dir.path(), "b.toml.new", "[[service]]\nname = \"db\"\nport = 1\n");
     fs::rename(one_dir.path().join("b.toml.new"), &broken).unwrap();
     fs::remove_file(&duplicate).unwrap();
-    assert_eq!(ids(&loader.load().unwrap()), ["web", "db"]);
+    assert_eq!(ids(&loader.load().unwrap().services), ["web", "db"]);
     assert_eq!(loader.last_stats(), LoadStats { read: 1, reused: 1 });
 }
 
@@ -305,7 +305,7 @@ fn a_cached_file_that_becomes_unreadable_gets_the_error_of_load_dirs() {
     let link = dir.path().join("web.toml");
     symlink(&target, &link).unwrap();
     let mut loader = eager_loader(&[dir.path()]);
-    assert_eq!(ids(&loader.load().unwrap()), ["web"]);
+    assert_eq!(ids(&loader.load().unwrap().services), ["web"]);
     fs::remove_file(&target).unwrap();
     let mode = nix::sys::stat::Mode::from_bits_truncate(0o600);
     nix::unistd::mkfifo(&target, mode).unwrap();
@@ -372,14 +372,14 @@ fn a_dependency_cycle_across_files_is_refused_naming_the_cycle_with_file_line_an
     let mut loader = ConfigLoader::with_settle_time(vec![dir.path().to_owned()], Duration::ZERO);
     assert!(loader.load().is_err());
     write(dir.path(), "a.toml", "[[service]]\nname = \"a\"\n[service.proxy]\n");
-    assert_eq!(loader.load().unwrap().len(), 3);
+    assert_eq!(loader.load().unwrap().services.len(), 3);
 }
 
 #[test]
 fn a_dependency_on_itself_or_on_an_unknown_proxy() {
     let dir = tempfile::tempdir().unwrap();
     write(dir.path(), "a.toml", "[[service]]\nname = \"a\"\n[service.proxy]\ndepends_on = { nowhere = \"ready\" }\n");
-    assert_eq!(load_dirs(&[dir.path()]).unwrap().len(), 1, "an unknown dependency may come from the API");
+    assert_eq!(load_dirs(&[dir.path()]).unwrap().services.len(), 1, "an unknown dependency may come from the API");
     write(dir.path(), "a.toml", "[[service]]\nname = \"a\"\n[service.proxy]\ndepends_on = { a = \"ready\" }\n");
     let err = load_dirs(&[dir.path()]).unwrap_err().to_string();
     assert!(err.contains("dependency cycle: a-proxy (") && err.ends_with(") -> a-proxy"), "{err}");
@@ -411,5 +411,5 @@ fn one_destination_for_the_templates_of_two_proxies_is_refused_naming_both() {
         )]
     );
     write(dir.path(), "b.toml", &service("b", "/etc/edge/b.cfg"));
-    assert_eq!(load_dirs(&[dir.path()]).unwrap().len(), 2);
+    assert_eq!(load_dirs(&[dir.path()]).unwrap().services.len(), 2);
 }
