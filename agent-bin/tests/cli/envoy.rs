@@ -589,9 +589,10 @@ fn a_crash_of_envoys_new_generation_mid_hand_over_stops_the_old_one_and_starts_c
     let serving_after = crashed_at.elapsed();
     setup.note_base_id();
     client.wait_tries(50);
+    // A connection that the killed Envoy had accepted is lost with it (`unserved`); the
+    // refusals are those of the time no Envoy listened. A figure, not a bound: the machines
+    // are shared.
     let counts = client.finish();
-    assert_eq!(counts.unserved, 0, "connections accepted but not served: {counts:?}");
-    // A figure, not a bound: the machines are shared.
     eprintln!("Envoy serving again {serving_after:?} after its new generation's crash: {counts:?}");
     setup.leave(agent);
 }

@@ -12,6 +12,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::{Arc, Mutex, mpsc};
 
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::sys::signal::{SigSet, Signal};
@@ -101,21 +102,36 @@ pub(crate) fn serve(listener: OwnedFd, first: Option<OwnedFd>) -> io::Result<()>
     mask.add(Signal::SIGCHLD);
     mask.thread_block()?;
     let signals = SignalFd::with_flags(&mask, SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK)?;
+    let children = Arc::new(Mutex::new(HashMap::new()));
+    let creators = Creators::start(&children)?;
     let mut keeper = Keeper {
         listener: Some(listener),
-        supervisors: first.into_iter().map(Peer::new).collect(),
-        children: HashMap::new(),
+        supervisors: Vec::new(),
+        next_peer: 0,
+        children,
+        creators,
         unheard: VecDeque::new(),
         retired: false,
         buffer: vec![0; MAX_MESSAGE],
     };
+    if let Some(first) = first {
+        keeper.add_peer(first);
+    }
     loop {
-        if keeper.children.is_empty() && (keeper.retired || keeper.supervisors.is_empty()) {
+        if keeper.creators.in_flight == 0
+            && lock(&keeper.children).is_empty()
+            && (keeper.retired || keeper.supervisors.is_empty())
+        {
             return Ok(());
         }
-        let (signalled, accept, readable) = keeper.wait(signals.as_fd())?;
+        let (signalled, created, accept, readable) = keeper.wait(signals.as_fd())?;
         if signalled {
             while let Ok(Some(_)) = signals.read_signal() {}
+        }
+        if created {
+            keeper.answer_spawns();
+        }
+        if signalled || created {
             keeper.reap();
         }
         if accept {
@@ -136,6 +152,8 @@ pub(crate) fn serve(listener: OwnedFd, first: Option<OwnedFd>) -> io::Result<()>
 
 /// A connected supervisor, and what is still to be sent to it.
 struct Peer {
+    /// Which supervisor it is, for answers that come back from a creator thread.
+    id: u64,
     socket: OwnedFd,
     /// Messages not sent yet (the socket's buffer was full), with the descriptor each
     /// carries and the child a `Spawned` answer names.
@@ -156,10 +174,10 @@ struct Outgoing {
 const MAX_OUTBOX: usize = 1 << 20;
 
 impl Peer {
-    fn new(socket: OwnedFd) -> Self {
+    fn new(id: u64, socket: OwnedFd) -> Self {
         // Room for a burst of exits without waiting for the supervisor (capped by the system).
         let _ = socket::setsockopt(&socket, socket::sockopt::SndBuf, &(1 << 20));
-        Self { socket, outbox: VecDeque::new(), open: true }
+        Self { id, socket, outbox: VecDeque::new(), open: true }
     }
 
     /// Queues a message and sends what it can without waiting.
@@ -197,12 +215,97 @@ impl Drop for Peer {
     }
 }
 
+/// Every child not reaped yet, with its start time: registered by the creator thread that
+/// made it before anything else may reap it ([`Keeper::reap`] leaves a child it does not
+/// know of for later).
+type Children = Arc<Mutex<HashMap<u32, u64>>>;
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // Every critical section only moves values in or out.
+    mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// One spawn for a creator thread: whose it is, and what it needs.
+struct Job {
+    peer: u64,
+    seq: u64,
+    creation: Box<crate::spawn::Creation>,
+    /// Held by the child until its exec, then closed here.
+    held: Vec<OwnedFd>,
+    passed: Vec<OwnedFd>,
+}
+
+/// How a job went: the child, its start time and its pidfd.
+struct Created {
+    peer: u64,
+    seq: u64,
+    result: io::Result<(u32, u64, OwnedFd)>,
+}
+
+/// The threads that create processes, each suspended from a child's creation to its exec,
+/// so that the execs of a burst run side by side (as the supervisor's own spawn threads do).
+/// They live as long as the keeper: a child's parent-death signal follows the thread that
+/// created it, not the process.
+struct Creators {
+    jobs: mpsc::Sender<Job>,
+    done: mpsc::Receiver<Created>,
+    /// Readable once a job is done: one byte per job.
+    wake: OwnedFd,
+    /// Jobs given and not answered yet.
+    in_flight: usize,
+}
+
+/// As many creator threads as the machine runs threads at once, up to this.
+const MAX_CREATORS: usize = 4;
+
+impl Creators {
+    fn start(children: &Children) -> io::Result<Self> {
+        let (jobs, queue) = mpsc::channel::<Job>();
+        let (finished, done) = mpsc::channel::<Created>();
+        let (wake, woken) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC | nix::fcntl::OFlag::O_NONBLOCK)?;
+        let queue = Arc::new(Mutex::new(queue));
+        let woken = Arc::new(woken);
+        let count = std::thread::available_parallelism().map_or(1, usize::from).clamp(1, MAX_CREATORS);
+        for _ in 0..count {
+            let (queue, finished, woken, children) =
+                (Arc::clone(&queue), finished.clone(), Arc::clone(&woken), Arc::clone(children));
+            std::thread::Builder::new().name("tether-keeper".to_owned()).spawn(move || {
+                loop {
+                    let Ok(job) = lock(&queue).recv() else { return };
+                    let Job { peer, seq, creation, held, passed } = job;
+                    let result = crate::spawn::create(&creation, passed).and_then(|pid| {
+                        // Registered before anything may reap it: the stat and the pidfd are
+                        // the child's.
+                        let start_time = proc::read_stat(pid).map(|stat| stat.start_time).unwrap_or(0);
+                        let pidfd = proc::pidfd_open(pid);
+                        lock(&children).insert(pid, start_time);
+                        match pidfd {
+                            Ok(pidfd) => Ok((pid, start_time, pidfd)),
+                            Err(error) => {
+                                let _gone = proc::signal_group(pid, Signal::SIGKILL);
+                                Err(io::Error::other(format!("cannot watch the new process {pid}: {error}")))
+                            }
+                        }
+                    });
+                    drop(held);
+                    if finished.send(Created { peer, seq, result }).is_err() {
+                        return;
+                    }
+                    let _ = nix::unistd::write(&*woken, &[1]);
+                }
+            })?;
+        }
+        Ok(Self { jobs, done, wake, in_flight: 0 })
+    }
+}
+
 struct Keeper {
     /// Closed once retired.
     listener: Option<OwnedFd>,
     supervisors: Vec<Peer>,
-    /// Every child not reaped yet, with its start time.
-    children: HashMap<u32, u64>,
+    next_peer: u64,
+    children: Children,
+    creators: Creators,
     /// Exits that happened while no supervisor was connected, oldest first.
     unheard: VecDeque<Exit>,
     retired: bool,
@@ -212,8 +315,9 @@ struct Keeper {
 impl Keeper {
     /// Waits until something is to be done: SIGCHLD, a supervisor to accept, the indices of
     /// supervisors with a message (or gone).
-    fn wait(&self, signals: BorrowedFd<'_>) -> io::Result<(bool, bool, Vec<usize>)> {
-        let mut fds = vec![PollFd::new(signals, PollFlags::POLLIN)];
+    fn wait(&self, signals: BorrowedFd<'_>) -> io::Result<(bool, bool, bool, Vec<usize>)> {
+        let mut fds =
+            vec![PollFd::new(signals, PollFlags::POLLIN), PollFd::new(self.creators.wake.as_fd(), PollFlags::POLLIN)];
         if let Some(listener) = &self.listener {
             fds.push(PollFd::new(listener.as_fd(), PollFlags::POLLIN));
         }
@@ -232,9 +336,10 @@ impl Keeper {
         }
         let ready = |fd: &PollFd<'_>| fd.revents().is_some_and(|events| !events.is_empty());
         let signalled = ready(&fds[0]);
-        let accept = self.listener.is_some() && ready(&fds[1]);
+        let created = ready(&fds[1]);
+        let accept = self.listener.is_some() && ready(&fds[2]);
         let readable = fds[first_supervisor..].iter().enumerate().filter(|(_, fd)| ready(fd)).map(|(i, _)| i).collect();
-        Ok((signalled, accept, readable))
+        Ok((signalled, created, accept, readable))
     }
 
     /// Accepts one supervisor, if it runs as the keeper's own user (or as root).
@@ -247,8 +352,13 @@ impl Keeper {
         let allowed = socket::getsockopt(&connection, socket::sockopt::PeerCredentials)
             .is_ok_and(|peer| peer.uid() == 0 || peer.uid() == nix::unistd::geteuid().as_raw());
         if allowed {
-            self.supervisors.push(Peer::new(connection));
+            self.add_peer(connection);
         }
+    }
+
+    fn add_peer(&mut self, socket: OwnedFd) {
+        self.next_peer += 1;
+        self.supervisors.push(Peer::new(self.next_peer, socket));
     }
 
     /// Reads and answers one message of supervisor `index`; false once it is gone.
@@ -266,7 +376,7 @@ impl Keeper {
         match request {
             Request::Hello => {
                 let children =
-                    self.children.iter().map(|(&pid, &start_time)| Kept { pid, start_time }).collect::<Vec<_>>();
+                    lock(&self.children).iter().map(|(&pid, &start_time)| Kept { pid, start_time }).collect();
                 let exits = self.unheard.drain(..).collect();
                 let welcome = Answer::Welcome { build: build(), pid: std::process::id(), children, exits };
                 self.supervisors[index].post(welcome.encode(), None, None);
@@ -278,58 +388,52 @@ impl Keeper {
                 true
             }
             Request::Spawn { seq, held, creation } => {
-                let answer = if self.retired {
-                    Err(io::Error::other("the keeper was retired"))
+                let refused = |message: &str| Answer::Failed { seq, errno: 0, message: message.to_owned() }.encode();
+                let held = usize::try_from(held).unwrap_or(usize::MAX);
+                if self.retired {
+                    self.supervisors[index].post(refused("the keeper was retired"), None, None);
+                } else if held > fds.len() {
+                    self.supervisors[index].post(refused("the spawn's descriptors did not arrive"), None, None);
                 } else {
-                    let mut fds = fds;
-                    let held = usize::try_from(held).unwrap_or(usize::MAX);
-                    if held > fds.len() {
-                        Err(io::Error::other("the spawn's descriptors did not arrive"))
+                    // The held ones stay in this table until the child has its copies.
+                    let mut held_fds = fds;
+                    let passed = held_fds.split_off(held);
+                    let job = Job { peer: self.supervisors[index].id, seq, creation, held: held_fds, passed };
+                    if self.creators.jobs.send(job).is_ok() {
+                        self.creators.in_flight += 1;
                     } else {
-                        // The held ones stay in this table until the child has its copies.
-                        let passed = fds.split_off(held);
-                        let created = crate::spawn::create(&creation, passed);
-                        drop(fds);
-                        created
+                        self.supervisors[index].post(refused("the keeper cannot create processes"), None, None);
                     }
-                };
-                self.answer_spawn(index, seq, answer)
+                }
+                true
             }
         }
     }
 
-    /// Tells supervisor `index` how its spawn `seq` went, with the child's pidfd. A child
-    /// whose supervisor cannot be told is killed: nobody would supervise it.
-    fn answer_spawn(&mut self, index: usize, seq: u64, created: io::Result<u32>) -> bool {
-        let to = &mut self.supervisors[index];
-        let pid = match created {
-            Ok(pid) => pid,
-            Err(error) => {
-                let failed =
-                    Answer::Failed { seq, errno: error.raw_os_error().unwrap_or(0), message: error.to_string() };
-                to.post(failed.encode(), None, None);
-                return true;
-            }
-        };
-        // Not reaped before this loop reaps it: the stat and the pidfd are the child's.
-        let start_time = proc::read_stat(pid).map(|stat| stat.start_time).unwrap_or(0);
-        self.children.insert(pid, start_time);
-        match proc::pidfd_open(pid) {
-            Ok(pidfd) => {
-                let spawned = Answer::Spawned { seq, process: Kept { pid, start_time } };
-                to.post(spawned.encode(), Some(pidfd), Some(pid));
-            }
-            Err(error) => {
-                let _gone = proc::signal_group(pid, Signal::SIGKILL);
-                let failed = Answer::Failed {
-                    seq,
-                    errno: error.raw_os_error().unwrap_or(0),
-                    message: format!("cannot watch the new process {pid}: {error}"),
-                };
-                to.post(failed.encode(), None, None);
+    /// Answers the spawns that the creator threads finished. A child whose supervisor is
+    /// gone is killed: nobody would supervise it.
+    fn answer_spawns(&mut self) {
+        let mut drained = [0u8; 64];
+        while matches!(nix::unistd::read(&self.creators.wake, &mut drained), Ok(n) if n > 0) {}
+        while let Ok(Created { peer, seq, result }) = self.creators.done.try_recv() {
+            self.creators.in_flight = self.creators.in_flight.saturating_sub(1);
+            let to = self.supervisors.iter_mut().find(|supervisor| supervisor.id == peer && supervisor.open);
+            match (result, to) {
+                (Ok((pid, start_time, pidfd)), Some(to)) => {
+                    let spawned = Answer::Spawned { seq, process: Kept { pid, start_time } };
+                    to.post(spawned.encode(), Some(pidfd), Some(pid));
+                }
+                (Ok((pid, _, _)), None) => {
+                    let _gone = proc::signal_group(pid, Signal::SIGKILL);
+                }
+                (Err(error), Some(to)) => {
+                    let failed =
+                        Answer::Failed { seq, errno: error.raw_os_error().unwrap_or(0), message: error.to_string() };
+                    to.post(failed.encode(), None, None);
+                }
+                (Err(_), None) => {}
             }
         }
-        true
     }
 
     /// Reaps every child that exited: first its process group is swept (SIGKILL), while the
@@ -353,6 +457,10 @@ impl Keeper {
             if pid == 0 {
                 return; // children, none exited
             }
+            if !lock(&self.children).contains_key(&pid) {
+                // Its creator has not registered it yet: reaped once it has told of it.
+                return;
+            }
             let _empty = proc::signal_group(pid, Signal::SIGKILL);
             let mut status = 0;
             #[allow(unsafe_code)]
@@ -361,7 +469,7 @@ impl Keeper {
             if reaped <= 0 {
                 return;
             }
-            let start_time = self.children.remove(&pid).unwrap_or(0);
+            let start_time = lock(&self.children).remove(&pid).unwrap_or(0);
             self.tell(Exit { process: Kept { pid, start_time }, status });
         }
     }

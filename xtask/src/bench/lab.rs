@@ -208,12 +208,11 @@ impl Agent<'_> {
             fs::read(format!("/proc/{pid}/cmdline"))
                 .is_ok_and(|cmdline| cmdline.split(|byte| *byte == 0).nth(1) == Some(b"keeper".as_slice()))
         };
-        let of_proxies = self.proxies().ok().and_then(|proxies| {
-            proxies.iter().filter_map(|proxy| proxy.pid).filter_map(sys::parent).find(is_keeper)
-        });
-        of_proxies
-            .or_else(|| sys::children_of(self.pid()).into_iter().find(is_keeper))
-            .unwrap_or_else(|| self.pid())
+        let of_proxies = self
+            .proxies()
+            .ok()
+            .and_then(|proxies| proxies.iter().filter_map(|proxy| proxy.pid).filter_map(sys::parent).find(is_keeper));
+        of_proxies.or_else(|| sys::children_of(self.pid()).into_iter().find(is_keeper)).unwrap_or_else(|| self.pid())
     }
 
     /// The agent's RSS and the private memory of the keeper that is its proxies' parent, in
