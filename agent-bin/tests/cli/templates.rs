@@ -355,3 +355,44 @@ fn a_destination_that_another_proxy_writes_fails_the_second_and_leaves_the_file_
     assert_eq!(std::fs::read_to_string(&destination).unwrap(), "web's");
     assert_eq!(agent.proxy("web-proxy").unwrap()["state"], "running");
 }
+
+#[test]
+fn a_destination_whose_directory_became_a_link_is_not_written_through() {
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    let base = dirs.temp.path().join("rendered");
+    let parent = base.join("pd");
+    let victim = base.join("victim");
+    std::fs::create_dir_all(&parent).unwrap();
+    std::fs::create_dir_all(&victim).unwrap();
+    let destination = parent.join("p.cfg");
+    let config = web(&destination, SERVICES).replace("wait = \"50ms\"", "wait = \"50ms\"\non_change = \"none\"");
+    dirs.write_config("web.toml", &config);
+    let agent = Agent::start(&dirs, &root_flags());
+    let running = agent.wait_state("web-proxy", "running");
+    assert_eq!(std::fs::read_to_string(&destination).unwrap(), "web 127.0.0.1:8080\n");
+
+    // The destination's directory is swapped for a link after the first render.
+    std::fs::rename(&parent, base.join("pd.real")).unwrap();
+    std::os::unix::fs::symlink(&victim, &parent).unwrap();
+    let answer = register(&dirs, r#"{"name": "cache", "port": 6379}"#);
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let error = wait_for("the template's error naming the link", || {
+        agent.proxy("web-proxy")?["error"].as_str().map(str::to_owned)
+    });
+    assert!(error.contains(&format!("template {}", destination.display())), "{error}");
+    assert!(error.contains(&format!("{} is a symbolic link", parent.display())), "{error}");
+    assert!(!victim.join("p.cfg").exists(), "written through the link");
+    assert_eq!(std::fs::read_dir(&victim).unwrap().count(), 0, "nothing is left in the link's target");
+    let now = agent.proxy("web-proxy").unwrap();
+    assert_eq!((&now["state"], &now["pid"]), (&running["state"], &running["pid"]), "the proxy runs on");
+
+    // The directory is back: the next change renders again and the error goes.
+    std::fs::remove_file(&parent).unwrap();
+    std::fs::rename(base.join("pd.real"), &parent).unwrap();
+    let answer = register(&dirs, r#"{"name": "db", "port": 5432}"#);
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let expected = "cache 127.0.0.1:6379\ndb 127.0.0.1:5432\nweb 127.0.0.1:8080\n";
+    wait_for("the new file", || (std::fs::read_to_string(&destination).ok()? == expected).then_some(()));
+    wait_for("the error to clear", || agent.proxy("web-proxy").filter(|p| p["error"].is_null()));
+}
