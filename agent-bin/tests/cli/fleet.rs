@@ -168,6 +168,14 @@ impl Etcd {
         revision_of(&self.call("/v3/kv/put", &body).unwrap())
     }
 
+    /// Deletes every key under `prefix`.
+    fn delete_prefix(&self, prefix: &str) {
+        let mut end = prefix.as_bytes().to_vec();
+        *end.last_mut().unwrap() += 1;
+        let body = format!(r#"{{"key": "{}", "range_end": "{}"}}"#, BASE64.encode(prefix), BASE64.encode(&end));
+        self.call("/v3/kv/deleterange", &body).unwrap();
+    }
+
     /// The store's current revision.
     fn revision(&self) -> i64 {
         revision_of(&self.call("/v3/kv/range", r#"{"key": "AA=="}"#).unwrap())
@@ -1246,4 +1254,56 @@ fn haproxy_balances_over_the_fleets_instances_rendered_by_a_template_and_reloade
     drop(prober);
     assert!(tried > 100, "the client connected {tried} times");
     assert_eq!(refused, 0, "{refused} of {tried} connections to the edge were refused");
+}
+
+#[test]
+fn fleet_status_shows_a_proxy_whose_key_was_deleted_as_removing_and_fails_until_it_is_gone() {
+    let Some(etcd) = Etcd::start("fleet status while removing") else { return };
+    let dirs = Dirs::new();
+    let _sweep = support::SweepOnDrop(dirs.socket());
+    let agent = publishing_agent(&dirs, &etcd, "n1");
+    // Proxies that ignore the stop signal: each stays until its kill_timeout SIGKILLs it.
+    for name in ["web", "api"] {
+        etcd.put_raw(
+            &format!("/tether/nodes/n1/services/{name}"),
+            &format!(
+                r#"{{"name": "{name}", "proxy": {{"command": ["/bin/sh", "-c", "trap '' INT; exec /bin/sleep 3600"],
+                    "kill_timeout": "4s"}}}}"#
+            ),
+        );
+    }
+    let pids = [pid_of(&agent, "web-proxy"), pid_of(&agent, "api-proxy")];
+    wait_until("fleet status to succeed", || {
+        let (code, view) = fleet_view(&etcd);
+        (code == Some(0)).then_some(()).ok_or(view.to_string())
+    });
+
+    etcd.delete_prefix("/tether/nodes/n1/");
+    let view = wait_until("both proxies shown as removing, and a failure", || {
+        let (code, view) = fleet_view(&etcd);
+        let removing = node_of(&view, "n1")["proxies"]
+            .as_array()
+            .is_some_and(|p| p.len() == 2 && p.iter().all(|p| p["state"] == "removing"));
+        (code == Some(1) && removing).then(|| view.clone()).ok_or(view.to_string())
+    });
+    for proxy in node_of(&view, "n1")["proxies"].as_array().unwrap() {
+        assert!(proxy["desired_revision"].is_null(), "{proxy}");
+    }
+    let output = fleet(&etcd.url(), &["status"]);
+    let table = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(output.status.code(), Some(1), "{table}");
+    assert!(
+        table.lines().any(|line| line.starts_with("n1") && line.contains("web-proxy") && line.contains("removing"))
+    );
+    assert!(table.trim_end().ends_with("proxies: 0 ready, 0 not ready, 2 removing"), "{table}");
+
+    // Once they are gone, the node is converged again.
+    agent.wait_gone("web-proxy");
+    agent.wait_gone("api-proxy");
+    assert!(pids.iter().all(|pid| !alive(*pid)));
+    wait_until("fleet status to succeed with nothing left", || {
+        let (code, view) = fleet_view(&etcd);
+        let empty = node_of(&view, "n1")["proxies"].as_array().is_none_or(Vec::is_empty);
+        (code == Some(0) && empty).then_some(()).ok_or(view.to_string())
+    });
 }
