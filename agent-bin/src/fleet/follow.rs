@@ -2,10 +2,15 @@
 //!
 //! It starts from a consistent read at a revision R (or from `fleet.json`'s revision, which
 //! the persisted set reflects), then watches from R + 1, so that no event is lost or applied
-//! twice. Each watch response — one or more whole etcd revisions — becomes one atomic
+//! twice. A task of its own reads the watch as fast as etcd delivers it, keeping only the
+//! latest event of each key, and is the one that says when the connection is lost; the
+//! follower takes everything delivered so far as one change set — one atomic
 //! `replace_source` of the whole set, so that a transaction that moves services between
-//! keys lands at once, and an unchanged service is a no-op. A compacted start revision
-//! triggers a full re-read. When etcd is unreachable the last known set stays in force
+//! keys lands at once, and an unchanged service is a no-op. Change sets are coalesced as the
+//! engine coalesces changes: the first after a quiet period applies at once, later ones wait
+//! until the watch has been quiet for `--sync-quiescent`, at most `--sync-max-delay`, so that
+//! a burst of thousands of puts costs a few applies. A compacted start revision triggers a
+//! full re-read. When etcd is unreachable the last known set stays in force
 //! (in the catalog and in `fleet.json`), and the follower reconnects with capped,
 //! jittered backoff, resuming where it stopped. It never starts a process and never fails
 //! the agent: every problem is logged, counted and retried.
@@ -21,6 +26,8 @@ use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use tether_state::persist::DataDir;
 use tether_state::{Backoff, CatalogError, Service, Source};
+use tokio::sync::Notify;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::etcd::{self, Client, WatchStream};
@@ -56,6 +63,7 @@ pub(crate) struct FleetStatus {
 #[derive(Debug, Clone, Copy, Default)]
 struct Counters {
     events: u64,
+    applies: u64,
     full_reads: u64,
     compactions: u64,
     connect_failures: u64,
@@ -90,10 +98,19 @@ enum SessionError {
     Canceled { reason: String },
 }
 
+/// How the follower coalesces change sets: the engine's `--sync-quiescent` and
+/// `--sync-max-delay`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Coalesce {
+    pub(crate) quiescent: Duration,
+    pub(crate) max_delay: Duration,
+}
+
 /// Follows one node's keys in etcd into the catalog.
 pub(crate) struct Follower {
     layout: Layout,
     etcd: EtcdOptions,
+    coalesce: Coalesce,
     sources: Arc<Sources>,
     store: FleetStore,
     desired: Desired,
@@ -105,7 +122,13 @@ pub(crate) struct Follower {
 impl Follower {
     /// Loads the last known set from `fleet.json` into the catalog, so that the engine's
     /// first reconcile (and its adoption of running proxies) already sees it.
-    pub(crate) fn new(layout: Layout, etcd: EtcdOptions, sources: Arc<Sources>, data: &DataDir) -> Self {
+    pub(crate) fn new(
+        layout: Layout,
+        etcd: EtcdOptions,
+        coalesce: Coalesce,
+        sources: Arc<Sources>,
+        data: &DataDir,
+    ) -> Self {
         let store = FleetStore::in_data_dir(data);
         let status = SharedStatus::default();
         {
@@ -114,7 +137,8 @@ impl Follower {
             shown.prefix = layout.prefix().to_owned();
         }
         let revisions = Revisions::default();
-        let mut follower = Self { layout, etcd, sources, store, desired: Desired::default(), status, revisions };
+        let mut follower =
+            Self { layout, etcd, coalesce, sources, store, desired: Desired::default(), status, revisions };
         if let Some(persisted) = follower.store.load(&follower.layout) {
             tracing::info!(
                 services = persisted.services.len(),
@@ -185,14 +209,14 @@ impl Follower {
             self.full_read(&client).await? + 1
         };
         loop {
-            let mut stream = timed(&self.etcd, "watch", client.watch_prefix(&prefix, start)).await?;
+            let stream = timed(&self.etcd, "watch", client.watch_prefix(&prefix, start)).await?;
             {
                 let mut shown = self.status.lock();
                 shown.connected = true;
                 shown.last_error = None;
             }
             backoff.reset();
-            let compacted = self.follow(&mut stream).await?;
+            let compacted = self.follow(stream).await?;
             self.status.lock().counters.compactions += 1;
             tracing::warn!(
                 start,
@@ -203,34 +227,63 @@ impl Follower {
         }
     }
 
-    /// Applies watch responses until the stream fails; returns the compaction revision when
-    /// etcd cancels the watch because its start revision was compacted.
-    async fn follow(&mut self, stream: &mut WatchStream) -> Result<i64, SessionError> {
+    /// Applies what the watch delivers, in coalesced change sets, until the stream fails;
+    /// returns the compaction revision when etcd cancels the watch because its start
+    /// revision was compacted. What was delivered before the stream ended is applied first.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe between change sets: dropping it stops the reader and loses only events
+    /// not yet applied, which a new watch from the applied revision delivers again.
+    async fn follow(&mut self, stream: WatchStream) -> Result<i64, SessionError> {
+        let inbox = Arc::new(Inbox::default());
+        let reader = tokio::spawn(read_watch(stream, inbox.clone(), self.status.clone()));
+        let _reader = AbortOnDrop(reader);
+        let mut burst = Burst::new(self.coalesce);
         loop {
-            let response = stream.message().await.map_err(SessionError::Stream)?.ok_or(SessionError::StreamEnded)?;
-            if response.compact_revision > 0 {
-                return Ok(response.compact_revision);
-            }
-            if response.canceled {
-                return Err(SessionError::Canceled { reason: response.cancel_reason });
-            }
-            if response.events.is_empty() {
-                continue;
-            }
-            let mut next = self.desired.clone();
-            for event in &response.events {
-                let Some(kv) = &event.kv else { continue };
-                match event.r#type() {
-                    etcd::pb::event::EventType::Put => {
-                        next.put_at(&self.layout, &kv.key, &kv.value, kv.mod_revision);
-                    }
-                    etcd::pb::event::EventType::Delete => next.delete(&self.layout, &kv.key),
+            let deadline = burst.deadline();
+            let woken = tokio::select! {
+                () = inbox.notify.notified() => true,
+                () = sleep_until(deadline) => false,
+            };
+            let now = Instant::now();
+            let (delivered, ended) = {
+                let mut inbox = inbox.lock();
+                let ended = inbox.ended.take();
+                // Taken now: at once after a quiet period, when the burst is due, or when the
+                // watch ended; otherwise the reader keeps merging into it.
+                let apply_now =
+                    ended.is_some() || (woken && !inbox.events.is_empty() && burst.changed(now)) || burst.due(now);
+                (apply_now.then(|| std::mem::take(&mut *inbox)), ended)
+            };
+            if let Some(delivered) = delivered {
+                burst.applied();
+                if !delivered.events.is_empty() {
+                    self.apply_delivered(delivered);
                 }
-                next.revision = next.revision.max(kv.mod_revision);
             }
-            self.status.lock().counters.events += response.events.len() as u64;
-            self.apply(next);
+            if let Some(ended) = ended {
+                return ended;
+            }
         }
+    }
+
+    /// Applies the latest event of each key that the watch delivered, as one change set.
+    fn apply_delivered(&mut self, delivered: Delivered) {
+        let mut next = self.desired.clone();
+        for (key, event) in &delivered.events {
+            match event {
+                Some((value, mod_revision)) => {
+                    next.put_at(&self.layout, key, value, *mod_revision);
+                }
+                None => next.delete(&self.layout, key),
+            }
+        }
+        next.revision = next.revision.max(delivered.revision);
+        self.status.lock().counters.events += delivered.count;
+        // Comparing, encoding and writing the whole set are work for a blocking thread, not
+        // for the runtime's workers, which serve the API and the signals meanwhile.
+        off_the_runtime(|| self.apply(next));
     }
 
     /// Reads every key of the node at one revision and applies it; returns the revision.
@@ -264,6 +317,7 @@ impl Follower {
             match self.sources.state().replace_source(&source_kind(), services.clone()) {
                 Ok(report) => {
                     if report.added + report.changed + report.removed > 0 {
+                        self.status.lock().counters.applies += 1;
                         tracing::info!(
                             added = report.added,
                             changed = report.changed,
@@ -321,6 +375,148 @@ impl Follower {
     }
 }
 
+/// What the watch reader delivered that the follower has not taken yet.
+#[derive(Default)]
+struct Delivered {
+    /// The latest event of each key: its value and mod revision, or `None` for a delete.
+    /// Only the latest counts: a change set applies the state each key reached.
+    events: BTreeMap<Vec<u8>, Option<(Vec<u8>, i64)>>,
+    /// The highest revision delivered.
+    revision: i64,
+    /// How many events were delivered.
+    count: u64,
+    /// How the watch ended, once it has: a compaction revision, or why it failed.
+    ended: Option<Result<i64, SessionError>>,
+}
+
+/// Where the reader leaves what it delivered, and how it wakes the follower.
+#[derive(Default)]
+struct Inbox {
+    delivered: Mutex<Delivered>,
+    notify: Notify,
+}
+
+impl Inbox {
+    fn lock(&self) -> MutexGuard<'_, Delivered> {
+        // Every critical section only moves values in or out.
+        self.delivered.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+/// Reads the watch until it ends, merging each response into `inbox`. It is the one that
+/// sees the connection fail, and says so in `status` at once, whatever the follower is busy
+/// with.
+async fn read_watch(mut stream: WatchStream, inbox: Arc<Inbox>, status: SharedStatus) {
+    let ended = loop {
+        let response = match stream.message().await {
+            Ok(Some(response)) => response,
+            Ok(None) => break Err(SessionError::StreamEnded),
+            Err(err) => break Err(SessionError::Stream(err)),
+        };
+        if response.compact_revision > 0 {
+            break Ok(response.compact_revision);
+        }
+        if response.canceled {
+            break Err(SessionError::Canceled { reason: response.cancel_reason });
+        }
+        if !response.events.is_empty() {
+            let mut delivered = inbox.lock();
+            delivered.count += response.events.len() as u64;
+            for event in response.events {
+                let Some(kv) = event.kv else { continue };
+                delivered.revision = delivered.revision.max(kv.mod_revision);
+                let state = match event.r#type {
+                    t if t == etcd::pb::event::EventType::Delete as i32 => None,
+                    _ => Some((kv.value, kv.mod_revision)),
+                };
+                delivered.events.insert(kv.key, state);
+            }
+            drop(delivered);
+            inbox.notify.notify_one();
+        }
+        // A burst is always ready to read: give the runtime's other tasks their turn.
+        tokio::task::coop::consume_budget().await;
+    };
+    if let Err(err) = &ended {
+        let mut shown = status.lock();
+        shown.connected = false;
+        shown.last_error = Some(crate::error::error_chain(err));
+    }
+    inbox.lock().ended = Some(ended);
+    inbox.notify.notify_one();
+}
+
+/// The coalescing of change sets, as the engine coalesces a proxy's changes: the first
+/// delivery after a quiet period applies at once; one that follows within `quiescent` is
+/// held until the watch has been quiet for `quiescent`, and at most `max_delay` after the
+/// first held one.
+struct Burst {
+    coalesce: Coalesce,
+    /// When the last delivery was seen.
+    last: Option<Instant>,
+    /// When the first delivery still held was seen.
+    held_since: Option<Instant>,
+}
+
+impl Burst {
+    fn new(coalesce: Coalesce) -> Self {
+        Self { coalesce, last: None, held_since: None }
+    }
+
+    /// Records a delivery at `now`; whether it applies at once.
+    fn changed(&mut self, now: Instant) -> bool {
+        let quiet = self.last.is_none_or(|last| now.duration_since(last) >= self.coalesce.quiescent);
+        self.last = Some(now);
+        if quiet && self.held_since.is_none() {
+            return true;
+        }
+        self.held_since.get_or_insert(now);
+        false
+    }
+
+    /// When what is held must apply.
+    fn deadline(&self) -> Option<Instant> {
+        let held_since = self.held_since?;
+        let quiet_at = self.last.unwrap_or(held_since) + self.coalesce.quiescent;
+        Some(quiet_at.min(held_since + self.coalesce.max_delay))
+    }
+
+    fn due(&self, now: Instant) -> bool {
+        self.deadline().is_some_and(|deadline| deadline <= now)
+    }
+
+    /// What was held has been applied.
+    fn applied(&mut self) {
+        self.held_since = None;
+    }
+}
+
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Runs `work` where it may block: beside the runtime's workers when the runtime has
+/// several, in place otherwise.
+fn off_the_runtime<T>(work: impl FnOnce() -> T) -> T {
+    let flavor = tokio::runtime::Handle::try_current().map(|handle| handle.runtime_flavor());
+    match flavor {
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(work),
+        _ => work(),
+    }
+}
+
+/// Aborts a task when dropped: the reader ends with the follow that owns it.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// `delay` ± 20%, so that a fleet of agents does not reconnect in lockstep; the clock's
 /// nanoseconds are random enough for that.
 pub(crate) fn jittered(delay: Duration) -> Duration {
@@ -355,6 +551,7 @@ impl Collector for FleetCollector {
         let counters = status.counters;
         for (name, help, value) in [
             ("tether_fleet_events", "Watch events received from etcd", counters.events),
+            ("tether_fleet_applies", "Change sets from etcd that changed the catalog", counters.applies),
             ("tether_fleet_full_reads", "Full reads of the node's keys", counters.full_reads),
             ("tether_fleet_compactions", "Watches whose start revision was compacted", counters.compactions),
             ("tether_fleet_connect_failures", "Sessions with etcd that failed or ended", counters.connect_failures),
@@ -374,6 +571,32 @@ fn to_i64(value: usize) -> i64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_burst_applies_its_first_change_at_once_then_when_quiet_or_at_the_maximum_delay() {
+        let coalesce = Coalesce { quiescent: Duration::from_millis(500), max_delay: Duration::from_secs(5) };
+        let mut burst = Burst::new(coalesce);
+        let start = Instant::now();
+        assert!(burst.changed(start), "the first change after a quiet period applies at once");
+        burst.applied();
+        assert_eq!(burst.deadline(), None);
+        // Changes every 100 ms: held, until 5 s after the first held one.
+        for step in 1..=60 {
+            let now = start + Duration::from_millis(100 * step);
+            let due = burst.due(now);
+            if due {
+                assert_eq!(now, start + Duration::from_millis(5_100), "released at the maximum delay");
+                burst.applied();
+            }
+            assert!(!burst.changed(now) || due, "step {step}");
+        }
+        // Quiet for the window: what is held applies then.
+        let last = start + Duration::from_millis(6_000);
+        assert_eq!(burst.deadline(), Some(last + Duration::from_millis(500)));
+        burst.applied();
+        // And after a quiet period the next change applies at once again.
+        assert!(burst.changed(last + Duration::from_secs(1)));
+    }
 
     #[test]
     fn jitter_stays_within_a_fifth_of_the_delay() {

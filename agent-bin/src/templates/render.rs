@@ -198,7 +198,7 @@ pub(crate) fn render(
     let context = Context { service, node: &shared.node, services: &shared.services };
     let template = env.template_from_named_str(name, text)?;
     let mut out = Capped { bytes: Vec::new(), max_size, exceeded: false };
-    match template.render_to_write(context, &mut out) {
+    match template.render_captured_to(context, &mut out) {
         Ok(_) => {}
         Err(_) if out.exceeded => {
             return Err(RenderError {
