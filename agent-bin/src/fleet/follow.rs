@@ -4,13 +4,13 @@
 //! the persisted set reflects), then watches from R + 1, so that no event is lost or applied
 //! twice. A task of its own reads the watch as fast as etcd delivers it, keeping only the
 //! latest event of each key, and is the one that says when the connection is lost; the
-//! follower takes everything delivered so far as one change set — one atomic
-//! `replace_source` of the whole set, so that a transaction that moves services between
-//! keys lands at once, and an unchanged service is a no-op. Change sets are coalesced as the
-//! engine coalesces changes: the first after a quiet period applies at once, later ones wait
-//! until the watch has been quiet for `--sync-quiescent`, at most `--sync-max-delay`, so that
-//! a burst of thousands of puts costs a few applies. A compacted start revision triggers a
-//! full re-read. When etcd is unreachable the last known set stays in force
+//! follower takes what is due of it as one change set — one atomic `replace_source` of the
+//! whole set, so that a transaction that moves services between keys lands at once, and an
+//! unchanged service is a no-op. Keys are coalesced as the engine coalesces proxies: a key
+//! that was quiet for `--sync-quiescent` applies at once; one that keeps changing is held
+//! until it has been quiet that long, at most `--sync-max-delay`, so that a burst of
+//! thousands of puts on a few keys costs a few applies and delays no other key. A compacted
+//! start revision triggers a full re-read. When etcd is unreachable the last known set stays in force
 //! (in the catalog and in `fleet.json`), and the follower reconnects with capped,
 //! jittered backoff, resuming where it stopped. It never starts a process and never fails
 //! the agent: every problem is logged, counted and retried.
@@ -237,30 +237,27 @@ impl Follower {
     /// not yet applied, which a new watch from the applied revision delivers again.
     async fn follow(&mut self, stream: WatchStream) -> Result<i64, SessionError> {
         let inbox = Arc::new(Inbox::default());
-        let reader = tokio::spawn(read_watch(stream, inbox.clone(), self.status.clone()));
-        let _reader = AbortOnDrop(reader);
+        // Dropping the set (this follow ending, or cancelled) aborts the reader.
+        let mut reader = tokio::task::JoinSet::new();
+        reader.spawn(read_watch(stream, inbox.clone(), self.status.clone()));
         let mut burst = Burst::new(self.coalesce);
+        let mut deadline = None;
         loop {
-            let deadline = burst.deadline();
-            let woken = tokio::select! {
-                () = inbox.notify.notified() => true,
-                () = sleep_until(deadline) => false,
-            };
+            tokio::select! {
+                () = inbox.notify.notified() => {}
+                () = sleep_until(deadline) => {}
+            }
             let now = Instant::now();
-            let (delivered, ended) = {
-                let mut inbox = inbox.lock();
-                let ended = inbox.ended.take();
-                // Taken now: at once after a quiet period, when the burst is due, or when the
-                // watch ended; otherwise the reader keeps merging into it.
-                let apply_now =
-                    ended.is_some() || (woken && !inbox.events.is_empty() && burst.changed(now)) || burst.due(now);
-                (apply_now.then(|| std::mem::take(&mut *inbox)), ended)
+            let (due, ended) = {
+                let mut delivered = inbox.lock();
+                let ended = delivered.ended.take();
+                // Once the watch ended, everything it delivered applies.
+                let due = burst.take_due(&mut delivered, now, ended.is_some());
+                deadline = burst.deadline(&delivered);
+                (due, ended)
             };
-            if let Some(delivered) = delivered {
-                burst.applied();
-                if !delivered.events.is_empty() {
-                    self.apply_delivered(delivered);
-                }
+            if let Some(due) = due {
+                self.apply_delivered(due);
             }
             if let Some(ended) = ended {
                 return ended;
@@ -268,19 +265,19 @@ impl Follower {
         }
     }
 
-    /// Applies the latest event of each key that the watch delivered, as one change set.
-    fn apply_delivered(&mut self, delivered: Delivered) {
+    /// Applies the latest event of each key that is due, as one change set.
+    fn apply_delivered(&mut self, due: Due) {
         let mut next = self.desired.clone();
-        for (key, event) in &delivered.events {
-            match event {
+        for (key, event) in &due.events {
+            match &event.state {
                 Some((value, mod_revision)) => {
                     next.put_at(&self.layout, key, value, *mod_revision);
                 }
                 None => next.delete(&self.layout, key),
             }
         }
-        next.revision = next.revision.max(delivered.revision);
-        self.status.lock().counters.events += delivered.count;
+        next.revision = next.revision.max(due.revision);
+        self.status.lock().counters.events += due.count;
         // Comparing, encoding and writing the whole set are work for a blocking thread, not
         // for the runtime's workers, which serve the API and the signals meanwhile.
         off_the_runtime(|| self.apply(next));
@@ -378,15 +375,37 @@ impl Follower {
 /// What the watch reader delivered that the follower has not taken yet.
 #[derive(Default)]
 struct Delivered {
-    /// The latest event of each key: its value and mod revision, or `None` for a delete.
-    /// Only the latest counts: a change set applies the state each key reached.
-    events: BTreeMap<Vec<u8>, Option<(Vec<u8>, i64)>>,
+    /// The latest event of each key. Only the latest counts: a change set applies the state
+    /// each key reached.
+    events: BTreeMap<Vec<u8>, Event>,
     /// The highest revision delivered.
     revision: i64,
     /// How many events were delivered.
     count: u64,
     /// How the watch ended, once it has: a compaction revision, or why it failed.
     ended: Option<Result<i64, SessionError>>,
+}
+
+/// The latest event of a key not applied yet.
+struct Event {
+    /// Its value and mod revision, or `None` for a delete.
+    state: Option<(Vec<u8>, i64)>,
+    /// The revision of the event.
+    revision: i64,
+    /// When the first event of the key not applied yet was delivered.
+    first: Instant,
+    /// When its latest event was delivered.
+    last: Instant,
+}
+
+/// What the follower takes of [`Delivered`] to apply.
+struct Due {
+    events: BTreeMap<Vec<u8>, Event>,
+    /// The revision the set reflects once these are applied: the highest delivered, or, while
+    /// keys are held, just below the oldest held event, so that a watch resumed from it
+    /// delivers them again.
+    revision: i64,
+    count: u64,
 }
 
 /// Where the reader leaves what it delivered, and how it wakes the follower.
@@ -420,16 +439,19 @@ async fn read_watch(mut stream: WatchStream, inbox: Arc<Inbox>, status: SharedSt
             break Err(SessionError::Canceled { reason: response.cancel_reason });
         }
         if !response.events.is_empty() {
+            let now = Instant::now();
             let mut delivered = inbox.lock();
             delivered.count += response.events.len() as u64;
             for event in response.events {
                 let Some(kv) = event.kv else { continue };
-                delivered.revision = delivered.revision.max(kv.mod_revision);
+                let revision = kv.mod_revision;
+                delivered.revision = delivered.revision.max(revision);
                 let state = match event.r#type {
                     t if t == etcd::pb::event::EventType::Delete as i32 => None,
-                    _ => Some((kv.value, kv.mod_revision)),
+                    _ => Some((kv.value, revision)),
                 };
-                delivered.events.insert(kv.key, state);
+                let first = delivered.events.get(&kv.key).map_or(now, |held| held.first);
+                delivered.events.insert(kv.key, Event { state, revision, first, last: now });
             }
             drop(delivered);
             inbox.notify.notify_one();
@@ -446,48 +468,66 @@ async fn read_watch(mut stream: WatchStream, inbox: Arc<Inbox>, status: SharedSt
     inbox.notify.notify_one();
 }
 
-/// The coalescing of change sets, as the engine coalesces a proxy's changes: the first
-/// delivery after a quiet period applies at once; one that follows within `quiescent` is
-/// held until the watch has been quiet for `quiescent`, and at most `max_delay` after the
-/// first held one.
+/// The coalescing of keys, as the engine coalesces a proxy's changes: a key whose event
+/// comes after the key was quiet for `quiescent` applies at once; one that follows an applied
+/// event of the same key within `quiescent` is held until the key has been quiet for
+/// `quiescent`, and at most `max_delay` after its first held event. A key that keeps changing
+/// never delays another.
 struct Burst {
     coalesce: Coalesce,
-    /// When the last delivery was seen.
-    last: Option<Instant>,
-    /// When the first delivery still held was seen.
-    held_since: Option<Instant>,
+    /// When each recently applied key's last applied event was delivered; forgotten once older
+    /// than the window.
+    applied: BTreeMap<Vec<u8>, Instant>,
 }
 
 impl Burst {
     fn new(coalesce: Coalesce) -> Self {
-        Self { coalesce, last: None, held_since: None }
+        Self { coalesce, applied: BTreeMap::new() }
     }
 
-    /// Records a delivery at `now`; whether it applies at once.
-    fn changed(&mut self, now: Instant) -> bool {
-        let quiet = self.last.is_none_or(|last| now.duration_since(last) >= self.coalesce.quiescent);
-        self.last = Some(now);
-        if quiet && self.held_since.is_none() {
-            return true;
+    /// Whether `event` of `key` applies at `now`.
+    fn is_due(&self, key: &[u8], event: &Event, now: Instant) -> bool {
+        let quiescent = self.coalesce.quiescent;
+        let after_quiet =
+            self.applied.get(key).is_none_or(|applied| event.first.saturating_duration_since(*applied) >= quiescent);
+        after_quiet
+            || now.saturating_duration_since(event.last) >= quiescent
+            || now.saturating_duration_since(event.first) >= self.coalesce.max_delay
+    }
+
+    /// Takes the events of `delivered` that are due at `now` (every one with `all`), and
+    /// with them every other event of the same revisions, so that a transaction lands whole;
+    /// `None` when none is.
+    fn take_due(&mut self, delivered: &mut Delivered, now: Instant, all: bool) -> Option<Due> {
+        let due_revisions: std::collections::BTreeSet<i64> = delivered
+            .events
+            .iter()
+            .filter(|(key, event)| all || self.is_due(key, event, now))
+            .map(|(_, event)| event.revision)
+            .collect();
+        if due_revisions.is_empty() {
+            return None;
         }
-        self.held_since.get_or_insert(now);
-        false
+        let (events, held): (BTreeMap<_, _>, BTreeMap<_, _>) = std::mem::take(&mut delivered.events)
+            .into_iter()
+            .partition(|(_, event)| due_revisions.contains(&event.revision));
+        delivered.events = held;
+        let revision = match delivered.events.values().map(|event| event.revision).min() {
+            Some(oldest_held) => oldest_held - 1,
+            None => delivered.revision,
+        };
+        let window = self.coalesce.quiescent;
+        self.applied.retain(|_, applied| now.saturating_duration_since(*applied) < window);
+        for (key, event) in &events {
+            self.applied.insert(key.clone(), event.last);
+        }
+        Some(Due { events, revision, count: std::mem::take(&mut delivered.count) })
     }
 
-    /// When what is held must apply.
-    fn deadline(&self) -> Option<Instant> {
-        let held_since = self.held_since?;
-        let quiet_at = self.last.unwrap_or(held_since) + self.coalesce.quiescent;
-        Some(quiet_at.min(held_since + self.coalesce.max_delay))
-    }
-
-    fn due(&self, now: Instant) -> bool {
-        self.deadline().is_some_and(|deadline| deadline <= now)
-    }
-
-    /// What was held has been applied.
-    fn applied(&mut self) {
-        self.held_since = None;
+    /// When the first held event of `delivered` is due.
+    fn deadline(&self, delivered: &Delivered) -> Option<Instant> {
+        let quiescent = self.coalesce.quiescent;
+        delivered.events.values().map(|event| (event.last + quiescent).min(event.first + self.coalesce.max_delay)).min()
     }
 }
 
@@ -505,15 +545,6 @@ fn off_the_runtime<T>(work: impl FnOnce() -> T) -> T {
     match flavor {
         Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(work),
         _ => work(),
-    }
-}
-
-/// Aborts a task when dropped: the reader ends with the follow that owns it.
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
     }
 }
 
@@ -572,30 +603,79 @@ fn to_i64(value: usize) -> i64 {
 mod tests {
     use super::*;
 
+    /// Delivers a put of `key` at `now`, as the reader does.
+    fn deliver(delivered: &mut Delivered, key: &str, revision: i64, now: Instant) {
+        let first = delivered.events.get(key.as_bytes()).map_or(now, |held| held.first);
+        let event = Event { state: Some((b"{}".to_vec(), revision)), revision, first, last: now };
+        delivered.events.insert(key.as_bytes().to_vec(), event);
+        delivered.revision = delivered.revision.max(revision);
+        delivered.count += 1;
+    }
+
+    fn keys(due: &Option<Due>) -> Vec<String> {
+        due.iter().flat_map(|due| due.events.keys().map(|key| String::from_utf8_lossy(key).into_owned())).collect()
+    }
+
     #[test]
-    fn a_burst_applies_its_first_change_at_once_then_when_quiet_or_at_the_maximum_delay() {
+    fn a_key_that_keeps_changing_is_held_until_quiet_or_the_maximum_delay_and_delays_no_other() {
         let coalesce = Coalesce { quiescent: Duration::from_millis(500), max_delay: Duration::from_secs(5) };
         let mut burst = Burst::new(coalesce);
+        let mut delivered = Delivered::default();
         let start = Instant::now();
-        assert!(burst.changed(start), "the first change after a quiet period applies at once");
-        burst.applied();
-        assert_eq!(burst.deadline(), None);
-        // Changes every 100 ms: held, until 5 s after the first held one.
-        for step in 1..=60 {
-            let now = start + Duration::from_millis(100 * step);
-            let due = burst.due(now);
-            if due {
-                assert_eq!(now, start + Duration::from_millis(5_100), "released at the maximum delay");
-                burst.applied();
-            }
-            assert!(!burst.changed(now) || due, "step {step}");
+        let at = |ms: u64| start + Duration::from_millis(ms);
+
+        // The first change of a key applies at once.
+        deliver(&mut delivered, "hot", 1, at(0));
+        let due = burst.take_due(&mut delivered, at(0), false);
+        assert_eq!(keys(&due), ["hot"]);
+        assert_eq!(due.unwrap().revision, 1);
+
+        // It changes every 100 ms: held; a new key meanwhile applies at once, and the set's
+        // revision stays below the held event.
+        deliver(&mut delivered, "hot", 2, at(100));
+        assert!(burst.take_due(&mut delivered, at(100), false).is_none());
+        assert_eq!(burst.deadline(&delivered), Some(at(600)));
+        deliver(&mut delivered, "cold", 3, at(150));
+        let due = burst.take_due(&mut delivered, at(150), false);
+        assert_eq!(keys(&due), ["cold"]);
+        assert_eq!(due.unwrap().revision, 1, "the held event at 2 is delivered again after a resume");
+        let mut revision = 3;
+        for ms in (200..5_100).step_by(100) {
+            revision += 1;
+            deliver(&mut delivered, "hot", revision, at(ms));
+            assert!(burst.take_due(&mut delivered, at(ms), false).is_none(), "held at {ms} ms");
         }
-        // Quiet for the window: what is held applies then.
-        let last = start + Duration::from_millis(6_000);
-        assert_eq!(burst.deadline(), Some(last + Duration::from_millis(500)));
-        burst.applied();
-        // And after a quiet period the next change applies at once again.
-        assert!(burst.changed(last + Duration::from_secs(1)));
+        // Its first held event was at 100 ms: released 5 s later, with its latest value.
+        assert_eq!(burst.deadline(&delivered), Some(at(5_100)));
+        let due = burst.take_due(&mut delivered, at(5_100), false).unwrap();
+        assert_eq!((due.events.len(), due.revision), (1, revision));
+        assert_eq!(due.events[b"hot".as_slice()].revision, revision);
+
+        // Quiet for the window after its last change: what is held applies then.
+        deliver(&mut delivered, "hot", revision + 1, at(5_200));
+        assert!(burst.take_due(&mut delivered, at(5_600), false).is_none());
+        assert_eq!(keys(&burst.take_due(&mut delivered, at(5_700), false)), ["hot"]);
+        // After a quiet period, the next change applies at once again.
+        deliver(&mut delivered, "hot", revision + 2, at(7_000));
+        assert_eq!(keys(&burst.take_due(&mut delivered, at(7_000), false)), ["hot"]);
+    }
+
+    #[test]
+    fn a_transaction_lands_whole_and_an_ended_watch_applies_everything() {
+        let coalesce = Coalesce { quiescent: Duration::from_millis(500), max_delay: Duration::from_secs(5) };
+        let mut burst = Burst::new(coalesce);
+        let mut delivered = Delivered::default();
+        let start = Instant::now();
+        deliver(&mut delivered, "a", 1, start);
+        assert!(burst.take_due(&mut delivered, start, false).is_some());
+        // `a` changes again (held) in the same revision as `b` (due): both apply.
+        deliver(&mut delivered, "a", 2, start + Duration::from_millis(10));
+        deliver(&mut delivered, "b", 2, start + Duration::from_millis(10));
+        assert_eq!(keys(&burst.take_due(&mut delivered, start + Duration::from_millis(10), false)), ["a", "b"]);
+        // Held, until the watch ends.
+        deliver(&mut delivered, "a", 3, start + Duration::from_millis(20));
+        assert!(burst.take_due(&mut delivered, start + Duration::from_millis(20), false).is_none());
+        assert_eq!(keys(&burst.take_due(&mut delivered, start + Duration::from_millis(20), true)), ["a"]);
     }
 
     #[test]

@@ -1404,7 +1404,14 @@ fn a_burst_of_puts_is_applied_in_a_few_change_sets_while_the_agent_stays_respons
     let Some(etcd) = Etcd::start("fleet burst") else { return };
     let dirs = Dirs::new();
     let _sweep = support::SweepOnDrop(dirs.socket());
-    let mut agent = publishing_agent(&dirs, &etcd, "n1");
+    // The agent's own coalescing windows, in which each key of the burst keeps changing.
+    let url = etcd.url();
+    let mut flags = vec!["--etcd", url.as_str(), "--node", "n1", "--fleet-ttl", "2s"];
+    flags.extend(["--sync-quiescent", "500ms", "--sync-max-delay", "5s"]);
+    if is_root() {
+        flags.push("--allow-root");
+    }
+    let mut agent = Agent::start(&dirs, &flags);
     wait_for("the watch on etcd", || fleet_status(&agent)["connected"].as_bool().filter(|connected| *connected));
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     // Whatever happens below, the writer stops.
