@@ -1358,10 +1358,10 @@ impl Gateway {
             if line == "\r\n" {
                 break;
             }
-            if let Some((name, value)) = line.split_once(':') {
-                if name.eq_ignore_ascii_case("content-length") {
-                    length = value.trim().parse().map_err(|_| line.clone())?;
-                }
+            if let Some((name, value)) = line.split_once(':')
+                && name.eq_ignore_ascii_case("content-length")
+            {
+                length = value.trim().parse().map_err(|_| line.clone())?;
             }
         }
         let mut body = vec![0; length];
@@ -1450,7 +1450,9 @@ fn a_burst_of_puts_is_applied_in_a_few_change_sets_while_the_agent_stays_respons
             .collect();
         let converged = last.iter().all(|(key, (revision, n))| {
             published.get(&format!("b{key}-proxy")).is_some_and(|p| {
-                p["revision"].as_i64() == Some(*revision) && p["meta"]["n"] == n.to_string() && p["state"] == "running"
+                p["revision"].as_i64() == Some(*revision)
+                    && p["meta"]["n"].as_str().and_then(|v| v.parse().ok()) == Some(*n)
+                    && p["state"] == "running"
             })
         });
         (applied && converged).then_some(()).ok_or(format!("{status}"))

@@ -510,10 +510,10 @@ impl Gateway {
             if line == "\r\n" {
                 break;
             }
-            if let Some((name, value)) = line.split_once(':') {
-                if name.eq_ignore_ascii_case("content-length") {
-                    length = value.trim().parse().map_err(|_| format!("etcd: {}", line.trim_end()))?;
-                }
+            if let Some((name, value)) = line.split_once(':')
+                && name.eq_ignore_ascii_case("content-length")
+            {
+                length = value.trim().parse().map_err(|_| format!("etcd: {}", line.trim_end()))?;
             }
         }
         let mut body = vec![0; length];
