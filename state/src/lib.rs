@@ -160,7 +160,9 @@ pub use service::{
     CommandLine, ExecMode, KillPolicy, KillSignal, LogPolicy, ManagedProxy, NameError, ProxyChange, ProxyCommand,
     ProxyConfigMap, ProxySpec, RestartPolicy, Service, ServiceName,
 };
-pub use template::{DEFAULT_TEMPLATE_MODE, DEFAULT_TEMPLATE_WAIT, OnChange, Template, TemplateSource};
+pub use template::{
+    DEFAULT_TEMPLATE_MAX_SIZE, DEFAULT_TEMPLATE_MODE, DEFAULT_TEMPLATE_WAIT, OnChange, Template, TemplateSource,
+};
 pub use token::{ProxyToken, TokenError, TokenFingerprint};
 
 // The README is the crate's page on crates.io: its examples run as doctests too.

@@ -22,7 +22,7 @@ use crate::token::ProxyToken;
 
 mod dir;
 
-pub use dir::{Durability, PrivateDir, UnsafeEntry};
+pub use dir::{Durability, LinkedComponent, PrivateDir, UnsafeEntry};
 
 /// The mode of every directory tether creates.
 pub const DIR_MODE: u32 = 0o700;
@@ -284,16 +284,30 @@ pub fn write_atomic_file(
     dir.write_atomic_file(name, durability, write)
 }
 
-/// Removes the temporary files that [`write_atomic_file`] and its kin left beside `path`
-/// when their process died between a write and its rename (`.<file name>.tmp.<pid>.<n>`),
-/// if that process is gone; returns their paths. Other entries of the directory, and the
-/// temporaries of live processes, are not touched.
+/// The directory of the absolute file path `path`, opened without following a link at any
+/// component ([`PrivateDir::open_no_follow`]), and the file's name in it.
+///
+/// # Errors
+///
+/// As [`PrivateDir::open_no_follow`]; [`io::ErrorKind::InvalidInput`] when `path` names
+/// no file.
+pub fn open_parent_no_follow(path: &Path) -> io::Result<(PrivateDir, &OsStr)> {
+    let name = path.file_name().ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
+    let parent = path.parent().ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
+    Ok((PrivateDir::open_no_follow(parent)?, name))
+}
+
+/// Removes the temporary files that [`write_atomic_file`] and its kin left beside the
+/// absolute file path `path` when their process died between a write and its rename
+/// (`.<file name>.tmp.<pid>.<n>`), if that process is gone; returns their paths. Other
+/// entries of the directory, and the temporaries of live processes, are not touched. The
+/// directory is reached without following a link ([`open_parent_no_follow`]).
 ///
 /// # Errors
 ///
 /// When the directory of `path` cannot be opened.
 pub fn remove_abandoned_temporaries(path: &Path) -> io::Result<Vec<PathBuf>> {
-    let (dir, name) = PrivateDir::open_parent_of(path)?;
+    let (dir, name) = open_parent_no_follow(path)?;
     let own = std::process::id();
     let gone = |pid: u32| {
         let Ok(raw) = i32::try_from(pid) else { return false };

@@ -15,6 +15,10 @@ pub const DEFAULT_TEMPLATE_MODE: u32 = 0o644;
 /// no `wait`: changes within this window render once.
 pub const DEFAULT_TEMPLATE_WAIT: Duration = Duration::from_millis(200);
 
+/// The most bytes a template may render when it gives no `max_size`: a render beyond it
+/// fails, and nothing is written.
+pub const DEFAULT_TEMPLATE_MAX_SIZE: u64 = 16 << 20;
+
 /// One `[[service.proxy.template]]`: a file rendered for the proxy before its first start
 /// and again whenever the data it reads changes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -29,6 +33,9 @@ pub struct Template {
     pub on_change: OnChange,
     /// How long it waits after a change of its data before it renders.
     pub wait: Duration,
+    /// The most bytes it may render (default [`DEFAULT_TEMPLATE_MAX_SIZE`]): a render
+    /// beyond it fails.
+    pub max_size: u64,
 }
 
 impl Template {
@@ -40,6 +47,7 @@ impl Template {
             mode: DEFAULT_TEMPLATE_MODE,
             on_change: OnChange::default(),
             wait: DEFAULT_TEMPLATE_WAIT,
+            max_size: DEFAULT_TEMPLATE_MAX_SIZE,
         }
     }
 }

@@ -31,7 +31,7 @@ use crate::catalog::sources::Sources;
 use crate::catalog::{held, policy};
 use crate::error::UsageError;
 use crate::fleet::FleetOptions;
-use crate::fleet::follow::{FleetCollector, Follower};
+use crate::fleet::follow::{Coalesce, FleetCollector, Follower};
 use crate::fleet::publish::Publisher;
 use crate::metrics::Metrics;
 use crate::templates::Templates;
@@ -181,10 +181,10 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
         options.fleet.as_ref().map(|fleet| (fleet.etcd.clone(), &fleet.layout)),
     );
     // Before the engine's first reconcile, so that it adopts the fleet's running proxies.
-    let follower = options
-        .fleet
-        .as_ref()
-        .map(|fleet| Follower::new(fleet.layout.clone(), fleet.etcd.clone(), sources.clone(), &data));
+    let follower = options.fleet.as_ref().map(|fleet| {
+        let coalesce = Coalesce { quiescent: options.sync_quiescent, max_delay: options.sync_max_delay };
+        Follower::new(fleet.layout.clone(), fleet.etcd.clone(), coalesce, sources.clone(), &data)
+    });
     let fleet_status = follower.as_ref().map(Follower::status);
     let running_as_root = nix::unistd::geteuid().is_root();
     let socket_path = std::path::absolute(data.socket_path()).context("resolving the socket path")?;

@@ -2,10 +2,15 @@
 //!
 //! It starts from a consistent read at a revision R (or from `fleet.json`'s revision, which
 //! the persisted set reflects), then watches from R + 1, so that no event is lost or applied
-//! twice. Each watch response — one or more whole etcd revisions — becomes one atomic
-//! `replace_source` of the whole set, so that a transaction that moves services between
-//! keys lands at once, and an unchanged service is a no-op. A compacted start revision
-//! triggers a full re-read. When etcd is unreachable the last known set stays in force
+//! twice. A task of its own reads the watch as fast as etcd delivers it, keeping only the
+//! latest event of each key, and is the one that says when the connection is lost; the
+//! follower takes what is due of it as one change set — one atomic `replace_source` of the
+//! whole set, so that a transaction that moves services between keys lands at once, and an
+//! unchanged service is a no-op. Keys are coalesced as the engine coalesces proxies: a key
+//! that was quiet for `--sync-quiescent` applies at once; one that keeps changing is held
+//! until it has been quiet that long, at most `--sync-max-delay`, so that a burst of
+//! thousands of puts on a few keys costs a few applies and delays no other key. A compacted
+//! start revision triggers a full re-read. When etcd is unreachable the last known set stays in force
 //! (in the catalog and in `fleet.json`), and the follower reconnects with capped,
 //! jittered backoff, resuming where it stopped. It never starts a process and never fails
 //! the agent: every problem is logged, counted and retried.
@@ -21,6 +26,8 @@ use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use tether_state::persist::DataDir;
 use tether_state::{Backoff, CatalogError, Service, Source};
+use tokio::sync::Notify;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::etcd::{self, Client, WatchStream};
@@ -56,6 +63,7 @@ pub(crate) struct FleetStatus {
 #[derive(Debug, Clone, Copy, Default)]
 struct Counters {
     events: u64,
+    applies: u64,
     full_reads: u64,
     compactions: u64,
     connect_failures: u64,
@@ -90,10 +98,19 @@ enum SessionError {
     Canceled { reason: String },
 }
 
+/// How the follower coalesces change sets: the engine's `--sync-quiescent` and
+/// `--sync-max-delay`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Coalesce {
+    pub(crate) quiescent: Duration,
+    pub(crate) max_delay: Duration,
+}
+
 /// Follows one node's keys in etcd into the catalog.
 pub(crate) struct Follower {
     layout: Layout,
     etcd: EtcdOptions,
+    coalesce: Coalesce,
     sources: Arc<Sources>,
     store: FleetStore,
     desired: Desired,
@@ -105,7 +122,13 @@ pub(crate) struct Follower {
 impl Follower {
     /// Loads the last known set from `fleet.json` into the catalog, so that the engine's
     /// first reconcile (and its adoption of running proxies) already sees it.
-    pub(crate) fn new(layout: Layout, etcd: EtcdOptions, sources: Arc<Sources>, data: &DataDir) -> Self {
+    pub(crate) fn new(
+        layout: Layout,
+        etcd: EtcdOptions,
+        coalesce: Coalesce,
+        sources: Arc<Sources>,
+        data: &DataDir,
+    ) -> Self {
         let store = FleetStore::in_data_dir(data);
         let status = SharedStatus::default();
         {
@@ -114,7 +137,8 @@ impl Follower {
             shown.prefix = layout.prefix().to_owned();
         }
         let revisions = Revisions::default();
-        let mut follower = Self { layout, etcd, sources, store, desired: Desired::default(), status, revisions };
+        let mut follower =
+            Self { layout, etcd, coalesce, sources, store, desired: Desired::default(), status, revisions };
         if let Some(persisted) = follower.store.load(&follower.layout) {
             tracing::info!(
                 services = persisted.services.len(),
@@ -185,14 +209,14 @@ impl Follower {
             self.full_read(&client).await? + 1
         };
         loop {
-            let mut stream = timed(&self.etcd, "watch", client.watch_prefix(&prefix, start)).await?;
+            let stream = timed(&self.etcd, "watch", client.watch_prefix(&prefix, start)).await?;
             {
                 let mut shown = self.status.lock();
                 shown.connected = true;
                 shown.last_error = None;
             }
             backoff.reset();
-            let compacted = self.follow(&mut stream).await?;
+            let compacted = self.follow(stream).await?;
             self.status.lock().counters.compactions += 1;
             tracing::warn!(
                 start,
@@ -203,34 +227,60 @@ impl Follower {
         }
     }
 
-    /// Applies watch responses until the stream fails; returns the compaction revision when
-    /// etcd cancels the watch because its start revision was compacted.
-    async fn follow(&mut self, stream: &mut WatchStream) -> Result<i64, SessionError> {
+    /// Applies what the watch delivers, in coalesced change sets, until the stream fails;
+    /// returns the compaction revision when etcd cancels the watch because its start
+    /// revision was compacted. What was delivered before the stream ended is applied first.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe between change sets: dropping it stops the reader and loses only events
+    /// not yet applied, which a new watch from the applied revision delivers again.
+    async fn follow(&mut self, stream: WatchStream) -> Result<i64, SessionError> {
+        let inbox = Arc::new(Inbox::default());
+        // Dropping the set (this follow ending, or cancelled) aborts the reader.
+        let mut reader = tokio::task::JoinSet::new();
+        reader.spawn(read_watch(stream, inbox.clone(), self.status.clone()));
+        let mut burst = Burst::new(self.coalesce);
+        let mut deadline = None;
         loop {
-            let response = stream.message().await.map_err(SessionError::Stream)?.ok_or(SessionError::StreamEnded)?;
-            if response.compact_revision > 0 {
-                return Ok(response.compact_revision);
+            tokio::select! {
+                () = inbox.notify.notified() => {}
+                () = sleep_until(deadline) => {}
             }
-            if response.canceled {
-                return Err(SessionError::Canceled { reason: response.cancel_reason });
+            let now = Instant::now();
+            let (due, ended) = {
+                let mut delivered = inbox.lock();
+                let ended = delivered.ended.take();
+                // Once the watch ended, everything it delivered applies.
+                let due = burst.take_due(&mut delivered, now, ended.is_some());
+                deadline = burst.deadline(&delivered);
+                (due, ended)
+            };
+            if let Some(due) = due {
+                self.apply_delivered(due);
             }
-            if response.events.is_empty() {
-                continue;
+            if let Some(ended) = ended {
+                return ended;
             }
-            let mut next = self.desired.clone();
-            for event in &response.events {
-                let Some(kv) = &event.kv else { continue };
-                match event.r#type() {
-                    etcd::pb::event::EventType::Put => {
-                        next.put_at(&self.layout, &kv.key, &kv.value, kv.mod_revision);
-                    }
-                    etcd::pb::event::EventType::Delete => next.delete(&self.layout, &kv.key),
-                }
-                next.revision = next.revision.max(kv.mod_revision);
-            }
-            self.status.lock().counters.events += response.events.len() as u64;
-            self.apply(next);
         }
+    }
+
+    /// Applies the latest event of each key that is due, as one change set.
+    fn apply_delivered(&mut self, due: Due) {
+        let mut next = self.desired.clone();
+        for (key, event) in &due.events {
+            match &event.state {
+                Some((value, mod_revision)) => {
+                    next.put_at(&self.layout, key, value, *mod_revision);
+                }
+                None => next.delete(&self.layout, key),
+            }
+        }
+        next.revision = next.revision.max(due.revision);
+        self.status.lock().counters.events += due.count;
+        // Comparing, encoding and writing the whole set are work for a blocking thread, not
+        // for the runtime's workers, which serve the API and the signals meanwhile.
+        off_the_runtime(|| self.apply(next));
     }
 
     /// Reads every key of the node at one revision and applies it; returns the revision.
@@ -264,6 +314,7 @@ impl Follower {
             match self.sources.state().replace_source(&source_kind(), services.clone()) {
                 Ok(report) => {
                     if report.added + report.changed + report.removed > 0 {
+                        self.status.lock().counters.applies += 1;
                         tracing::info!(
                             added = report.added,
                             changed = report.changed,
@@ -321,6 +372,182 @@ impl Follower {
     }
 }
 
+/// What the watch reader delivered that the follower has not taken yet.
+#[derive(Default)]
+struct Delivered {
+    /// The latest event of each key. Only the latest counts: a change set applies the state
+    /// each key reached.
+    events: BTreeMap<Vec<u8>, Event>,
+    /// The highest revision delivered.
+    revision: i64,
+    /// How many events were delivered.
+    count: u64,
+    /// How the watch ended, once it has: a compaction revision, or why it failed.
+    ended: Option<Result<i64, SessionError>>,
+}
+
+/// The latest event of a key not applied yet.
+struct Event {
+    /// Its value and mod revision, or `None` for a delete.
+    state: Option<(Vec<u8>, i64)>,
+    /// The revision of the event.
+    revision: i64,
+    /// When the first event of the key not applied yet was delivered.
+    first: Instant,
+    /// When its latest event was delivered.
+    last: Instant,
+}
+
+/// What the follower takes of [`Delivered`] to apply.
+struct Due {
+    events: BTreeMap<Vec<u8>, Event>,
+    /// The revision the set reflects once these are applied: the highest delivered, or, while
+    /// keys are held, just below the oldest held event, so that a watch resumed from it
+    /// delivers them again.
+    revision: i64,
+    count: u64,
+}
+
+/// Where the reader leaves what it delivered, and how it wakes the follower.
+#[derive(Default)]
+struct Inbox {
+    delivered: Mutex<Delivered>,
+    notify: Notify,
+}
+
+impl Inbox {
+    fn lock(&self) -> MutexGuard<'_, Delivered> {
+        // Every critical section only moves values in or out.
+        self.delivered.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+/// Reads the watch until it ends, merging each response into `inbox`. It is the one that
+/// sees the connection fail, and says so in `status` at once, whatever the follower is busy
+/// with.
+async fn read_watch(mut stream: WatchStream, inbox: Arc<Inbox>, status: SharedStatus) {
+    let ended = loop {
+        let response = match stream.message().await {
+            Ok(Some(response)) => response,
+            Ok(None) => break Err(SessionError::StreamEnded),
+            Err(err) => break Err(SessionError::Stream(err)),
+        };
+        if response.compact_revision > 0 {
+            break Ok(response.compact_revision);
+        }
+        if response.canceled {
+            break Err(SessionError::Canceled { reason: response.cancel_reason });
+        }
+        if !response.events.is_empty() {
+            let now = Instant::now();
+            let mut delivered = inbox.lock();
+            delivered.count += response.events.len() as u64;
+            for event in response.events {
+                let Some(kv) = event.kv else { continue };
+                let revision = kv.mod_revision;
+                delivered.revision = delivered.revision.max(revision);
+                let state = match event.r#type {
+                    t if t == etcd::pb::event::EventType::Delete as i32 => None,
+                    _ => Some((kv.value, revision)),
+                };
+                let first = delivered.events.get(&kv.key).map_or(now, |held| held.first);
+                delivered.events.insert(kv.key, Event { state, revision, first, last: now });
+            }
+            drop(delivered);
+            inbox.notify.notify_one();
+        }
+        // A burst is always ready to read: give the runtime's other tasks their turn.
+        tokio::task::coop::consume_budget().await;
+    };
+    if let Err(err) = &ended {
+        let mut shown = status.lock();
+        shown.connected = false;
+        shown.last_error = Some(crate::error::error_chain(err));
+    }
+    inbox.lock().ended = Some(ended);
+    inbox.notify.notify_one();
+}
+
+/// The coalescing of keys, as the engine coalesces a proxy's changes: a key whose event
+/// comes after the key was quiet for `quiescent` applies at once; one that follows an applied
+/// event of the same key within `quiescent` is held until the key has been quiet for
+/// `quiescent`, and at most `max_delay` after its first held event. A key that keeps changing
+/// never delays another.
+struct Burst {
+    coalesce: Coalesce,
+    /// When each recently applied key's last applied event was delivered; forgotten once older
+    /// than the window.
+    applied: BTreeMap<Vec<u8>, Instant>,
+}
+
+impl Burst {
+    fn new(coalesce: Coalesce) -> Self {
+        Self { coalesce, applied: BTreeMap::new() }
+    }
+
+    /// Whether `event` of `key` applies at `now`.
+    fn is_due(&self, key: &[u8], event: &Event, now: Instant) -> bool {
+        let quiescent = self.coalesce.quiescent;
+        let after_quiet =
+            self.applied.get(key).is_none_or(|applied| event.first.saturating_duration_since(*applied) >= quiescent);
+        after_quiet
+            || now.saturating_duration_since(event.last) >= quiescent
+            || now.saturating_duration_since(event.first) >= self.coalesce.max_delay
+    }
+
+    /// Takes the events of `delivered` that are due at `now` (every one with `all`), and
+    /// with them every other event of the same revisions, so that a transaction lands whole;
+    /// `None` when none is.
+    fn take_due(&mut self, delivered: &mut Delivered, now: Instant, all: bool) -> Option<Due> {
+        let due_revisions: std::collections::BTreeSet<i64> = delivered
+            .events
+            .iter()
+            .filter(|(key, event)| all || self.is_due(key, event, now))
+            .map(|(_, event)| event.revision)
+            .collect();
+        if due_revisions.is_empty() {
+            return None;
+        }
+        let (events, held): (BTreeMap<_, _>, BTreeMap<_, _>) = std::mem::take(&mut delivered.events)
+            .into_iter()
+            .partition(|(_, event)| due_revisions.contains(&event.revision));
+        delivered.events = held;
+        let revision = match delivered.events.values().map(|event| event.revision).min() {
+            Some(oldest_held) => oldest_held - 1,
+            None => delivered.revision,
+        };
+        let window = self.coalesce.quiescent;
+        self.applied.retain(|_, applied| now.saturating_duration_since(*applied) < window);
+        for (key, event) in &events {
+            self.applied.insert(key.clone(), event.last);
+        }
+        Some(Due { events, revision, count: std::mem::take(&mut delivered.count) })
+    }
+
+    /// When the first held event of `delivered` is due.
+    fn deadline(&self, delivered: &Delivered) -> Option<Instant> {
+        let quiescent = self.coalesce.quiescent;
+        delivered.events.values().map(|event| (event.last + quiescent).min(event.first + self.coalesce.max_delay)).min()
+    }
+}
+
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Runs `work` where it may block: beside the runtime's workers when the runtime has
+/// several, in place otherwise.
+fn off_the_runtime<T>(work: impl FnOnce() -> T) -> T {
+    let flavor = tokio::runtime::Handle::try_current().map(|handle| handle.runtime_flavor());
+    match flavor {
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(work),
+        _ => work(),
+    }
+}
+
 /// `delay` ± 20%, so that a fleet of agents does not reconnect in lockstep; the clock's
 /// nanoseconds are random enough for that.
 pub(crate) fn jittered(delay: Duration) -> Duration {
@@ -355,6 +582,7 @@ impl Collector for FleetCollector {
         let counters = status.counters;
         for (name, help, value) in [
             ("tether_fleet_events", "Watch events received from etcd", counters.events),
+            ("tether_fleet_applies", "Change sets from etcd that changed the catalog", counters.applies),
             ("tether_fleet_full_reads", "Full reads of the node's keys", counters.full_reads),
             ("tether_fleet_compactions", "Watches whose start revision was compacted", counters.compactions),
             ("tether_fleet_connect_failures", "Sessions with etcd that failed or ended", counters.connect_failures),
@@ -374,6 +602,81 @@ fn to_i64(value: usize) -> i64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Delivers a put of `key` at `now`, as the reader does.
+    fn deliver(delivered: &mut Delivered, key: &str, revision: i64, now: Instant) {
+        let first = delivered.events.get(key.as_bytes()).map_or(now, |held| held.first);
+        let event = Event { state: Some((b"{}".to_vec(), revision)), revision, first, last: now };
+        delivered.events.insert(key.as_bytes().to_vec(), event);
+        delivered.revision = delivered.revision.max(revision);
+        delivered.count += 1;
+    }
+
+    fn keys(due: &Option<Due>) -> Vec<String> {
+        due.iter().flat_map(|due| due.events.keys().map(|key| String::from_utf8_lossy(key).into_owned())).collect()
+    }
+
+    #[test]
+    fn a_key_that_keeps_changing_is_held_until_quiet_or_the_maximum_delay_and_delays_no_other() {
+        let coalesce = Coalesce { quiescent: Duration::from_millis(500), max_delay: Duration::from_secs(5) };
+        let mut burst = Burst::new(coalesce);
+        let mut delivered = Delivered::default();
+        let start = Instant::now();
+        let at = |ms: u64| start + Duration::from_millis(ms);
+
+        // The first change of a key applies at once.
+        deliver(&mut delivered, "hot", 1, at(0));
+        let due = burst.take_due(&mut delivered, at(0), false);
+        assert_eq!(keys(&due), ["hot"]);
+        assert_eq!(due.unwrap().revision, 1);
+
+        // It changes every 100 ms: held; a new key meanwhile applies at once, and the set's
+        // revision stays below the held event.
+        deliver(&mut delivered, "hot", 2, at(100));
+        assert!(burst.take_due(&mut delivered, at(100), false).is_none());
+        assert_eq!(burst.deadline(&delivered), Some(at(600)));
+        deliver(&mut delivered, "cold", 3, at(150));
+        let due = burst.take_due(&mut delivered, at(150), false);
+        assert_eq!(keys(&due), ["cold"]);
+        assert_eq!(due.unwrap().revision, 1, "the held event at 2 is delivered again after a resume");
+        let mut revision = 3;
+        for ms in (200..5_100).step_by(100) {
+            revision += 1;
+            deliver(&mut delivered, "hot", revision, at(ms));
+            assert!(burst.take_due(&mut delivered, at(ms), false).is_none(), "held at {ms} ms");
+        }
+        // Its first held event was at 100 ms: released 5 s later, with its latest value.
+        assert_eq!(burst.deadline(&delivered), Some(at(5_100)));
+        let due = burst.take_due(&mut delivered, at(5_100), false).unwrap();
+        assert_eq!((due.events.len(), due.revision), (1, revision));
+        assert_eq!(due.events[b"hot".as_slice()].revision, revision);
+
+        // Quiet for the window after its last change: what is held applies then.
+        deliver(&mut delivered, "hot", revision + 1, at(5_200));
+        assert!(burst.take_due(&mut delivered, at(5_600), false).is_none());
+        assert_eq!(keys(&burst.take_due(&mut delivered, at(5_700), false)), ["hot"]);
+        // After a quiet period, the next change applies at once again.
+        deliver(&mut delivered, "hot", revision + 2, at(7_000));
+        assert_eq!(keys(&burst.take_due(&mut delivered, at(7_000), false)), ["hot"]);
+    }
+
+    #[test]
+    fn a_transaction_lands_whole_and_an_ended_watch_applies_everything() {
+        let coalesce = Coalesce { quiescent: Duration::from_millis(500), max_delay: Duration::from_secs(5) };
+        let mut burst = Burst::new(coalesce);
+        let mut delivered = Delivered::default();
+        let start = Instant::now();
+        deliver(&mut delivered, "a", 1, start);
+        assert!(burst.take_due(&mut delivered, start, false).is_some());
+        // `a` changes again (held) in the same revision as `b` (due): both apply.
+        deliver(&mut delivered, "a", 2, start + Duration::from_millis(10));
+        deliver(&mut delivered, "b", 2, start + Duration::from_millis(10));
+        assert_eq!(keys(&burst.take_due(&mut delivered, start + Duration::from_millis(10), false)), ["a", "b"]);
+        // Held, until the watch ends.
+        deliver(&mut delivered, "a", 3, start + Duration::from_millis(20));
+        assert!(burst.take_due(&mut delivered, start + Duration::from_millis(20), false).is_none());
+        assert_eq!(keys(&burst.take_due(&mut delivered, start + Duration::from_millis(20), true)), ["a"]);
+    }
 
     #[test]
     fn jitter_stays_within_a_fifth_of_the_delay() {

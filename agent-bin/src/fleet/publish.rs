@@ -284,7 +284,10 @@ impl Publisher {
         // cgroup on every flush.
         for status in self.manager.status_unmeasured() {
             let entry = self.catalog.get(&status.service);
-            let from_etcd = entry.as_ref().is_some_and(|entry| entry.source.kind() == super::source_kind());
+            // A proxy whose service left the catalog runs on until it is stopped: whether its
+            // instance came from etcd is then the book's to say, so that `fleet status` sees a
+            // proxy of a deleted key as being removed.
+            let from_etcd = entry.as_ref().is_none_or(|entry| entry.source.kind() == super::source_kind());
             let revision = match (from_etcd, status.applied_revision) {
                 (true, Some(catalog)) => self.revisions.etcd_revision(&status.service, catalog),
                 _ => None,

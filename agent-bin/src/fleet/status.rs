@@ -2,8 +2,10 @@
 //! from etcd directly (no agent needed), with an exit code a deploy script can use.
 //!
 //! A node is `up` while its agent's status key lives (under the agent's lease), `down` when
-//! it has desired keys but no status. The command succeeds when every desired proxy of every
-//! up node runs the revision of its desired key and is ready.
+//! it has desired keys but no status. A proxy that an up node still publishes as started
+//! from a desired key that no longer exists is `removing`. The command succeeds when every
+//! desired proxy of every up node runs the revision of its desired key and is ready, and no
+//! proxy is `removing`.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -102,6 +104,9 @@ pub(crate) async fn read(
     Ok(view)
 }
 
+/// The state shown for a proxy that runs from a desired key that was deleted.
+const REMOVING: &str = "removing";
+
 /// One row of the table or of `--json`.
 #[derive(Debug, serde::Serialize)]
 struct Row {
@@ -154,10 +159,16 @@ fn rows(view: &FleetView, node: Option<&str>, service: Option<&str>) -> (Vec<Nod
                     all_good = false;
                 }
             }
+            // Started from a desired key (it has a revision) that is gone: not converged until
+            // the agent has stopped it and taken its status key away.
+            let removing = desired.is_none() && published.is_some_and(|p| p.revision.is_some());
+            if removing {
+                all_good = false;
+            }
             proxies.push(Row {
                 proxy,
                 service: service_id,
-                state: published.map(|p| p.state.clone()),
+                state: if removing { Some(REMOVING.to_owned()) } else { published.map(|p| p.state.clone()) },
                 ready: published.is_some_and(|p| p.ready),
                 pid: published.and_then(|p| p.pid),
                 restarts: published.map_or(0, |p| p.restarts),
@@ -229,13 +240,17 @@ pub(crate) async fn run(
             writeln!(stdout, "{}", line.trim_end())?;
         }
         let up = nodes.iter().filter(|node| node.state == "up").count();
-        let ready = nodes.iter().flat_map(|node| &node.proxies).filter(|row| row.ready).count();
-        let total = nodes.iter().map(|node| node.proxies.len()).sum::<usize>();
+        // A proxy being removed counts apart: neither ready nor waiting to be.
+        let rows = || nodes.iter().flat_map(|node| &node.proxies);
+        let is_removing = |row: &Row| row.state.as_deref() == Some(REMOVING);
+        let removing = rows().filter(|row| is_removing(row)).count();
+        let ready = rows().filter(|row| row.ready && !is_removing(row)).count();
+        let not_ready = rows().count() - ready - removing;
+        let removing = if removing > 0 { format!(", {removing} removing") } else { String::new() };
         writeln!(
             stdout,
-            "nodes: {up} up, {} down; proxies: {ready} ready, {} not ready",
-            nodes.len() - up,
-            total - ready
+            "nodes: {up} up, {} down; proxies: {ready} ready, {not_ready} not ready{removing}",
+            nodes.len() - up
         )?;
     }
     Ok(if all_good { ExitCode::SUCCESS } else { ExitCode::FAILURE })
@@ -270,5 +285,16 @@ mod tests {
         assert!(!rows(&view, None, None).1, "not published at all");
         assert!(rows(&view, Some("n2"), None).1, "filtered to the down node");
         assert!(rows(&view, None, Some("other")).1, "filtered to another service");
+
+        // Started from a key that was deleted: removing, and a failure until it is gone.
+        let n1 = view.get_mut("n1").unwrap();
+        n1.desired.clear();
+        n1.proxies.insert("web-proxy".to_owned(), proxy(true, Some(5)));
+        let (nodes, good) = rows(&view, None, None);
+        assert!(!good, "a proxy is still being removed");
+        assert_eq!(nodes[0].proxies[0].state.as_deref(), Some(REMOVING));
+        // A proxy that never came from etcd (no revision) is not the fleet's to remove.
+        view.get_mut("n1").unwrap().proxies.insert("web-proxy".to_owned(), proxy(true, None));
+        assert!(rows(&view, None, None).1);
     }
 }

@@ -85,6 +85,12 @@ struct Changed {
     previous: Option<Vec<u8>>,
 }
 
+/// What a render of a proxy's templates did: the files that changed, and the first error.
+struct Rendering {
+    changed: Vec<Changed>,
+    error: Option<TemplateError>,
+}
+
 /// What happened to a template, as the events stream tells it.
 #[derive(Debug, Clone)]
 pub(crate) struct TemplateEvent {
@@ -195,14 +201,15 @@ impl Templates {
         Box::new(RenderCollector(self.clone()))
     }
 
-    /// Renders every template of `proxy` and puts each file in place, stopping at the first
-    /// that fails. Returns the templates whose files changed, each with what its file held
-    /// before.
-    fn render_proxy(&self, proxy: &ManagedProxy) -> Result<Vec<Changed>, TemplateError> {
+    /// Renders every template of `proxy` and puts each file in place; one that fails does
+    /// not keep the others from rendering. Returns the templates whose files changed, each
+    /// with what its file held before, and the first error.
+    fn render_proxy(&self, proxy: &ManagedProxy) -> Rendering {
         let templates = &proxy.spec().templates;
         self.forget_other_templates(proxy.id(), templates);
+        let mut rendering = Rendering { changed: Vec::new(), error: None };
         if templates.is_empty() {
-            return Ok(Vec::new());
+            return rendering;
         }
         let shared = SharedData {
             node: self.shared.node.clone(),
@@ -214,21 +221,20 @@ impl Templates {
             },
         };
         let service = ServiceData::from(proxy.service());
-        let mut changed = Vec::new();
         for template in templates {
             match self.render_one(proxy, template, &service, &shared) {
                 Ok((Written::Replaced { previous }, written)) => {
                     self.record(proxy.id(), template, "rendered", None);
-                    changed.push(Changed { template: template.clone(), written, previous });
+                    rendering.changed.push(Changed { template: template.clone(), written, previous });
                 }
                 Ok((Written::Unchanged, _)) => self.record(proxy.id(), template, "unchanged", None),
                 Err(error) => {
                     self.record(proxy.id(), template, "failed", Some(&error));
-                    return Err(error);
+                    rendering.error.get_or_insert(error);
                 }
             }
         }
-        Ok(changed)
+        rendering
     }
 
     /// Forgets what is kept of a proxy's templates that it no longer has (its config
@@ -291,7 +297,7 @@ impl Templates {
             },
         };
         let name = destination.to_string_lossy();
-        let rendered = render::render(&name, &text, service, shared, self.shared.instances.clone())
+        let rendered = render::render(&name, &text, service, shared, self.shared.instances.clone(), template.max_size)
             .map_err(|source| TemplateError::Render { destination: destination.clone(), source })?;
         lock(&self.shared.board).instances_of.insert((proxy.id().clone(), destination.clone()), rendered.instances_of);
         let owner = owner(proxy).map_err(|user| TemplateError::User { destination: destination.clone(), user })?;
@@ -434,7 +440,11 @@ impl Templates {
         let this = self.clone();
         let rendering = proxy.clone();
         let rendered = tokio::task::spawn_blocking(move || this.render_proxy(&rendering)).await;
-        let Ok(Ok(changed)) = rendered else { return };
+        // The files that did change act even when a sibling failed: its error is kept.
+        let Ok(Rendering { changed, .. }) = rendered else { return };
+        if changed.is_empty() {
+            return;
+        }
         let running = manager.proxy(proxy_id).is_some_and(|status| status.pid.is_some());
         if !running {
             return;
@@ -523,8 +533,8 @@ impl BeforeStart for Templates {
         }
         let this = self.clone();
         match tokio::task::spawn_blocking(move || this.render_proxy(&proxy)).await {
-            Ok(Ok(_)) => Ok(()),
-            Ok(Err(error)) => Err(Box::new(error)),
+            Ok(Rendering { error: None, .. }) => Ok(()),
+            Ok(Rendering { error: Some(error), .. }) => Err(Box::new(error)),
             Err(join) => Err(Box::new(join)),
         }
     }

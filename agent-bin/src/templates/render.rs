@@ -144,18 +144,44 @@ pub(crate) fn check_syntax(name: &str, text: &str) -> Result<(), RenderError> {
     Ok(())
 }
 
-/// Renders `text` (named `name` in errors) for `service`.
+/// Collects a render's output and refuses to grow beyond `max_size` bytes, so that a
+/// template that renders too much fails as soon as it passes the cap instead of after it has
+/// built the whole text.
+struct Capped {
+    bytes: Vec<u8>,
+    max_size: u64,
+    exceeded: bool,
+}
+
+impl std::io::Write for Capped {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let total = u64::try_from(self.bytes.len() + buf.len()).unwrap_or(u64::MAX);
+        if total > self.max_size {
+            self.exceeded = true;
+            return Err(std::io::Error::other("the output is too large"));
+        }
+        self.bytes.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Renders `text` (named `name` in errors) for `service`, into at most `max_size` bytes.
 ///
 /// # Errors
 ///
 /// A syntax error, or an error while it runs (an undefined name, a bad filter argument),
-/// with its line.
+/// with its line; an output of more than `max_size` bytes.
 pub(crate) fn render(
     name: &str,
     text: &str,
     service: &ServiceData,
     shared: &SharedData,
     instances: Arc<dyn InstanceSource>,
+    max_size: u64,
 ) -> Result<Rendered, RenderError> {
     let mut env = environment();
     let asked: Arc<Mutex<BTreeSet<String>>> = Arc::default();
@@ -170,7 +196,20 @@ pub(crate) fn render(
         Ok::<_, minijinja::Error>(minijinja::Value::from_serialize(found))
     });
     let context = Context { service, node: &shared.node, services: &shared.services };
-    let text = env.render_named_str(name, text, context)?;
+    let template = env.template_from_named_str(name, text)?;
+    let mut out = Capped { bytes: Vec::new(), max_size, exceeded: false };
+    match template.render_captured_to(context, &mut out) {
+        Ok(_) => {}
+        Err(_) if out.exceeded => {
+            return Err(RenderError {
+                line: None,
+                reason: format!("it renders more than its max_size of {max_size} bytes"),
+            });
+        }
+        Err(err) => return Err(err.into()),
+    }
+    let text = String::from_utf8(out.bytes)
+        .map_err(|_| RenderError { line: None, reason: "it renders bytes that are not UTF-8".to_owned() })?;
     let instances_of = std::mem::take(&mut *asked.lock().unwrap_or_else(|poisoned| poisoned.into_inner()));
     Ok(Rendered { text, instances_of })
 }
@@ -180,6 +219,8 @@ mod tests {
     use tether_state::config::{Format, Origin, parse_file};
 
     use super::*;
+
+    const MAX: u64 = tether_state::DEFAULT_TEMPLATE_MAX_SIZE;
 
     fn services(text: &str) -> Vec<Service> {
         parse_file(text, Format::Toml, &Origin::Body).unwrap()
@@ -219,7 +260,7 @@ mod tests {
         let text = "{{ service.id }} {{ service.name }} {{ service.address }}:{{ service.port }} \
                     {{ service.tags | join(',') }} {{ service.meta.team }} node={{ node }}\n\
                     {% for s in services %}{{ s.id }}={{ s.address }}:{{ s.port }};{% endfor %}\n";
-        let rendered = render("/etc/web.conf", text, &service, &shared, Arc::new(Fixed(Vec::new()))).unwrap();
+        let rendered = render("/etc/web.conf", text, &service, &shared, Arc::new(Fixed(Vec::new())), MAX).unwrap();
         assert_eq!(
             rendered.text, "web web 127.0.0.1:80 edge a node=n1\nweb=127.0.0.1:80;api-1=10.1.1.1:None;\n",
             "null is None, as in Jinja2"
@@ -227,7 +268,7 @@ mod tests {
         assert!(rendered.instances_of.is_empty());
 
         let no_node = SharedData { node: None, ..shared };
-        let rendered = render("t", "{{ node is none }}", &service, &no_node, Arc::new(Fixed(Vec::new()))).unwrap();
+        let rendered = render("t", "{{ node is none }}", &service, &no_node, Arc::new(Fixed(Vec::new())), MAX).unwrap();
         assert_eq!(rendered.text, "True");
     }
 
@@ -241,7 +282,7 @@ mod tests {
         ]);
         let text = "{% for i in instances('api') %}{{ i.node }}/{{ i.id }}:{{ i.port }} {% endfor %}\
                     {{ instances('db') | length }}";
-        let rendered = render("t", text, &service, &shared, Arc::new(source)).unwrap();
+        let rendered = render("t", text, &service, &shared, Arc::new(source), MAX).unwrap();
         assert_eq!(rendered.text, "n1/api-a:3 n1/api-b:2 n2/api-a:1 0");
         assert_eq!(rendered.instances_of, BTreeSet::from(["api".to_owned(), "db".to_owned()]));
     }
@@ -250,10 +291,10 @@ mod tests {
     fn errors_name_their_line_and_reason() {
         let (service, shared) = data();
         let source: Arc<dyn InstanceSource> = Arc::new(Fixed(Vec::new()));
-        let error = render("t", "ok\n{% for x in %}\n", &service, &shared, source.clone()).unwrap_err();
+        let error = render("t", "ok\n{% for x in %}\n", &service, &shared, source.clone(), MAX).unwrap_err();
         assert_eq!(error.line, Some(2), "{error}");
         assert!(error.to_string().starts_with("line 2: syntax error"), "{error}");
-        let error = render("t", "a\nb\n{{ service.nmae }}\n", &service, &shared, source.clone()).unwrap_err();
+        let error = render("t", "a\nb\n{{ service.nmae }}\n", &service, &shared, source.clone(), MAX).unwrap_err();
         assert_eq!(error.line, Some(3), "{error}");
         assert!(error.reason.contains("undefined"), "{error}");
         let error = check_syntax("t", "{% if %}").unwrap_err();
@@ -265,7 +306,18 @@ mod tests {
     fn nothing_is_escaped_and_the_last_newline_stays() {
         let (mut service, shared) = data();
         service.name = "<a & b>".into();
-        let rendered = render("x.html", "{{ service.name }}\n", &service, &shared, Arc::new(Fixed(Vec::new())));
+        let rendered = render("x.html", "{{ service.name }}\n", &service, &shared, Arc::new(Fixed(Vec::new())), MAX);
         assert_eq!(rendered.unwrap().text, "<a & b>\n");
+    }
+
+    #[test]
+    fn a_render_beyond_its_max_size_fails() {
+        let service = ServiceData::from(&services("[[service]]\nname = \"web\"\n")[0]);
+        let shared = SharedData { node: None, services: vec![service.clone()] };
+        let source: Arc<dyn InstanceSource> = Arc::new(Fixed(Vec::new()));
+        let text = "{% for i in range(10) %}{{ 'x' * 100 }}{% endfor %}";
+        assert_eq!(render("t", text, &service, &shared, source.clone(), 1000).unwrap().text.len(), 1000);
+        let error = render("t", text, &service, &shared, source, 999).unwrap_err();
+        assert_eq!(error.to_string(), "it renders more than its max_size of 999 bytes");
     }
 }

@@ -5,13 +5,14 @@
 //! These are the only files the agent writes outside its data dir, and only at the
 //! destinations the operator configured.
 
+use std::ffi::OsStr;
 use std::io::{self, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 use nix::unistd::{Gid, Uid};
 use tether_state::config::DisplayPath;
-use tether_state::persist::{self, Durability};
+use tether_state::persist::{self, Durability, LinkedComponent, PersistError, PrivateDir, UnsafeEntry};
 
 /// Why a rendered file could not be put in place.
 #[derive(Debug, thiserror::Error)]
@@ -20,6 +21,9 @@ pub(crate) enum WriteError {
     /// file goes: it is left as it is.
     #[error("{} is not a regular file of its own (a link, a directory or a device?): it is left as it is", DisplayPath(.path))]
     Unsafe { path: PathBuf, source: io::Error },
+    /// A directory on the way to the file is a symbolic link: nothing is written through it.
+    #[error("nothing is written through a link on the way to {}", DisplayPath(.path))]
+    Linked { path: PathBuf, source: LinkedComponent },
     /// The file could not be read or written.
     #[error("cannot write {}", DisplayPath(.path))]
     Io { path: PathBuf, source: io::Error },
@@ -40,26 +44,43 @@ pub(crate) enum Written {
 
 /// Puts `bytes` at `destination` unless the file there holds them already.
 ///
+/// The destination's directory is opened once, without following a link at any component
+/// of its path, and the file is read, written and renamed relative to it: a directory
+/// swapped for a link, anywhere on the way, fails the write instead of redirecting it.
+///
 /// Durability: a rendered file is derived from the catalog again at each start and each
 /// change, so it needs only to survive an agent crash (a rename), not a power loss.
 ///
 /// # Errors
 ///
 /// [`WriteError::Unsafe`] when something other than a regular file of its own is at the
-/// destination; [`WriteError::Io`] otherwise. The old file is then untouched.
+/// destination; [`WriteError::Linked`] when a directory on the way is a link;
+/// [`WriteError::Io`] otherwise. The old file is then untouched.
 pub(crate) fn write_if_changed(
     destination: &Path,
     bytes: &[u8],
     mode: u32,
     owner: Owner,
 ) -> Result<Written, WriteError> {
-    let previous = match read_current(destination) {
+    let (dir, name) = open_directory(destination)?;
+    write_in(&dir, name, destination, bytes, mode, owner)
+}
+
+fn write_in(
+    dir: &PrivateDir,
+    name: &OsStr,
+    destination: &Path,
+    bytes: &[u8],
+    mode: u32,
+    owner: Owner,
+) -> Result<Written, WriteError> {
+    let previous = match read_current(dir, name) {
         Ok(Some(current)) if current == bytes => return Ok(Written::Unchanged),
         Ok(current) => current,
         Err(Current::Unsafe(source)) => return Err(WriteError::Unsafe { path: destination.to_owned(), source }),
         Err(Current::Io(source)) => return Err(WriteError::Io { path: destination.to_owned(), source }),
     };
-    persist::write_atomic_file(destination, Durability::Crash, |file| {
+    dir.write_atomic_file(name, Durability::Crash, |file| {
         file.set_permissions(std::fs::Permissions::from_mode(mode))?;
         if let Some((uid, gid)) = owner {
             std::os::unix::fs::fchown(&*file, Some(uid.as_raw()), Some(gid.as_raw()))?;
@@ -83,13 +104,24 @@ pub(crate) fn put_back(
     mode: u32,
     owner: Owner,
 ) -> Result<bool, WriteError> {
-    match read_current(destination) {
+    let (dir, name) = open_directory(destination)?;
+    match read_current(&dir, name) {
         Ok(Some(current)) if current == written => {}
         Ok(_) => return Ok(false),
         Err(Current::Unsafe(source)) => return Err(WriteError::Unsafe { path: destination.to_owned(), source }),
         Err(Current::Io(source)) => return Err(WriteError::Io { path: destination.to_owned(), source }),
     }
-    write_if_changed(destination, previous, mode, owner).map(|_| true)
+    write_in(&dir, name, destination, previous, mode, owner).map(|_| true)
+}
+
+/// The directory of `destination`, reached without following a link, and the file's name.
+fn open_directory(destination: &Path) -> Result<(PrivateDir, &OsStr), WriteError> {
+    persist::open_parent_no_follow(destination).map_err(|source| {
+        match source.get_ref().and_then(|inner| inner.downcast_ref::<LinkedComponent>()) {
+            Some(linked) => WriteError::Linked { path: destination.to_owned(), source: linked.clone() },
+            None => WriteError::Io { path: destination.to_owned(), source },
+        }
+    })
 }
 
 /// Why the file at a destination could not be compared.
@@ -100,28 +132,21 @@ enum Current {
     Io(io::Error),
 }
 
-/// The bytes of the regular file at `path`, `None` if there is none; a link there is not
-/// followed. Its mode and owner are left as they are: the file is the operator's until it
-/// is replaced.
-fn read_current(path: &Path) -> Result<Option<Vec<u8>>, Current> {
-    use nix::fcntl::{OFlag, open};
-    use nix::sys::stat::{Mode, SFlag, fstat};
-    let flags = OFlag::O_RDONLY | OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK | OFlag::O_NOCTTY | OFlag::O_CLOEXEC;
-    let fd = match open(path, flags, Mode::empty()) {
-        Ok(fd) => fd,
-        Err(nix::errno::Errno::ENOENT) => return Ok(None),
-        Err(nix::errno::Errno::ELOOP) => {
-            return Err(Current::Unsafe(io::Error::other("a symbolic link is at the destination")));
+/// The bytes of the regular file `name` of `dir`, `None` if there is none; a link there is
+/// not followed. Its mode and owner are left as they are: the file is the operator's until
+/// it is replaced.
+fn read_current(dir: &PrivateDir, name: &OsStr) -> Result<Option<Vec<u8>>, Current> {
+    match dir.read_as_found(name) {
+        Ok(bytes) => Ok(bytes),
+        Err(PersistError::Read { source, .. }) => {
+            if source.get_ref().is_some_and(|inner| inner.is::<UnsafeEntry>()) {
+                Err(Current::Unsafe(source))
+            } else {
+                Err(Current::Io(source))
+            }
         }
-        Err(errno) => return Err(Current::Io(errno.into())),
-    };
-    let stat = fstat(&fd).map_err(|errno| Current::Io(errno.into()))?;
-    if SFlag::from_bits_truncate(stat.st_mode) & SFlag::S_IFMT != SFlag::S_IFREG {
-        return Err(Current::Unsafe(io::Error::other("not a regular file")));
+        Err(other) => Err(Current::Io(io::Error::other(other))),
     }
-    let mut bytes = Vec::new();
-    std::io::Read::read_to_end(&mut std::fs::File::from(fd), &mut bytes).map_err(Current::Io)?;
-    Ok(Some(bytes))
 }
 
 #[cfg(test)]
@@ -209,5 +234,19 @@ mod tests {
         let error = write_if_changed(Path::new("/nonexistent-tether-dir/x.cfg"), b"x", 0o644, None).unwrap_err();
         assert!(matches!(error, WriteError::Io { .. }));
         assert!(error.to_string().contains("/nonexistent-tether-dir/x.cfg"), "{error}");
+    }
+
+    #[test]
+    fn a_directory_on_the_way_that_is_a_link_is_refused_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let victim = dir.path().join("victim");
+        std::fs::create_dir(&victim).unwrap();
+        let linked = dir.path().join("pd");
+        std::os::unix::fs::symlink(&victim, &linked).unwrap();
+        let error = write_if_changed(&linked.join("sub").join("p.cfg"), b"x", 0o644, None).unwrap_err();
+        assert!(matches!(&error, WriteError::Linked { source, .. } if source.path == linked), "{error:?}");
+        let chain = crate::error::error_chain(&error);
+        assert!(chain.contains(&format!("{} is a symbolic link", linked.display())), "{chain}");
+        assert_eq!(std::fs::read_dir(&victim).unwrap().count(), 0, "nothing written through the link");
     }
 }

@@ -159,13 +159,35 @@ impl Etcd {
         if !head.starts_with("HTTP/1.1 200") {
             return Err(raw.clone());
         }
-        Ok(body.to_owned())
+        if !head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+            return Ok(body.to_owned());
+        }
+        // A large answer comes in chunks: each a hex length line, then that many bytes.
+        let mut rest = body;
+        let mut whole = String::new();
+        loop {
+            let (size, after) = rest.split_once("\r\n").ok_or_else(|| raw.clone())?;
+            let size = usize::from_str_radix(size.trim(), 16).map_err(|_| raw.clone())?;
+            if size == 0 {
+                return Ok(whole);
+            }
+            whole.push_str(after.get(..size).ok_or_else(|| raw.clone())?);
+            rest = after.get(size + 2..).ok_or_else(|| raw.clone())?;
+        }
     }
 
     /// Writes a raw value; returns the new revision.
     fn put_raw(&self, key: &str, value: &str) -> i64 {
         let body = format!(r#"{{"key": "{}", "value": "{}"}}"#, BASE64.encode(key), BASE64.encode(value));
         revision_of(&self.call("/v3/kv/put", &body).unwrap())
+    }
+
+    /// Deletes every key under `prefix`.
+    fn delete_prefix(&self, prefix: &str) {
+        let mut end = prefix.as_bytes().to_vec();
+        *end.last_mut().unwrap() += 1;
+        let body = format!(r#"{{"key": "{}", "range_end": "{}"}}"#, BASE64.encode(prefix), BASE64.encode(&end));
+        self.call("/v3/kv/deleterange", &body).unwrap();
     }
 
     /// The store's current revision.
@@ -1246,4 +1268,248 @@ fn haproxy_balances_over_the_fleets_instances_rendered_by_a_template_and_reloade
     drop(prober);
     assert!(tried > 100, "the client connected {tried} times");
     assert_eq!(refused, 0, "{refused} of {tried} connections to the edge were refused");
+}
+
+#[test]
+fn fleet_status_shows_a_proxy_whose_key_was_deleted_as_removing_and_fails_until_it_is_gone() {
+    let Some(etcd) = Etcd::start("fleet status while removing") else { return };
+    let dirs = Dirs::new();
+    let _sweep = support::SweepOnDrop(dirs.socket());
+    let agent = publishing_agent(&dirs, &etcd, "n1");
+    // Proxies that ignore the stop signal: each stays until its kill_timeout SIGKILLs it.
+    for name in ["web", "api"] {
+        etcd.put_raw(
+            &format!("/tether/nodes/n1/services/{name}"),
+            &format!(
+                r#"{{"name": "{name}", "proxy": {{"command": ["/bin/sh", "-c", "trap '' INT; exec /bin/sleep 3600"],
+                    "kill_timeout": "4s"}}}}"#
+            ),
+        );
+    }
+    let pids = [pid_of(&agent, "web-proxy"), pid_of(&agent, "api-proxy")];
+    wait_until("fleet status to succeed", || {
+        let (code, view) = fleet_view(&etcd);
+        (code == Some(0)).then_some(()).ok_or(view.to_string())
+    });
+
+    etcd.delete_prefix("/tether/nodes/n1/");
+    let view = wait_until("both proxies shown as removing, and a failure", || {
+        let (code, view) = fleet_view(&etcd);
+        let removing = node_of(&view, "n1")["proxies"]
+            .as_array()
+            .is_some_and(|p| p.len() == 2 && p.iter().all(|p| p["state"] == "removing"));
+        (code == Some(1) && removing).then(|| view.clone()).ok_or(view.to_string())
+    });
+    for proxy in node_of(&view, "n1")["proxies"].as_array().unwrap() {
+        assert!(proxy["desired_revision"].is_null(), "{proxy}");
+    }
+    let output = fleet(&etcd.url(), &["status"]);
+    let table = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(output.status.code(), Some(1), "{table}");
+    assert!(
+        table.lines().any(|line| line.starts_with("n1") && line.contains("web-proxy") && line.contains("removing"))
+    );
+    assert!(table.trim_end().ends_with("proxies: 0 ready, 0 not ready, 2 removing"), "{table}");
+
+    // Once they are gone, the node is converged again.
+    agent.wait_gone("web-proxy");
+    agent.wait_gone("api-proxy");
+    assert!(pids.iter().all(|pid| !alive(*pid)));
+    wait_until("fleet status to succeed with nothing left", || {
+        let (code, view) = fleet_view(&etcd);
+        let empty = node_of(&view, "n1")["proxies"].as_array().is_none_or(Vec::is_empty);
+        (code == Some(0) && empty).then_some(()).ok_or(view.to_string())
+    });
+}
+
+/// A keep-alive connection to etcd's JSON gateway, for bursts of puts.
+struct Gateway {
+    reader: std::io::BufReader<TcpStream>,
+}
+
+impl Gateway {
+    fn connect(etcd: &Etcd) -> Self {
+        let stream = TcpStream::connect(("127.0.0.1", etcd.client_port)).unwrap();
+        stream.set_read_timeout(Some(support::DEADLINE)).unwrap();
+        Self { reader: std::io::BufReader::new(stream) }
+    }
+
+    /// Puts `value` at `key`; returns the put's revision, or why it failed.
+    fn put(&mut self, key: &str, value: &str) -> Result<i64, String> {
+        use std::io::BufRead;
+        let failed = |err: std::io::Error| err.to_string();
+        let body = format!(r#"{{"key": "{}", "value": "{}"}}"#, BASE64.encode(key), BASE64.encode(value));
+        let request = format!(
+            "POST /v3/kv/put HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        self.reader.get_mut().write_all(request.as_bytes()).map_err(failed)?;
+        let mut length = 0;
+        let mut status = String::new();
+        self.reader.read_line(&mut status).map_err(failed)?;
+        if !status.starts_with("HTTP/1.1 200") {
+            return Err(status);
+        }
+        loop {
+            let mut line = String::new();
+            if self.reader.read_line(&mut line).map_err(failed)? == 0 {
+                return Err("the connection closed".to_owned());
+            }
+            if line == "\r\n" {
+                break;
+            }
+            if let Some((name, value)) = line.split_once(':')
+                && name.eq_ignore_ascii_case("content-length")
+            {
+                length = value.trim().parse().map_err(|_| line.clone())?;
+            }
+        }
+        let mut body = vec![0; length];
+        self.reader.read_exact(&mut body).map_err(failed)?;
+        Ok(revision_of(&String::from_utf8_lossy(&body)))
+    }
+}
+
+/// Keys of the burst test, each with a `/bin/sleep` proxy.
+const BURST_KEYS: usize = 20;
+
+/// Puts `puts` values round-robin over the burst keys from one thread, until done or `stop`;
+/// returns the last revision and value index of each key.
+fn burst(
+    etcd: &Etcd,
+    puts: usize,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> std::thread::JoinHandle<std::collections::BTreeMap<usize, (i64, usize)>> {
+    let mut gateway = Gateway::connect(etcd);
+    std::thread::spawn(move || {
+        let mut last = std::collections::BTreeMap::new();
+        for n in 0..puts {
+            if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                break;
+            }
+            let key = n % BURST_KEYS;
+            let value = format!(
+                r#"{{"name": "b{key}", "meta": {{"n": "{n}"}}, "proxy": {{"command": ["/bin/sleep", "3600"], "kill_timeout": "2s"}}}}"#
+            );
+            // The writer stops at the first failure: a test may stop etcd under it.
+            let Ok(revision) = gateway.put(&format!("/tether/nodes/n1/services/b{key}"), &value) else { break };
+            last.insert(key, (revision, n));
+        }
+        last
+    })
+}
+
+#[test]
+fn a_burst_of_puts_is_applied_in_a_few_change_sets_while_the_agent_stays_responsive() {
+    let Some(etcd) = Etcd::start("fleet burst") else { return };
+    let dirs = Dirs::new();
+    let _sweep = support::SweepOnDrop(dirs.socket());
+    // The agent's own coalescing windows, in which each key of the burst keeps changing.
+    let url = etcd.url();
+    let mut flags = vec!["--etcd", url.as_str(), "--node", "n1", "--fleet-ttl", "2s"];
+    flags.extend(["--sync-quiescent", "500ms", "--sync-max-delay", "5s"]);
+    if is_root() {
+        flags.push("--allow-root");
+    }
+    let mut agent = Agent::start(&dirs, &flags);
+    wait_for("the watch on etcd", || fleet_status(&agent)["connected"].as_bool().filter(|connected| *connected));
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // Whatever happens below, the writer stops.
+    struct StopOnDrop(std::sync::Arc<std::sync::atomic::AtomicBool>);
+    impl Drop for StopOnDrop {
+        fn drop(&mut self) {
+            self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+    let _stop_writers = StopOnDrop(stop.clone());
+
+    // 10 000 puts; the agent answers its control socket all along.
+    const PUTS: usize = 10_000;
+    let writer = burst(&etcd, PUTS, stop.clone());
+    let mut answered = 0;
+    while !writer.is_finished() {
+        let mut status = assert_cmd::Command::from_std(tether());
+        status.args(["status", "--data-dir"]).arg(&dirs.data).timeout(Duration::from_secs(10)).assert().success();
+        answered += 1;
+    }
+    let last = writer.join().unwrap();
+    assert_eq!(last.values().map(|(_, n)| n + 1).max(), Some(PUTS), "every put was written");
+    assert!(answered > 0);
+    let final_revision = last.values().map(|(revision, _)| *revision).max().unwrap();
+
+    // The final state: every proxy runs from its key's last put, as published.
+    wait_until("the agent to apply the burst's last revision and publish it", || {
+        let status = fleet_status(&agent);
+        let applied = status["revision"].as_i64() >= Some(final_revision);
+        let published: std::collections::BTreeMap<String, serde_json::Value> = status_keys(&etcd)
+            .into_iter()
+            .filter_map(|(key, value)| {
+                let proxy = key.strip_prefix("/tether/status/n1/proxies/")?;
+                Some((proxy.to_owned(), serde_json::from_str(&value).unwrap()))
+            })
+            .collect();
+        let converged = last.iter().all(|(key, (revision, n))| {
+            published.get(&format!("b{key}-proxy")).is_some_and(|p| {
+                p["revision"].as_i64() == Some(*revision)
+                    && p["meta"]["n"].as_str().and_then(|v| v.parse().ok()) == Some(*n)
+                    && p["state"] == "running"
+            })
+        });
+        (applied && converged).then_some(()).ok_or(format!("{status}"))
+    });
+    // Applied in change sets, not one revision at a time.
+    let applies = agent.logs().matches("fleet: set applied").count();
+    eprintln!("{PUTS} puts: {applies} change sets applied; `tether status` answered {answered} times meanwhile");
+    assert!((1..=PUTS / 20).contains(&applies), "{applies} applies for {PUTS} puts");
+    assert_eq!(metric(&agent, "tether_fleet_applies_total"), Some(applies as f64));
+
+    // SIGTERM in the middle of another burst: the agent closes at once, its proxies stay.
+    let pids: Vec<i64> = (0..BURST_KEYS).map(|key| pid_of(&agent, &format!("b{key}-proxy"))).collect();
+    let writer = burst(&etcd, PUTS, stop.clone());
+    wait_until("the agent to apply part of the second burst", || {
+        let status = fleet_status(&agent);
+        (status["revision"].as_i64() > Some(final_revision)).then_some(()).ok_or(status.to_string())
+    });
+    close(&mut agent);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    writer.join().unwrap();
+    assert!(pids.iter().all(|pid| alive(*pid)), "a proxy did not outlive the agent");
+}
+
+#[test]
+fn connected_turns_false_when_etcd_goes_away_in_the_middle_of_a_burst() {
+    let Some(mut etcd) = Etcd::start("fleet connected during a burst") else { return };
+    let dirs = Dirs::new();
+    let _sweep = support::SweepOnDrop(dirs.socket());
+    let agent = fleet_agent(&dirs, &etcd, "n1");
+    wait_for("the watch on etcd", || fleet_status(&agent)["connected"].as_bool().filter(|connected| *connected));
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = burst(&etcd, 10_000, stop.clone());
+    let started = etcd.revision();
+    wait_until("the agent to apply part of the burst", || {
+        let status = fleet_status(&agent);
+        (status["revision"].as_i64() > Some(started + 500)).then_some(()).ok_or(status.to_string())
+    });
+    etcd.stop();
+    let killed = Instant::now();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let last = writer.join().unwrap();
+    let last_put = last.values().map(|(revision, _)| *revision).max().unwrap();
+    let status = wait_until("the status to say disconnected", || {
+        let status = fleet_status(&agent);
+        (status["connected"] == false).then(|| status.clone()).ok_or(status.to_string())
+    });
+    // Told by the connection as it broke, not by a keep-alive timeout (10 s, then 5 s) or by
+    // the follower once it has caught up.
+    assert!(killed.elapsed() < Duration::from_secs(5), "disconnected only after {:?}", killed.elapsed());
+    assert!(status["last_error"].is_string(), "{status}");
+    assert_eq!(metric(&agent, "tether_fleet_connected"), Some(0.0));
+    // Nothing was lost: back, the agent applies the store's last revision.
+    etcd.resume();
+    wait_until("the agent to catch up after etcd is back", || {
+        let status = fleet_status(&agent);
+        (status["connected"] == true && status["revision"].as_i64() >= Some(last_put))
+            .then_some(())
+            .ok_or(status.to_string())
+    });
 }

@@ -203,3 +203,70 @@ fn a_cycle_is_refused_by_validate_and_by_a_reload_which_keeps_the_old_config() {
     assert_eq!(pid_of(&agent.proxy("b-proxy").unwrap()), b);
     assert!(alive(a) && alive(b));
 }
+
+#[test]
+fn a_ready_dependency_that_flaps_starts_its_dependent_once_ready_and_never_restarts_it() {
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    let out = dirs.temp.path();
+    // A lives 0.3 s and exits, restarted at once each time, until `a.steady` exists; an
+    // instance is ready once `a.ready` exists (probed every 50 ms).
+    let a = scripted(
+        "a",
+        &format!("if [ -e {0}/a.steady ]; then exec sleep 3600; fi; sleep 0.3; exit 1", out.display()),
+        &format!(
+            "[service.proxy.restart]\nfree_attempts = 1000\n\
+             [service.proxy.readiness]\nexec = [\"/bin/test\", \"-e\", \"{}/a.ready\"]\ninterval = \"50ms\"\n",
+            out.display()
+        ),
+    );
+    let b = scripted(
+        "b",
+        &format!("echo $$ >> {}/b.starts; exec sleep 3600", out.display()),
+        "depends_on = { a = \"ready\" }\n",
+    );
+    dirs.write_config("a.toml", &format!("{a}{b}"));
+    let agent = Agent::start(&dirs, &root_flags());
+
+    // Never ready while it flaps: B waits, through restart after restart of A.
+    wait_for("a to restart three times", || {
+        agent.proxy("a-proxy").filter(|a| a["restarts"].as_u64().is_some_and(|restarts| restarts >= 3))
+    });
+    let waiting = agent.proxy("b-proxy").unwrap();
+    assert_eq!(waiting["state"], "waiting", "{waiting}");
+    assert!(waiting["error"].as_str().unwrap().starts_with("waiting for a-proxy to be ready"), "{waiting}");
+    assert!(!out.join("b.starts").exists(), "b started before a was ready");
+
+    // Ready for a moment in each of its lives: B starts, once.
+    std::fs::write(out.join("a.ready"), "").unwrap();
+    let b_pid = pid_of(&agent.wait_state("b-proxy", "running"));
+    let restarts = agent.proxy("a-proxy").unwrap()["restarts"].as_u64().unwrap();
+    // A goes on flapping, running then exiting: B is neither stopped nor restarted.
+    wait_for("a to flap five more times", || {
+        let b = agent.proxy("b-proxy").unwrap();
+        assert_eq!((b["state"].as_str(), b["pid"].as_i64()), (Some("running"), Some(b_pid)), "{b}");
+        agent.proxy("a-proxy").filter(|a| a["restarts"].as_u64().is_some_and(|now| now >= restarts + 5))
+    });
+    // And when it is not ready at all for a while (its new instances never pass), B runs on.
+    std::fs::remove_file(out.join("a.ready")).unwrap();
+    let restarts = agent.proxy("a-proxy").unwrap()["restarts"].as_u64().unwrap();
+    wait_for("a to restart, never ready, three more times", || {
+        agent.proxy("a-proxy").filter(|a| a["restarts"].as_u64().is_some_and(|now| now >= restarts + 3))
+    });
+    let b = agent.proxy("b-proxy").unwrap();
+    assert_eq!(
+        (b["state"].as_str(), b["pid"].as_i64(), b["restarts"].as_u64()),
+        (Some("running"), Some(b_pid), Some(0))
+    );
+    assert_eq!(std::fs::read_to_string(out.join("b.starts")).unwrap(), format!("{b_pid}\n"), "b started once");
+
+    // A settles: both run, and leave stops B before A.
+    std::fs::write(out.join("a.steady"), "").unwrap();
+    std::fs::write(out.join("a.ready"), "").unwrap();
+    wait_for("a to run steadily", || {
+        agent.proxy("a-proxy").filter(|a| a["state"] == "running" && a["pid"].as_i64().is_some_and(alive))
+    });
+    assert!(alive(b_pid));
+    tether().arg("leave").arg("--data-dir").arg(&dirs.data).assert().code(0);
+    assert!(!alive(b_pid));
+}

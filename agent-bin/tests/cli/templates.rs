@@ -355,3 +355,111 @@ fn a_destination_that_another_proxy_writes_fails_the_second_and_leaves_the_file_
     assert_eq!(std::fs::read_to_string(&destination).unwrap(), "web's");
     assert_eq!(agent.proxy("web-proxy").unwrap()["state"], "running");
 }
+
+#[test]
+fn a_destination_whose_directory_became_a_link_is_not_written_through() {
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    let base = dirs.temp.path().join("rendered");
+    let parent = base.join("pd");
+    let victim = base.join("victim");
+    std::fs::create_dir_all(&parent).unwrap();
+    std::fs::create_dir_all(&victim).unwrap();
+    let destination = parent.join("p.cfg");
+    let config = web(&destination, SERVICES).replace("wait = \"50ms\"", "wait = \"50ms\"\non_change = \"none\"");
+    dirs.write_config("web.toml", &config);
+    let agent = Agent::start(&dirs, &root_flags());
+    let running = agent.wait_state("web-proxy", "running");
+    assert_eq!(std::fs::read_to_string(&destination).unwrap(), "web 127.0.0.1:8080\n");
+
+    // The destination's directory is swapped for a link after the first render.
+    std::fs::rename(&parent, base.join("pd.real")).unwrap();
+    std::os::unix::fs::symlink(&victim, &parent).unwrap();
+    let answer = register(&dirs, r#"{"name": "cache", "port": 6379}"#);
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let error = wait_for("the template's error naming the link", || {
+        agent.proxy("web-proxy")?["error"].as_str().map(str::to_owned)
+    });
+    assert!(error.contains(&format!("template {}", destination.display())), "{error}");
+    assert!(error.contains(&format!("{} is a symbolic link", parent.display())), "{error}");
+    assert!(!victim.join("p.cfg").exists(), "written through the link");
+    assert_eq!(std::fs::read_dir(&victim).unwrap().count(), 0, "nothing is left in the link's target");
+    let now = agent.proxy("web-proxy").unwrap();
+    assert_eq!((&now["state"], &now["pid"]), (&running["state"], &running["pid"]), "the proxy runs on");
+
+    // The directory is back: the next change renders again and the error goes.
+    std::fs::remove_file(&parent).unwrap();
+    std::fs::rename(base.join("pd.real"), &parent).unwrap();
+    let answer = register(&dirs, r#"{"name": "db", "port": 5432}"#);
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let expected = "cache 127.0.0.1:6379\ndb 127.0.0.1:5432\nweb 127.0.0.1:8080\n";
+    wait_for("the new file", || (std::fs::read_to_string(&destination).ok()? == expected).then_some(()));
+    wait_for("the error to clear", || agent.proxy("web-proxy").filter(|p| p["error"].is_null()));
+}
+
+#[test]
+fn a_template_beyond_its_max_size_fails_naming_it_and_writes_nothing() {
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    std::fs::create_dir(dirs.temp.path().join("rendered")).unwrap();
+    // 17 000 000 bytes: beyond the default of 16 MiB.
+    dirs.write_config("web.toml", &web(&rendered(&dirs), "{{ 'x' * 17000000 }}"));
+    let agent = Agent::start(&dirs, &root_flags());
+    let failed = agent.wait_state("web-proxy", "failed");
+    let error = failed["error"].as_str().unwrap();
+    let destination = rendered(&dirs).display().to_string();
+    assert!(error.contains(&format!("template {destination}: ")), "{error}");
+    assert!(error.contains("more than its max_size of 16777216 bytes"), "{error}");
+    assert!(!rendered(&dirs).exists(), "nothing is written");
+    assert!(stdout_log(&dirs).is_empty(), "the proxy never ran");
+
+    // A larger cap lets it render.
+    let config = web(&rendered(&dirs), "{{ 'x' * 17000000 }}").replace("wait = \"50ms\"", "max_size = \"32MiB\"");
+    dirs.write_config("web.toml", &config);
+    tether().args(["reload", "--data-dir"]).arg(&dirs.data).assert().code(0);
+    agent.wait_state("web-proxy", "running");
+    assert_eq!(std::fs::metadata(rendered(&dirs)).unwrap().len(), 17_000_000);
+}
+
+#[test]
+fn a_failing_template_does_not_stop_its_siblings_from_rendering() {
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    let base = dirs.temp.path().join("rendered");
+    std::fs::create_dir(&base).unwrap();
+    let zones = base.join("zones.conf");
+    let listing = base.join("services.conf");
+    // The first template needs every service to have a `zone`; the second lists them all.
+    let config = format!(
+        "[[service]]\nname = \"web\"\nport = 8080\nmeta = {{ zone = \"a\" }}\n[service.proxy]\n\
+         command = [\"/bin/sleep\", \"3600\"]\nkill_timeout = \"2s\"\n\
+         [[service.proxy.template]]\ncontents = '''{{% for s in services %}}{{{{ s.meta.zone }}}}\n{{% endfor %}}'''\n\
+         destination = \"{zones}\"\nwait = \"50ms\"\non_change = \"none\"\n\
+         [[service.proxy.template]]\ncontents = '''{SERVICES}'''\ndestination = \"{listing}\"\nwait = \"50ms\"\n\
+         on_change = \"none\"\n",
+        zones = zones.display(),
+        listing = listing.display(),
+    );
+    dirs.write_config("web.toml", &config);
+    let agent = Agent::start(&dirs, &root_flags());
+    let running = agent.wait_state("web-proxy", "running");
+    assert_eq!(std::fs::read_to_string(&zones).unwrap(), "a\n");
+    assert_eq!(std::fs::read_to_string(&listing).unwrap(), "web 127.0.0.1:8080\n");
+
+    // A service without a zone: the first template fails, the second renders all the same.
+    let answer = register(&dirs, r#"{"name": "cache", "port": 6379}"#);
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let error =
+        wait_for("the first template's error", || agent.proxy("web-proxy")?["error"].as_str().map(str::to_owned));
+    assert!(error.contains(&format!("template {}: line 1", zones.display())), "{error}");
+    let expected = "cache 127.0.0.1:6379\nweb 127.0.0.1:8080\n";
+    wait_for("the sibling's new file", || (std::fs::read_to_string(&listing).ok()? == expected).then_some(()));
+    assert_eq!(std::fs::read_to_string(&zones).unwrap(), "a\n", "the failed one keeps its last good file");
+
+    // And again on the next change, while the first still fails.
+    let answer = register(&dirs, r#"{"name": "db", "port": 5432}"#);
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let expected = "cache 127.0.0.1:6379\ndb 127.0.0.1:5432\nweb 127.0.0.1:8080\n";
+    wait_for("the sibling's next file", || (std::fs::read_to_string(&listing).ok()? == expected).then_some(()));
+    assert_eq!(agent.proxy("web-proxy").unwrap()["pid"], running["pid"], "the proxy runs on");
+}

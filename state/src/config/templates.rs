@@ -1,11 +1,14 @@
 //! The schema of `[[service.proxy.template]]`, as read and as written back.
 //!
 //! A template names exactly one of `source` (an absolute path) and `contents` (the text),
-//! an absolute `destination` distinct within its proxy, an octal `mode`, `on_change` and
-//! `wait`. The language itself is the agent's: the schema checks only what a file's
+//! an absolute `destination` distinct within its proxy, an octal `mode`, `on_change`,
+//! `wait` and `max_size`. The language itself is the agent's: the schema checks only what a file's
 //! reader can check without it.
 
-use crate::template::{DEFAULT_TEMPLATE_MODE, DEFAULT_TEMPLATE_WAIT, OnChange, Template, TemplateSource};
+use super::schema::deserialize_size;
+use crate::template::{
+    DEFAULT_TEMPLATE_MAX_SIZE, DEFAULT_TEMPLATE_MODE, DEFAULT_TEMPLATE_WAIT, OnChange, Template, TemplateSource,
+};
 
 use super::*;
 
@@ -42,6 +45,26 @@ struct TemplateDef {
     mode: Option<ModeDef>,
     on_change: Option<OnChangeDef>,
     wait: Option<HumanDuration>,
+    max_size: Option<MaxSize>,
+}
+
+/// `max_size`: the most bytes a template may render, as a number or a size such as
+/// `"1MiB"`; at least one byte.
+struct MaxSize(u64);
+
+impl MaxSize {
+    fn checked(bytes: u64) -> Result<Self, String> {
+        if bytes == 0 {
+            return Err("max_size of 0 bytes: a template renders at least one byte".to_owned());
+        }
+        Ok(Self(bytes))
+    }
+}
+
+impl<'de> Deserialize<'de> for MaxSize {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserialize_size(deserializer, MaxSize::checked)
+    }
 }
 
 /// A template's text: no NUL, which no file of a proxy's wants.
@@ -158,6 +181,7 @@ impl TryFrom<TemplateDef> for TemplateDefChecked {
             mode: def.mode.map_or(DEFAULT_TEMPLATE_MODE, |m| m.0),
             on_change: def.on_change.map_or_else(OnChange::default, |o| o.0),
             wait: def.wait.map_or(DEFAULT_TEMPLATE_WAIT, |w| w.0),
+            max_size: def.max_size.map_or(DEFAULT_TEMPLATE_MAX_SIZE, |m| m.0),
         };
         Ok(Self(template, given))
     }
@@ -174,6 +198,7 @@ pub(super) struct TemplateOut<'a> {
     mode: String,
     on_change: &'static str,
     wait: String,
+    max_size: u64,
 }
 
 impl<'a> From<&'a Template> for TemplateOut<'a> {
@@ -189,6 +214,7 @@ impl<'a> From<&'a Template> for TemplateOut<'a> {
             mode: format!("{:04o}", template.mode),
             on_change: template.on_change.as_str(),
             wait: humantime::format_duration(template.wait).to_string(),
+            max_size: template.max_size,
         }
     }
 }

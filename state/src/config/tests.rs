@@ -652,6 +652,7 @@ destination = "/etc/haproxy/haproxy.cfg"
 mode = "0640"
 on_change = "none"
 wait = "1s"
+max_size = "1MiB"
 [[service.proxy.template]]
 contents = "{{ service.name }}"
 destination = "/run/web/name"
@@ -665,6 +666,7 @@ destination = "/run/web/name"
             mode: 0o640,
             on_change: crate::OnChange::Nothing,
             wait: Duration::from_secs(1),
+            max_size: 1 << 20,
         }
     );
     assert_eq!(
@@ -673,6 +675,7 @@ destination = "/run/web/name"
     );
     assert_eq!((templates[1].mode, templates[1].on_change), (0o644, crate::OnChange::Restart));
     assert_eq!(templates[1].wait, Duration::from_millis(200));
+    assert_eq!(templates[1].max_size, 16 << 20);
     for format in [Format::Toml, Format::Json] {
         let text = to_service_text(&service, format).unwrap();
         assert_eq!(parse_service(&text, format, &Origin::Body).unwrap(), service, "{text}");
@@ -743,6 +746,10 @@ fn bad_templates_are_named_with_their_file_line_and_field() {
     );
     let error = template("contents = \"x\"\ndestination = \"/etc/x\"\non_change = \"signal\"");
     assert!(error.contains("unknown on_change \"signal\""), "{error}");
+    let error = template("contents = \"x\"\ndestination = \"/etc/x\"\nmax_size = \"16XB\"");
+    assert!(error.contains("template[0].max_size`: invalid size \"16XB\""), "{error}");
+    let error = template("contents = \"x\"\ndestination = \"/etc/x\"\nmax_size = 0");
+    assert!(error.contains("template[0].max_size`: max_size of 0 bytes"), "{error}");
     // With a reload table, `reload` is the default and may be named.
     let reloadable = |on_change: &str| {
         let text = format!(

@@ -154,6 +154,38 @@ impl PrivateDir {
         Ok((Self::from_parts(fd, dir.to_owned(), &stat, None), name))
     }
 
+    /// The directory at the absolute `path`, opened without following a symbolic link at
+    /// any of its components, creating and changing nothing: the directory of a file
+    /// outside the data dir that tether must never write through a link.
+    ///
+    /// The whole path is resolved in one `openat2` with `RESOLVE_NO_SYMLINKS` where the
+    /// kernel has it, else one component at a time from `/`, each opened relative to the
+    /// one before with `O_NOFOLLOW | O_DIRECTORY`: no component can be swapped for a link
+    /// between two steps.
+    ///
+    /// # Errors
+    ///
+    /// When a component is a symbolic link, the error's source is a [`LinkedComponent`]
+    /// naming it; [`io::ErrorKind::InvalidInput`] for a path that is not absolute or has a
+    /// `.` or `..` component; otherwise the error of the open.
+    pub fn open_no_follow(path: &Path) -> io::Result<Self> {
+        let mut components = path.components();
+        if components.next() != Some(std::path::Component::RootDir)
+            || components.any(|c| !matches!(c, std::path::Component::Normal(_)))
+        {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "not an absolute path without `.` or `..`"));
+        }
+        let fd = match open_resolved(path) {
+            Ok(fd) => fd,
+            // Not in this kernel (or refused by a filter), or a link somewhere: the walk
+            // opens the same way, and names the component that is a link.
+            Err(Errno::ENOSYS | Errno::EPERM | Errno::EINVAL | Errno::E2BIG | Errno::ELOOP) => walk_no_follow(path)?,
+            Err(errno) => return Err(errno.into()),
+        };
+        let stat = fstat(&fd)?;
+        Ok(Self::from_parts(fd, path.to_owned(), &stat, None))
+    }
+
     fn from_parts(fd: OwnedFd, path: PathBuf, stat: &FileStat, parent: Option<(PrivateDir, OsString)>) -> Self {
         let opened = RwLock::new(Arc::new(Opened { fd, id: (stat.st_dev, stat.st_ino) }));
         Self { inner: Arc::new(Inner { opened, path, parent }) }
@@ -353,6 +385,35 @@ impl PrivateDir {
             Existing::Missing => Ok(None),
             Existing::Unsafe(why) => Err(read_error(io::Error::other(why))),
         }
+    }
+
+    /// Reads the whole regular file `name` as it is, without following a link and changing
+    /// nothing (its mode and links are its owner's): a file outside the data dir that
+    /// tether is about to replace. `None` if there is none.
+    ///
+    /// # Errors
+    ///
+    /// [`PersistError::Read`]; when the entry is a link or not a regular file, the source
+    /// is an [`UnsafeEntry`] and the entry is left as it is.
+    pub fn read_as_found(&self, name: impl AsRef<OsStr>) -> Result<Option<Vec<u8>>, PersistError> {
+        let name = name.as_ref();
+        let read_error = |source: io::Error| PersistError::Read { path: self.path().join(name), source };
+        check_name(name).map_err(read_error)?;
+        let flags = OFlag::O_RDONLY | OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK | OFlag::O_NOCTTY | OFlag::O_CLOEXEC;
+        let fd = match openat(self.fd(), name, flags, Mode::empty()) {
+            Ok(fd) => fd,
+            Err(Errno::ENOENT) => return Ok(None),
+            Err(Errno::ELOOP) => return Err(read_error(io::Error::other(UnsafeEntry::SymbolicLink))),
+            Err(Errno::ENXIO) => return Err(read_error(io::Error::other(UnsafeEntry::NotRegular))),
+            Err(errno) => return Err(read_error(errno.into())),
+        };
+        let stat = fstat(&fd).map_err(|errno| read_error(errno.into()))?;
+        if file_type(&stat) != SFlag::S_IFREG {
+            return Err(read_error(io::Error::other(UnsafeEntry::NotRegular)));
+        }
+        let mut bytes = Vec::new();
+        File::from(fd).read_to_end(&mut bytes).map_err(read_error)?;
+        Ok(Some(bytes))
     }
 
     /// Replaces `name` atomically with `contents` (mode 0600): see
@@ -627,6 +688,55 @@ impl PrivateDir {
         );
         Ok(())
     }
+}
+
+/// Flags of a directory opened on the way to a file.
+const DIR_FLAGS: OFlag = OFlag::O_RDONLY.union(OFlag::O_DIRECTORY).union(OFlag::O_CLOEXEC);
+
+/// Opens the directory at `path` in one system call that fails with `ELOOP` at any
+/// symbolic link on the way.
+#[cfg(target_os = "linux")]
+fn open_resolved(path: &Path) -> Result<OwnedFd, Errno> {
+    use nix::fcntl::{OpenHow, ResolveFlag, openat2};
+    let how = OpenHow::new().flags(DIR_FLAGS).resolve(ResolveFlag::RESOLVE_NO_SYMLINKS);
+    openat2(nix::fcntl::AT_FDCWD, path, how)
+}
+
+#[cfg(not(target_os = "linux"))]
+fn open_resolved(_path: &Path) -> Result<OwnedFd, Errno> {
+    Err(Errno::ENOSYS)
+}
+
+/// Opens the directory at the absolute `path` one component at a time from `/`, each
+/// relative to the one before and without following a link.
+pub(super) fn walk_no_follow(path: &Path) -> io::Result<OwnedFd> {
+    let mut fd = nix::fcntl::open("/", DIR_FLAGS, Mode::empty())?;
+    let mut reached = PathBuf::from("/");
+    for component in path.components().skip(1) {
+        let name = component.as_os_str();
+        reached.push(name);
+        fd = match openat(&fd, name, DIR_FLAGS | OFlag::O_NOFOLLOW, Mode::empty()) {
+            Ok(next) => next,
+            Err(Errno::ELOOP | Errno::ENOTDIR) => {
+                let linked = fstatat(&fd, name, AtFlags::AT_SYMLINK_NOFOLLOW)
+                    .is_ok_and(|stat| file_type(&stat) == SFlag::S_IFLNK);
+                if linked {
+                    return Err(io::Error::other(LinkedComponent { path: reached }));
+                }
+                return Err(Errno::ENOTDIR.into());
+            }
+            Err(errno) => return Err(errno.into()),
+        };
+    }
+    Ok(fd)
+}
+
+/// A component of a path that is a symbolic link, where tether follows none.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{} is a symbolic link, which tether does not follow", DisplayPath(.path))]
+pub struct LinkedComponent {
+    /// The path up to and including the link.
+    pub path: PathBuf,
 }
 
 /// Rejects anything but one plain component: every operation stays in its directory.

@@ -549,3 +549,31 @@ fn beside_a_file_only_its_own_temporaries_of_gone_writers_are_removed() {
     assert_eq!(removed, [dir.path().join(&planted[0])]);
     assert_eq!(names_in(dir.path()), [planted[1].clone(), planted[2].clone(), "haproxy.cfg".into()]);
 }
+
+#[test]
+fn a_directory_is_opened_without_following_a_link_at_any_component() {
+    let temp = tempfile::tempdir().unwrap();
+    // A tempdir may itself sit below a link (macOS's /var): resolve it first.
+    let base = fs::canonicalize(temp.path()).unwrap();
+    fs::create_dir_all(base.join("real/sub")).unwrap();
+    std::os::unix::fs::symlink(base.join("real"), base.join("linked")).unwrap();
+
+    let opened = PrivateDir::open_no_follow(&base.join("real/sub")).unwrap();
+    assert_eq!(opened.path(), base.join("real/sub"));
+    assert!(dir::walk_no_follow(&base.join("real/sub")).is_ok());
+
+    // Both ways of opening name the component that is a link.
+    for error in [
+        PrivateDir::open_no_follow(&base.join("linked/sub")).unwrap_err(),
+        dir::walk_no_follow(&base.join("linked/sub")).unwrap_err(),
+        PrivateDir::open_no_follow(&base.join("linked")).unwrap_err(),
+    ] {
+        let linked = error.get_ref().and_then(|inner| inner.downcast_ref::<LinkedComponent>());
+        assert_eq!(linked.map(|l| l.path.clone()), Some(base.join("linked")), "{error:?}");
+    }
+    for path in [Path::new("relative/dir"), &base.join("real/../real")] {
+        let error = PrivateDir::open_no_follow(path).unwrap_err();
+        assert_eq!(error.kind(), io::ErrorKind::InvalidInput, "{}", path.display());
+    }
+    assert_eq!(PrivateDir::open_no_follow(&base.join("missing")).unwrap_err().kind(), io::ErrorKind::NotFound);
+}

@@ -12,6 +12,11 @@
 //! to show in its status key, which `tether fleet status` reads; and etcd's write rate (its
 //! revision, which every write transaction moves) while the fleet is idle and while one
 //! agent's proxies restart 10 times a second.
+//!
+//! Last, a burst on one node: 10 000 puts over its 100 keys, as fast as one keep-alive
+//! connection writes them; how long after the last put the agent has applied it and
+//! published every proxy on its final revision, in how many change sets, and how long its
+//! API takes to answer meanwhile.
 
 use std::fs;
 use std::io::{Read, Write};
@@ -149,7 +154,94 @@ impl Fleet {
             ("fleet: etcd-to-running latency, max".to_owned(), ms(percentile(&latencies, 100.0))),
         ];
         rows.extend(self.status_figures()?);
+        rows.extend(self.burst_figures()?);
         Ok(rows)
+    }
+
+    /// 10 000 puts on node-00's 100 keys: convergence after the last put, change sets, and
+    /// the agent's API meanwhile.
+    fn burst_figures(&self) -> Result<Vec<(String, String)>, String> {
+        const BURST: usize = 10_000;
+        let keys = PUTS / AGENTS;
+        let socket = self.agents[0].1.join("agent.sock");
+        let applies_before = applies(&socket)?;
+        // The agent's API, asked back to back while the burst runs: its slowest answer.
+        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let asking = {
+            let (socket, done) = (socket.clone(), done.clone());
+            thread::spawn(move || {
+                let mut slowest = Duration::ZERO;
+                let mut answers = 0_u64;
+                while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                    let asked = Instant::now();
+                    http_unix(&socket, "GET", "/v1/agent/proxies")?;
+                    slowest = slowest.max(asked.elapsed());
+                    answers += 1;
+                }
+                Ok::<_, String>((slowest, answers))
+            })
+        };
+        let mut gateway = Gateway::connect(self.etcd_port)?;
+        let start = Instant::now();
+        let mut last = vec![0_i64; keys];
+        for put in 0..BURST {
+            let service = format!("s{}", put % keys);
+            let key = format!("/tether/nodes/{}/services/{service}", node(0));
+            let value = format!(
+                r#"{{"name": "{service}", "meta": {{"put": "{put}"}}, "proxy": {{"command": ["/bin/sleep", "3600"], "kill_timeout": "1s"}}}}"#
+            );
+            last[put % keys] = gateway.put(&key, &value)?;
+        }
+        let written = start.elapsed();
+        let last_put = Instant::now();
+        let final_revision = last.iter().copied().max().unwrap_or(0);
+        wait("node-00 to apply the burst's last put", || {
+            let body = http_unix(&socket, "GET", "/v1/agent/fleet")?;
+            let status: serde_json::Value = serde_json::from_str(&body).map_err(|err| err.to_string())?;
+            Ok(status["revision"].as_i64() >= Some(final_revision))
+        })?;
+        let applied = last_put.elapsed();
+        wait("node-00 to publish every proxy on its final revision", || {
+            let published = self.published_revisions(0)?;
+            Ok((0..keys).all(|key| published.get(&format!("s{key}-proxy")) == Some(&last[key])))
+        })?;
+        let published = last_put.elapsed();
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        let (slowest, answers) = asking.join().map_err(|_| "the API asker panicked".to_owned())??;
+        let change_sets = applies(&socket)? - applies_before;
+        Ok(vec![
+            (
+                format!("fleet burst: {BURST} puts on one node's {keys} keys written (one connection)"),
+                format!("{:.2} s ({:.0} puts/s)", written.as_secs_f64(), BURST as f64 / written.as_secs_f64()),
+            ),
+            ("fleet burst: last put → applied by its agent".to_owned(), ms(applied)),
+            ("fleet burst: last put → every proxy published on its final revision".to_owned(), ms(published)),
+            (format!("fleet burst: change sets applied for {BURST} puts"), change_sets.to_string()),
+            (format!("fleet burst: the agent's API during the burst, slowest of {answers} answers"), ms(slowest)),
+        ])
+    }
+
+    /// The `revision` of every proxy that agent `index` publishes, by proxy id.
+    fn published_revisions(&self, index: usize) -> Result<std::collections::BTreeMap<String, i64>, String> {
+        let prefix = format!("/tether/status/{}/proxies/", node(index));
+        let end = format!("/tether/status/{}/proxies0", node(index));
+        let body = http_tcp(
+            self.etcd_port,
+            "/v3/kv/range",
+            &format!(r#"{{"key": "{}", "range_end": "{}"}}"#, BASE64.encode(&prefix), BASE64.encode(end)),
+        )?;
+        let value: serde_json::Value = serde_json::from_str(&body).map_err(|err| err.to_string())?;
+        let decode = |field: &serde_json::Value| -> Option<Vec<u8>> { BASE64.decode(field.as_str()?).ok() };
+        let mut revisions = std::collections::BTreeMap::new();
+        for kv in value["kvs"].as_array().into_iter().flatten() {
+            let (Some(key), Some(raw)) = (decode(&kv["key"]), decode(&kv["value"])) else { continue };
+            let status: serde_json::Value = serde_json::from_slice(&raw).map_err(|err| err.to_string())?;
+            let proxy = String::from_utf8_lossy(&key).trim_start_matches(&prefix).to_owned();
+            if let Some(revision) = status["revision"].as_i64() {
+                revisions.insert(proxy, revision);
+            }
+        }
+        Ok(revisions)
     }
 
     /// The store's revision now.
@@ -373,6 +465,64 @@ fn http_tcp(port: u16, path: &str, body: &str) -> Result<String, String> {
     exchange(stream, &request)
 }
 
+/// `tether_fleet_applies_total` of the agent at `socket`.
+fn applies(socket: &Path) -> Result<u64, String> {
+    let metrics = http_unix(socket, "GET", "/metrics")?;
+    metrics
+        .lines()
+        .find_map(|line| line.strip_prefix("tether_fleet_applies_total ")?.trim().parse().ok())
+        .ok_or_else(|| "no tether_fleet_applies_total".to_owned())
+}
+
+/// A keep-alive connection to etcd's JSON gateway, for a burst of puts.
+struct Gateway {
+    reader: std::io::BufReader<TcpStream>,
+}
+
+impl Gateway {
+    fn connect(port: u16) -> Result<Self, String> {
+        let stream = TcpStream::connect(("127.0.0.1", port)).map_err(|err| format!("etcd: {err}"))?;
+        stream.set_read_timeout(Some(LIMIT)).map_err(|err| err.to_string())?;
+        Ok(Self { reader: std::io::BufReader::new(stream) })
+    }
+
+    /// Puts `value` at `key`; returns the put's revision.
+    fn put(&mut self, key: &str, value: &str) -> Result<i64, String> {
+        use std::io::BufRead;
+        let failed = |err: std::io::Error| format!("etcd: {err}");
+        let body = format!(r#"{{"key": "{}", "value": "{}"}}"#, BASE64.encode(key), BASE64.encode(value));
+        let request = format!(
+            "POST /v3/kv/put HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        self.reader.get_mut().write_all(request.as_bytes()).map_err(failed)?;
+        let mut status = String::new();
+        self.reader.read_line(&mut status).map_err(failed)?;
+        if !status.starts_with("HTTP/1.1 200") {
+            return Err(format!("etcd: {}", status.trim_end()));
+        }
+        let mut length = 0;
+        loop {
+            let mut line = String::new();
+            if self.reader.read_line(&mut line).map_err(failed)? == 0 {
+                return Err("etcd closed the connection".to_owned());
+            }
+            if line == "\r\n" {
+                break;
+            }
+            if let Some((name, value)) = line.split_once(':')
+                && name.eq_ignore_ascii_case("content-length")
+            {
+                length = value.trim().parse().map_err(|_| format!("etcd: {}", line.trim_end()))?;
+            }
+        }
+        let mut body = vec![0; length];
+        self.reader.read_exact(&mut body).map_err(failed)?;
+        let value: serde_json::Value = serde_json::from_slice(&body).map_err(|err| err.to_string())?;
+        value["header"]["revision"].as_str().and_then(|r| r.parse().ok()).ok_or_else(|| "no revision".to_owned())
+    }
+}
+
 /// One request to an agent's socket; the body of a 200 answer.
 fn http_unix(socket: &Path, method: &str, path: &str) -> Result<String, String> {
     let stream = UnixStream::connect(socket).map_err(|err| format!("{}: {err}", socket.display()))?;
@@ -389,7 +539,20 @@ fn exchange(mut stream: impl Read + Write, request: &str) -> Result<String, Stri
     if !head.starts_with("HTTP/1.1 200") {
         return Err(head.lines().next().unwrap_or_default().to_owned());
     }
-    Ok(body.to_owned())
+    if !head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+        return Ok(body.to_owned());
+    }
+    // A large answer comes in chunks: each a hex length line, then that many bytes.
+    let (mut rest, mut whole) = (body, String::new());
+    loop {
+        let (size, after) = rest.split_once("\r\n").ok_or("a truncated chunk")?;
+        let size = usize::from_str_radix(size.trim(), 16).map_err(|_| "a bad chunk length")?;
+        if size == 0 {
+            return Ok(whole);
+        }
+        whole.push_str(after.get(..size).ok_or("a truncated chunk")?);
+        rest = after.get(size + 2..).ok_or("a truncated chunk")?;
+    }
 }
 
 /// SIGKILLs the process group of every live process whose environment names `socket`.
