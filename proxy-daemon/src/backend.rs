@@ -6,6 +6,7 @@
 //! records in snapshots only what proves identity: never a token or an environment value.
 
 mod epoch;
+mod keep;
 mod record;
 mod restore;
 
@@ -594,6 +595,7 @@ impl ProxyHandle for OsProxyHandle {
             Arc::clone(&self.shared.generations).alone(self.id.clone(), u64::MAX).await;
         }
         let begun = hands_over.then(|| {
+            self.shared.generations.keep_listening(&self.id, proxy.spec().update.keep_listening);
             let begun = self.shared.generations.begin(&self.id, Some(self.status.clone()), None, None);
             self.shared.generations.apply(&mut spec, &self.id, begun);
             tracing::info!(proxy = %self.id, epoch = begun.epoch, base_id = begun.base_id, "starting a generation");
@@ -698,6 +700,9 @@ impl ProxyHandle for OsProxyHandle {
             restart_on_exit: None,
         };
         let mut state = self.lock();
+        if state.generation.is_some() {
+            self.shared.generations.keep_listening(&self.id, spec.update.keep_listening);
+        }
         let written = state.process.as_ref().map_or(Ok(()), |process| process.update(update));
         if let Some(record) = &mut state.record {
             record.kill = kill;

@@ -7,7 +7,7 @@
 
 use std::io;
 use std::net::{SocketAddr, ToSocketAddrs};
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 
@@ -134,6 +134,39 @@ pub fn listens_on(fd: &impl AsFd, address: &ListenAddress) -> bool {
 /// When `/proc/<pid>/fd` cannot be read.
 #[cfg_attr(not(feature = "manager"), allow(dead_code))] // the engine adapter's
 pub(crate) fn take_listening(pidfd: &Pidfd, pid: u32) -> io::Result<Vec<OwnedFd>> {
+    take_sockets(pidfd.as_raw_fd(), pid, |fd| matches!(socket::getsockopt(fd, sockopt::AcceptConn), Ok(true)))
+}
+
+/// Copies of the listening TCP sockets of process `pid` that others may join
+/// (`SO_REUSEPORT`), each once, with its inode: what `keep_listening` keeps of a
+/// generation. A socket without `SO_REUSEPORT` is left alone: while a copy of it is open,
+/// the next generation could not bind its address.
+///
+/// # Errors
+///
+/// When `/proc/<pid>/fd` cannot be read.
+#[cfg_attr(not(feature = "manager"), allow(dead_code))] // the engine adapter's
+pub(crate) fn take_reusable_tcp(pidfd: BorrowedFd<'_>, pid: u32) -> io::Result<Vec<(u64, OwnedFd)>> {
+    let reusable_tcp = |fd: &OwnedFd| {
+        matches!(socket::getsockopt(fd, sockopt::AcceptConn), Ok(true))
+            && matches!(socket::getsockopt(fd, sockopt::ReusePort), Ok(true))
+            && matches!(socket::getsockopt(fd, sockopt::SockType), Ok(SockType::Stream))
+            && socket::getsockname::<SockaddrStorage>(fd.as_raw_fd())
+                .is_ok_and(|bound| matches!(bound.family(), Some(AddressFamily::Inet | AddressFamily::Inet6)))
+    };
+    let mut taken: Vec<(u64, OwnedFd)> = Vec::new();
+    for fd in take_sockets(pidfd.as_raw_fd(), pid, reusable_tcp)? {
+        let inode = nix::sys::stat::fstat(&fd).map_err(io::Error::from)?.st_ino;
+        if taken.iter().all(|(known, _)| *known != inode) {
+            taken.push((inode, fd));
+        }
+    }
+    Ok(taken)
+}
+
+/// Copies, through `pidfd`, of the sockets of process `pid` that `wanted` accepts.
+#[cfg_attr(not(feature = "manager"), allow(dead_code))]
+fn take_sockets(pidfd: RawFd, pid: u32, wanted: impl Fn(&OwnedFd) -> bool) -> io::Result<Vec<OwnedFd>> {
     let mut taken = Vec::new();
     for entry in std::fs::read_dir(format!("/proc/{pid}/fd"))? {
         let Ok(entry) = entry else { continue };
@@ -144,7 +177,7 @@ pub(crate) fn take_listening(pidfd: &Pidfd, pid: u32) -> io::Result<Vec<OwnedFd>
             continue;
         }
         match get_fd(pidfd, number) {
-            Ok(fd) if matches!(socket::getsockopt(&fd, sockopt::AcceptConn), Ok(true)) => taken.push(fd),
+            Ok(fd) if wanted(&fd) => taken.push(fd),
             Ok(_) => {}
             Err(error) => {
                 tracing::debug!(pid, fd = number, %error, "cannot take a descriptor from the process");
@@ -156,11 +189,11 @@ pub(crate) fn take_listening(pidfd: &Pidfd, pid: u32) -> io::Result<Vec<OwnedFd>
 
 /// `pidfd_getfd(2)`: a close-on-exec copy of descriptor `number` of the process.
 #[cfg_attr(not(feature = "manager"), allow(dead_code))]
-fn get_fd(pidfd: &Pidfd, number: i32) -> io::Result<OwnedFd> {
+fn get_fd(pidfd: RawFd, number: i32) -> io::Result<OwnedFd> {
     #[allow(unsafe_code)]
     // SAFETY: pidfd_getfd takes a pidfd, a descriptor number and flags, and returns a new
     // descriptor that we own, or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), number, 0) };
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd, number, 0) };
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }
@@ -214,5 +247,26 @@ mod tests {
         let pidfd = Pidfd::open(pid).unwrap();
         let taken = take_listening(&pidfd, pid).unwrap();
         assert!(taken.iter().any(|fd| listens_on(fd, &address)), "{} sockets taken", taken.len());
+    }
+
+    #[test]
+    fn only_reusable_tcp_listeners_are_kept_each_once() {
+        let reusable = socket::socket(AddressFamily::Inet, SockType::Stream, SockFlag::SOCK_CLOEXEC, None).unwrap();
+        socket::setsockopt(&reusable, sockopt::ReusePort, &true).unwrap();
+        let any = socket::SockaddrIn::new(127, 0, 0, 1, 0);
+        socket::bind(reusable.as_raw_fd(), &any).unwrap();
+        socket::listen(&reusable, socket::Backlog::new(8).unwrap()).unwrap();
+        // A second descriptor of the same socket, and a listener others may not join.
+        let again = reusable.try_clone().unwrap();
+        let plain = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let pid = std::process::id();
+        let pidfd = crate::proc::pidfd_open(pid).unwrap();
+        let taken = take_reusable_tcp(pidfd.as_fd(), pid).unwrap();
+        let inode = |fd: &dyn AsFd| nix::sys::stat::fstat(fd).unwrap().st_ino;
+        let inodes: Vec<u64> = taken.iter().map(|(inode, _)| *inode).collect();
+        assert_eq!(inodes.iter().filter(|i| **i == inode(&reusable)).count(), 1, "{inodes:?}");
+        assert!(!inodes.contains(&inode(&plain)), "a socket without SO_REUSEPORT is not kept");
+        assert!(taken.iter().all(|(inode, fd)| nix::sys::stat::fstat(fd).unwrap().st_ino == *inode));
+        drop(again);
     }
 }

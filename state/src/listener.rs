@@ -122,8 +122,8 @@ impl UpdateStrategy {
     }
 }
 
-/// `update`, `update_timeout`, and for `update = "epoch"`, `drain_timeout` and
-/// `max_generations`.
+/// `update`, `update_timeout`, and for `update = "epoch"`, `drain_timeout`,
+/// `max_generations` and `keep_listening`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct UpdatePolicy {
     /// How an instance is replaced.
@@ -137,6 +137,10 @@ pub struct UpdatePolicy {
     /// `update = "epoch"`: the most generations of the proxy that run at once (at least
     /// [`UpdatePolicy::MIN_GENERATIONS`]); a change beyond it waits for one to exit.
     pub max_generations: u32,
+    /// `update = "epoch"`: the agent keeps a copy of each listening socket of the
+    /// generation that serves (`keep_listening`), so that a crash leaves connections
+    /// waiting in the socket's backlog for the next generation instead of refused.
+    pub keep_listening: bool,
 }
 
 impl UpdatePolicy {
@@ -155,6 +159,7 @@ impl Default for UpdatePolicy {
             timeout: Duration::from_secs(30),
             drain_timeout: Self::DRAIN_TIMEOUT,
             max_generations: Self::MAX_GENERATIONS,
+            keep_listening: false,
         }
     }
 }

@@ -290,6 +290,11 @@ impl Setup {
     /// that restarts it. Envoy ends the old generation 30 s into a hot restart
     /// (`--parent-shutdown-time-s`), long after the agent's kill and the next agent's start.
     fn write_epoch(&self, generation: u32) {
+        self.write_epoch_keeping(generation, false);
+    }
+
+    /// [`Setup::write_epoch`], with `keep_listening` as given.
+    fn write_epoch_keeping(&self, generation: u32, keep_listening: bool) {
         let command = self.command(&[
             "--restart-epoch",
             "{restart_epoch}",
@@ -305,7 +310,7 @@ impl Setup {
             &format!(
                 "[[service]]\nname = \"{}\"\n[service.proxy]\ncommand = {command}\nenv = {{ GENERATION = \"{generation}\" }}\n\
                  update = \"epoch\"\nupdate_timeout = \"15s\"\ndrain_timeout = \"60s\"\nmax_generations = 3\n\
-                 kill_signal = \"SIGTERM\"\nkill_timeout = \"5s\"\n{}",
+                 keep_listening = {keep_listening}\nkill_signal = \"SIGTERM\"\nkill_timeout = \"5s\"\n{}",
                 self.name,
                 self.readiness()
             ),
@@ -559,16 +564,41 @@ fn a_hot_restart_in_progress_survives_an_agent_sigkill() {
 #[test]
 fn a_crash_of_envoys_new_generation_mid_hand_over_stops_the_old_one_and_starts_cold() {
     let Some(setup) = Setup::new("envoy-midway") else { return };
+    let (serving_after, counts) = crash_mid_hand_over(&setup, false);
+    // A connection that the killed Envoy had accepted is lost with it (`unserved`); the
+    // refusals are those of the time no Envoy listened. A figure, not a bound: the machines
+    // are shared.
+    eprintln!("Envoy serving again {serving_after:?} after its new generation's crash: {counts:?}");
+}
+
+/// The same crash with `keep_listening`: the agent holds a copy of Envoy's listening
+/// sockets, so connections made while no Envoy listens wait in their backlog, and the kernel
+/// hands them to the cold start's sockets once it is ready.
+#[test]
+fn with_keep_listening_a_crash_of_envoys_new_generation_refuses_no_connection() {
+    let Some(setup) = Setup::new("envoy-kept") else { return };
+    let (serving_after, counts) = crash_mid_hand_over(&setup, true);
+    assert_eq!(counts.refused, 0, "connections refused across the crash: {counts:?}");
+    // A figure, not a bound: the machines are shared.
+    eprintln!(
+        "Envoy serving again {serving_after:?} after its new generation's crash, keeping its sockets: {counts:?}"
+    );
+}
+
+/// Starts Envoy as an `update = "epoch"` proxy, hot restarts it, kills the new generation
+/// while a client connects every few milliseconds, and waits until a new Envoy serves.
+/// Returns how long after the crash it served, and the client's counts.
+fn crash_mid_hand_over(setup: &Setup, keep_listening: bool) -> (Duration, Counts) {
     let _envoys = setup.guard();
     let _sweep = SweepOnDrop(setup.dirs.socket());
     let id = setup.id();
-    setup.write_epoch(0);
+    setup.write_epoch_keeping(0, keep_listening);
     let agent = Agent::start(&setup.dirs, &root_flags());
     wait_generations(&agent, &id, &[(0, "current")]);
     setup.note_base_id();
     assert_eq!(wait_for("a connection through Envoy", || through(setup.listener_port)), GREETING);
 
-    setup.write_epoch(1);
+    setup.write_epoch_keeping(1, keep_listening);
     agent.signal(Signal::SIGHUP);
     let both = wait_generations(&agent, &id, &[(1, "current"), (0, "draining")]);
     wait_until("epoch 1 to answer on the admin address", || match setup.server_info() {
@@ -576,6 +606,12 @@ fn a_crash_of_envoys_new_generation_mid_hand_over_stops_the_old_one_and_starts_c
         other => Err(format!("{other:?}")),
     });
     let pids: Vec<i64> = generations(&both).iter().map(|(_, _, pid)| *pid).collect();
+    if keep_listening {
+        // Epoch 1 serves on epoch 0's sockets, which the agent keeps since epoch 0 was ready.
+        wait_for("the agent to keep the sockets", || {
+            agent.logs().contains("keeping the listening sockets of the generation that serves").then_some(())
+        });
+    }
 
     let client = Client::start(setup.listener_port);
     client.wait_tries(20);
@@ -589,10 +625,7 @@ fn a_crash_of_envoys_new_generation_mid_hand_over_stops_the_old_one_and_starts_c
     let serving_after = crashed_at.elapsed();
     setup.note_base_id();
     client.wait_tries(50);
-    // A connection that the killed Envoy had accepted is lost with it (`unserved`); the
-    // refusals are those of the time no Envoy listened. A figure, not a bound: the machines
-    // are shared.
     let counts = client.finish();
-    eprintln!("Envoy serving again {serving_after:?} after its new generation's crash: {counts:?}");
     setup.leave(agent);
+    (serving_after, counts)
 }

@@ -39,6 +39,9 @@ parent = None
 if epoch == 0:
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # As Envoy's listeners: another socket may join the address (a cold start beside a
+    # socket the agent keeps).
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     listener.bind(("127.0.0.1", port))
     listener.listen(1024)
 else:
@@ -107,11 +110,19 @@ struct Knobs<'a> {
     extra: &'a [&'a str],
     /// Changed to make a restart-requiring change.
     generation: u32,
+    keep_listening: bool,
 }
 
 impl Default for Knobs<'_> {
     fn default() -> Self {
-        Self { drain_s: 1.0, drain_timeout: "30s", max_generations: 3, extra: &[], generation: 0 }
+        Self {
+            drain_s: 1.0,
+            drain_timeout: "30s",
+            max_generations: 3,
+            extra: &[],
+            generation: 0,
+            keep_listening: false,
+        }
     }
 }
 
@@ -151,8 +162,8 @@ impl Setup {
                 "[[service]]\nname = \"{}\"\n[service.proxy]\ncommand = {command}\n\
                  env = {{ GENERATION = \"{}\", EPOCH = \"epoch-{{restart_epoch}}\" }}\n\
                  update = \"epoch\"\nupdate_timeout = \"10s\"\ndrain_timeout = \"{}\"\nmax_generations = {}\n\
-                 kill_timeout = \"2s\"\n[service.proxy.readiness]\nnotify = true\n",
-                self.name, knobs.generation, knobs.drain_timeout, knobs.max_generations
+                 keep_listening = {}\nkill_timeout = \"2s\"\n[service.proxy.readiness]\nnotify = true\n",
+                self.name, knobs.generation, knobs.drain_timeout, knobs.max_generations, knobs.keep_listening
             ),
         );
     }
@@ -167,7 +178,11 @@ impl Setup {
     /// An agent whose proxy was hot restarted once and whose old generation drains for a
     /// minute: the agent, and the pids of the current and the draining generation.
     fn draining(&self) -> (Agent, Vec<i64>) {
-        let agent = self.start(&Knobs { drain_s: 60.0, ..Knobs::default() });
+        self.draining_with(Knobs::default())
+    }
+
+    fn draining_with(&self, knobs: Knobs<'_>) -> (Agent, Vec<i64>) {
+        let agent = self.start(&Knobs { drain_s: 60.0, ..knobs });
         restart(&agent, &self.id());
         let both = wait_generations(&agent, &self.id(), "two generations", |g| g == [(1, "current"), (0, "draining")]);
         let pids = generation_pids(&both);
@@ -378,6 +393,41 @@ fn a_crash_of_the_new_generation_mid_hand_over_stops_the_old_one_and_starts_cold
     drop(prober);
     // A figure, not a bound: the machines are shared.
     eprintln!("serving again {running_after:?} after the crash; {refused} of {tried} connections refused");
+}
+
+/// The same crash with `keep_listening`: the agent kept a copy of the socket, so a connection
+/// made while no generation listens waits in its backlog, and the cold start answers it.
+#[test]
+fn with_keep_listening_a_crash_mid_hand_over_refuses_nothing_and_the_cold_start_answers_what_waited() {
+    if !is_root() {
+        eprintln!(
+            "skipped: keeping a proxy's sockets needs the right to trace it, and moving what waited needs net.ipv4.tcp_migrate_req, which only root may set"
+        );
+        return;
+    }
+    let setup = Setup::new("epoch-kept");
+    let _sweep = SweepOnDrop(setup.dirs.socket());
+    let (agent, pids) = setup.draining_with(Knobs { keep_listening: true, ..Knobs::default() });
+    let id = setup.id();
+    wait_for("the agent to keep the socket", || agent.logs().contains("keeping the listening sockets").then_some(()));
+    let prober = Prober::start(setup.port);
+    wait_for("the prober's first tries", || (prober.counts().0 > 20).then_some(()));
+    let crashed_at = std::time::Instant::now();
+    kill(Pid::from_raw(pids[0] as i32), Signal::SIGKILL).unwrap();
+    wait_for("the new generation to be gone", || exited(pids[0]).then_some(()));
+    // Nothing of the proxy listens now but the kept copy: this connection waits in it.
+    let waited = std::thread::spawn(move || served_by(setup.port));
+    let cold = wait_generations(&agent, &id, "a cold start", |g| g == [(0, "current")]);
+    let running_after = crashed_at.elapsed();
+    assert!(!pids.contains(&cold["pid"].as_i64().unwrap()), "a new process: {cold}");
+    assert_eq!(waited.join().unwrap().as_deref(), Some("epoch 0"), "the connection that waited is answered");
+    assert_eq!(wait_for("an answer", || served_by(setup.port)), "epoch 0");
+    wait_for("the old copy to be released", || agent.logs().contains(r#""kept":1,"released":1"#).then_some(()));
+    let (tried, refused) = prober.counts();
+    drop(prober);
+    assert_eq!(refused, 0, "{refused} of {tried} connections refused across the crash");
+    // A figure, not a bound: the machines are shared.
+    eprintln!("running again {running_after:?} after the crash; 0 of {tried} connections refused");
 }
 
 #[test]

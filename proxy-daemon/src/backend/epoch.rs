@@ -18,6 +18,7 @@ use tether_manager::{BackendStatus, Generation};
 use tether_state::{KillPolicy, ProxyId, proxy_env, substitute_epoch};
 use tokio::sync::watch;
 
+use super::keep::Kept;
 use crate::proc::Identity;
 use crate::spec::{ProcessSpec, Restarted};
 use crate::status::ProcessStatus;
@@ -27,6 +28,11 @@ use crate::supervisor::ProcessHandle;
 /// hand beside the agent does not meet a proxy's, and small enough that Envoy's
 /// `base_id * 10 + epoch` stays a 32-bit number.
 const BASE_IDS: u32 = 100_000_000;
+
+/// How often the sockets of a generation that serves are looked for until it listens.
+const KEEP_SEARCH: Duration = Duration::from_millis(100);
+/// How often they are looked at again once it does.
+const KEEP_REFRESH: Duration = Duration::from_secs(1);
 
 /// The live generations of every proxy with `update = "epoch"`, and the base ids taken.
 #[derive(Debug, Default)]
@@ -51,6 +57,10 @@ struct Proxy {
     /// Told when a cold start is waiting for the generations that drain: they are stopped
     /// at once ([`await_drain`]).
     cut: watch::Sender<()>,
+    /// `keep_listening`: whether the agent keeps the serving generation's sockets.
+    keep_listening: bool,
+    /// The sockets kept, while the proxy has a live generation.
+    kept: Kept,
 }
 
 #[derive(Debug)]
@@ -66,6 +76,8 @@ struct Live {
     /// The status of the handle whose generation it is; `None` once it drains (the engine
     /// has dropped that handle).
     status: Option<watch::Sender<BackendStatus>>,
+    /// The pid whose listening sockets were kept (`keep_listening`), once it was ready.
+    kept_from: Option<u32>,
 }
 
 /// A generation that drains: its process, how to stop it, and until when it may take.
@@ -118,7 +130,7 @@ impl Generations {
         let current = proxy.live.iter().filter(|live| live.draining.is_none());
         let epoch = epoch.unwrap_or_else(|| current.map(|live| live.epoch + 1).max().unwrap_or(0));
         let pid = draining.as_ref().map(|draining| draining.identity.pid);
-        proxy.live.push(Live { key, epoch, pid, restarts: 0, draining, status });
+        proxy.live.push(Live { key, epoch, pid, restarts: 0, draining, status, kept_from: None });
         let base_id = proxy.base_id;
         inner.refresh(id);
         Begun { key, epoch, base_id }
@@ -130,15 +142,28 @@ impl Generations {
         if let Some(proxy) = inner.proxies.get_mut(id) {
             proxy.live.retain(|live| live.key != key);
             proxy.changed.send_replace(());
+            proxy.release_when_gone(id);
         }
         inner.refresh(id);
+    }
+
+    /// Sets `keep_listening` of `id`: its generations' sockets are kept from the next one that
+    /// is ready on; turned off, the kept ones are closed.
+    pub(super) fn keep_listening(&self, id: &ProxyId, on: bool) {
+        let mut inner = self.lock();
+        let proxy = inner.proxy(id);
+        proxy.keep_listening = on;
+        if !on {
+            proxy.kept.release(id);
+            proxy.live.iter_mut().for_each(|live| live.kept_from = None);
+        }
     }
 
     /// Follows what the supervisor observes of generation `key` of `id`: its pid, its cold
     /// restarts (epoch 0) and its end. Publishes `next` with the generations, when given,
     /// under the registry's lock.
     pub(super) fn observe(
-        &self,
+        self: &Arc<Self>,
         id: &ProxyId,
         key: u64,
         current: &ProcessStatus,
@@ -152,6 +177,7 @@ impl Generations {
                 if proxy.live.len() != before {
                     proxy.changed.send_replace(());
                 }
+                proxy.release_when_gone(id);
             } else if let Some(live) = proxy.live.iter_mut().find(|live| live.key == key) {
                 let restarted = current.restarts > live.restarts;
                 if restarted {
@@ -162,6 +188,17 @@ impl Generations {
                     live.pid = current.pid;
                     proxy.changed.send_replace(());
                 }
+                // A generation that serves, ready, from a process not yet kept: its sockets
+                // are the ones to keep from now on, followed while it serves.
+                let ready = current.ready && live.draining.is_none();
+                if let Some(identity) = current.identity.as_ref().filter(|_| ready && proxy.keep_listening)
+                    && live.kept_from != Some(identity.pid)
+                {
+                    live.kept_from = Some(identity.pid);
+                    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                        runtime.spawn(Arc::clone(self).keep_following(id.clone(), key, identity.clone()));
+                    }
+                }
             }
         }
         if let Some((mut next, status)) = next {
@@ -169,6 +206,31 @@ impl Generations {
             status.send_replace(next);
         }
         inner.refresh_others(id, key);
+    }
+
+    /// Keeps the listening sockets of generation `key` of `id` (process `identity`) while it
+    /// serves: at once, again every [`KEEP_SEARCH`] until it listens on something (a hot
+    /// restart's new generation may be told ready before its sockets reach it), then every
+    /// [`KEEP_REFRESH`], so that a listener it opens later is kept too.
+    async fn keep_following(self: Arc<Self>, id: ProxyId, key: u64, identity: Identity) {
+        let mut listens = false;
+        loop {
+            {
+                let mut inner = self.lock();
+                let Some(proxy) = inner.proxies.get_mut(&id) else { return };
+                let serving = proxy.live.iter().any(|live| {
+                    live.key == key
+                        && live.draining.is_none()
+                        && live.pid == Some(identity.pid)
+                        && live.kept_from == Some(identity.pid)
+                });
+                if !proxy.keep_listening || !serving {
+                    return;
+                }
+                listens = proxy.kept.take_from(&id, &identity) || listens;
+            }
+            tokio::time::sleep(if listens { KEEP_REFRESH } else { KEEP_SEARCH }).await;
+        }
     }
 
     /// Told when a cold start of `id` would wait for its generations that drain: then they
@@ -341,7 +403,22 @@ impl Inner {
 
 impl Proxy {
     fn new(base_id: u32) -> Self {
-        Self { base_id, live: Vec::new(), changed: watch::Sender::new(()), cut: watch::Sender::new(()) }
+        Self {
+            base_id,
+            live: Vec::new(),
+            changed: watch::Sender::new(()),
+            cut: watch::Sender::new(()),
+            keep_listening: false,
+            kept: Kept::default(),
+        }
+    }
+
+    /// Closes the kept sockets once no generation of the proxy lives: it was stopped or
+    /// deregistered, and nothing is to serve what would wait in them.
+    fn release_when_gone(&mut self, id: &ProxyId) {
+        if self.live.is_empty() {
+            self.kept.release(id);
+        }
     }
 }
 

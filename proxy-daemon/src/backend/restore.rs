@@ -164,6 +164,8 @@ impl OsProcessBackend {
                     self.shared.generations.reserve(&id, base_id);
                 }
                 let epoch_of = recorded_epoch.or(told_epoch);
+                let keep = desired_proxy.is_some_and(|proxy| proxy.spec().update.keep_listening);
+                self.shared.generations.keep_listening(&id, keep);
                 let begun = self.shared.generations.begin(&id, Some(handle.status.clone()), epoch_of, None);
                 self.shared.generations.apply(&mut spec, &id, begun);
                 begun

@@ -57,6 +57,7 @@ pub(super) struct ProxyDef {
     update_timeout: Option<PositiveDuration>,
     drain_timeout: Option<PositiveDuration>,
     max_generations: Option<MaxGenerations>,
+    keep_listening: Option<bool>,
     memory_max: Option<MemoryMax>,
     cpus: Option<Cpus>,
     pids_max: Option<PidsMax>,
@@ -356,20 +357,29 @@ impl TryFrom<ServiceDef> for Validated {
     }
 }
 
-/// `drain_timeout` and `max_generations` belong to `update = "epoch"`, which alone replaces
+/// `drain_timeout`, `max_generations` and `keep_listening` belong to `update = "epoch"`, which alone replaces
 /// the placeholders `{restart_epoch}` and `{base_id}`: with another `update` they are
 /// refused rather than passed on as they are written.
 fn check_epoch(proxy: &ProxyDef) -> Result<(), String> {
     if matches!(proxy.update, Some(UpdateDef::Epoch)) {
+        // The sockets are kept from a generation once it is ready: without a check, that is
+        // as soon as it runs, before it listens.
+        if proxy.keep_listening == Some(true) && proxy.readiness.is_none() {
+            return Err("`proxy.keep_listening` needs a readiness check that passes once the proxy listens \
+                        (Envoy's admin /ready, say): add [service.proxy.readiness]"
+                .to_owned());
+        }
         return Ok(());
     }
     let update = match proxy.update {
         Some(UpdateDef::Overlap) => "overlap",
         _ => "restart",
     };
-    for (key, given) in
-        [("drain_timeout", proxy.drain_timeout.is_some()), ("max_generations", proxy.max_generations.is_some())]
-    {
+    for (key, given) in [
+        ("drain_timeout", proxy.drain_timeout.is_some()),
+        ("max_generations", proxy.max_generations.is_some()),
+        ("keep_listening", proxy.keep_listening.is_some()),
+    ] {
         if given {
             return Err(format!(
                 "`proxy.{key}` applies to update = \"epoch\" only, and this proxy's update is \"{update}\": \
@@ -452,6 +462,7 @@ impl From<ProxyDef> for ProxySpec {
                 timeout: def.update_timeout.map_or(UpdatePolicy::default().timeout, |d| d.0),
                 drain_timeout: def.drain_timeout.map_or(UpdatePolicy::DRAIN_TIMEOUT, |d| d.0),
                 max_generations: def.max_generations.map_or(UpdatePolicy::MAX_GENERATIONS, |m| m.0),
+                keep_listening: def.keep_listening.unwrap_or(false),
             },
             limits: ResourceLimits {
                 memory_max: def.memory_max.map(|m| m.0),

@@ -509,9 +509,10 @@ fn listeners_and_update_are_read_with_their_defaults() {
 fn epoch_updates_are_read_with_their_keys_and_defaults() {
     let proxy = |lines: &str| one(&format!("[[service]]\nname = \"web\"\n[service.proxy]\n{lines}\n")).proxy.unwrap();
     let envoy = proxy(
-        "update = \"epoch\"\ndrain_timeout = \"2m\"\nmax_generations = 2\n\
+        "update = \"epoch\"\ndrain_timeout = \"2m\"\nmax_generations = 2\nkeep_listening = true\n\
          command = [\"envoy\", \"--restart-epoch\", \"{restart_epoch}\", \"--base-id\", \"{base_id}\"]\n\
-         env = { ENVOY_EPOCH = \"epoch-{restart_epoch}\" }",
+         env = { ENVOY_EPOCH = \"epoch-{restart_epoch}\" }\n\
+         [service.proxy.readiness]\nexec = [\"/bin/check\"]",
     );
     assert_eq!(
         envoy.update,
@@ -520,10 +521,14 @@ fn epoch_updates_are_read_with_their_keys_and_defaults() {
             timeout: Duration::from_secs(30),
             drain_timeout: Duration::from_secs(120),
             max_generations: 2,
+            keep_listening: true,
         }
     );
     let defaults = proxy("update = \"epoch\"").update;
-    assert_eq!((defaults.drain_timeout, defaults.max_generations), (Duration::from_secs(15 * 60), 3));
+    assert_eq!(
+        (defaults.drain_timeout, defaults.max_generations, defaults.keep_listening),
+        (Duration::from_secs(15 * 60), 3, false)
+    );
 }
 
 #[test]
@@ -535,6 +540,10 @@ fn epoch_keys_and_placeholders_are_refused_beside_another_update() {
     );
     let error = proxy_error("update = \"overlap\"\nmax_generations = 4");
     assert!(error.contains("`proxy.max_generations`") && error.contains("update is \"overlap\""), "{error}");
+    let error = proxy_error("update = \"epoch\"\nkeep_listening = true");
+    assert!(error.contains("web.toml") && error.contains("`proxy.keep_listening` needs a readiness check"), "{error}");
+    let error = proxy_error("keep_listening = true");
+    assert!(error.contains("`proxy.keep_listening` applies to update = \"epoch\" only"), "{error}");
     let error = proxy_error("command = [\"envoy\", \"--restart-epoch\", \"{restart_epoch}\"]");
     assert!(error.contains("`proxy.command` holds {restart_epoch}"), "{error}");
     let error = proxy_error("command = [\"envoy\"]\nenv = { BASE = \"{base_id}\" }");

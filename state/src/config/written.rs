@@ -50,6 +50,8 @@ pub(super) struct ProxyOut<'a> {
     drain_timeout: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     max_generations: Option<u32>,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    keep_listening: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     memory_max: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -197,6 +199,7 @@ impl<'a> From<&'a ProxySpec> for ProxyOut<'a> {
             // Written only where they apply: the schema refuses them beside another update.
             drain_timeout: (spec.update.strategy == UpdateStrategy::Epoch).then(|| duration(spec.update.drain_timeout)),
             max_generations: (spec.update.strategy == UpdateStrategy::Epoch).then_some(spec.update.max_generations),
+            keep_listening: spec.update.strategy == UpdateStrategy::Epoch && spec.update.keep_listening,
             memory_max: spec.limits.memory_max,
             cpus: spec.limits.cpus.map(CpuLimit::cores),
             pids_max: spec.limits.pids_max,

@@ -88,17 +88,23 @@ fn listeners() -> impl Strategy<Value = Vec<Listener>> {
 
 fn update() -> impl Strategy<Value = UpdatePolicy> {
     let strategies = vec![UpdateStrategy::Restart, UpdateStrategy::Overlap, UpdateStrategy::Epoch];
-    (prop::sample::select(strategies), 1u64..100_000, 1u64..10_000_000, UpdatePolicy::MIN_GENERATIONS..10).prop_map(
-        |(strategy, ms, drain_ms, max_generations)| {
+    (
+        prop::sample::select(strategies),
+        1u64..100_000,
+        1u64..10_000_000,
+        UpdatePolicy::MIN_GENERATIONS..10,
+        any::<bool>(),
+    )
+        .prop_map(|(strategy, ms, drain_ms, max_generations, keep_listening)| {
             let mut policy = UpdatePolicy { strategy, timeout: Duration::from_millis(ms), ..UpdatePolicy::default() };
-            // `drain_timeout` and `max_generations` belong to epoch alone.
+            // `drain_timeout`, `max_generations` and `keep_listening` belong to epoch alone.
             if strategy == UpdateStrategy::Epoch {
                 policy.drain_timeout = Duration::from_millis(drain_ms);
                 policy.max_generations = max_generations;
+                policy.keep_listening = keep_listening;
             }
             policy
-        },
-    )
+        })
 }
 
 fn proxy_spec() -> impl Strategy<Value = ProxySpec> {
@@ -112,6 +118,8 @@ fn proxy_spec() -> impl Strategy<Value = ProxySpec> {
             }
             spec.listeners = listeners;
             spec.update = update;
+            // `keep_listening` needs a readiness check.
+            spec.update.keep_listening &= spec.readiness.is_some();
             spec
         },
     )
