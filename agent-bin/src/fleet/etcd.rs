@@ -333,7 +333,7 @@ impl Client {
                 let _ = sender.try_send(pb::LeaseKeepAliveRequest { id });
                 requests = Some(sender);
                 let mut lease = self.lease();
-                async move { lease.lease_keep_alive(ReceiverStream::new(receiver)).await }
+                async move { lease.lease_keep_alive(require_leader(ReceiverStream::new(receiver))).await }
             })
             .await?;
         let Some(requests) = requests else { unreachable!("with_token calls its request at least once") };
@@ -364,12 +364,22 @@ impl Client {
                 let _ = sender.try_send(create.clone());
                 requests = Some(sender);
                 let mut watch = WatchClient::with_interceptor(self.channel.clone(), self.token.clone());
-                async move { watch.watch(ReceiverStream::new(receiver)).await }
+                async move { watch.watch(require_leader(ReceiverStream::new(receiver))).await }
             })
             .await?;
         let Some(requests) = requests else { unreachable!("with_token calls its request at least once") };
         Ok(WatchStream { _requests: requests, responses })
     }
+}
+
+/// A stream request that etcd ends, rather than leaves open and silent, while the member
+/// that serves it has no leader (etcd's `hasleader` metadata, as its own clients'
+/// `WithRequireLeader`): a member cut off from its quorum fails the watch and the lease's
+/// keep-alive, so that the agent says the store is unreachable and tries another member.
+fn require_leader<T>(stream: T) -> Request<T> {
+    let mut request = Request::new(stream);
+    request.metadata_mut().insert("hasleader", MetadataValue::from_static("true"));
+    request
 }
 
 /// The responses of one watch, in revision order.

@@ -146,34 +146,7 @@ impl Etcd {
 
     /// One POST to etcd's JSON gateway; the body of a 200 answer.
     fn call(&self, path: &str, body: &str) -> Result<String, String> {
-        let mut stream = TcpStream::connect(("127.0.0.1", self.client_port)).map_err(|err| err.to_string())?;
-        stream.set_read_timeout(Some(support::DEADLINE)).unwrap();
-        let request = format!(
-            "POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-            body.len()
-        );
-        stream.write_all(request.as_bytes()).map_err(|err| err.to_string())?;
-        let mut raw = String::new();
-        stream.read_to_string(&mut raw).map_err(|err| err.to_string())?;
-        let (head, body) = raw.split_once("\r\n\r\n").ok_or_else(|| raw.clone())?;
-        if !head.starts_with("HTTP/1.1 200") {
-            return Err(raw.clone());
-        }
-        if !head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
-            return Ok(body.to_owned());
-        }
-        // A large answer comes in chunks: each a hex length line, then that many bytes.
-        let mut rest = body;
-        let mut whole = String::new();
-        loop {
-            let (size, after) = rest.split_once("\r\n").ok_or_else(|| raw.clone())?;
-            let size = usize::from_str_radix(size.trim(), 16).map_err(|_| raw.clone())?;
-            if size == 0 {
-                return Ok(whole);
-            }
-            whole.push_str(after.get(..size).ok_or_else(|| raw.clone())?);
-            rest = after.get(size + 2..).ok_or_else(|| raw.clone())?;
-        }
+        gateway(self.client_port, path, body)
     }
 
     /// Writes a raw value; returns the new revision.
@@ -205,6 +178,38 @@ impl Etcd {
 impl Drop for Etcd {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+/// One POST to the JSON gateway of the etcd at `client_port`; the body of a 200 answer.
+fn gateway(client_port: u16, path: &str, body: &str) -> Result<String, String> {
+    let mut stream = TcpStream::connect(("127.0.0.1", client_port)).map_err(|err| err.to_string())?;
+    stream.set_read_timeout(Some(support::DEADLINE)).unwrap();
+    let request = format!(
+        "POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).map_err(|err| err.to_string())?;
+    let mut raw = String::new();
+    stream.read_to_string(&mut raw).map_err(|err| err.to_string())?;
+    let (head, body) = raw.split_once("\r\n\r\n").ok_or_else(|| raw.clone())?;
+    if !head.starts_with("HTTP/1.1 200") {
+        return Err(raw.clone());
+    }
+    if !head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+        return Ok(body.to_owned());
+    }
+    // A large answer comes in chunks: each a hex length line, then that many bytes.
+    let mut rest = body;
+    let mut whole = String::new();
+    loop {
+        let (size, after) = rest.split_once("\r\n").ok_or_else(|| raw.clone())?;
+        let size = usize::from_str_radix(size.trim(), 16).map_err(|_| raw.clone())?;
+        if size == 0 {
+            return Ok(whole);
+        }
+        whole.push_str(after.get(..size).ok_or_else(|| raw.clone())?);
+        rest = after.get(size + 2..).ok_or_else(|| raw.clone())?;
     }
 }
 
@@ -1513,3 +1518,5 @@ fn connected_turns_false_when_etcd_goes_away_in_the_middle_of_a_burst() {
             .ok_or(status.to_string())
     });
 }
+
+mod cluster;
