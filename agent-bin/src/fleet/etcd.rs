@@ -7,6 +7,7 @@
 //! when etcd says it expired), and the request stream that keeps a watch open. It knows
 //! nothing of the fleet's keys; `fleet` does.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -57,6 +58,8 @@ pub(crate) struct Tls {
 /// Why a connection or a request failed.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum Error {
+    #[error("no etcd endpoint was given")]
+    NoEndpoint,
     #[error("invalid endpoint `{endpoint}`")]
     Endpoint {
         endpoint: String,
@@ -122,9 +125,70 @@ type Authorized = InterceptedService<Channel, Token>;
 /// A connection to an etcd cluster. Cloning it is cheap and shares the connection.
 #[derive(Debug, Clone)]
 pub(crate) struct Client {
-    channel: Channel,
+    members: Arc<Members>,
     token: Token,
     user: Option<(String, String)>,
+}
+
+/// One channel per endpoint, and the one that requests go to: the next one once it fails,
+/// as etcd's own clients move on from a member that went away.
+#[derive(Debug)]
+struct Members {
+    channels: Vec<Channel>,
+    current: AtomicUsize,
+}
+
+impl Members {
+    /// The channel that requests go to now, and its index.
+    fn current(&self) -> (usize, Channel) {
+        let index = self.current.load(Ordering::Relaxed) % self.channels.len().max(1);
+        (index, self.channels[index].clone())
+    }
+
+    /// Moves on from the member at `index`, unless another request already did.
+    fn failed(&self, index: usize) {
+        let next = (index + 1) % self.channels.len().max(1);
+        let _ = self.current.compare_exchange(index, next, Ordering::Relaxed, Ordering::Relaxed);
+    }
+}
+
+/// Whether a request may be sent again through another member after it failed with
+/// `status`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Retry {
+    /// It changes nothing, or changes the same thing twice harmlessly: on any failure of
+    /// the member (unavailable, no leader).
+    Safe,
+    /// Only when it surely never reached etcd (no connection to the member) or etcd
+    /// refused it before applying it (no leader).
+    Unsent,
+}
+
+/// Whether `status` says the member could not be used: its connection failed or it has no
+/// leader. Another member may serve.
+fn member_failed(status: &Status) -> bool {
+    status.code() == Code::Unavailable
+}
+
+/// Whether `status` says the request never reached etcd's state machine: the connection
+/// to the member could not be made, or the member had no leader to give it to.
+fn unsent(status: &Status) -> bool {
+    if status.code() != Code::Unavailable {
+        return false;
+    }
+    if status.message().contains("no leader") || status.message().contains("tcp connect error") {
+        return true;
+    }
+    let mut source: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(status);
+    while let Some(error) = source {
+        if let Some(io) = error.downcast_ref::<std::io::Error>()
+            && matches!(io.kind(), std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::NotFound)
+        {
+            return true;
+        }
+        source = error.source();
+    }
+    false
 }
 
 impl Client {
@@ -143,21 +207,22 @@ impl Client {
     ///
     /// Cancel-safe: dropping it drops the connection.
     pub(crate) async fn connect(endpoints: &[String], options: &ConnectOptions) -> Result<Self, Error> {
-        let mut list = Vec::with_capacity(endpoints.len());
+        let mut channels = Vec::with_capacity(endpoints.len());
         for endpoint in endpoints {
-            list.push(endpoint_of(endpoint, options)?);
+            let endpoint = endpoint_of(endpoint, options)?;
+            // One member: its connection is made now, so that a wrong address shows at once.
+            // Several: on demand, each the first time requests go to it.
+            channels.push(if endpoints.len() == 1 {
+                endpoint.connect().await.map_err(Error::Connect)?
+            } else {
+                endpoint.connect_lazy()
+            });
         }
-        let channel = match list.pop() {
-            Some(only) if list.is_empty() => only.connect().await.map_err(Error::Connect)?,
-            Some(last) => {
-                list.push(last);
-                // Several members: requests go to whichever is reachable. Connections are
-                // made on demand, so an unreachable cluster shows in the first request.
-                Channel::balance_list(list.into_iter())
-            }
-            None => Channel::balance_list(std::iter::empty()),
-        };
-        let client = Self { channel, token: Token::default(), user: options.user.clone() };
+        if channels.is_empty() {
+            return Err(Error::NoEndpoint);
+        }
+        let members = Arc::new(Members { channels, current: AtomicUsize::new(0) });
+        let client = Self { members, token: Token::default(), user: options.user.clone() };
         client.authenticate().await?;
         Ok(client)
     }
@@ -166,7 +231,7 @@ impl Client {
     async fn authenticate(&self) -> Result<(), Error> {
         let Some((name, password)) = &self.user else { return Ok(()) };
         let request = pb::AuthenticateRequest { name: name.clone(), password: password.clone() };
-        let response = AuthClient::new(self.channel.clone())
+        let response = AuthClient::new(self.members.current().1)
             .authenticate(request)
             .await
             .map_err(|status| Error::Authenticate { user: name.clone(), source: Rejected(status) })?;
@@ -176,21 +241,39 @@ impl Client {
     }
 
     fn kv(&self) -> KvClient<Authorized> {
-        KvClient::with_interceptor(self.channel.clone(), self.token.clone())
+        KvClient::with_interceptor(self.members.current().1, self.token.clone())
     }
 
     /// Runs `call`, and once more after a new authentication if etcd says that the token
-    /// expired (etcd's simple tokens expire after five idle minutes).
-    async fn with_token<T, F>(&self, mut call: impl FnMut() -> F) -> Result<T, Error>
+    /// expired (etcd's simple tokens expire after five idle minutes). A member that fails is
+    /// left for the next, and `call` runs again through it as `retry` allows, once per
+    /// member at most.
+    async fn with_token<T, F>(&self, retry: Retry, mut call: impl FnMut() -> F) -> Result<T, Error>
     where
         F: Future<Output = Result<tonic::Response<T>, Status>>,
     {
-        match call().await {
-            Err(status) if status.code() == Code::Unauthenticated && self.user.is_some() => {
-                self.authenticate().await?;
-                Ok(call().await.map_err(Rejected)?.into_inner())
+        let mut tries = self.members.channels.len();
+        loop {
+            let (member, _) = self.members.current();
+            let result = match call().await {
+                Err(status) if status.code() == Code::Unauthenticated && self.user.is_some() => {
+                    self.authenticate().await?;
+                    call().await
+                }
+                result => result,
+            };
+            match result {
+                Ok(response) => return Ok(response.into_inner()),
+                Err(status) if member_failed(&status) => {
+                    self.members.failed(member);
+                    tries -= 1;
+                    let again = retry == Retry::Safe || unsent(&status);
+                    if tries == 0 || !again {
+                        return Err(Rejected(status).into());
+                    }
+                }
+                Err(status) => return Err(Rejected(status).into()),
             }
-            result => Ok(result.map_err(Rejected)?.into_inner()),
         }
     }
 
@@ -205,7 +288,7 @@ impl Client {
             range_end: prefix_end(prefix.as_bytes()),
             ..Default::default()
         };
-        self.with_token(|| {
+        self.with_token(Retry::Safe, || {
             let (mut kv, request) = (self.kv(), request.clone());
             async move { kv.range(request).await }
         })
@@ -219,7 +302,7 @@ impl Client {
     /// Cancel-safe: a read changes nothing.
     pub(crate) async fn get(&self, key: &str) -> Result<pb::RangeResponse, Error> {
         let request = pb::RangeRequest { key: key.as_bytes().to_vec(), ..Default::default() };
-        self.with_token(|| {
+        self.with_token(Retry::Safe, || {
             let (mut kv, request) = (self.kv(), request.clone());
             async move { kv.range(request).await }
         })
@@ -238,7 +321,7 @@ impl Client {
             count_only: true,
             ..Default::default()
         };
-        self.with_token(|| {
+        self.with_token(Retry::Safe, || {
             let (mut kv, request) = (self.kv(), request.clone());
             async move { kv.range(request).await }
         })
@@ -252,7 +335,7 @@ impl Client {
     /// Not cancel-safe: a put dropped after it was sent may still be applied.
     pub(crate) async fn put(&self, key: &str, value: Vec<u8>) -> Result<pb::PutResponse, Error> {
         let request = pb::PutRequest { key: key.as_bytes().to_vec(), value, ..Default::default() };
-        self.with_token(|| {
+        self.with_token(Retry::Unsent, || {
             let (mut kv, request) = (self.kv(), request.clone());
             async move { kv.put(request).await }
         })
@@ -266,7 +349,7 @@ impl Client {
     /// Not cancel-safe: a delete dropped after it was sent may still be applied.
     pub(crate) async fn delete(&self, key: &str) -> Result<pb::DeleteRangeResponse, Error> {
         let request = pb::DeleteRangeRequest { key: key.as_bytes().to_vec(), ..Default::default() };
-        self.with_token(|| {
+        self.with_token(Retry::Unsent, || {
             let (mut kv, request) = (self.kv(), request.clone());
             async move { kv.delete_range(request).await }
         })
@@ -279,7 +362,7 @@ impl Client {
     ///
     /// Not cancel-safe: a transaction dropped after it was sent may still be applied.
     pub(crate) async fn txn(&self, request: pb::TxnRequest) -> Result<pb::TxnResponse, Error> {
-        self.with_token(|| {
+        self.with_token(Retry::Unsent, || {
             let (mut kv, request) = (self.kv(), request.clone());
             async move { kv.txn(request).await }
         })
@@ -287,7 +370,7 @@ impl Client {
     }
 
     fn lease(&self) -> LeaseClient<Authorized> {
-        LeaseClient::with_interceptor(self.channel.clone(), self.token.clone())
+        LeaseClient::with_interceptor(self.members.current().1, self.token.clone())
     }
 
     /// Grants a lease of `ttl` seconds; its id is in the response.
@@ -297,7 +380,7 @@ impl Client {
     /// Not cancel-safe: a lease granted after the call was dropped lives out its TTL unused.
     pub(crate) async fn lease_grant(&self, ttl: i64) -> Result<pb::LeaseGrantResponse, Error> {
         let request = pb::LeaseGrantRequest { ttl, id: 0 };
-        self.with_token(|| {
+        self.with_token(Retry::Safe, || {
             let mut lease = self.lease();
             async move { lease.lease_grant(request).await }
         })
@@ -311,7 +394,7 @@ impl Client {
     /// Not cancel-safe: a revoke dropped after it was sent may still be applied.
     pub(crate) async fn lease_revoke(&self, id: i64) -> Result<pb::LeaseRevokeResponse, Error> {
         let request = pb::LeaseRevokeRequest { id };
-        self.with_token(|| {
+        self.with_token(Retry::Unsent, || {
             let mut lease = self.lease();
             async move { lease.lease_revoke(request).await }
         })
@@ -326,7 +409,7 @@ impl Client {
     pub(crate) async fn lease_keep_alive(&self, id: i64) -> Result<KeepAlive, Error> {
         let mut requests = None;
         let responses = self
-            .with_token(|| {
+            .with_token(Retry::Safe, || {
                 let (sender, receiver) = mpsc::channel(1);
                 // etcd answers the stream's headers only once a request arrived: the first
                 // renewal goes with the opening, and its answer is the first `renew`'s.
@@ -358,12 +441,12 @@ impl Client {
         // own request channel, the create request first; the last one's sender is kept.
         let mut requests = None;
         let responses = self
-            .with_token(|| {
+            .with_token(Retry::Safe, || {
                 let (sender, receiver) = mpsc::channel(1);
                 // The channel has room for the one request, and its receiver is alive.
                 let _ = sender.try_send(create.clone());
                 requests = Some(sender);
-                let mut watch = WatchClient::with_interceptor(self.channel.clone(), self.token.clone());
+                let mut watch = WatchClient::with_interceptor(self.members.current().1, self.token.clone());
                 async move { watch.watch(require_leader(ReceiverStream::new(receiver))).await }
             })
             .await?;
@@ -509,6 +592,30 @@ fn endpoint_of(endpoint: &str, options: &ConnectOptions) -> Result<Endpoint, Err
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_failed_member_is_left_for_the_next_once() {
+        let channel = |port: u16| Endpoint::from_shared(format!("http://127.0.0.1:{port}")).unwrap().connect_lazy();
+        let members = Members { channels: vec![channel(1), channel(2), channel(3)], current: AtomicUsize::new(0) };
+        members.failed(0);
+        assert_eq!(members.current().0, 1);
+        // A second request that failed on member 0 does not skip member 1.
+        members.failed(0);
+        assert_eq!(members.current().0, 1);
+        members.failed(1);
+        members.failed(2);
+        assert_eq!(members.current().0, 0, "round and round");
+    }
+
+    #[test]
+    fn only_a_request_that_never_reached_etcd_counts_as_unsent() {
+        assert!(unsent(&Status::unavailable("etcdserver: no leader")));
+        assert!(unsent(&Status::unavailable("tcp connect error: Connection refused (os error 111)")));
+        assert!(!unsent(&Status::unavailable("transport error: connection reset")), "it may have been applied");
+        assert!(!unsent(&Status::internal("etcdserver: no leader")));
+        assert!(member_failed(&Status::unavailable("connection reset")));
+        assert!(!member_failed(&Status::invalid_argument("bad key")));
+    }
 
     #[test]
     fn a_prefix_range_ends_after_its_last_key() {

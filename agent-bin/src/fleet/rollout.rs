@@ -109,6 +109,14 @@ pub(crate) async fn run(options: &EtcdOptions, prefix: &str, request: Request<'_
         Ok(_) => true,
         Err(err) => err.downcast_ref::<super::EtcdError>().is_none(),
     };
+    if !ended {
+        let id = record.services.keys().next().map(String::as_str).unwrap_or_default();
+        return result.map_err(|err| {
+            err.context(format!(
+                "the rollout stopped: etcd failed; once it answers, continue it with `tether fleet rollout --resume {id}`"
+            ))
+        });
+    }
     if ended {
         let ops = held.keys.iter().map(|key| etcd::delete_op(key)).collect();
         let request = etcd::pb::TxnRequest { compare: Vec::new(), success: ops, failure: Vec::new() };
@@ -285,6 +293,29 @@ fn service_ids(record: &Record) -> Vec<String> {
     record.services.keys().cloned().collect()
 }
 
+/// How long the status read of a batch that waits is tried again through etcd's failures
+/// (a member lost, a new leader elected): reads change nothing, so a retry is safe.
+const READ_RETRY_FOR: Duration = Duration::from_secs(20);
+
+/// The fleet's status, read again through etcd failures for up to [`READ_RETRY_FOR`].
+async fn read_through_failures(
+    options: &EtcdOptions,
+    client: &Client,
+    prefix: &str,
+) -> Result<FleetView, super::EtcdError> {
+    let started = Instant::now();
+    loop {
+        match super::status::read(options, client, prefix).await {
+            Ok(view) => return Ok(view),
+            Err(error) if started.elapsed() < READ_RETRY_FOR => {
+                tracing::debug!(%error, "reading the fleet's status again");
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            Err(error) => return Err(error),
+        }
+    }
+}
+
 /// Waits until every node of `targets` runs every service of `ids` at its revision and
 /// ready; `Ok(Err(why))` names the node and the proxy's error when one is down or is not
 /// ready within `wait`.
@@ -300,7 +331,7 @@ async fn await_batch(
     let started = Instant::now();
     let mut pending: BTreeMap<String, i64> = targets.clone();
     loop {
-        let view: FleetView = super::status::read(options, client, prefix).await?;
+        let view: FleetView = read_through_failures(options, client, prefix).await?;
         let mut still = BTreeMap::new();
         for (node, revision) in pending {
             let seen = view.get(&node).cloned().unwrap_or_default();
