@@ -3,6 +3,8 @@
 //! ports (client and peer port per member, a temp data dir each), gives the agents and the
 //! `tether fleet` commands all three endpoints, and kills every member on drop.
 
+use std::sync::Arc;
+
 use super::*;
 
 /// One member of a [`Cluster`]: its name, ports, data dir and process.
@@ -57,6 +59,12 @@ impl Cluster {
 
     /// Starts member `i` on its data dir (new, or kept from before).
     fn spawn(&mut self, i: usize) {
+        self.spawn_as(i, "new");
+    }
+
+    /// Starts member `i` with `--initial-cluster-state STATE`: `new` for a founding member
+    /// (or one that restarts on its data), `existing` for one added to a running cluster.
+    fn spawn_as(&mut self, i: usize, state: &str) {
         let initial: Vec<String> = self.members.iter().map(|m| format!("{}={}", m.name, m.peer_url())).collect();
         let token = self.dir.path().file_name().unwrap().to_string_lossy().into_owned();
         let member = &self.members[i];
@@ -75,7 +83,7 @@ impl Cluster {
             .arg(format!("--initial-advertise-peer-urls={}", member.peer_url()))
             .arg(format!("--initial-cluster={}", initial.join(",")))
             .arg(format!("--initial-cluster-token={token}"))
-            .arg("--initial-cluster-state=new")
+            .arg(format!("--initial-cluster-state={state}"))
             .arg("--logger=zap")
             .arg("--log-level=warn")
             .stdin(Stdio::null())
@@ -120,6 +128,43 @@ impl Cluster {
                 })
             })
             .collect()
+    }
+
+    /// Member `i` loses its data dir: it is removed from the cluster, added again with the
+    /// same peer URL and started empty, and catches up from the others.
+    fn replace(&mut self, i: usize) {
+        let leader = self.wait_leader();
+        let list: serde_json::Value =
+            serde_json::from_str(&self.call(leader, "/v3/cluster/member/list", "{}").unwrap()).unwrap();
+        let id = list["members"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|member| member["name"] == self.members[i].name.as_str())
+            .and_then(|member| member["ID"].as_str())
+            .unwrap()
+            .to_owned();
+        self.kill(i);
+        std::fs::remove_dir_all(self.dir.path().join(&self.members[i].name)).unwrap();
+        let leader = self.wait_leader();
+        self.call(leader, "/v3/cluster/member/remove", &format!(r#"{{"ID": "{id}"}}"#)).unwrap();
+        // etcd refuses a new member until the cluster has been healthy for a moment
+        // ("unhealthy cluster"): asked again until it takes it.
+        let add = format!(r#"{{"peerURLs": ["{}"]}}"#, self.members[i].peer_url());
+        wait_until("the cluster to take the member again", || {
+            let leader = self.leader().ok_or("no leader")?;
+            self.call(leader, "/v3/cluster/member/add", &add).map(|_| ())
+        });
+        self.spawn_as(i, "existing");
+        wait_until("the new member to serve reads", || self.call(i, "/v3/kv/range", r#"{"key": "AA=="}"#).map(|_| ()));
+    }
+
+    /// Compacts the history up to the current revision, through the leader.
+    fn compact(&self) {
+        let leader = self.wait_leader();
+        let revision = revision_of(&self.call(leader, "/v3/kv/range", r#"{"key": "AA=="}"#).unwrap());
+        let body = format!(r#"{{"revision": "{revision}", "physical": true}}"#);
+        self.call(leader, "/v3/kv/compaction", &body).unwrap();
     }
 
     /// The index of the member that leads, as the live members say.
@@ -395,4 +440,235 @@ fn a_leader_killed_mid_rollout_neither_skips_nor_repeats_a_node_and_restarts_not
     assert_eq!(nodes.pids("other-proxy"), others, "a proxy outside the rollout never restarts");
     nodes.agents.clear();
     eprintln!("rollout across a leader's death:\n{all}");
+}
+
+/// A link between an agent and the cluster that the test can cut: a relay on loopback per
+/// member, whose connections carry bytes both ways until [`Link::cut`], and then carry none
+/// (a partition: nothing is refused or reset, bytes are lost). [`Link::heal`] drops the
+/// connections that lived through the cut, as their peers' timeouts would have, and carries
+/// new ones again.
+struct Link {
+    cut: Arc<std::sync::atomic::AtomicBool>,
+    /// Bumped at each heal: a connection of an older generation stops.
+    generation: Arc<std::sync::atomic::AtomicU64>,
+    ports: Vec<u16>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Link {
+    fn new(cluster: &Cluster) -> Self {
+        use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+        let cut = Arc::new(AtomicBool::new(false));
+        let generation = Arc::new(AtomicU64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut ports = Vec::new();
+        for member in &cluster.members {
+            let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+            listener.set_nonblocking(true).unwrap();
+            ports.push(listener.local_addr().unwrap().port());
+            let (cut, generation, stop, target) =
+                (Arc::clone(&cut), Arc::clone(&generation), Arc::clone(&stop), member.client_port);
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    let Ok((client, _)) = listener.accept() else {
+                        std::thread::sleep(Duration::from_millis(5));
+                        continue;
+                    };
+                    client.set_nonblocking(false).unwrap();
+                    let Ok(server) = TcpStream::connect(("127.0.0.1", target)) else { continue };
+                    let born = generation.load(Ordering::Relaxed);
+                    for (from, to) in [(client.try_clone().unwrap(), server.try_clone().unwrap()), (server, client)] {
+                        let (cut, generation, stop) = (Arc::clone(&cut), Arc::clone(&generation), Arc::clone(&stop));
+                        std::thread::spawn(move || pump(from, to, born, &cut, &generation, &stop));
+                    }
+                }
+            });
+        }
+        Self { cut, generation, ports, stop }
+    }
+
+    /// The relays' URLs, comma-separated, for `--etcd`.
+    fn urls(&self) -> String {
+        self.ports.iter().map(|port| format!("http://127.0.0.1:{port}")).collect::<Vec<_>>().join(",")
+    }
+
+    fn cut(&self) {
+        self.cut.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn heal(&self) {
+        self.generation.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.cut.store(false, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// Carries bytes from `from` to `to`: none while cut, and none ever again once a heal made
+/// its generation old (both ends are shut then).
+fn pump(
+    mut from: TcpStream,
+    mut to: TcpStream,
+    born: u64,
+    cut: &std::sync::atomic::AtomicBool,
+    generation: &std::sync::atomic::AtomicU64,
+    stop: &std::sync::atomic::AtomicBool,
+) {
+    use std::sync::atomic::Ordering;
+    from.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+    let mut buffer = [0u8; 16 * 1024];
+    loop {
+        if stop.load(Ordering::Relaxed) || generation.load(Ordering::Relaxed) != born {
+            let _ = from.shutdown(std::net::Shutdown::Both);
+            let _ = to.shutdown(std::net::Shutdown::Both);
+            return;
+        }
+        match from.read(&mut buffer) {
+            Ok(0) => {
+                let _ = to.shutdown(std::net::Shutdown::Write);
+                return;
+            }
+            Ok(n) if !cut.load(Ordering::Relaxed) => {
+                if to.write_all(&buffer[..n]).is_err() {
+                    return;
+                }
+            }
+            Ok(_) => {} // lost in the partition
+            Err(error) if matches!(error.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+            Err(_) => {
+                let _ = to.shutdown(std::net::Shutdown::Both);
+                return;
+            }
+        }
+    }
+}
+
+/// One agent cut off from every member while another is not: its proxies run on, it is
+/// `down` in `fleet status` once its TTL passes, and once the link returns it is `up` with
+/// nothing restarted and the change made meanwhile applied, once.
+#[test]
+fn an_agent_cut_off_from_the_cluster_keeps_its_proxies_is_down_after_the_ttl_and_catches_up_on_return() {
+    let Some(cluster) = Cluster::start("fleet agent cut off") else { return };
+    let link = Link::new(&cluster);
+    let (cut_dirs, other_dirs) = (Dirs::new(), Dirs::new());
+    let _sweeps = [support::SweepOnDrop(cut_dirs.socket()), support::SweepOnDrop(other_dirs.socket())];
+    let ttl = "3s";
+    let start = |dirs: &Dirs, urls: &str, node: &str| {
+        let mut flags = vec!["--etcd", urls, "--node", node, "--fleet-ttl", ttl];
+        if is_root() {
+            flags.push("--allow-root");
+        }
+        Agent::start(dirs, &flags)
+    };
+    let cut_off = start(&cut_dirs, &link.urls(), "n1");
+    let other = start(&other_dirs, &cluster.urls(), "n2");
+    put(&cluster, "n1", &sleeper_file(&cut_dirs, "a", 3600));
+    put(&cluster, "n2", &sleeper_file(&other_dirs, "b", 3600));
+    let (a, b) = (pid_of(&cut_off, "a-proxy"), pid_of(&other, "b-proxy"));
+    let node_state = |node: &str| {
+        let output = fleet(&cluster.urls(), &["status", "--json"]);
+        let view: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap_or_default();
+        node_of(&view, node)["state"].as_str().unwrap_or_default().to_owned()
+    };
+    wait_for("n1 up", || (node_state("n1") == "up").then_some(()));
+
+    link.cut();
+    let cut_at = Instant::now();
+    wait_until("n1 to be down", || {
+        let state = node_state("n1");
+        (state == "down").then_some(()).ok_or(state)
+    });
+    let down_after = cut_at.elapsed();
+    // Meanwhile a change for n1: it reaches n1 once the link is back.
+    put(&cluster, "n1", &sleeper_file(&cut_dirs, "c", 3600));
+    wait_until("the cut-off agent to see the store unreachable", || {
+        let status = fleet_status(&cut_off);
+        (status["connected"] == false).then_some(()).ok_or(status.to_string())
+    });
+    assert_eq!(pid_of(&cut_off, "a-proxy"), a, "a proxy of the cut-off node runs on");
+    assert!(cut_off.proxy("c-proxy").is_none(), "nothing reached it");
+    assert_eq!(node_state("n2"), "up");
+
+    link.heal();
+    let healed_at = Instant::now();
+    let c = pid_of(&cut_off, "c-proxy");
+    wait_until("n1 up again", || {
+        let state = node_state("n1");
+        (state == "up").then_some(()).ok_or(state)
+    });
+    let up_after = healed_at.elapsed();
+    assert_eq!((pid_of(&cut_off, "a-proxy"), pid_of(&other, "b-proxy")), (a, b), "nothing restarted");
+    let c_status = cut_off.proxy("c-proxy").unwrap();
+    assert_eq!((c_status["pid"].as_i64(), c_status["restarts"].as_u64()), (Some(c), Some(0)), "applied once");
+    // Figures, not bounds: the machines are shared.
+    eprintln!("cut off: down in fleet status after {down_after:?}; up again {up_after:?} after the link returned");
+}
+
+/// History compacted past a running agent's revision while it was cut off: once the link
+/// returns, its watch cannot resume, so it reads the whole set again and applies only the
+/// difference.
+#[test]
+fn history_compacted_while_an_agent_was_cut_off_is_read_whole_and_only_the_difference_applies() {
+    let Some(cluster) = Cluster::start("fleet compaction while cut off") else { return };
+    let link = Link::new(&cluster);
+    let dirs = Dirs::new();
+    let _sweep = support::SweepOnDrop(dirs.socket());
+    let urls = link.urls();
+    let mut flags = vec!["--etcd", urls.as_str(), "--node", "n1"];
+    if is_root() {
+        flags.push("--allow-root");
+    }
+    let agent = Agent::start(&dirs, &flags);
+    put(&cluster, "n1", &sleeper_file(&dirs, "a", 3600));
+    put(&cluster, "n1", &sleeper_file(&dirs, "b", 3600));
+    let b = pid_of(&agent, "b-proxy");
+    pid_of(&agent, "a-proxy");
+    wait_for("the agent's watch", || fleet_status(&agent)["connected"].as_bool().filter(|c| *c));
+
+    link.cut();
+    let removed = fleet(&cluster.urls(), &["rm", "n1", "a"]);
+    assert!(removed.status.success(), "{}", String::from_utf8_lossy(&removed.stderr));
+    put(&cluster, "n1", &sleeper_file(&dirs, "c", 3600));
+    put(&cluster, "n1", &sleeper_file(&dirs, "c", 3601));
+    cluster.compact();
+    wait_until("the cut-off agent to see the store unreachable", || {
+        let status = fleet_status(&agent);
+        (status["connected"] == false).then_some(()).ok_or(status.to_string())
+    });
+
+    link.heal();
+    let c = pid_of(&agent, "c-proxy");
+    agent.wait_gone("a-proxy");
+    assert_eq!(pid_of(&agent, "b-proxy"), b, "an unchanged proxy is left alone");
+    assert!(support::cmdline(i32::try_from(c).unwrap()).contains(&"3601".to_owned()), "the latest c");
+    assert_eq!(agent.proxy("c-proxy").unwrap()["restarts"].as_u64(), Some(0), "c started once");
+    assert!(metric(&agent, "tether_fleet_compactions_total") >= Some(1.0));
+}
+
+/// A member loses its data dir and is added back empty: the agent notices at most a
+/// reconnect (no proxy restarts), and a change made afterwards applies.
+#[test]
+fn a_member_that_lost_its_data_and_was_added_again_costs_the_agent_at_most_a_reconnect() {
+    let Some(mut cluster) = Cluster::start("fleet member replaced") else { return };
+    let dirs = Dirs::new();
+    let _sweep = support::SweepOnDrop(dirs.socket());
+    let agent = cluster_agent(&dirs, &cluster, "n1");
+    put(&cluster, "n1", &sleeper_file(&dirs, "a", 3600));
+    let a = pid_of(&agent, "a-proxy");
+    wait_for("the agent's watch", || fleet_status(&agent)["connected"].as_bool().filter(|c| *c));
+    // The member that serves the agent's watch goes: the hardest case for the agent.
+    let watched = wait_until("the member that serves the watch", || match cluster.watched()[..] {
+        [one] => Ok(one),
+        ref other => Err(format!("members with a watcher: {other:?}")),
+    });
+    cluster.replace(watched);
+    put(&cluster, "n1", &sleeper_file(&dirs, "b", 3600));
+    pid_of(&agent, "b-proxy");
+    wait_for("the agent's watch again", || fleet_status(&agent)["connected"].as_bool().filter(|c| *c));
+    assert_eq!(pid_of(&agent, "a-proxy"), a, "nothing restarted");
+    assert_eq!(agent.proxy("a-proxy").unwrap()["restarts"].as_u64(), Some(0));
 }
