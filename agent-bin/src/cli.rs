@@ -189,6 +189,19 @@ pub(crate) enum FleetCommand {
         #[arg(long, value_name = "SERVICE_ID")]
         resume: Option<String>,
     },
+    /// Print the etcdctl commands that create the etcd role of NODE's agent: read its
+    /// services and every service's instances, write only its own status and instances.
+    Roles {
+        #[command(flatten)]
+        etcd: FleetEtcdArgs,
+        /// The node.
+        #[arg(value_name = "NODE")]
+        node: String,
+        /// Also let it publish the instances of a service of this name, which NODE does not
+        /// have in etcd yet (repeatable).
+        #[arg(long = "service-name", value_name = "NAME")]
+        service_names: Vec<String>,
+    },
     /// Remove service ID from NODE.
     Rm {
         #[command(flatten)]

@@ -51,6 +51,13 @@ pub(crate) async fn run(command: FleetCommand) -> anyhow::Result<ExitCode> {
         FleetCommand::Put { etcd, node, file } => put(&etcd, &node, &file).await,
         FleetCommand::Ls { etcd, node } => ls(&etcd, &node).await,
         FleetCommand::Rm { etcd, node, id } => rm(&etcd, &node, &id).await,
+        FleetCommand::Roles { etcd, node, service_names } => {
+            let (options, layout) = setup(&etcd, &node)?;
+            for name in &service_names {
+                tether_state::ServiceName::new(name).map_err(|err| usage(format!("--service-name {name}: {err}")))?;
+            }
+            super::roles::run(&options, &layout, &service_names).await
+        }
         FleetCommand::Rollout { etcd, file, nodes, max_parallel, wait, on_failure, resume } => {
             let layout = Layout::new(&etcd.etcd.etcd_prefix, "any").map_err(|err| usage(err.to_string()))?;
             let options = EtcdOptions::from_args(etcd.endpoints.clone(), &etcd.etcd);

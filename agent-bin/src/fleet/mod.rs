@@ -11,6 +11,7 @@ pub(crate) mod cli;
 pub(crate) mod etcd;
 pub(crate) mod follow;
 pub(crate) mod publish;
+pub(crate) mod roles;
 pub(crate) mod rollout;
 pub(crate) mod status;
 pub(crate) mod store;
