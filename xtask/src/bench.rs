@@ -8,13 +8,14 @@
 //!
 //! For work on one figure, `XTASK_BENCH_ONLY` narrows the run: `e2e` skips the crate
 //! benchmarks; a comma-separated list of sections (`many`, `scale`, `some`, `health`, `updates`, `reload`, `cgroups`,
-//! `peers`, `builtin-proxy`, `ordering`, `templates`, `fleet`) runs only those end-to-end sections and prints their table without rewriting
+//! `peers`, `builtin-proxy`, `ordering`, `templates`, `fleet`, `fleet-scale`) runs only those end-to-end sections and prints their table without rewriting
 //! `BENCHMARKS.md`, which always holds a whole run.
 
 mod builtin_proxy;
 mod cgroups;
 mod e2e;
 mod fleet;
+mod fleet_scale;
 mod health;
 mod lab;
 mod ordering;
@@ -46,6 +47,7 @@ const SECTIONS: &[&str] = &[
     "ordering",
     "templates",
     "fleet",
+    "fleet-scale",
 ];
 
 /// What `XTASK_BENCH_ONLY` asks for: `None` for a whole run.
@@ -203,6 +205,19 @@ fn end_to_end(
             ),
             Some(Err(err)) => {
                 rows.push(Row::failed("simulated fleet", &err));
+                errors.push(err);
+            }
+        }
+        // 300 agents on a three-member etcd cluster: informational figures.
+        match only.wants("fleet-scale").then(|| fleet_scale::run(&lab.tether)) {
+            None => {}
+            Some(Ok(figures)) => rows.extend(
+                figures
+                    .into_iter()
+                    .map(|(figure, value)| Row::new(&figure, "—".into(), value, "—".into(), "—", report::Met::Info)),
+            ),
+            Some(Err(err)) => {
+                rows.push(Row::failed("fleet at scale", &err));
                 errors.push(err);
             }
         }

@@ -428,18 +428,18 @@ fn node(index: usize) -> String {
     format!("node-{index:02}")
 }
 
-fn find_on_path(name: &str) -> Option<PathBuf> {
+pub(super) fn find_on_path(name: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH")?;
     std::env::split_paths(&path).map(|dir| dir.join(name)).find(|candidate| candidate.is_file())
 }
 
-fn free_port() -> Result<u16, String> {
+pub(super) fn free_port() -> Result<u16, String> {
     let listener = TcpListener::bind("127.0.0.1:0").map_err(|err| format!("no free loopback port: {err}"))?;
     listener.local_addr().map(|addr| addr.port()).map_err(|err| err.to_string())
 }
 
 /// Polls `done` until it says yes, or fails after [`LIMIT`] with `what`.
-fn wait(what: &str, mut done: impl FnMut() -> Result<bool, String>) -> Result<(), String> {
+pub(super) fn wait(what: &str, mut done: impl FnMut() -> Result<bool, String>) -> Result<(), String> {
     let start = Instant::now();
     let mut last = String::new();
     loop {
@@ -456,7 +456,7 @@ fn wait(what: &str, mut done: impl FnMut() -> Result<bool, String>) -> Result<()
 }
 
 /// One POST to etcd's JSON gateway; the body of a 200 answer.
-fn http_tcp(port: u16, path: &str, body: &str) -> Result<String, String> {
+pub(super) fn http_tcp(port: u16, path: &str, body: &str) -> Result<String, String> {
     let stream = TcpStream::connect(("127.0.0.1", port)).map_err(|err| format!("etcd: {err}"))?;
     let request = format!(
         "POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
@@ -524,7 +524,7 @@ impl Gateway {
 }
 
 /// One request to an agent's socket; the body of a 200 answer.
-fn http_unix(socket: &Path, method: &str, path: &str) -> Result<String, String> {
+pub(super) fn http_unix(socket: &Path, method: &str, path: &str) -> Result<String, String> {
     let stream = UnixStream::connect(socket).map_err(|err| format!("{}: {err}", socket.display()))?;
     let request = format!("{method} {path} HTTP/1.1\r\nHost: tether\r\nConnection: close\r\nContent-Length: 0\r\n\r\n");
     exchange(stream, &request)
@@ -556,7 +556,7 @@ fn exchange(mut stream: impl Read + Write, request: &str) -> Result<String, Stri
 }
 
 /// SIGKILLs the process group of every live process whose environment names `socket`.
-fn kill_proxies_of(socket: &Path) {
+pub(super) fn kill_proxies_of(socket: &Path) {
     let needle = format!("TETHER_SOCKET={}", socket.display());
     let Ok(entries) = fs::read_dir("/proc") else { return };
     for entry in entries.flatten() {
