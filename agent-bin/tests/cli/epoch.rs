@@ -428,6 +428,17 @@ fn with_keep_listening_a_crash_mid_hand_over_refuses_nothing_and_the_cold_start_
     assert_eq!(refused, 0, "{refused} of {tried} connections refused across the crash");
     // A figure, not a bound: the machines are shared.
     eprintln!("running again {running_after:?} after the crash; 0 of {tried} connections refused");
+
+    // Stopped, with a generation left draining: the copies close, and a connection is refused
+    // rather than left waiting for nobody.
+    restart(&agent, &id);
+    wait_generations(&agent, &id, "a hot restart", |g| g == [(1, "current"), (0, "draining")]);
+    let stopped = put(&agent.socket, &format!("/v1/agent/proxy/{id}/stop"), None).unwrap();
+    assert_eq!(stopped.status, 200, "{}", stopped.body);
+    agent.wait_state(&id, "stopped");
+    wait_for("connections to be refused", || {
+        std::net::TcpStream::connect(("127.0.0.1", setup.port)).is_err().then_some(())
+    });
 }
 
 #[test]

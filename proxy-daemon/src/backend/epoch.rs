@@ -413,10 +413,11 @@ impl Proxy {
         }
     }
 
-    /// Closes the kept sockets once no generation of the proxy lives: it was stopped or
-    /// deregistered, and nothing is to serve what would wait in them.
+    /// Closes the kept sockets once no generation of the proxy serves or is to serve again
+    /// (those left drain, having handed their sockets over): it was stopped or deregistered,
+    /// and a connection should be refused rather than wait in them for nobody.
     fn release_when_gone(&mut self, id: &ProxyId) {
-        if self.live.is_empty() {
+        if self.live.iter().all(|live| live.draining.is_some()) {
             self.kept.release(id);
         }
     }
