@@ -13,21 +13,9 @@ use std::process::ExitCode;
 
 use tether_state::ServiceId;
 
-use super::{EtcdOptions, timed};
-
-/// One proxy as its node publishes it (`<prefix>/status/<node>/proxies/<proxy id>`).
-#[derive(Debug, Clone, Default, serde::Deserialize)]
-pub(crate) struct PublishedProxy {
-    pub(crate) state: String,
-    #[serde(default)]
-    pub(crate) ready: bool,
-    pub(crate) pid: Option<u32>,
-    #[serde(default)]
-    pub(crate) restarts: u64,
-    pub(crate) error: Option<String>,
-    pub(crate) revision: Option<i64>,
-    pub(crate) service: Option<String>,
-}
+use super::etcd_failure;
+pub(crate) use crate::etcd::PublishedProxy;
+use crate::etcd::{self, EtcdError, EtcdOptions, NodeRecord, timed};
 
 /// One node: its desired services (by id, with the mod revision of each key) and, while its
 /// agent is up, what it publishes.
@@ -61,12 +49,8 @@ pub(crate) type FleetView = BTreeMap<String, NodeView>;
 ///
 /// # Errors
 ///
-/// An [`super::EtcdError`] when etcd cannot be asked.
-pub(crate) async fn read(
-    options: &EtcdOptions,
-    client: &super::etcd::Client,
-    prefix: &str,
-) -> Result<FleetView, super::EtcdError> {
+/// An [`EtcdError`] when etcd cannot be asked.
+pub(crate) async fn read(options: &EtcdOptions, client: &etcd::Client, prefix: &str) -> Result<FleetView, EtcdError> {
     let mut view = FleetView::new();
     let nodes_prefix = format!("{prefix}/nodes/");
     let desired = timed(options, "read", client.get_prefix(&nodes_prefix)).await?;
@@ -83,10 +67,8 @@ pub(crate) async fn read(
         let Some(rest) = key.strip_prefix(&status_prefix) else { continue };
         match rest.split_once("/proxies/") {
             None if !rest.contains('/') => {
-                let revision = serde_json::from_slice::<serde_json::Value>(&kv.value)
-                    .ok()
-                    .and_then(|value| value["revision"].as_i64())
-                    .unwrap_or(0);
+                // A record that does not parse still says that the node is up.
+                let revision = serde_json::from_slice::<NodeRecord>(&kv.value).map_or(0, |record| record.revision);
                 view.entry(rest.to_owned()).or_default().up = Some(revision);
             }
             Some((node, proxy)) => {
@@ -195,7 +177,7 @@ pub(crate) async fn run(
     service: Option<&str>,
     json: bool,
 ) -> anyhow::Result<ExitCode> {
-    let client = options.connect().await.map_err(super::cli::etcd_failure)?;
+    let client = options.connect().await.map_err(etcd_failure)?;
     let view = read(options, &client, prefix).await?;
     let (nodes, all_good) = rows(&view, node, service);
     let mut stdout = std::io::stdout().lock();

@@ -38,7 +38,7 @@ pub(crate) use render::check_syntax;
 use render::{Instance, InstanceSource, RenderError, ServiceData, SharedData};
 use write::{Owner, WriteError, Written};
 
-use crate::fleet::{EtcdOptions, Layout};
+use crate::etcd::{EtcdOptions, Layout};
 
 /// Why one template of a proxy did not put its file in place.
 #[derive(Debug, thiserror::Error)]

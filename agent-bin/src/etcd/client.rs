@@ -5,7 +5,7 @@
 //! `proto/etcd.proto`, the part of etcd's API that tether speaks. This module owns the
 //! connection: endpoints, TLS, the auth token (sent with every request, and renewed once
 //! when etcd says it expired), and the request stream that keeps a watch open. It knows
-//! nothing of the fleet's keys; `fleet` does.
+//! nothing of the fleet's keys; `Layout` (in `etcd/mod.rs`) does.
 
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
