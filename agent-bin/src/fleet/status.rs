@@ -5,7 +5,8 @@
 //! it has desired keys but no status. A proxy that an up node still publishes as started
 //! from a desired key that no longer exists is `removing`. The command succeeds when every
 //! desired proxy of every up node runs the revision of its desired key and is ready, and no
-//! proxy is `removing`.
+//! proxy is `removing`, and fails while any node with desired keys is `down`, so that a
+//! script's `tether fleet status || alert` sees a dead host.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -111,8 +112,8 @@ struct NodeRow {
     proxies: Vec<Row>,
 }
 
-/// The rows of `view`, filtered; and whether every desired proxy of every up node runs its
-/// desired revision and is ready.
+/// The rows of `view`, filtered; and whether every desired proxy runs its desired revision
+/// and is ready on a node that is up (a node that is down, with desired keys, fails it).
 fn rows(view: &FleetView, node: Option<&str>, service: Option<&str>) -> (Vec<NodeRow>, bool) {
     let mut all_good = true;
     let mut nodes = Vec::new();
@@ -136,8 +137,10 @@ fn rows(view: &FleetView, node: Option<&str>, service: Option<&str>) -> (Vec<Nod
             }
             let desired = service_id.as_deref().and_then(|id| seen.desired.get(id).copied());
             let published = seen.up.and(seen.proxies.get(&proxy));
+            // A desired proxy fails the check unless its node is up and runs it: a down node
+            // fails it too, since what it should run is not known to run.
             if let (Some(id), Some(revision)) = (service_id.as_deref(), desired) {
-                if seen.up.is_some() && !seen.runs(id, revision) {
+                if !seen.runs(id, revision) {
                     all_good = false;
                 }
             }
