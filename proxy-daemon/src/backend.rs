@@ -21,6 +21,7 @@ use tether_manager::{
     Adopted, BackendError, BackendRecord, BackendState, BackendStats, Histogram, Meter, ProxyBackend, ProxyHandle,
     ResourceUsage,
 };
+use tether_state::lock;
 use tether_state::persist::DataDir;
 use tether_state::proxy_env;
 use tether_state::{
@@ -420,11 +421,6 @@ impl Meter for OsProcessBackend {
             foreign_notifications: self.shared.supervisor.foreign_notifications(),
         }
     }
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Every critical section only moves values in or out.
-    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl OsProcessBackend {

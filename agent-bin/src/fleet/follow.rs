@@ -70,7 +70,7 @@ pub(crate) struct SharedStatus(Arc<Mutex<FleetStatus>>);
 
 impl SharedStatus {
     fn lock(&self) -> MutexGuard<'_, FleetStatus> {
-        self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        tether_state::lock(&self.0)
     }
 
     /// A copy of the status now.
@@ -412,7 +412,7 @@ struct Inbox {
 impl Inbox {
     fn lock(&self) -> MutexGuard<'_, Delivered> {
         // Every critical section only moves values in or out.
-        self.delivered.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        tether_state::lock(&self.delivered)
     }
 }
 

@@ -61,7 +61,7 @@ struct Book {
 
 impl Revisions {
     fn lock(&self) -> MutexGuard<'_, Book> {
-        self.0.book.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        tether_state::lock(&self.0.book)
     }
 
     /// Records that the follower applied the set of etcd revision `applied`, in which

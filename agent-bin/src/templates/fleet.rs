@@ -7,10 +7,11 @@
 
 use std::collections::HashMap;
 use std::convert::Infallible;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use tether_state::Backoff;
+use tether_state::lock;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -60,11 +61,6 @@ impl FleetInstances {
         };
         Self { inner: Arc::new(inner) }
     }
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Every critical section only moves values in or out.
-    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl InstanceSource for FleetInstances {

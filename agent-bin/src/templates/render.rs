@@ -165,7 +165,7 @@ pub(crate) fn render(
     let recorder = asked.clone();
     env.add_function("instances", move |name: String| {
         // Recorded first: a name whose instances are not known yet renders again once they are.
-        recorder.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).insert(name.clone());
+        tether_state::lock(&recorder).insert(name.clone());
         let mut found = instances
             .instances(&name)
             .map_err(|reason| minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, reason))?;
@@ -187,7 +187,7 @@ pub(crate) fn render(
     }
     let text = String::from_utf8(out.bytes)
         .map_err(|_| RenderError { line: None, reason: "it renders bytes that are not UTF-8".to_owned() })?;
-    let instances_of = std::mem::take(&mut *asked.lock().unwrap_or_else(|poisoned| poisoned.into_inner()));
+    let instances_of = std::mem::take(&mut *tether_state::lock(&asked));
     Ok(Rendered { text, instances_of })
 }
 

@@ -88,7 +88,7 @@ pub(super) struct Begun {
 impl Generations {
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         // Every critical section only moves values in or out.
-        self.inner.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        tether_state::lock(&self.inner)
     }
 
     /// Takes `base_id` for `id` (recorded by an earlier agent), unless another proxy has it;
