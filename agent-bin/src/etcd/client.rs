@@ -179,6 +179,20 @@ impl Client {
         KvClient::with_interceptor(self.channel.clone(), self.token.clone())
     }
 
+    /// Sends `request` through `call` on a KV stub of its own, with the token, once more
+    /// after a new authentication if etcd says the token expired ([`Self::with_token`]).
+    async fn kv_call<Q: Clone, T, F>(&self, request: Q, call: impl Fn(KvClient<Authorized>, Q) -> F) -> Result<T, Error>
+    where
+        F: Future<Output = Result<tonic::Response<T>, Status>>,
+    {
+        self.with_token(|| call(self.kv(), request.clone())).await
+    }
+
+    /// One range request: the reads below differ only in what they ask.
+    async fn range(&self, request: pb::RangeRequest) -> Result<pb::RangeResponse, Error> {
+        self.kv_call(request, |mut kv, request| async move { kv.range(request).await }).await
+    }
+
     /// Runs `call`, and once more after a new authentication if etcd says that the token
     /// expired (etcd's simple tokens expire after five idle minutes).
     async fn with_token<T, F>(&self, mut call: impl FnMut() -> F) -> Result<T, Error>
@@ -205,11 +219,7 @@ impl Client {
             range_end: prefix_end(prefix.as_bytes()),
             ..Default::default()
         };
-        self.with_token(|| {
-            let (mut kv, request) = (self.kv(), request.clone());
-            async move { kv.range(request).await }
-        })
-        .await
+        self.range(request).await
     }
 
     /// The key `key`, if it exists, with its value.
@@ -219,11 +229,7 @@ impl Client {
     /// Cancel-safe: a read changes nothing.
     pub(crate) async fn get(&self, key: &str) -> Result<pb::RangeResponse, Error> {
         let request = pb::RangeRequest { key: key.as_bytes().to_vec(), ..Default::default() };
-        self.with_token(|| {
-            let (mut kv, request) = (self.kv(), request.clone());
-            async move { kv.range(request).await }
-        })
-        .await
+        self.range(request).await
     }
 
     /// The number of keys under `prefix`, and the store's revision in the header.
@@ -238,11 +244,7 @@ impl Client {
             count_only: true,
             ..Default::default()
         };
-        self.with_token(|| {
-            let (mut kv, request) = (self.kv(), request.clone());
-            async move { kv.range(request).await }
-        })
-        .await
+        self.range(request).await
     }
 
     /// Writes `value` at `key`.
@@ -252,11 +254,7 @@ impl Client {
     /// Not cancel-safe: a put dropped after it was sent may still be applied.
     pub(crate) async fn put(&self, key: &str, value: Vec<u8>) -> Result<pb::PutResponse, Error> {
         let request = pb::PutRequest { key: key.as_bytes().to_vec(), value, ..Default::default() };
-        self.with_token(|| {
-            let (mut kv, request) = (self.kv(), request.clone());
-            async move { kv.put(request).await }
-        })
-        .await
+        self.kv_call(request, |mut kv, request| async move { kv.put(request).await }).await
     }
 
     /// Deletes `key`; the response counts what was deleted.
@@ -266,11 +264,7 @@ impl Client {
     /// Not cancel-safe: a delete dropped after it was sent may still be applied.
     pub(crate) async fn delete(&self, key: &str) -> Result<pb::DeleteRangeResponse, Error> {
         let request = pb::DeleteRangeRequest { key: key.as_bytes().to_vec(), ..Default::default() };
-        self.with_token(|| {
-            let (mut kv, request) = (self.kv(), request.clone());
-            async move { kv.delete_range(request).await }
-        })
-        .await
+        self.kv_call(request, |mut kv, request| async move { kv.delete_range(request).await }).await
     }
 
     /// Runs a transaction: `success` if every comparison holds, `failure` otherwise.
@@ -279,11 +273,7 @@ impl Client {
     ///
     /// Not cancel-safe: a transaction dropped after it was sent may still be applied.
     pub(crate) async fn txn(&self, request: pb::TxnRequest) -> Result<pb::TxnResponse, Error> {
-        self.with_token(|| {
-            let (mut kv, request) = (self.kv(), request.clone());
-            async move { kv.txn(request).await }
-        })
-        .await
+        self.kv_call(request, |mut kv, request| async move { kv.txn(request).await }).await
     }
 
     fn lease(&self) -> LeaseClient<Authorized> {
