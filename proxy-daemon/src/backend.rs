@@ -213,7 +213,7 @@ impl Shared {
         // The data dir's layout: pid file and logs named by the proxy id.
         let mut process = ProcessSpec::new(name, program, &self.data);
         process.args = args;
-        process.env = env;
+        process.env = env.into();
         process.working_dir = spec.working_dir.clone().unwrap_or_else(|| PathBuf::from("/"));
         process.user.clone_from(&spec.user);
         process.kill = kill_policy(proxy);
@@ -221,7 +221,7 @@ impl Shared {
         process.logs.limits = spec.log;
         process.health = health_checks(spec);
         process.reload.clone_from(&spec.reload);
-        process.identity_env = identity_env;
+        process.identity_env = identity_env.into();
         process.limits = spec.limits;
         process
     }
@@ -448,7 +448,8 @@ impl OsProcessBackend {
         spec.identity_env = vec![
             (OsString::from(proxy_env::PROXY_ID), OsString::from(id.as_str())),
             (OsString::from(proxy_env::SOCKET), self.shared.environment.socket.clone().into_os_string()),
-        ];
+        ]
+        .into();
         spec
     }
 

@@ -292,7 +292,7 @@ impl Generations {
         let (registry, id, key) = (Arc::clone(self), id.clone(), begun.key);
         spec.restarted = Some(Restarted {
             args: cold_args,
-            env: cold_env,
+            env: cold_env.into(),
             after: Arc::new(move || Arc::clone(&registry).alone(id.clone(), key)),
         });
     }
