@@ -250,17 +250,20 @@ mod tests {
     }
 
     #[test]
-    fn success_needs_every_desired_proxy_of_every_up_node_on_its_revision_and_ready() {
+    fn success_needs_every_node_with_desired_keys_up_and_every_desired_proxy_on_its_revision_and_ready() {
         let mut view = FleetView::new();
         let n1 = view.entry("n1".to_owned()).or_default();
         n1.up = Some(9);
         n1.desired.insert("web".to_owned(), 5);
         n1.proxies.insert("web-proxy".to_owned(), proxy(true, Some(5)));
-        // A down node does not fail the check: its agent cannot say anything.
+        assert!(rows(&view, None, None).1);
+        // A down node with desired keys fails the check: a script must see a dead host.
         view.entry("n2".to_owned()).or_default().desired.insert("web".to_owned(), 6);
         let (nodes, good) = rows(&view, None, None);
-        assert!(good);
+        assert!(!good, "n2 is down");
         assert_eq!(nodes[1].state, "down");
+        assert!(rows(&view, Some("n1"), None).1, "filtered to the node that is up");
+        view.remove("n2");
 
         view.get_mut("n1").unwrap().proxies.insert("web-proxy".to_owned(), proxy(true, Some(4)));
         assert!(!rows(&view, None, None).1, "an old revision runs");
@@ -268,7 +271,6 @@ mod tests {
         assert!(!rows(&view, None, None).1, "not ready");
         view.get_mut("n1").unwrap().proxies.clear();
         assert!(!rows(&view, None, None).1, "not published at all");
-        assert!(rows(&view, Some("n2"), None).1, "filtered to the down node");
         assert!(rows(&view, None, Some("other")).1, "filtered to another service");
 
         // Started from a key that was deleted: removing, and a failure until it is gone.
