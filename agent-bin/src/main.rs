@@ -11,6 +11,7 @@ mod client;
 mod commands;
 mod connect_proxy;
 mod error;
+mod etcd;
 mod fleet;
 mod intention;
 mod logging;

@@ -185,41 +185,6 @@ enum Outcome {
     },
 }
 
-/// A proxy's change held back because the proxy keeps changing: its latest definition
-/// (`None`: no longer wanted), and when the run of changes began and last moved.
-struct Deferred {
-    change: Option<DesiredProxy>,
-    first: Instant,
-    last: Instant,
-}
-
-/// Coalescing, proxy by proxy: a change to a proxy that has not changed for
-/// `sync_quiescent` applies at once; a change that follows another of the same proxy within
-/// it is held until the proxy has been quiet for `sync_quiescent`, and at most
-/// `sync_max_delay` after the first held one. A proxy that keeps changing never delays
-/// another.
-#[derive(Default)]
-struct Coalescing {
-    /// When each recently changed proxy last changed; forgotten once all are older than the
-    /// window.
-    changed: HashMap<ProxyId, Instant>,
-    /// When every entry of `changed` is older than the window.
-    stale_at: Option<Instant>,
-    deferred: HashMap<ProxyId, Deferred>,
-    /// No deferred change is due before this (it may be early, never late).
-    next_release: Option<Instant>,
-}
-
-impl Coalescing {
-    /// When the engine must next look at the coalescing state.
-    fn deadline(&self) -> Option<Instant> {
-        match (self.next_release, self.stale_at) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
-    }
-}
-
 /// The reconcile engine: keeps the proxies that run equal to the proxies the catalog wants.
 ///
 /// Build it with [`Manager::new`], call [`Manager::run`] until shutdown, then
@@ -559,7 +524,7 @@ impl Manager {
         if changes.complete {
             // A complete answer is the whole desired set: compare it with everything known.
             let wanted: HashSet<ProxyId> = changes.upserted.iter().map(|d| d.proxy.id().clone()).collect();
-            let deferred = self.coalescing.deferred.iter().filter(|(_, d)| d.change.is_some()).map(|(id, _)| id);
+            let deferred = self.coalescing.held_wanted();
             let gone: Vec<ProxyId> = self
                 .desired
                 .keys()
@@ -577,8 +542,8 @@ impl Manager {
         for desired in changes.upserted {
             let id = desired.proxy.id().clone();
             // Unchanged entries are skipped by revision, without a deep comparison.
-            let known = match self.coalescing.deferred.get(&id) {
-                Some(deferred) => deferred.change.as_ref().map(|d| d.revision),
+            let known = match self.coalescing.held_revision(&id) {
+                Some(held) => held,
                 None => self.desired.get(&id).map(|d| d.revision),
             };
             if known == Some(desired.revision) {
@@ -590,7 +555,7 @@ impl Manager {
             self.note(id, None, now);
         }
         if let Some(now) = now {
-            self.forget_stale(now);
+            self.coalescing.forget_stale(now);
         }
         self.pass(started);
     }
@@ -599,20 +564,11 @@ impl Manager {
     fn release_due(&mut self) {
         let started = std::time::Instant::now();
         let now = Instant::now();
-        let (quiescent, max_delay) = (self.config.sync_quiescent, self.config.sync_max_delay);
-        let due_at = |d: &Deferred| (d.last + quiescent).min(d.first + max_delay);
-        let due: Vec<ProxyId> =
-            self.coalescing.deferred.iter().filter(|(_, d)| due_at(d) <= now).map(|(id, _)| id.clone()).collect();
-        for id in due {
-            if let Some(deferred) = self.coalescing.deferred.remove(&id) {
-                self.apply(id, deferred.change);
-            }
+        let window = self.window();
+        for (id, change) in self.coalescing.take_due(now, window) {
+            self.apply(id, change);
         }
-        self.coalescing.next_release = self.coalescing.deferred.values().map(due_at).min();
-        if self.coalescing.deferred.is_empty() {
-            self.coalescing.deferred.shrink_to_fit();
-        }
-        self.forget_stale(now);
+        self.coalescing.forget_stale(now);
         if !self.dirty.is_empty() {
             self.pass(started);
         }
@@ -625,31 +581,15 @@ impl Manager {
             self.apply(id, change);
             return;
         };
-        let quiescent = self.config.sync_quiescent;
-        let coalescing = &mut self.coalescing;
-        let previous = coalescing.changed.insert(id.clone(), now);
-        coalescing.stale_at = Some(now + quiescent);
-        if let Some(deferred) = coalescing.deferred.get_mut(&id) {
-            deferred.change = change;
-            deferred.last = now;
-            return;
+        let window = self.window();
+        if let Offered::Now(change) = self.coalescing.offer(id.clone(), change, now, window) {
+            self.apply(id, change);
         }
-        if previous.is_some_and(|at| now.duration_since(at) < quiescent) {
-            let due = now + quiescent.min(self.config.sync_max_delay);
-            coalescing.next_release = Some(coalescing.next_release.map_or(due, |next| next.min(due)));
-            coalescing.deferred.insert(id, Deferred { change, first: now, last: now });
-            return;
-        }
-        self.apply(id, change);
     }
 
-    /// Forgets when proxies changed once every such change is older than the window.
-    fn forget_stale(&mut self, now: Instant) {
-        let coalescing = &mut self.coalescing;
-        if coalescing.stale_at.is_some_and(|at| at <= now) {
-            coalescing.changed = HashMap::new();
-            coalescing.stale_at = None;
-        }
+    /// The coalescing window of the engine's config.
+    fn window(&self) -> Window {
+        Window { quiescent: self.config.sync_quiescent, max_delay: self.config.sync_max_delay }
     }
 
     /// Makes `change` the desired definition of `id` (`None`: unwanted) and marks it.
@@ -685,7 +625,7 @@ impl Manager {
         board.stats.revision = self.seen;
         board.stats.in_flight = self.actions.len();
         board.stats.queued = self.backlog.len();
-        board.stats.deferred = self.coalescing.deferred.len();
+        board.stats.deferred = self.coalescing.held();
     }
 
     /// Asks the user lookup again for the uid of `proxy`'s `user`, when root is refused: a
@@ -959,10 +899,12 @@ async fn sleep_until(deadline: Option<Instant>) {
 }
 
 mod actions;
+mod coalescing;
 mod ordering;
 mod records;
 mod restore;
 
+use coalescing::{Coalescing, Offered, Window};
 use ordering::StopOrder;
 use records::encoded_service;
 use restore::RestoreStage;

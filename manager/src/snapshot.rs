@@ -452,7 +452,7 @@ impl MemorySnapshotStore {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, MemoryContent> {
-        self.content.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        tether_state::lock(&self.content)
     }
 
     /// The snapshot last saved (or given), decoded.

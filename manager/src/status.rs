@@ -268,7 +268,7 @@ impl Published {
     pub(crate) fn lock(&self) -> MutexGuard<'_, Board> {
         // Every critical section copies whole values in or out, so a panic inside one
         // cannot leave the board half-updated.
-        self.board.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        tether_state::lock(&self.board)
     }
 
     /// Publishes `status` if it differs from what is shown.

@@ -22,6 +22,7 @@ use tether_manager::{
     Adopted, BackendError, BackendRecord, BackendState, BackendStats, Histogram, Meter, ProxyBackend, ProxyHandle,
     ResourceUsage,
 };
+use tether_state::lock;
 use tether_state::persist::DataDir;
 use tether_state::proxy_env;
 use tether_state::{
@@ -213,7 +214,7 @@ impl Shared {
         // The data dir's layout: pid file and logs named by the proxy id.
         let mut process = ProcessSpec::new(name, program, &self.data);
         process.args = args;
-        process.env = env;
+        process.env = env.into();
         process.working_dir = spec.working_dir.clone().unwrap_or_else(|| PathBuf::from("/"));
         process.user.clone_from(&spec.user);
         process.kill = kill_policy(proxy);
@@ -221,7 +222,7 @@ impl Shared {
         process.logs.limits = spec.log;
         process.health = health_checks(spec);
         process.reload.clone_from(&spec.reload);
-        process.identity_env = identity_env;
+        process.identity_env = identity_env.into();
         process.limits = spec.limits;
         process
     }
@@ -423,11 +424,6 @@ impl Meter for OsProcessBackend {
     }
 }
 
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Every critical section only moves values in or out.
-    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
 impl OsProcessBackend {
     /// The spec an adopted process is supervised with: the desired proxy's when there is
     /// one; otherwise just enough to stop it (it is not restarted if it exits).
@@ -453,7 +449,8 @@ impl OsProcessBackend {
         spec.identity_env = vec![
             (OsString::from(proxy_env::PROXY_ID), OsString::from(id.as_str())),
             (OsString::from(proxy_env::SOCKET), self.shared.environment.socket.clone().into_os_string()),
-        ];
+        ]
+        .into();
         spec
     }
 

@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime};
 
-use tether_state::ResourceLimits;
+use tether_state::{ResourceLimits, lock};
 
 mod events;
 
@@ -608,10 +608,6 @@ fn is_cgroup2(path: &Path) -> bool {
 /// which `std`'s hasher does not promise.
 fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, &byte| (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3))
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Writes `0` into the cgroup's `cgroup.procs` from the forked child, before its exec:

@@ -90,12 +90,12 @@ impl std::fmt::Debug for Link {
 impl Link {
     fn lock(&self) -> MutexGuard<'_, Pending> {
         // Every critical section only moves plain values in or out.
-        self.pending.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        tether_state::lock(&self.pending)
     }
 
     fn observer(&self) -> MutexGuard<'_, Option<Observer>> {
         // An observer that panicked left nothing half-changed here.
-        self.observer.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        tether_state::lock(&self.observer)
     }
 }
 

@@ -126,10 +126,11 @@ pub use listen::{ListenAddress, ListenError, bind as bind_listener, listens_on};
 pub use proc::Identity;
 pub use program::find_program;
 pub use spec::{
-    Backoff, CommandLine, CpuLimit, Durability, HealthChecks, HttpTarget, InheritedSocket, KillPolicy, KillSignal,
-    LinePattern, Liveness, LogFile, LogPolicy, LogSpec, LogTarget, PersistError, PrivateDir, Probe, ProcessName,
-    ProcessSpec, ProcessSpecBuilder, ProcessUpdate, Readiness, ReloadAction, ReloadCounts, ReloadOutcome, ReloadPolicy,
-    ReloadResult, Reloads, ResourceLimits, RestartPolicy, Restarted, TcpTarget, UnsafeEntry, WATCH_DEBOUNCE,
+    Backoff, CommandLine, CpuLimit, Durability, Environment, HealthChecks, HttpTarget, InheritedSocket, KillPolicy,
+    KillSignal, LinePattern, Liveness, LogFile, LogPolicy, LogSpec, LogTarget, PersistError, PrivateDir, Probe,
+    ProcessName, ProcessSpec, ProcessSpecBuilder, ProcessUpdate, Readiness, ReloadAction, ReloadCounts, ReloadOutcome,
+    ReloadPolicy, ReloadResult, Reloads, ResourceLimits, RestartPolicy, Restarted, TcpTarget, UnsafeEntry,
+    WATCH_DEBOUNCE,
 };
 pub use status::{ExitReason, ProcessState, ProcessStatus, SupervisedProcess};
 pub use supervisor::{ProcessHandle, Supervisor};

@@ -110,7 +110,7 @@ impl NotifyHub {
 
     fn lock(&self) -> MutexGuard<'_, HubState> {
         // Every critical section only moves plain values in or out.
-        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        tether_state::lock(&self.state)
     }
 
     /// Routes the notices of the process group `pgid` (an instance and its children) to

@@ -1,15 +1,20 @@
 //! Log rotation by copy-and-truncate, driven by inotify.
 //!
-//! This module owns the one task that watches every supervised log file and rotates a
+//! This module owns the one thread that watches every supervised log file and rotates a
 //! file once it passes its cap: `<file>.N-1` becomes `<file>.N`, …, the file is copied to
-//! `<file>.1` and truncated, so the process keeps appending to the same fd. It never
+//! `<file>.1` and truncated, so the process keeps appending to the same fd. A copy never
+//! holds more than the cap: what a late rotation finds past it becomes further copies, each
+//! at most the cap ([`rotate`]). The thread is its own, not a task of the runtime, so that
+//! how soon a fast writer's file is rotated depends on the kernel scheduling one thread,
+//! never on a runtime busy with other work or a blocking pool's queue. It never
 //! polls: a file is watched with `IN_MODIFY | IN_ONESHOT`, so a burst of writes costs one
 //! wake-up, and the size is checked with one `stat`. The watch is re-armed after a pause
 //! that follows how fast the file grows: at most a second for a file that grows slowly,
 //! and short enough for a fast writer that the file cannot pass its threshold by more than
 //! 2.5 % of its cap before the next check ([`rearm_delay`]). The threshold is the cap, less
-//! what a fast writer would add while the file is copied ([`rotation_threshold`]), so that a
-//! log stays within a tenth of its cap at 50 MB/s. An idle agent therefore never
+//! what a fast writer would add while the file is copied or the thread waits for a core
+//! ([`rotation_threshold`]), so that a live log stays within a tenth of its cap at 50 MB/s
+//! unless the machine keeps the thread from running for tens of milliseconds. An idle agent therefore never
 //! wakes up here. It never opens a log for the process and never deletes a live log file.
 //!
 //! Every file is reached through the log directory's handle, never by path: a link
@@ -19,15 +24,14 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 use std::fs::File;
-use std::io;
-use std::os::fd::{AsFd, AsRawFd, RawFd};
-use std::time::Duration;
+use std::io::{self, Read};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
 
+use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify, WatchDescriptor};
 use tether_state::persist::{Durability, PersistError};
-use tokio::io::unix::AsyncFd;
-use tokio::sync::mpsc;
-use tokio::time::Instant;
 
 use crate::spec::{LogFile, LogPolicy};
 
@@ -77,12 +81,17 @@ fn next_rate(rate: Option<f64>, sample: Option<f64>, elapsed: Duration) -> Optio
 /// The shortest span whose growth may lower a file's rate.
 const RATE_SPAN: Duration = Duration::from_millis(20);
 
+/// How long a busy machine may keep the rotation thread from running once a check is due:
+/// a fast writer is rotated early by what it writes in that time too.
+const SCHEDULING_SLACK: Duration = Duration::from_millis(20);
+
 /// The size past which a file is rotated: its cap, less what it would grow by during a
-/// rotation (twice the last one's length at its current rate), at most a tenth of the cap.
-/// A copy then ends near the cap, instead of past it by what a fast writer wrote while the
-/// file was being copied.
+/// rotation (twice the last one's length at its current rate) and while the thread waits
+/// for a core ([`SCHEDULING_SLACK`]), at most a tenth of the cap. The live file then stays
+/// near the cap, instead of past it by what a fast writer wrote while the file was being
+/// copied or the thread waited; the copies hold at most the cap in any case ([`rotate`]).
 fn rotation_threshold(max_size: u64, rate: Option<f64>, rotation_took: Duration) -> u64 {
-    let during = rate.unwrap_or(0.0) * rotation_took.as_secs_f64() * 2.0;
+    let during = rate.unwrap_or(0.0) * (rotation_took.as_secs_f64() * 2.0 + SCHEDULING_SLACK.as_secs_f64());
     let early = (during as u64).min(max_size / 10);
     max_size - early
 }
@@ -96,46 +105,65 @@ enum Command {
     Forget { process: u64 },
 }
 
-/// The sending side of the rotation task. Dropping it ends the task.
+/// The sending side of the rotation thread. Dropping it ends the thread and joins it.
 #[derive(Debug)]
 pub(crate) struct Rotator {
-    commands: mpsc::UnboundedSender<Command>,
-    task: tokio::task::JoinHandle<()>,
+    /// `None` once dropped.
+    commands: Option<mpsc::Sender<Command>>,
+    /// One byte written per command (and at the end) wakes the thread.
+    wake: OwnedFd,
+    thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Rotator {
-    /// Starts the rotation task. Must be called from within a tokio runtime.
+    /// Starts the rotation thread.
     pub(crate) fn start() -> io::Result<Self> {
         let inotify = Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC)?;
-        #[allow(unsafe_code)]
-        // SAFETY: the `AsyncFd` owns the `Inotify`, which owns its fd: the fd stays open
-        // and unchanged until the `AsyncFd` is dropped, and `as_raw_fd` always returns it.
-        let inotify = unsafe { AsyncFd::register_with_interest(InotifyFd(inotify), tokio::io::Interest::READABLE) }?;
-        let (commands, receiver) = mpsc::unbounded_channel();
-        let task = tokio::spawn(run(inotify, receiver));
-        Ok(Self { commands, task })
+        let (woken, wake) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC | nix::fcntl::OFlag::O_NONBLOCK)?;
+        let (commands, receiver) = mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name("tether-rotate".to_owned())
+            .spawn(move || run(&inotify, &woken, &receiver))?;
+        Ok(Self { commands: Some(commands), wake, thread: Some(thread) })
+    }
+
+    fn send(&self, command: Command) {
+        if let Some(commands) = &self.commands {
+            let _thread_gone = commands.send(command);
+            self.wake();
+        }
+    }
+
+    fn wake(&self) {
+        // A full pipe already wakes the thread.
+        let _ = nix::unistd::write(&self.wake, &[1]);
     }
 
     /// Watches the two log files of `process`, replacing any earlier registration.
     pub(crate) fn watch(&self, process: u64, stdout: &LogFile, stderr: &LogFile, limits: LogPolicy) {
         let files = [stdout.clone(), stderr.clone()];
-        let _task_gone = self.commands.send(Command::Watch { process, files, limits });
+        self.send(Command::Watch { process, files, limits });
     }
 
     /// Changes the limits of `process`'s files.
     pub(crate) fn set_limits(&self, process: u64, limits: LogPolicy) {
-        let _task_gone = self.commands.send(Command::Limits { process, limits });
+        self.send(Command::Limits { process, limits });
     }
 
     /// Stops watching `process`'s files.
     pub(crate) fn forget(&self, process: u64) {
-        let _task_gone = self.commands.send(Command::Forget { process });
+        self.send(Command::Forget { process });
     }
 }
 
 impl Drop for Rotator {
     fn drop(&mut self) {
-        self.task.abort();
+        // The thread ends once it finds the channel closed: at most one rotation from now.
+        self.commands = None;
+        self.wake();
+        if let Some(thread) = self.thread.take() {
+            let _panicked = thread.join();
+        }
     }
 }
 
@@ -169,68 +197,67 @@ impl Watched {
     }
 }
 
-struct State {
-    inotify: AsyncFd<InotifyFd>,
+struct State<'a> {
+    inotify: &'a Inotify,
     files: HashMap<FileKey, Watched>,
     by_watch: HashMap<WatchDescriptor, FileKey>,
     /// Files to watch again, the earliest deadline first.
     rearm: BinaryHeap<Reverse<(Instant, FileKey)>>,
 }
 
-async fn run(inotify: AsyncFd<InotifyFd>, mut commands: mpsc::UnboundedReceiver<Command>) {
+/// The rotation thread: waits for inotify's events, the commands (told by a byte on
+/// `woken`) and the next re-arm deadline, until the commands' channel closes.
+fn run(inotify: &Inotify, woken: &OwnedFd, commands: &mpsc::Receiver<Command>) {
     let mut state = State { inotify, files: HashMap::new(), by_watch: HashMap::new(), rearm: BinaryHeap::new() };
     loop {
         let next_rearm = state.rearm.peek().map(|Reverse((deadline, _))| *deadline);
-        tokio::select! {
-            // Every branch is cancel-safe: `recv` and `readable` lose nothing, and the
-            // sleep is rebuilt from the queue's front every time round.
-            command = commands.recv() => match command {
-                Some(command) => state.apply(command).await,
-                None => return,
-            },
-            ready = state.inotify.readable() => match ready {
-                Ok(mut guard) => {
-                    let events = match guard.try_io(|fd| fd.get_ref().0.read_events().map_err(io::Error::from)) {
-                        Ok(Ok(events)) => events,
-                        Ok(Err(error)) => {
-                            tracing::warn!(%error, "failed to read inotify events");
-                            continue;
-                        }
-                        Err(_would_block) => continue,
-                    };
-                    drop(guard);
-                    for event in events {
-                        state.on_event(event.wd, event.mask).await;
-                    }
-                }
-                Err(error) => {
-                    tracing::error!(%error, "inotify failed; log rotation stopped");
-                    return;
-                }
-            },
-            () = sleep_until(next_rearm) => {
-                let now = Instant::now();
-                while let Some(&Reverse((deadline, key))) = state.rearm.peek() {
-                    if deadline > now {
-                        break;
-                    }
-                    state.rearm.pop();
-                    state.arm(key).await;
+        let timeout = match next_rearm {
+            None => PollTimeout::NONE,
+            Some(deadline) => {
+                // Rounded up: a wake-up before the deadline would only wait again.
+                let wait = deadline.saturating_duration_since(Instant::now()) + Duration::from_micros(999);
+                PollTimeout::try_from(wait).unwrap_or(PollTimeout::MAX)
+            }
+        };
+        let mut fds = [PollFd::new(inotify.as_fd(), PollFlags::POLLIN), PollFd::new(woken.as_fd(), PollFlags::POLLIN)];
+        match poll(&mut fds, timeout) {
+            Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+            Err(error) => {
+                tracing::error!(%error, "cannot wait for log events; log rotation stopped");
+                return;
+            }
+        }
+        let mut drained = [0; 64];
+        while matches!(nix::unistd::read(woken, &mut drained), Ok(n) if n > 0) {}
+        loop {
+            match commands.try_recv() {
+                Ok(command) => state.apply(command),
+                Err(mpsc::TryRecvError::Empty) => break,
+                Err(mpsc::TryRecvError::Disconnected) => return,
+            }
+        }
+        match inotify.read_events() {
+            Ok(events) => {
+                for event in events {
+                    state.on_event(event.wd, event.mask);
                 }
             }
+            Err(nix::errno::Errno::EAGAIN) => {}
+            Err(error) => tracing::warn!(%error, "failed to read inotify events"),
+        }
+        let now = Instant::now();
+        while let Some(&Reverse((deadline, key))) = state.rearm.peek() {
+            if deadline > now {
+                break;
+            }
+            state.rearm.pop();
+            state.arm(key);
         }
     }
 }
 
-async fn sleep_until(deadline: Option<Instant>) {
-    match deadline {
-        Some(deadline) => tokio::time::sleep_until(deadline).await,
-        None => std::future::pending().await,
-    }
-}
-
-impl State {
-    async fn apply(&mut self, command: Command) {
+impl State<'_> {
+    fn apply(&mut self, command: Command) {
         match command {
             Command::Watch { process, files, limits } => {
                 for (stream, file) in (0u8..).zip(files) {
@@ -240,7 +267,7 @@ impl State {
                         key,
                         Watched { file, limits, watch, checked: None, rate: None, rotation_took_micros: 0 },
                     );
-                    self.arm(key).await;
+                    self.arm(key);
                 }
             }
             Command::Limits { process, limits } => {
@@ -250,7 +277,7 @@ impl State {
                     }
                 }
                 for stream in 0..2 {
-                    self.check((process, stream)).await;
+                    self.check((process, stream));
                 }
             }
             Command::Forget { process } => {
@@ -258,14 +285,14 @@ impl State {
                     if let Some(Watched { watch: Some(watch), .. }) = self.files.remove(&(process, stream)) {
                         self.by_watch.remove(&watch);
                         // A one-shot watch that already fired is gone: EINVAL is expected.
-                        let _already_removed = self.inotify.get_ref().0.rm_watch(watch);
+                        let _already_removed = self.inotify.rm_watch(watch);
                     }
                 }
             }
         }
     }
 
-    async fn on_event(&mut self, watch: WatchDescriptor, mask: AddWatchFlags) {
+    fn on_event(&mut self, watch: WatchDescriptor, mask: AddWatchFlags) {
         let Some(key) = self.by_watch.remove(&watch) else {
             return; // the IN_IGNORED that follows every one-shot event, or a forgotten file
         };
@@ -279,7 +306,7 @@ impl State {
             // process creates it again and registers it anew.
             return;
         }
-        let size = self.check(key).await;
+        let size = self.check(key);
         let Some(watched) = self.files.get(&key) else { return };
         let delay = rearm_delay(size, watched.threshold(), watched.limits.max_size, watched.rate.map(f64::from));
         self.rearm.push(Reverse((Instant::now() + delay, key)));
@@ -287,7 +314,7 @@ impl State {
 
     /// Watches `key`'s file (again), then checks it: writes since the last event may
     /// already have taken it past its cap.
-    async fn arm(&mut self, key: FileKey) {
+    fn arm(&mut self, key: FileKey) {
         let Some(watched) = self.files.get_mut(&key) else {
             return; // forgotten while it waited to be re-armed
         };
@@ -297,7 +324,7 @@ impl State {
         // name itself, which never reports a write.
         let path = watched.file.path();
         let flags = AddWatchFlags::IN_MODIFY | AddWatchFlags::IN_ONESHOT | AddWatchFlags::IN_DONT_FOLLOW;
-        match self.inotify.get_ref().0.add_watch(&path, flags) {
+        match self.inotify.add_watch(&path, flags) {
             Ok(watch) => {
                 watched.watch = Some(watch);
                 self.by_watch.insert(watch, key);
@@ -307,12 +334,12 @@ impl State {
                 return;
             }
         }
-        self.check(key).await;
+        self.check(key);
     }
 
     /// Rotates `key`'s file if it is past its threshold; returns its size after the check
     /// (0 after a rotation, or when it cannot be read). Notes the file's growth.
-    async fn check(&mut self, key: FileKey) -> u64 {
+    fn check(&mut self, key: FileKey) -> u64 {
         let Some(watched) = self.files.get_mut(&key) else {
             return 0;
         };
@@ -346,20 +373,19 @@ impl State {
         if size <= threshold {
             return size;
         }
-        // Copying up to `max_size` bytes blocks: keep it off the runtime's threads.
+        // The copy blocks this thread, and only this one.
         let started = Instant::now();
-        let rotated = tokio::task::spawn_blocking(move || rotate(&log, &live, limits.keep).map(|()| log)).await;
+        let rotated = rotate(&log, &live, limits);
         let ended = Instant::now();
         if let Some(watched) = self.files.get_mut(&key) {
             watched.rotation_took_micros = u32::try_from(ended.duration_since(started).as_micros()).unwrap_or(u32::MAX);
             watched.checked = Some((ended, 0));
         }
         match rotated {
-            Ok(Ok(log)) => tracing::info!(path = %log.path().display(), size, "log file rotated"),
-            Ok(Err(error)) => {
+            Ok(copies) => tracing::info!(path = %log.path().display(), size, copies, "log file rotated"),
+            Err(error) => {
                 tracing::warn!(path = %error_path(&error), error = %cause(&error), "failed to rotate log file")
             }
-            Err(error) => tracing::warn!(%error, "log rotation task failed"),
         }
         0
     }
@@ -376,27 +402,65 @@ fn open_live(log: &LogFile) -> Result<Option<(File, u64)>, PersistError> {
     Ok(Some((live, size)))
 }
 
+/// The most one rotated copy holds: the cap and the tenth past it that a log may reach.
+pub(crate) fn piece_size(max_size: u64) -> u64 {
+    max_size + max_size / 10
+}
+
 /// The name of the `index`-th rotated copy of the log file `name`.
 pub(crate) fn rotated_name(name: &str, index: u32) -> String {
     format!("{name}.{index}")
 }
 
 /// Shifts the rotated copies, copies `live` (the log file `log`, opened by [`open_live`])
-/// to `<log>.1` and truncates `live`.
+/// to `<log>.1` and truncates `live`; returns how many copies it made.
 ///
-/// Renames move a link at a rotated name along, never following it; the copy is a new
+/// A copy holds at most a tenth more than `limits.max_size` ([`piece_size`]): a file found
+/// further past its cap (a rotation that came late, or a writer that went on while it was
+/// copied) is copied in pieces of that size,
+/// each shifted along like a rotation of its own, the oldest bytes in the highest index,
+/// and only the newest `limits.keep` of them (older bytes would only be shifted out). So the cap holds for every copy whatever the write
+/// rate; what the writer adds between the end of the last piece and the truncation is lost,
+/// as with any copy-and-truncate.
+///
+/// Renames move a link at a rotated name along, never following it; each copy is a new
 /// 0600 file renamed over `<log>.1`, replacing whatever was there; only `live` is
 /// truncated. Rotated copies are in the crash durability class: nothing is fsynced, as
 /// the log itself is not.
-pub(crate) fn rotate(log: &LogFile, mut live: &File, keep: u32) -> Result<(), PersistError> {
+pub(crate) fn rotate(log: &LogFile, live: &File, limits: LogPolicy) -> Result<u32, PersistError> {
     let (dir, name) = (log.dir(), log.name());
-    if keep > 0 {
-        for index in (1..keep).rev() {
+    let piece = piece_size(limits.max_size);
+    let (mut copies, mut offset) = (0, 0);
+    if limits.keep > 0 {
+        // More than `keep` pieces: the oldest would only be shifted out, so they are skipped.
+        let size = live.metadata().map_err(|source| PersistError::Read { path: log.path(), source })?.len();
+        let kept = piece.saturating_mul(u64::from(limits.keep));
+        if size > kept {
+            offset = size - kept;
+            let mut skip = live;
+            io::Seek::seek(&mut skip, io::SeekFrom::Start(offset))
+                .map_err(|source| PersistError::Read { path: log.path(), source })?;
+        }
+    }
+    while copies < limits.keep {
+        for index in (1..limits.keep).rev() {
             dir.rename(rotated_name(name, index), rotated_name(name, index + 1))?;
         }
-        dir.write_atomic_file(rotated_name(name, 1), Durability::Crash, |copy| io::copy(&mut live, copy).map(drop))?;
+        // `live` was opened for this rotation: its offset runs on from one piece to the next.
+        let mut copied = 0;
+        dir.write_atomic_file(rotated_name(name, 1), Durability::Crash, |copy| {
+            copied += io::copy(&mut live.take(piece), copy)?;
+            Ok(())
+        })?;
+        copies += 1;
+        offset += copied;
+        let size = live.metadata().map_err(|source| PersistError::Read { path: log.path(), source })?.len();
+        if copied < piece || size <= offset {
+            break; // the end of the file: the rest fitted in this piece
+        }
     }
-    live.set_len(0).map_err(|source| PersistError::Write { path: log.path(), source })
+    live.set_len(0).map_err(|source| PersistError::Write { path: log.path(), source })?;
+    Ok(copies)
 }
 
 /// The file a persistence error is about.
@@ -458,16 +522,19 @@ mod tests {
     }
 
     #[test]
-    fn a_fast_writer_is_rotated_early_by_what_it_writes_during_a_rotation_and_a_slow_one_at_its_cap() {
+    fn a_fast_writer_is_rotated_early_by_what_it_writes_during_a_rotation_and_a_wait_and_a_slow_one_at_its_cap() {
         const MIB: u64 = 1 << 20;
         let max = 10 * MIB;
-        // 50 MB/s and 10 ms a rotation: a megabyte early, so that the copy ends near the cap.
-        assert_eq!(rotation_threshold(max, Some(50e6), Duration::from_millis(10)), max - 1_000_000);
-        // Never more than a tenth early, however slow the copy.
+        // 50 MB/s and 5 ms a rotation: 1.5 MB early would be what it writes during the
+        // copy and the scheduling slack; never more than a tenth early.
+        assert_eq!(rotation_threshold(max, Some(50e6), Duration::from_millis(5)), max - max / 10);
         assert_eq!(rotation_threshold(max, Some(50e6), Duration::from_secs(1)), max - max / 10);
-        assert_eq!(rotation_threshold(max, Some(100.0), Duration::from_millis(10)), max - 2);
+        // 10 MB/s: what 40 ms (twice 10 ms, and the slack) write.
+        assert_eq!(rotation_threshold(max, Some(10e6), Duration::from_millis(10)), max - 400_000);
+        // Before the first rotation, the slack alone.
+        assert_eq!(rotation_threshold(max, Some(50e6), Duration::ZERO), max - 1_000_000);
+        assert_eq!(rotation_threshold(max, Some(100.0), Duration::from_millis(10)), max - 4);
         assert_eq!(rotation_threshold(max, None, Duration::from_millis(10)), max);
-        assert_eq!(rotation_threshold(max, Some(50e6), Duration::ZERO), max);
     }
 
     /// `web-proxy-stdout.log` in a new data dir's `logs/`.
@@ -481,7 +548,7 @@ mod tests {
     fn write_and_rotate(log: &LogFile, content: &str, keep: u32) {
         fs::write(log.path(), content).unwrap();
         let (live, _size) = open_live(log).unwrap().unwrap();
-        rotate(log, &live, keep).unwrap();
+        rotate(log, &live, LogPolicy { max_size: 1 << 20, keep }).unwrap();
     }
 
     fn copy(log: &LogFile, index: u32) -> std::path::PathBuf {
@@ -520,6 +587,32 @@ mod tests {
         assert_eq!(mode(&copy(&log, 2)), 0o600);
         let names: Vec<_> = fs::read_dir(log.dir().path()).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(names.len(), 3, "no temporary file is left: {names:?}");
+    }
+
+    #[test]
+    fn a_file_found_past_its_cap_and_its_tenth_is_copied_in_pieces_oldest_highest() {
+        let (_temp, log) = log_file();
+        let rotate_now = |content: &str, keep| {
+            fs::write(log.path(), content).unwrap();
+            let (live, _size) = open_live(&log).unwrap().unwrap();
+            let copies = rotate(&log, &live, LogPolicy { max_size: 40, keep }).unwrap();
+            assert_eq!(fs::read_to_string(log.path()).unwrap(), "");
+            copies
+        };
+        // A cap of 40 makes pieces of 44.
+        let (a, b, c) = ("a".repeat(44), "b".repeat(44), "c".repeat(10));
+        assert_eq!(rotate_now(&format!("{a}{b}{c}"), 5), 3);
+        assert_eq!(fs::read_to_string(copy(&log, 3)).unwrap(), a);
+        assert_eq!(fs::read_to_string(copy(&log, 2)).unwrap(), b);
+        assert_eq!(fs::read_to_string(copy(&log, 1)).unwrap(), c);
+        // Exactly a piece: one copy, no empty one after it.
+        assert_eq!(rotate_now(&"d".repeat(44), 5), 1);
+        assert_eq!(fs::read_to_string(copy(&log, 1)).unwrap(), "d".repeat(44));
+        // No more pieces than it keeps: the newest.
+        let (e, f, g) = ("e".repeat(44), "f".repeat(44), "g".repeat(44));
+        assert_eq!(rotate_now(&format!("{e}{f}{g}"), 2), 2);
+        assert_eq!(fs::read_to_string(copy(&log, 2)).unwrap(), f);
+        assert_eq!(fs::read_to_string(copy(&log, 1)).unwrap(), g);
     }
 
     #[test]

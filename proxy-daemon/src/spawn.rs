@@ -822,7 +822,7 @@ mod tests {
             let cgroup = cgroups.create(name.as_str(), &tether_state::ResourceLimits::default()).unwrap();
             let mut spec = ProcessSpec::new(name.clone(), "tether-sleep", &data);
             spec.args = vec!["30".into()];
-            spec.env = layers(&path);
+            spec.env = layers(&path).into();
             let Spawned { mut child, pid, .. } =
                 queue(&spec, Some(&cgroup.dir), birth).unwrap().finish(&spec.program).await.unwrap();
             let mut environ = environ_of(pid, "LAYER=env").await;
@@ -836,7 +836,7 @@ mod tests {
             assert_eq!(member.unwrap().as_deref(), Some(&*cgroup.name), "{birth:?}");
 
             let mut missing = ProcessSpec::new(name, "sleep", &data);
-            missing.env = layers(&bin.to_string_lossy());
+            missing.env = layers(&bin.to_string_lossy()).into();
             let error = queue(&missing, Some(&cgroup.dir), birth).map(|_| ()).unwrap_err();
             assert!(
                 matches!(&error, SpawnError::ProgramNotFound(e) if e.path == bin.as_os_str()),

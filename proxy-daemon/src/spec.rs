@@ -163,8 +163,8 @@ pub struct LogSpec {
 ///
 /// The supervisor passes `env` and nothing else: the caller builds `PATH`, `HOME` and the
 /// `TETHER_*` variables. `Debug` prints environment variable names but never their
-/// values, which may be secrets.
-#[derive(Clone)]
+/// values, which may be secrets ([`Environment`]).
+#[derive(Debug, Clone)]
 pub struct ProcessSpec {
     /// The proxy id; used in tracing fields, and in the names of the log files of a
     /// directory ([`LogTarget`]) and of [`ProcessSpec::new`]'s pid file.
@@ -180,7 +180,7 @@ pub struct ProcessSpec {
     /// The complete environment of the process, in layers: a later entry of a name
     /// replaces an earlier one ([`ProcessSpec::environment`]), so that a caller appends its
     /// own layers (defaults, then what was configured) without looking for duplicates.
-    pub env: Vec<(OsString, OsString)>,
+    pub env: Environment,
     /// The working directory (default `/`).
     pub working_dir: PathBuf,
     /// Run as this user (uid, primary gid and supplementary groups), if set.
@@ -214,7 +214,7 @@ pub struct ProcessSpec {
     /// Environment entries that prove a process found through `pid_file` is this one:
     /// every pair must appear in its `/proc/<pid>/environ` (for example `TETHER_PROXY_ID`
     /// and `TETHER_PROXY_TOKEN`). Empty means that pid files prove nothing.
-    pub identity_env: Vec<(OsString, OsString)>,
+    pub identity_env: Environment,
     /// The limits of each instance's cgroup, when the supervisor uses cgroups (default
     /// none). A limit whose controller is not enabled fails the start, naming it.
     pub limits: ResourceLimits,
@@ -286,39 +286,13 @@ impl ProcessSpec {
     }
 }
 
-impl fmt::Debug for ProcessSpec {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let env_names: Vec<_> = self.env.iter().map(|(key, _)| key).collect();
-        let identity_names: Vec<_> = self.identity_env.iter().map(|(key, _)| key).collect();
-        f.debug_struct("ProcessSpec")
-            .field("name", &self.name)
-            .field("program", &self.program)
-            .field("args", &self.args)
-            .field("env", &env_names)
-            .field("working_dir", &self.working_dir)
-            .field("user", &self.user)
-            .field("kill", &self.kill)
-            .field("restart", &self.restart)
-            .field("restart_on_exit", &self.restart_on_exit)
-            .field("restarted", &self.restarted)
-            .field("logs", &self.logs)
-            .field("health", &self.health)
-            .field("listeners", &self.listeners)
-            .field("pid_file", &self.pid_file)
-            .field("identity_env", &identity_names)
-            .field("limits", &self.limits)
-            .field("reload", &self.reload)
-            .finish()
-    }
-}
-
 /// What an instance started again after an exit runs ([`ProcessSpec::restarted`]).
 #[derive(Clone)]
 pub struct Restarted {
     /// Its arguments, without the program name.
     pub args: Vec<OsString>,
     /// Entries that replace those of the same name in [`ProcessSpec::env`] (or are added).
-    pub env: Vec<(OsString, OsString)>,
+    pub env: Environment,
     /// Resolves once the instance may be started; the backoff begins after it. While it
     /// waits, the process is in `backoff`, and a stop or a detach ends supervision.
     pub after: Arc<dyn Fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> + Send + Sync>,
@@ -339,8 +313,63 @@ impl Restarted {
 
 impl fmt::Debug for Restarted {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let env_names: Vec<_> = self.env.iter().map(|(key, _)| key).collect();
-        f.debug_struct("Restarted").field("args", &self.args).field("env", &env_names).finish_non_exhaustive()
+        f.debug_struct("Restarted").field("args", &self.args).field("env", &self.env).finish_non_exhaustive()
+    }
+}
+
+/// A process's environment: `(name, value)` pairs, in order, a later pair of a name
+/// winning. Its `Debug` prints the names only, never the values, which may be secrets; so
+/// every type that holds one can derive `Debug` and print no secret.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct Environment(pub Vec<(OsString, OsString)>);
+
+impl fmt::Debug for Environment {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.0.iter().map(|(name, _)| name)).finish()
+    }
+}
+
+impl std::ops::Deref for Environment {
+    type Target = Vec<(OsString, OsString)>;
+
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Environment {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.0
+    }
+}
+
+impl From<Vec<(OsString, OsString)>> for Environment {
+    fn from(pairs: Vec<(OsString, OsString)>) -> Self {
+        Self(pairs)
+    }
+}
+
+impl FromIterator<(OsString, OsString)> for Environment {
+    fn from_iter<I: IntoIterator<Item = (OsString, OsString)>>(pairs: I) -> Self {
+        Self(pairs.into_iter().collect())
+    }
+}
+
+impl<'a> IntoIterator for &'a mut Environment {
+    type Item = &'a mut (OsString, OsString);
+    type IntoIter = std::slice::IterMut<'a, (OsString, OsString)>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.iter_mut()
+    }
+}
+
+impl<'a> IntoIterator for &'a Environment {
+    type Item = &'a (OsString, OsString);
+    type IntoIter = std::slice::Iter<'a, (OsString, OsString)>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.iter()
     }
 }
 
@@ -417,10 +446,26 @@ mod tests {
         let temp = tempfile::tempdir().unwrap();
         let data = DataDir::open(temp.path()).unwrap();
         let mut spec = ProcessSpec::new(ProcessName::new("web-proxy").unwrap(), "/bin/true", &data);
-        spec.env = vec![("TETHER_PROXY_TOKEN".into(), "s3cr3t".into())];
+        spec.env = vec![("TETHER_PROXY_TOKEN".into(), "s3cr3t".into())].into();
         spec.identity_env = spec.env.clone();
+        spec.restarted = Some(Restarted {
+            args: Vec::new(),
+            env: vec![("RESTART_TOKEN".into(), "s3cr3t".into())].into(),
+            after: Arc::new(|| Box::pin(async {})),
+        });
+        spec.reload = Some(ReloadPolicy::new(ReloadAction::Signal(KillSignal::Hup)));
         let debug = format!("{spec:?}");
-        assert!(debug.contains("TETHER_PROXY_TOKEN"), "{debug}");
+        for name in ["TETHER_PROXY_TOKEN", "RESTART_TOKEN", "reload", "restarted"] {
+            assert!(debug.contains(name), "{name}: {debug}");
+        }
+        assert!(!debug.contains("s3cr3t"), "{debug}");
+        // The builder's too, from the same derive: every field, no value of the environment.
+        let builder = ProcessSpec::builder(ProcessName::new("web-proxy").unwrap(), "/bin/true")
+            .env("TETHER_PROXY_TOKEN", "s3cr3t")
+            .identity_env([("TETHER_PROXY_TOKEN", "s3cr3t")])
+            .reload(ReloadPolicy::new(ReloadAction::Signal(KillSignal::Hup)));
+        let debug = format!("{builder:?}");
+        assert!(debug.contains("TETHER_PROXY_TOKEN") && debug.contains("reload"), "{debug}");
         assert!(!debug.contains("s3cr3t"), "{debug}");
     }
 
@@ -437,7 +482,8 @@ mod tests {
             pair("PATH", "/opt/envoy/bin"),
             pair("LOG_LEVEL", "info"),
             pair("LOG_LEVEL", "debug"),
-        ];
+        ]
+        .into();
         assert_eq!(
             spec.environment(),
             [

@@ -10,7 +10,7 @@
 use std::collections::BTreeMap;
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use tokio::sync::{oneshot, watch};
@@ -161,7 +161,7 @@ impl Supervisor {
     pub fn hold_until_exec(&self, fd: std::os::fd::BorrowedFd<'_>) -> io::Result<()> {
         spawn::hold_until_exec(fd)?;
         let copy = fd.try_clone_to_owned()?;
-        let mut held = self.shared.held.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut held = tether_state::lock(&self.shared.held);
         let mut more: Vec<std::os::fd::OwnedFd> = held.iter().map(|fd| fd.try_clone()).collect::<io::Result<_>>()?;
         more.push(copy);
         *held = Arc::new(more);
@@ -285,7 +285,7 @@ impl Shared {
         &self,
     ) -> std::sync::MutexGuard<'_, BTreeMap<u64, (ProcessName, watch::Receiver<ProcessStatus>)>> {
         // Every critical section only inserts, removes or clones.
-        self.processes.lock().unwrap_or_else(PoisonError::into_inner)
+        tether_state::lock(&self.processes)
     }
 
     /// Takes the process of task `key` out of the list: its supervision has ended.

@@ -319,7 +319,7 @@ impl LocalState {
     fn lock(&self) -> MutexGuard<'_, Inner> {
         // A panic while the lock was held cannot leave `Inner` half-updated: every mutation
         // prepares its changes first and applies them with infallible steps.
-        self.shared.inner.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        crate::lock(&self.shared.inner)
     }
 
     /// Adds or replaces one service on behalf of `source`.

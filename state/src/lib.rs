@@ -170,6 +170,20 @@ pub use token::{ProxyToken, TokenError, TokenFingerprint};
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
 
+/// Locks `mutex`, and goes on with its value should a holder have panicked: every critical
+/// section of the workspace leaves its value whole (it only moves values in or out), so a
+/// poisoned lock holds nothing broken, and one panic never turns into a panic of every
+/// later holder.
+///
+/// ```
+/// let counter = std::sync::Mutex::new(1);
+/// *tether_state::lock(&counter) += 1;
+/// assert_eq!(*tether_state::lock(&counter), 2);
+/// ```
+pub fn lock<T: ?Sized>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// An error and its sources on one line, `outer: inner: innermost`: how every tether crate
 /// shows an error in a status, a log field or an API answer.
 ///

@@ -9,6 +9,7 @@ mod bench;
 mod deps;
 mod dist;
 mod downstream;
+mod floors;
 mod fuzz;
 mod tidy;
 
@@ -24,7 +25,7 @@ tasks:
               deps, and the same for the downstream crate (downstream/), whose must-fail test must fail
   test        the test suite only (nextest, then doctests, then the downstream crate's tests and its must-fail test)
   tidy        module docs present, no #[should_panic], no bare #[ignore], no process spawning outside proxy-daemon,
-              no reference to a document outside the repository
+              no reference to a document outside the repository, and the binary's modules on their floors
   deps        the crate graph against the allow-list
   downstream  the downstream crate alone: its lock file, fmt --check, clippy -D warnings, tests, must-fail test
   bench       every crate's benchmarks, then the end-to-end benchmarks of the tether binary

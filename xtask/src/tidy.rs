@@ -1,4 +1,5 @@
-//! `cargo xtask tidy`: house rules that the compiler does not check.
+//! `cargo xtask tidy`: house rules that the compiler does not check (with `floors`, the
+//! import floors of the binary).
 //!
 //! It only reads source files (and asks `git` which files are tracked); it never edits them.
 
@@ -34,6 +35,7 @@ const SECTION_SIGN: char = '\u{a7}';
 pub(crate) fn check(root: &Path) -> Result<Vec<String>, String> {
     let mut problems = Vec::new();
     check_references(root, &mut problems)?;
+    problems.extend(crate::floors::check(root)?);
     for krate in CRATES {
         let dir = root.join(krate);
         if !dir.is_dir() {

@@ -6,8 +6,6 @@
 //! proxy parses); `EventDto` is a line of the events stream; `FleetDto` the etcd follower's
 //! status. Nothing here holds a secret: a proxy's token travels only in its own header.
 
-use std::time::SystemTime;
-
 use serde::{Deserialize, Serialize};
 use tether_state::{ExitReason, ProxyConfigMap};
 
@@ -106,10 +104,8 @@ pub(crate) struct HealthDto {
     pub(crate) status: String,
 }
 
-/// RFC 3339 in UTC to the second, as `started_at` is shown.
-pub(crate) fn rfc3339(time: SystemTime) -> String {
-    humantime::format_rfc3339_seconds(time).to_string()
-}
+/// RFC 3339 in UTC to the second, as `started_at` is shown: the format of etcd's records too.
+pub(crate) use crate::etcd::rfc3339;
 
 /// The header that carries a proxy's token.
 pub(crate) const TOKEN_HEADER: &str = "x-tether-proxy-token";
@@ -166,6 +162,8 @@ pub(crate) struct FleetDto {
 
 #[cfg(test)]
 mod tests {
+    use std::time::SystemTime;
+
     use super::*;
 
     #[test]

@@ -44,7 +44,7 @@ impl Held {
     }
 
     fn lock(&self) -> MutexGuard<'_, BTreeSet<ProxyId>> {
-        self.ids.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        tether_state::lock(&self.ids)
     }
 
     /// The held proxies.

@@ -12,9 +12,10 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use tether_state::config::{ConfigErrors, ConfigFile, ConfigLoader, DisplayPath, LoadStats};
+use tether_state::lock;
 use tether_state::persist::{DataDir, PersistError};
 use tether_state::{
     CatalogError, DependsOn, LocalState, ProxyId, ProxyToken, ReplaceReport, Service, ServiceId, Source, SourceKind,
@@ -140,12 +141,6 @@ fn config_delta<'a>(applied: &'a HashMap<PathBuf, ConfigFile>, files: &'a [Confi
     let upserts = after.iter().filter(|(id, now)| before.get(*id) != Some(*now)).map(|(_, now)| *now).collect();
     let removals = before.keys().filter(|id| !after.contains_key(*id)).map(|id| (*id).clone()).collect();
     ConfigDelta { upserts, removals }
-}
-
-/// Locks `mutex`, also when a panicking thread held it: every value behind these locks is
-/// replaced whole, never left half-updated.
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 impl Sources {

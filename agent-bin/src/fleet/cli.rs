@@ -9,33 +9,11 @@ use std::io::Write;
 use std::process::ExitCode;
 
 use tether_state::ServiceId;
-use tether_state::config::{self, Format, Origin};
+use tether_state::config::{self, Format};
 
-use super::{EtcdError, EtcdOptions, Layout, etcd, key_id, parse_entry, timed};
+use super::{etcd_failure, key_id, parse_entry, read_services, usage};
 use crate::cli::{FleetCommand, FleetEtcdArgs};
-use crate::error::UsageError;
-
-pub(super) fn usage(message: String) -> anyhow::Error {
-    UsageError(message).into()
-}
-
-/// The services of the file `file` (`.toml` or `.json`), for `what` (`put`, `roll out`): a
-/// usage error names the file when it cannot be read, is invalid or holds none.
-pub(super) fn read_services(file: &std::path::Path, what: &str) -> anyhow::Result<Vec<tether_state::Service>> {
-    let format = Format::of_path(file)
-        .ok_or_else(|| usage(format!("{}: a service file ends in .toml or .json", file.display())))?;
-    let text = std::fs::read_to_string(file).map_err(|err| usage(format!("{}: cannot read: {err}", file.display())))?;
-    let services = config::parse_file(&text, format, &Origin::File(file.to_owned()))
-        .map_err(|err| usage(crate::error::error_chain(&err)))?;
-    if services.is_empty() {
-        return Err(usage(format!("{}: no [[service]] to {what}", file.display())));
-    }
-    Ok(services)
-}
-
-pub(crate) fn etcd_failure(err: EtcdError) -> anyhow::Error {
-    if err.is_usage() { usage(crate::error::error_chain(&err)) } else { err.into() }
-}
+use crate::etcd::{self, EtcdOptions, Layout, timed};
 
 fn setup(args: &FleetEtcdArgs, node: &str) -> anyhow::Result<(EtcdOptions, Layout)> {
     let layout = Layout::new(&args.etcd.etcd_prefix, node).map_err(|err| usage(err.to_string()))?;

@@ -30,17 +30,11 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::etcd::{self, Client, WatchStream};
 use super::publish::Revisions;
 use super::store::FleetStore;
-use super::{Desired, EtcdError, EtcdOptions, Layout, SOURCE_NAME, source_kind, timed};
+use super::{Desired, SOURCE_NAME, source_kind};
 use crate::catalog::sources::Sources;
-
-/// The delays between two connection attempts: 250 ms, doubled after each failure up to
-/// 10 s, each spread by [`JITTER_PER_MILLE`].
-const RECONNECT_BACKOFF: Backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(10));
-/// How far each reconnect delay is spread, in thousandths of itself either way: ± 20%.
-const JITTER_PER_MILLE: u32 = 200;
+use crate::etcd::{self, Client, EtcdError, EtcdOptions, Layout, WatchStream, jittered, timed};
 
 /// What the follower shows: the API's `GET /v1/agent/fleet` and the `tether_fleet_*` metrics.
 #[derive(Debug, Clone, Default)]
@@ -76,7 +70,7 @@ pub(crate) struct SharedStatus(Arc<Mutex<FleetStatus>>);
 
 impl SharedStatus {
     fn lock(&self) -> MutexGuard<'_, FleetStatus> {
-        self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        tether_state::lock(&self.0)
     }
 
     /// A copy of the status now.
@@ -166,7 +160,7 @@ impl Follower {
     /// Meant to run in its own task until `stop`; every catalog change and file write it
     /// makes is complete before its next await.
     pub(crate) async fn run(mut self, stop: CancellationToken) {
-        let mut backoff = RECONNECT_BACKOFF;
+        let mut backoff = etcd::RECONNECT;
         loop {
             let ended = tokio::select! {
                 () = stop.cancelled() => return,
@@ -418,7 +412,7 @@ struct Inbox {
 impl Inbox {
     fn lock(&self) -> MutexGuard<'_, Delivered> {
         // Every critical section only moves values in or out.
-        self.delivered.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        tether_state::lock(&self.delivered)
     }
 }
 
@@ -546,13 +540,6 @@ fn off_the_runtime<T>(work: impl FnOnce() -> T) -> T {
         Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(work),
         _ => work(),
     }
-}
-
-/// `delay` ± 20%, so that a fleet of agents does not reconnect in lockstep; the clock's
-/// nanoseconds are random enough for that.
-pub(crate) fn jittered(delay: Duration) -> Duration {
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().subsec_nanos();
-    Backoff::jitter(delay, JITTER_PER_MILLE, u64::from(nanos))
 }
 
 /// The `tether_fleet_*` metrics, read from the follower's status at scrape time.

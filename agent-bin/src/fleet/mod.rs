@@ -1,14 +1,15 @@
 //! The fleet catalog: services that a cluster store (etcd v3) holds for this node.
 //!
 //! Keys are `<prefix>/nodes/<node>/services/<service id>`; each value is one service object
-//! in the register API's JSON schema. This module owns the key layout, the parsing of values into
-//! services (an invalid value is a per-key report, never a failure of the whole set), and
-//! the connection options shared by the agent's follower (`follow`) and the operators'
-//! commands (`cli`). Its services enter `LocalState` as `Source::External("etcd")`. It
-//! never starts a process and writes nothing outside the data dir (`store`).
+//! in the register API's JSON schema. This module owns the parsing of values into services
+//! (an invalid value is a per-key report, never a failure of the whole set), the agent's
+//! follower (`follow`) and publisher (`publish`), and the operators' commands (`cli`,
+//! `status`, `rollout`, with the helpers they share here). How etcd is reached, where keys
+//! live and what the published records hold are `crate::etcd`'s. Its services enter
+//! `LocalState` as `Source::External("etcd")`. It never starts a process and writes nothing
+//! outside the data dir (`store`).
 
 pub(crate) mod cli;
-pub(crate) mod etcd;
 pub(crate) mod follow;
 pub(crate) mod publish;
 pub(crate) mod roles;
@@ -20,8 +21,11 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use tether_state::config::{self, ConfigError, Format, Origin};
-use tether_state::{IdError, Service, ServiceId, SourceKind};
+use tether_state::config::{ConfigError, Format, Origin};
+use tether_state::{IdError, Service, ServiceId, SourceKind, config};
+
+use crate::error::UsageError;
+use crate::etcd::{EtcdError, EtcdOptions, Layout};
 
 /// The name of the fleet source in the catalog (`Source::External`).
 pub(crate) const SOURCE_NAME: &str = "etcd";
@@ -29,71 +33,6 @@ pub(crate) const SOURCE_NAME: &str = "etcd";
 /// The catalog source kind of fleet services.
 pub(crate) fn source_kind() -> SourceKind {
     SourceKind::External(SOURCE_NAME.to_owned())
-}
-
-/// Where one node's services live in etcd.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Layout {
-    prefix: String,
-    node: String,
-}
-
-/// A node name or prefix that cannot be used.
-#[derive(Debug, thiserror::Error)]
-pub(crate) enum LayoutError {
-    #[error("node name `{node}` is invalid: it must match {}", tether_state::SERVICE_ID_RULE)]
-    Node { node: String },
-    #[error("etcd prefix `{prefix}` is invalid: it must start with `/`")]
-    Prefix { prefix: String },
-}
-
-impl Layout {
-    /// The layout of `node` under `prefix` (a trailing `/` is ignored).
-    pub(crate) fn new(prefix: &str, node: &str) -> Result<Self, LayoutError> {
-        if !prefix.starts_with('/') {
-            return Err(LayoutError::Prefix { prefix: prefix.to_owned() });
-        }
-        // A node name is a key segment and a label: the id rule, as for a service id.
-        let valid_node = tether_state::check_service_id(node).is_ok();
-        if !valid_node {
-            return Err(LayoutError::Node { node: node.to_owned() });
-        }
-        Ok(Self { prefix: prefix.trim_end_matches('/').to_owned(), node: node.to_owned() })
-    }
-
-    pub(crate) fn prefix(&self) -> &str {
-        &self.prefix
-    }
-
-    pub(crate) fn node(&self) -> &str {
-        &self.node
-    }
-
-    /// The key of this node's status: `<prefix>/status/<node>`.
-    pub(crate) fn status_key(&self) -> String {
-        format!("{}/status/{}", self.prefix, self.node)
-    }
-
-    /// The key of one proxy's status: `<prefix>/status/<node>/proxies/<proxy id>`.
-    pub(crate) fn proxy_status_key(&self, proxy: &tether_state::ProxyId) -> String {
-        format!("{}/proxies/{proxy}", self.status_key())
-    }
-
-    /// The key that lists one ready instance of a service:
-    /// `<prefix>/instances/<service name>/<node>/<service id>`.
-    pub(crate) fn instance_key(&self, name: &tether_state::ServiceName, id: &ServiceId) -> String {
-        format!("{}/instances/{name}/{}/{id}", self.prefix, self.node)
-    }
-
-    /// The prefix of every service key of this node, ending in `/`.
-    pub(crate) fn services_prefix(&self) -> String {
-        format!("{}/nodes/{}/services/", self.prefix, self.node)
-    }
-
-    /// The key of service `id`.
-    pub(crate) fn key(&self, id: &ServiceId) -> String {
-        format!("{}{id}", self.services_prefix())
-    }
 }
 
 /// Why one key's value was skipped.
@@ -239,133 +178,29 @@ impl FleetOptions {
     }
 }
 
-/// How to reach etcd: endpoints, TLS and auth, in the shape of etcd's own clients.
-#[derive(Debug, Clone)]
-pub(crate) struct EtcdOptions {
-    pub(crate) endpoints: Vec<String>,
-    pub(crate) cacert: Option<PathBuf>,
-    pub(crate) cert: Option<PathBuf>,
-    pub(crate) key: Option<PathBuf>,
-    pub(crate) user: Option<String>,
-    pub(crate) password: Option<String>,
+/// A usage error (exit 2) saying `message`.
+pub(crate) fn usage(message: String) -> anyhow::Error {
+    UsageError(message).into()
 }
 
-/// How long one connection attempt or one request may take.
-pub(crate) const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// Why etcd could not be reached or asked.
-#[derive(Debug, thiserror::Error)]
-pub(crate) enum EtcdError {
-    #[error("cannot read {what} {}", config::DisplayPath(.path))]
-    ReadFile {
-        what: &'static str,
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("--etcd-cert and --etcd-key go together")]
-    HalfIdentity,
-    #[error("--etcd-password needs --etcd-user")]
-    PasswordWithoutUser,
-    #[error("etcd at {endpoints}: {operation} failed")]
-    Request {
-        endpoints: String,
-        operation: &'static str,
-        #[source]
-        source: etcd::Error,
-    },
-    #[error("etcd at {endpoints}: {operation} timed out after {}s", REQUEST_TIMEOUT.as_secs())]
-    Timeout { endpoints: String, operation: &'static str },
+/// The services of the file `file` (`.toml` or `.json`), for `what` (`put`, `roll out`): a
+/// usage error names the file when it cannot be read, is invalid or holds none.
+pub(crate) fn read_services(file: &std::path::Path, what: &str) -> anyhow::Result<Vec<tether_state::Service>> {
+    let format = Format::of_path(file)
+        .ok_or_else(|| usage(format!("{}: a service file ends in .toml or .json", file.display())))?;
+    let text = std::fs::read_to_string(file).map_err(|err| usage(format!("{}: cannot read: {err}", file.display())))?;
+    let services = config::parse_file(&text, format, &Origin::File(file.to_owned()))
+        .map_err(|err| usage(crate::error::error_chain(&err)))?;
+    if services.is_empty() {
+        return Err(usage(format!("{}: no [[service]] to {what}", file.display())));
+    }
+    Ok(services)
 }
 
-impl EtcdError {
-    /// Whether the options themselves are wrong (a usage error), not the connection.
-    pub(crate) fn is_usage(&self) -> bool {
-        matches!(self, Self::ReadFile { .. } | Self::HalfIdentity | Self::PasswordWithoutUser)
-    }
-}
-
-impl EtcdOptions {
-    /// The options of the command line.
-    pub(crate) fn from_args(endpoints: Vec<String>, args: &crate::cli::EtcdArgs) -> Self {
-        Self {
-            endpoints,
-            cacert: args.etcd_cacert.clone(),
-            cert: args.etcd_cert.clone(),
-            key: args.etcd_key.clone(),
-            user: args.etcd_user.clone(),
-            password: args.etcd_password.clone(),
-        }
-    }
-
-    /// The endpoints, for messages.
-    pub(crate) fn shown(&self) -> String {
-        self.endpoints.join(",")
-    }
-
-    /// The client options; reads the TLS files.
-    pub(crate) fn connect_options(&self) -> Result<etcd::ConnectOptions, EtcdError> {
-        let read = |what: &'static str, path: &PathBuf| {
-            std::fs::read(path).map_err(|source| EtcdError::ReadFile { what, path: path.clone(), source })
-        };
-        let mut tls = None;
-        if self.cacert.is_some() || self.cert.is_some() || self.key.is_some() {
-            let ca = match &self.cacert {
-                Some(path) => Some(read("the etcd CA certificate", path)?),
-                None => None,
-            };
-            let identity = match (&self.cert, &self.key) {
-                (Some(cert), Some(key)) => {
-                    Some((read("the etcd client certificate", cert)?, read("the etcd client key", key)?))
-                }
-                (None, None) => None,
-                _ => return Err(EtcdError::HalfIdentity),
-            };
-            tls = Some(etcd::Tls { ca, identity });
-        }
-        let user = match (&self.user, &self.password) {
-            (Some(user), password) => {
-                // etcdctl's shape: `--user NAME:PASSWORD`, or a separate password.
-                let (name, inline) = match user.split_once(':') {
-                    Some((name, inline)) => (name.to_owned(), Some(inline.to_owned())),
-                    None => (user.clone(), None),
-                };
-                Some((name, password.clone().or(inline).unwrap_or_default()))
-            }
-            (None, Some(_)) => return Err(EtcdError::PasswordWithoutUser),
-            (None, None) => None,
-        };
-        Ok(etcd::ConnectOptions {
-            connect_timeout: REQUEST_TIMEOUT,
-            keep_alive_interval: Duration::from_secs(10),
-            keep_alive_timeout: Duration::from_secs(5),
-            tls,
-            user,
-        })
-    }
-
-    /// Connects (and authenticates, with a user), within [`REQUEST_TIMEOUT`].
-    pub(crate) async fn connect(&self) -> Result<etcd::Client, EtcdError> {
-        let options = self.connect_options()?;
-        timed(self, "connect", etcd::Client::connect(&self.endpoints, &options)).await
-    }
-}
-
-/// Runs one etcd request within [`REQUEST_TIMEOUT`], naming `operation` in its error.
-///
-/// # Cancel safety
-///
-/// Cancel-safe: dropping it drops the request.
-pub(crate) async fn timed<T>(
-    options: &EtcdOptions,
-    operation: &'static str,
-    request: impl Future<Output = Result<T, etcd::Error>>,
-) -> Result<T, EtcdError> {
-    match tokio::time::timeout(REQUEST_TIMEOUT, request).await {
-        Ok(Ok(value)) => Ok(value),
-        Ok(Err(source)) => Err(EtcdError::Request { endpoints: options.shown(), operation, source }),
-        Err(_elapsed) => Err(EtcdError::Timeout { endpoints: options.shown(), operation }),
-    }
+/// `err` as the commands report it: a usage error when the options are wrong, else a
+/// runtime failure.
+pub(crate) fn etcd_failure(err: EtcdError) -> anyhow::Error {
+    if err.is_usage() { usage(crate::error::error_chain(&err)) } else { err.into() }
 }
 
 #[cfg(test)]
@@ -374,16 +209,6 @@ mod tests {
 
     fn layout() -> Layout {
         Layout::new("/tether/", "n1").unwrap()
-    }
-
-    #[test]
-    fn keys_follow_the_layout() {
-        let layout = layout();
-        assert_eq!(layout.services_prefix(), "/tether/nodes/n1/services/");
-        assert_eq!(layout.key(&ServiceId::new("web").unwrap()), "/tether/nodes/n1/services/web");
-        assert!(Layout::new("tether", "n1").is_err());
-        assert!(Layout::new("/t", "a/b").is_err());
-        assert!(Layout::new("/t", "").is_err());
     }
 
     #[test]

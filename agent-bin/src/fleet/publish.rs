@@ -28,16 +28,12 @@ use tether_state::{Backoff, Catalog, LocalState, Revision, ServiceId};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use super::etcd::{self, Client};
-use super::{EtcdError, EtcdOptions, Layout, timed};
+use crate::etcd::{self, Client, EtcdError, EtcdOptions, Instance, Layout, NodeRecord, PublishedProxy, rfc3339, timed};
 
 /// How long a burst of changes is gathered before a flush: well within the 100 ms in which a
 /// change is to be visible, and long enough that a proxy's start (`starting`, then `running`)
 /// is one write.
 pub(crate) const COALESCE: Duration = Duration::from_millis(20);
-
-/// The delays between two sessions with etcd, as the follower's.
-const RECONNECT_BACKOFF: Backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(10));
 
 /// Operations per transaction: etcd refuses more than 128 by default.
 const OPS_PER_TXN: usize = 100;
@@ -65,7 +61,7 @@ struct Book {
 
 impl Revisions {
     fn lock(&self) -> MutexGuard<'_, Book> {
-        self.0.book.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        tether_state::lock(&self.0.book)
     }
 
     /// Records that the follower applied the set of etcd revision `applied`, in which
@@ -155,14 +151,14 @@ impl Publisher {
     ///
     /// Meant to run in its own task until `stop`.
     pub(crate) async fn run(mut self, stop: CancellationToken, revoke: CancellationToken) {
-        let mut backoff = RECONNECT_BACKOFF;
+        let mut backoff = etcd::RECONNECT;
         loop {
             let ended = tokio::select! {
                 () = stop.cancelled() => break,
                 ended = self.session(&mut backoff) => ended,
             };
             let Err(ended) = ended;
-            let wait = super::follow::jittered(backoff.next());
+            let wait = etcd::jittered(backoff.next());
             tracing::warn!(
                 error = %crate::error::error_chain(&ended),
                 retry_ms = u64::try_from(wait.as_millis()).unwrap_or(u64::MAX),
@@ -274,12 +270,12 @@ impl Publisher {
     /// Every key this node publishes now, with its value.
     fn values(&self) -> BTreeMap<String, Vec<u8>> {
         let mut values = BTreeMap::new();
-        let node = serde_json::json!({
-            "started_at": crate::api::dto::rfc3339(self.started_at),
-            "version": env!("CARGO_PKG_VERSION"),
-            "revision": self.revisions.applied(),
-        });
-        values.insert(self.layout.status_key(), node.to_string().into_bytes());
+        let node = NodeRecord {
+            started_at: rfc3339(self.started_at),
+            version: env!("CARGO_PKG_VERSION").to_owned(),
+            revision: self.revisions.applied(),
+        };
+        values.insert(self.layout.status_key(), encode(&node));
         // Unmeasured: usage is not published, and measuring would read every proxy's
         // cgroup on every flush.
         for status in self.manager.status_unmeasured() {
@@ -293,42 +289,37 @@ impl Publisher {
                 _ => None,
             };
             let service = entry.as_ref().map(|entry| &*entry.service);
-            let value = proxy_value(&status, revision, service);
-            values.insert(self.layout.proxy_status_key(&status.id), value.to_string().into_bytes());
+            let value = published(&status, revision, service);
+            values.insert(self.layout.proxy_status_key(&status.id), encode(&value));
             if let (true, Some(service)) = (status.ready(), service) {
-                let instance = serde_json::json!({
-                    "node": self.layout.node(),
-                    "id": service.id,
-                    "address": service.address,
-                    "port": service.port,
-                    "tags": service.tags,
-                    "meta": service.meta,
-                });
-                values.insert(self.layout.instance_key(&service.name, &service.id), instance.to_string().into_bytes());
+                let instance = Instance::of(Some(self.layout.node()), service);
+                values.insert(self.layout.instance_key(&service.name, &service.id), encode(&instance));
             }
         }
         values
     }
 }
 
+/// A record's value: its JSON.
+fn encode(record: &impl serde::Serialize) -> Vec<u8> {
+    // The records hold strings, numbers and string-keyed maps, which always encode.
+    serde_json::to_vec(record).unwrap_or_else(|_| b"null".to_vec())
+}
+
 /// One proxy's status key's value: what runs, never how (no command, environment or token).
-fn proxy_value(
-    status: &ProxyStatus,
-    revision: Option<i64>,
-    service: Option<&tether_state::Service>,
-) -> serde_json::Value {
-    serde_json::json!({
-        "state": status.state.as_str(),
-        "ready": status.ready(),
-        "pid": status.pid,
-        "restarts": status.restarts,
-        "since": status.started_at.map(crate::api::dto::rfc3339),
-        "error": status.error,
-        "revision": revision,
-        "address": service.map(|s| s.address.as_str()),
-        "port": service.and_then(|s| s.port),
-        "service": status.service,
-        "tags": service.map(|s| &s.tags),
-        "meta": service.map(|s| &s.meta),
-    })
+fn published(status: &ProxyStatus, revision: Option<i64>, service: Option<&tether_state::Service>) -> PublishedProxy {
+    PublishedProxy {
+        state: status.state.as_str().to_owned(),
+        ready: status.ready(),
+        pid: status.pid,
+        restarts: status.restarts,
+        since: status.started_at.map(rfc3339),
+        error: status.error.clone(),
+        revision,
+        address: service.map(|s| s.address.clone()),
+        port: service.and_then(|s| s.port),
+        service: Some(status.service.to_string()),
+        tags: service.map(|s| s.tags.clone()),
+        meta: service.map(|s| s.meta.clone()),
+    }
 }

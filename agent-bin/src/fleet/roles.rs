@@ -11,7 +11,8 @@ use std::collections::BTreeSet;
 use std::io::Write;
 use std::process::ExitCode;
 
-use super::{EtcdOptions, Layout, parse_entry, timed};
+use super::{etcd_failure, parse_entry};
+use crate::etcd::{EtcdOptions, Layout, timed};
 
 /// The role's name for `node`.
 pub(crate) fn role_name(node: &str) -> String {
@@ -47,7 +48,7 @@ pub(crate) fn script(layout: &Layout, names: &BTreeSet<String>) -> String {
 /// Runs `tether fleet roles NODE`: reads the names of NODE's services from etcd, adds
 /// `extra`, and prints the script.
 pub(crate) async fn run(options: &EtcdOptions, layout: &Layout, extra: &[String]) -> anyhow::Result<ExitCode> {
-    let client = options.connect().await.map_err(super::cli::etcd_failure)?;
+    let client = options.connect().await.map_err(etcd_failure)?;
     let response = timed(options, "read", client.get_prefix(&layout.services_prefix())).await?;
     let mut names: BTreeSet<String> = extra.iter().cloned().collect();
     for kv in &response.kvs {

@@ -17,32 +17,13 @@ use std::time::{Duration, Instant};
 use tether_state::ServiceId;
 use tether_state::config::{self, Format};
 
-use super::cli::usage;
-use super::etcd::{self, Client};
 use super::status::FleetView;
-use super::{EtcdOptions, Layout, timed};
+use super::{etcd_failure, read_services, usage};
 use crate::cli::OnFailure;
+use crate::etcd::{self, Client, EtcdError, EtcdOptions, Layout, RolloutRecord as Record, rfc3339, timed};
 
 /// How often the nodes' status is read while a batch is awaited.
 const POLL: Duration = Duration::from_millis(50);
-
-/// A rollout as etcd keeps it.
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Record {
-    /// Each service's value, by id, as `tether fleet put` writes it.
-    services: BTreeMap<String, String>,
-    nodes: Vec<String>,
-    max_parallel: usize,
-    wait_ms: u64,
-    on_failure: OnFailure,
-    /// The index in `nodes` of the first node of the batch in progress.
-    next: usize,
-    /// What the batch's keys held before it was written: node, then service id, then the
-    /// value (`None`: no key).
-    previous: BTreeMap<String, BTreeMap<String, Option<String>>>,
-    started_at: String,
-}
 
 /// The rollout's keys in etcd, and the mod revision of the first as this CLI last wrote it.
 struct Held {
@@ -73,7 +54,7 @@ pub(crate) async fn run(options: &EtcdOptions, prefix: &str, request: Request<'_
         }
         None => (Some(new_record(prefix, &request)?), None),
     };
-    let client = options.connect().await.map_err(super::cli::etcd_failure)?;
+    let client = options.connect().await.map_err(etcd_failure)?;
     let mut out = std::io::stdout().lock();
     let (mut record, mut held) = match (record, resumed) {
         (Some(record), _) => {
@@ -107,7 +88,7 @@ pub(crate) async fn run(options: &EtcdOptions, prefix: &str, request: Request<'_
     // etcd that cannot be reached leaves them for `--resume`.
     let ended = match &result {
         Ok(_) => true,
-        Err(err) => err.downcast_ref::<super::EtcdError>().is_none(),
+        Err(err) => err.downcast_ref::<EtcdError>().is_none(),
     };
     if !ended {
         let id = record.services.keys().next().map(String::as_str).unwrap_or_default();
@@ -145,7 +126,7 @@ fn new_record(prefix: &str, request: &Request<'_>) -> anyhow::Result<Record> {
             return Err(usage(format!("--nodes: node {node} is named twice")));
         }
     }
-    let services = super::cli::read_services(file, "roll out")?;
+    let services = read_services(file, "roll out")?;
     let mut values = BTreeMap::new();
     for service in &services {
         values.insert(service.id.to_string(), config::to_service_text(service, Format::Json)?);
@@ -158,7 +139,7 @@ fn new_record(prefix: &str, request: &Request<'_>) -> anyhow::Result<Record> {
         on_failure: request.on_failure,
         next: 0,
         previous: BTreeMap::new(),
-        started_at: crate::api::dto::rfc3339(std::time::SystemTime::now()),
+        started_at: rfc3339(std::time::SystemTime::now()),
     })
 }
 

@@ -5,7 +5,8 @@
 //! it has desired keys but no status. A proxy that an up node still publishes as started
 //! from a desired key that no longer exists is `removing`. The command succeeds when every
 //! desired proxy of every up node runs the revision of its desired key and is ready, and no
-//! proxy is `removing`.
+//! proxy is `removing`, and fails while any node with desired keys is `down`, so that a
+//! script's `tether fleet status || alert` sees a dead host.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -13,21 +14,9 @@ use std::process::ExitCode;
 
 use tether_state::ServiceId;
 
-use super::{EtcdOptions, timed};
-
-/// One proxy as its node publishes it (`<prefix>/status/<node>/proxies/<proxy id>`).
-#[derive(Debug, Clone, Default, serde::Deserialize)]
-pub(crate) struct PublishedProxy {
-    pub(crate) state: String,
-    #[serde(default)]
-    pub(crate) ready: bool,
-    pub(crate) pid: Option<u32>,
-    #[serde(default)]
-    pub(crate) restarts: u64,
-    pub(crate) error: Option<String>,
-    pub(crate) revision: Option<i64>,
-    pub(crate) service: Option<String>,
-}
+use super::etcd_failure;
+pub(crate) use crate::etcd::PublishedProxy;
+use crate::etcd::{self, EtcdError, EtcdOptions, NodeRecord, timed};
 
 /// One node: its desired services (by id, with the mod revision of each key) and, while its
 /// agent is up, what it publishes.
@@ -61,12 +50,8 @@ pub(crate) type FleetView = BTreeMap<String, NodeView>;
 ///
 /// # Errors
 ///
-/// An [`super::EtcdError`] when etcd cannot be asked.
-pub(crate) async fn read(
-    options: &EtcdOptions,
-    client: &super::etcd::Client,
-    prefix: &str,
-) -> Result<FleetView, super::EtcdError> {
+/// An [`EtcdError`] when etcd cannot be asked.
+pub(crate) async fn read(options: &EtcdOptions, client: &etcd::Client, prefix: &str) -> Result<FleetView, EtcdError> {
     let mut view = FleetView::new();
     let nodes_prefix = format!("{prefix}/nodes/");
     let desired = timed(options, "read", client.get_prefix(&nodes_prefix)).await?;
@@ -83,10 +68,8 @@ pub(crate) async fn read(
         let Some(rest) = key.strip_prefix(&status_prefix) else { continue };
         match rest.split_once("/proxies/") {
             None if !rest.contains('/') => {
-                let revision = serde_json::from_slice::<serde_json::Value>(&kv.value)
-                    .ok()
-                    .and_then(|value| value["revision"].as_i64())
-                    .unwrap_or(0);
+                // A record that does not parse still says that the node is up.
+                let revision = serde_json::from_slice::<NodeRecord>(&kv.value).map_or(0, |record| record.revision);
                 view.entry(rest.to_owned()).or_default().up = Some(revision);
             }
             Some((node, proxy)) => {
@@ -129,8 +112,8 @@ struct NodeRow {
     proxies: Vec<Row>,
 }
 
-/// The rows of `view`, filtered; and whether every desired proxy of every up node runs its
-/// desired revision and is ready.
+/// The rows of `view`, filtered; and whether every desired proxy runs its desired revision
+/// and is ready on a node that is up (a node that is down, with desired keys, fails it).
 fn rows(view: &FleetView, node: Option<&str>, service: Option<&str>) -> (Vec<NodeRow>, bool) {
     let mut all_good = true;
     let mut nodes = Vec::new();
@@ -154,8 +137,10 @@ fn rows(view: &FleetView, node: Option<&str>, service: Option<&str>) -> (Vec<Nod
             }
             let desired = service_id.as_deref().and_then(|id| seen.desired.get(id).copied());
             let published = seen.up.and(seen.proxies.get(&proxy));
+            // A desired proxy fails the check unless its node is up and runs it: a down node
+            // fails it too, since what it should run is not known to run.
             if let (Some(id), Some(revision)) = (service_id.as_deref(), desired) {
-                if seen.up.is_some() && !seen.runs(id, revision) {
+                if !seen.runs(id, revision) {
                     all_good = false;
                 }
             }
@@ -195,7 +180,7 @@ pub(crate) async fn run(
     service: Option<&str>,
     json: bool,
 ) -> anyhow::Result<ExitCode> {
-    let client = options.connect().await.map_err(super::cli::etcd_failure)?;
+    let client = options.connect().await.map_err(etcd_failure)?;
     let view = read(options, &client, prefix).await?;
     let (nodes, all_good) = rows(&view, node, service);
     let mut stdout = std::io::stdout().lock();
@@ -265,17 +250,20 @@ mod tests {
     }
 
     #[test]
-    fn success_needs_every_desired_proxy_of_every_up_node_on_its_revision_and_ready() {
+    fn success_needs_every_node_with_desired_keys_up_and_every_desired_proxy_on_its_revision_and_ready() {
         let mut view = FleetView::new();
         let n1 = view.entry("n1".to_owned()).or_default();
         n1.up = Some(9);
         n1.desired.insert("web".to_owned(), 5);
         n1.proxies.insert("web-proxy".to_owned(), proxy(true, Some(5)));
-        // A down node does not fail the check: its agent cannot say anything.
+        assert!(rows(&view, None, None).1);
+        // A down node with desired keys fails the check: a script must see a dead host.
         view.entry("n2".to_owned()).or_default().desired.insert("web".to_owned(), 6);
         let (nodes, good) = rows(&view, None, None);
-        assert!(good);
+        assert!(!good, "n2 is down");
         assert_eq!(nodes[1].state, "down");
+        assert!(rows(&view, Some("n1"), None).1, "filtered to the node that is up");
+        view.remove("n2");
 
         view.get_mut("n1").unwrap().proxies.insert("web-proxy".to_owned(), proxy(true, Some(4)));
         assert!(!rows(&view, None, None).1, "an old revision runs");
@@ -283,7 +271,6 @@ mod tests {
         assert!(!rows(&view, None, None).1, "not ready");
         view.get_mut("n1").unwrap().proxies.clear();
         assert!(!rows(&view, None, None).1, "not published at all");
-        assert!(rows(&view, Some("n2"), None).1, "filtered to the down node");
         assert!(rows(&view, None, Some("other")).1, "filtered to another service");
 
         // Started from a key that was deleted: removing, and a failure until it is gone.

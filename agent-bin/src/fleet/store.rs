@@ -13,7 +13,8 @@ use std::path::PathBuf;
 use tether_state::config::{self, DisplayPath, Format, Origin};
 use tether_state::persist::{DataDir, Durability, PersistError, PrivateDir};
 
-use super::{Desired, Layout};
+use super::Desired;
+use crate::etcd::Layout;
 
 /// The version of the file's format.
 const VERSION: u32 = 1;

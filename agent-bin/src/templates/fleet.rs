@@ -7,22 +7,20 @@
 
 use std::collections::HashMap;
 use std::convert::Infallible;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use tether_state::Backoff;
+use tether_state::lock;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::render::{Instance, InstanceSource};
-use crate::fleet::{EtcdOptions, Layout, etcd};
+use crate::etcd::{self, EtcdOptions, Layout};
 
 /// How long a render waits for the first answer about a name before it fails (and keeps its
 /// last good file).
 const FIRST_ANSWER: Duration = Duration::from_secs(5);
-
-/// The waits between a watch's reconnection attempts.
-const RETRY: Backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(10));
 
 /// The fleet's instances, as [`InstanceSource`].
 pub(crate) struct FleetInstances {
@@ -65,11 +63,6 @@ impl FleetInstances {
     }
 }
 
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Every critical section only moves values in or out.
-    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
 impl InstanceSource for FleetInstances {
     /// Blocks, at most [`FIRST_ANSWER`], until the name's first answer: renders run on
     /// blocking threads.
@@ -99,13 +92,13 @@ impl InstanceSource for FleetInstances {
 /// Follows `name`'s prefix until the source stops, reconnecting on its backoff; what was
 /// last found stays known meanwhile.
 async fn watch(inner: Arc<Inner>, name: String) {
-    let mut backoff = RETRY;
+    let mut backoff = etcd::RECONNECT;
     loop {
         let error = tokio::select! {
             () = inner.stop.cancelled() => return,
             Err(error) = follow(&inner, &name, &mut backoff) => error,
         };
-        let wait = crate::fleet::follow::jittered(backoff.next());
+        let wait = etcd::jittered(backoff.next());
         tracing::warn!(name = %name, error = %error, retry_in = ?wait, "cannot follow the fleet's instances");
         tokio::select! {
             () = inner.stop.cancelled() => return,

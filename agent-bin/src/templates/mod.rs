@@ -18,7 +18,7 @@ mod write;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::SystemTime;
 
 use async_trait::async_trait;
@@ -28,6 +28,7 @@ use prometheus_client::metrics::counter::ConstCounter;
 use tether_manager::{ManagerHandle, ProxyEvent};
 use tether_proxy_daemon::BeforeStart;
 use tether_state::config::DisplayPath;
+use tether_state::lock;
 use tether_state::{Catalog, LocalState, ManagedProxy, OnChange, ProxyId, ReloadResult, Template, TemplateSource};
 use tokio::sync::{broadcast, mpsc};
 use tokio::task::JoinSet;
@@ -38,7 +39,7 @@ pub(crate) use render::check_syntax;
 use render::{Instance, InstanceSource, RenderError, ServiceData, SharedData};
 use write::{Owner, WriteError, Written};
 
-use crate::fleet::{EtcdOptions, Layout};
+use crate::etcd::{EtcdOptions, Layout};
 
 /// Why one template of a proxy did not put its file in place.
 #[derive(Debug, thiserror::Error)]
@@ -142,11 +143,6 @@ struct Board {
     swept: HashSet<PathBuf>,
     /// The proxy that writes each destination: the first to render it, while it wants it.
     writers: HashMap<PathBuf, ProxyId>,
-}
-
-fn lock(board: &Mutex<Board>) -> MutexGuard<'_, Board> {
-    // Every critical section only moves values in or out.
-    board.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl Templates {
@@ -351,8 +347,7 @@ impl Templates {
     pub(crate) async fn run(self, stop: CancellationToken) {
         let _fleet_stop = self.shared.fleet_stop.clone().drop_guard();
         let Some(manager) = self.shared.manager.get().cloned() else { return };
-        let mut fleet_changes =
-            self.shared.fleet_changes.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
+        let mut fleet_changes = tether_state::lock(&self.shared.fleet_changes).take();
         let mut catalog = self.shared.catalog.subscribe();
         let mut statuses = manager.subscribe();
         let mut ready: HashMap<ProxyId, bool> =

@@ -36,32 +36,9 @@ impl From<&Service> for ServiceData {
     }
 }
 
-/// One ready instance of a service, as `instances(name)` lists it.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, serde::Deserialize)]
-pub(crate) struct Instance {
-    /// The node it runs on; `None` for this agent's own catalog without a node name.
-    pub(crate) node: Option<String>,
-    pub(crate) id: String,
-    pub(crate) address: String,
-    pub(crate) port: Option<u16>,
-    pub(crate) tags: Vec<String>,
-    pub(crate) meta: BTreeMap<String, String>,
-}
-
-impl Instance {
-    /// The instance of `service` on `node`.
-    pub(crate) fn of(node: Option<&str>, service: &Service) -> Self {
-        let data = ServiceData::from(service);
-        Self {
-            node: node.map(str::to_owned),
-            id: data.id,
-            address: data.address,
-            port: data.port,
-            tags: data.tags,
-            meta: data.meta,
-        }
-    }
-}
+/// One ready instance of a service, as `instances(name)` lists it: the fleet's record of it,
+/// whichever source found it.
+pub(crate) use crate::etcd::Instance;
 
 /// Where `instances(name)` finds the ready instances of a service: this agent's catalog, or
 /// the fleet's `instances/<name>/` prefix in etcd.
@@ -188,7 +165,7 @@ pub(crate) fn render(
     let recorder = asked.clone();
     env.add_function("instances", move |name: String| {
         // Recorded first: a name whose instances are not known yet renders again once they are.
-        recorder.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).insert(name.clone());
+        tether_state::lock(&recorder).insert(name.clone());
         let mut found = instances
             .instances(&name)
             .map_err(|reason| minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, reason))?;
@@ -210,7 +187,7 @@ pub(crate) fn render(
     }
     let text = String::from_utf8(out.bytes)
         .map_err(|_| RenderError { line: None, reason: "it renders bytes that are not UTF-8".to_owned() })?;
-    let instances_of = std::mem::take(&mut *asked.lock().unwrap_or_else(|poisoned| poisoned.into_inner()));
+    let instances_of = std::mem::take(&mut *tether_state::lock(&asked));
     Ok(Rendered { text, instances_of })
 }
 

@@ -729,18 +729,24 @@ fn fleet_status_shows_every_node_and_a_killed_agent_is_down_within_the_ttl_then_
     std::thread::sleep(Duration::from_secs(TTL_SECONDS * 2));
     assert_eq!(fleet_nodes.etcd.revision(), before, "idle agents wrote to etcd");
 
-    // kill -9 of n2's agent: its node is down within the TTL and 2 s; its proxy runs on.
+    // kill -9 of n2's agent: its node is down within the TTL and 2 s, and the command exits 1
+    // while it is, so that a script sees the dead host; its proxy runs on.
     fleet_nodes.agents[1].signal(Signal::SIGKILL);
     fleet_nodes.agents[1].wait();
     let killed = Instant::now();
     wait_until("n2 to be down", || {
         let (code, view) = fleet_view(&fleet_nodes.etcd);
-        (node_of(&view, "n2")["state"] == "down" && code == Some(0)).then_some(()).ok_or(view.to_string())
+        (node_of(&view, "n2")["state"] == "down" && code == Some(1)).then_some(()).ok_or(view.to_string())
     });
     assert!(killed.elapsed() <= Duration::from_secs(TTL_SECONDS + 2), "down after {:?}", killed.elapsed());
     assert!(alive(pid));
-    let table = fleet_ok(&fleet_nodes.etcd, &["status"]);
+    let output = fleet(&fleet_nodes.etcd.url(), &["status"]);
+    assert_eq!(output.status.code(), Some(1), "a node is down: {output:?}");
+    let table = String::from_utf8_lossy(&output.stdout).into_owned();
     assert!(table.lines().any(|line| line.starts_with("n2") && line.contains(" down")), "{table}");
+    // Nodes that are up pass on their own.
+    let output = fleet(&fleet_nodes.etcd.url(), &["status", "--node", "n1"]);
+    assert_eq!(output.status.code(), Some(0), "{output:?}");
     assert!(table.trim_end().ends_with("nodes: 2 up, 1 down; proxies: 2 ready, 1 not ready"), "{table}");
 
     // A new agent adopts the proxy: n2 is up again, nothing restarted.

@@ -70,7 +70,7 @@ impl Fake {
     }
 
     pub(super) fn state(&self) -> MutexGuard<'_, FakeState> {
-        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        tether_state::lock(&self.state)
     }
 
     pub(super) fn calls_of(&self, call: Call) -> Vec<(Instant, ProxyId)> {

@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::SystemTime;
 
 use async_trait::async_trait;
@@ -189,7 +189,7 @@ impl Shared {
     fn lock(&self) -> MutexGuard<'_, Record> {
         // Every critical section leaves the record whole: a panic in one (a test's own
         // assertion) loses nothing.
-        self.record.lock().unwrap_or_else(PoisonError::into_inner)
+        tether_state::lock(&self.record)
     }
 }
 
@@ -321,19 +321,19 @@ struct Instance {
 
 impl Instance {
     fn life(&self) -> Life {
-        *self.life.lock().unwrap_or_else(PoisonError::into_inner)
+        *tether_state::lock(&self.life)
     }
 
     fn set_life(&self, life: Life) {
-        *self.life.lock().unwrap_or_else(PoisonError::into_inner) = life;
+        *tether_state::lock(&self.life) = life;
     }
 
     fn proxy(&self) -> Arc<ManagedProxy> {
-        self.proxy.lock().unwrap_or_else(PoisonError::into_inner).clone()
+        tether_state::lock(&self.proxy).clone()
     }
 
     fn cancel_restart(&self) {
-        if let Some(restart) = self.restart.lock().unwrap_or_else(PoisonError::into_inner).take() {
+        if let Some(restart) = tether_state::lock(&self.restart).take() {
             restart.abort();
         }
     }
@@ -378,7 +378,7 @@ impl Instance {
                 instance.run(&mut record, attempt);
             }
         });
-        *self.restart.lock().unwrap_or_else(PoisonError::into_inner) = Some(restart.abort_handle());
+        *tether_state::lock(&self.restart) = Some(restart.abort_handle());
         pid
     }
 }
@@ -459,7 +459,7 @@ impl ProxyHandle for RecordedHandle {
     async fn update(&self, proxy: Arc<ManagedProxy>) -> Result<(), BackendError> {
         let instance = &self.instance;
         self.shared.lock().call(CallKind::Update, instance, Some(proxy.clone()));
-        *instance.proxy.lock().unwrap_or_else(PoisonError::into_inner) = proxy;
+        *tether_state::lock(&instance.proxy) = proxy;
         Ok(())
     }
 

@@ -100,7 +100,7 @@ pub(super) struct Begun {
 impl Generations {
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         // Every critical section only moves values in or out.
-        self.inner.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        tether_state::lock(&self.inner)
     }
 
     /// Takes `base_id` for `id` (recorded by an earlier agent), unless another proxy has it;
@@ -354,7 +354,7 @@ impl Generations {
         let (registry, id, key) = (Arc::clone(self), id.clone(), begun.key);
         spec.restarted = Some(Restarted {
             args: cold_args,
-            env: cold_env,
+            env: cold_env.into(),
             after: Arc::new(move || Arc::clone(&registry).alone(id.clone(), key)),
         });
     }

@@ -11,10 +11,11 @@ use std::fs::File;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use nix::sys::socket::{self, AddressFamily, Backlog, SockFlag, SockType, UnixAddr};
+use tether_state::lock;
 use tokio::io::unix::AsyncFd;
 use tokio::sync::oneshot;
 
@@ -154,10 +155,6 @@ fn listen(path: &Path) -> io::Result<OwnedFd> {
     socket::bind(fd.as_raw_fd(), &UnixAddr::new(path)?)?;
     socket::listen(&fd, Backlog::new(64)?)?;
     Ok(fd)
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// One connection to one keeper.

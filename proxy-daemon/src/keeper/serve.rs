@@ -18,6 +18,7 @@ use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::sys::signal::{SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::sys::socket::{self, SockFlag};
+use tether_state::lock;
 
 use super::wire::{Answer, Exit, Kept, MAX_MESSAGE, Request, build};
 use super::{receive, send};
@@ -219,11 +220,6 @@ impl Drop for Peer {
 /// made it before anything else may reap it ([`Keeper::reap`] leaves a child it does not
 /// know of for later).
 type Children = Arc<Mutex<HashMap<u32, u64>>>;
-
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    // Every critical section only moves values in or out.
-    mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
 
 /// One spawn for a creator thread: whose it is, and what it needs.
 struct Job {

@@ -160,7 +160,7 @@ fn lanes() -> io::Result<&'static Lanes> {
     if let Some(lanes) = LANES.get() {
         return Ok(lanes);
     }
-    let _starting = STARTING.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let _starting = tether_state::lock(&STARTING);
     if let Some(lanes) = LANES.get() {
         return Ok(lanes);
     }
@@ -233,7 +233,7 @@ impl Lane {
                 format!("more than {MAX_FDS} descriptors to hand over"),
             ));
         }
-        let queue = self.queue.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let queue = tether_state::lock(&self.queue);
         if !fds.is_empty() {
             let raws: Vec<RawFd> = fds.iter().map(AsRawFd::as_raw_fd).collect();
             let sent = sendmsg::<()>(

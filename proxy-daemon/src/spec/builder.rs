@@ -6,15 +6,14 @@
 //! directory of [`LogTarget::Dir`], once, when the spec is built.
 
 use std::ffi::OsString;
-use std::fmt;
 use std::io;
 use std::path::PathBuf;
 
 use tether_state::persist::{DataDir, PersistError, PrivateDir};
 
 use super::{
-    HealthChecks, InheritedSocket, KillPolicy, LogFile, LogPolicy, LogSpec, ProcessName, ProcessSpec, ReloadPolicy,
-    ResourceLimits, RestartPolicy,
+    Environment, HealthChecks, InheritedSocket, KillPolicy, LogFile, LogPolicy, LogSpec, ProcessName, ProcessSpec,
+    ReloadPolicy, ResourceLimits, RestartPolicy,
 };
 use crate::error::SpecError;
 
@@ -94,13 +93,13 @@ pub(super) fn log_files_in(dir: &PrivateDir, name: &ProcessName) -> (LogFile, Lo
 /// # Ok(())
 /// # }
 /// ```
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 #[must_use = "a builder does nothing until it is built"]
 pub struct ProcessSpecBuilder {
     name: ProcessName,
     program: PathBuf,
     args: Vec<OsString>,
-    env: Vec<(OsString, OsString)>,
+    env: Environment,
     working_dir: PathBuf,
     user: Option<String>,
     kill: KillPolicy,
@@ -111,7 +110,7 @@ pub struct ProcessSpecBuilder {
     health: HealthChecks,
     listeners: Vec<InheritedSocket>,
     pid_file: Option<PathBuf>,
-    identity_env: Vec<(OsString, OsString)>,
+    identity_env: Environment,
     limits: ResourceLimits,
     reload: Option<ReloadPolicy>,
 }
@@ -126,7 +125,7 @@ impl ProcessSpecBuilder {
             name,
             program,
             args: Vec::new(),
-            env: Vec::new(),
+            env: Environment::default(),
             working_dir: PathBuf::from("/"),
             user: None,
             kill: KillPolicy::default(),
@@ -137,7 +136,7 @@ impl ProcessSpecBuilder {
             health: HealthChecks::default(),
             listeners: Vec::new(),
             pid_file: None,
-            identity_env: Vec::new(),
+            identity_env: Environment::default(),
             limits: ResourceLimits::default(),
             reload: None,
         }
@@ -307,30 +306,5 @@ impl ProcessSpecBuilder {
             limits: self.limits,
             reload: self.reload,
         }
-    }
-}
-
-impl fmt::Debug for ProcessSpecBuilder {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let env_names: Vec<_> = self.env.iter().map(|(key, _)| key).collect();
-        let identity_names: Vec<_> = self.identity_env.iter().map(|(key, _)| key).collect();
-        f.debug_struct("ProcessSpecBuilder")
-            .field("name", &self.name)
-            .field("program", &self.program)
-            .field("args", &self.args)
-            .field("env", &env_names)
-            .field("working_dir", &self.working_dir)
-            .field("user", &self.user)
-            .field("kill", &self.kill)
-            .field("restart", &self.restart)
-            .field("restart_on_exit", &self.restart_on_exit)
-            .field("logs", &self.logs)
-            .field("log_limits", &self.log_limits)
-            .field("health", &self.health)
-            .field("listeners", &self.listeners)
-            .field("pid_file", &self.pid_file)
-            .field("identity_env", &identity_names)
-            .field("limits", &self.limits)
-            .finish()
     }
 }

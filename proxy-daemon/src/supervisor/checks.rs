@@ -435,7 +435,7 @@ fn slotted(at: Instant, interval: Duration) -> Instant {
     // Slots count from the earliest instant seen, so that every proxy shares them; an
     // earlier one (another runtime's clock, in tests) becomes the origin.
     let origin = {
-        let mut origin = ORIGIN.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut origin = tether_state::lock(&ORIGIN);
         let value = match *origin {
             Some(earlier) if earlier <= at => earlier,
             _ => at,

@@ -1,6 +1,8 @@
 //! Readiness by a log line (process-compose's ready log line): what an instance appended
 //! to its stdout and stderr log files since it started, read line by line, across a
-//! rotation (the rest of the file before it was truncated is in `<file>.1`).
+//! rotation (the rest of the file before it was truncated is in `<file>.1`; a file that
+//! a late rotation found more than a tenth past its cap is copied in pieces, and only the
+//! newest, `<file>.1`, is read).
 //!
 //! This module reads log files and matches lines; it never writes or rotates them.
 

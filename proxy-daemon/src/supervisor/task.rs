@@ -72,7 +72,7 @@ impl Instance {
         let dir = cgroup.as_ref().map(|cgroup| &cgroup.dir);
         let spawned = match shared.keepers.get() {
             Some(keepers) => {
-                let held = shared.held.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+                let held = tether_state::lock(&shared.held).clone();
                 let kept = match keepers.current().await {
                     Ok(link) => {
                         // Before the process exists: its first notice may come before its

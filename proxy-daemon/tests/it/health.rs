@@ -280,9 +280,10 @@ async fn a_log_line_instance_is_ready_when_its_line_appears_even_in_a_rotated_lo
     // before the next look: the line is in the rotated copy by then.
     let mut spec = fx.spec(
         "log-proxy",
-        &["--print", "booting", "--delay", "300", "--print", "ready: listening", "--write-bytes", "20000"],
+        &["--print", "booting", "--delay", "300", "--print", "ready: listening", "--write-bytes", "17000"],
     );
-    spec.logs.limits = tether_proxy_daemon::LogPolicy { max_size: 4096, keep: 1 };
+    // Past the cap, and within the tenth past it that one copy holds.
+    spec.logs.limits = tether_proxy_daemon::LogPolicy { max_size: 16384, keep: 1 };
     let mut readiness = Readiness::new(Probe::LogLine(tether_state::LinePattern::new("^ready: ").unwrap()));
     readiness.interval = Duration::from_millis(1500);
     spec.health = HealthChecks { readiness: Some(readiness), liveness: None };

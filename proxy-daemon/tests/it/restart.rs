@@ -215,7 +215,7 @@ fn gate() -> (tokio::sync::watch::Sender<bool>, Arc<AtomicUsize>, Restarted) {
     });
     let restarted = Restarted {
         args: vec!["--print".into(), "cold".into(), "--sleep".into()],
-        env: vec![("GENERATION".into(), "cold".into())],
+        env: vec![("GENERATION".into(), "cold".into())].into(),
         after,
     };
     (open, asked, restarted)

@@ -132,8 +132,10 @@ impl Fixture {
             ("TETHER_PROXY_ID".into(), name.into()),
             ("TETHER_PROXY_TOKEN".into(), token.clone().into()),
             (MARK.into(), self.mark.clone().into()),
-        ];
-        spec.identity_env = vec![("TETHER_PROXY_ID".into(), name.into()), ("TETHER_PROXY_TOKEN".into(), token.into())];
+        ]
+        .into();
+        spec.identity_env =
+            vec![("TETHER_PROXY_ID".into(), name.into()), ("TETHER_PROXY_TOKEN".into(), token.into())].into();
         spec.kill.timeout = Duration::from_secs(5);
         spec
     }

@@ -5,7 +5,7 @@
 //! `proto/etcd.proto`, the part of etcd's API that tether speaks. This module owns the
 //! connection: endpoints, TLS, the auth token (sent with every request, and renewed once
 //! when etcd says it expired), and the request stream that keeps a watch open. It knows
-//! nothing of the fleet's keys; `fleet` does.
+//! nothing of the fleet's keys; `Layout` (in `etcd/mod.rs`) does.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
@@ -244,6 +244,25 @@ impl Client {
         KvClient::with_interceptor(self.members.current().1, self.token.clone())
     }
 
+    /// Sends `request` through `call` on a KV stub of its own, with the token, once more
+    /// after a new authentication if etcd says the token expired ([`Self::with_token`]).
+    async fn kv_call<Q: Clone, T, F>(
+        &self,
+        retry: Retry,
+        request: Q,
+        call: impl Fn(KvClient<Authorized>, Q) -> F,
+    ) -> Result<T, Error>
+    where
+        F: Future<Output = Result<tonic::Response<T>, Status>>,
+    {
+        self.with_token(retry, || call(self.kv(), request.clone())).await
+    }
+
+    /// One range request: the reads below differ only in what they ask.
+    async fn range(&self, request: pb::RangeRequest) -> Result<pb::RangeResponse, Error> {
+        self.kv_call(Retry::Safe, request, |mut kv, request| async move { kv.range(request).await }).await
+    }
+
     /// Runs `call`, and once more after a new authentication if etcd says that the token
     /// expired (etcd's simple tokens expire after five idle minutes). A member that fails is
     /// left for the next, and `call` runs again through it as `retry` allows, once per
@@ -288,11 +307,7 @@ impl Client {
             range_end: prefix_end(prefix.as_bytes()),
             ..Default::default()
         };
-        self.with_token(Retry::Safe, || {
-            let (mut kv, request) = (self.kv(), request.clone());
-            async move { kv.range(request).await }
-        })
-        .await
+        self.range(request).await
     }
 
     /// The key `key`, if it exists, with its value.
@@ -302,11 +317,7 @@ impl Client {
     /// Cancel-safe: a read changes nothing.
     pub(crate) async fn get(&self, key: &str) -> Result<pb::RangeResponse, Error> {
         let request = pb::RangeRequest { key: key.as_bytes().to_vec(), ..Default::default() };
-        self.with_token(Retry::Safe, || {
-            let (mut kv, request) = (self.kv(), request.clone());
-            async move { kv.range(request).await }
-        })
-        .await
+        self.range(request).await
     }
 
     /// The number of keys under `prefix`, and the store's revision in the header.
@@ -321,11 +332,7 @@ impl Client {
             count_only: true,
             ..Default::default()
         };
-        self.with_token(Retry::Safe, || {
-            let (mut kv, request) = (self.kv(), request.clone());
-            async move { kv.range(request).await }
-        })
-        .await
+        self.range(request).await
     }
 
     /// Writes `value` at `key`.
@@ -335,11 +342,7 @@ impl Client {
     /// Not cancel-safe: a put dropped after it was sent may still be applied.
     pub(crate) async fn put(&self, key: &str, value: Vec<u8>) -> Result<pb::PutResponse, Error> {
         let request = pb::PutRequest { key: key.as_bytes().to_vec(), value, ..Default::default() };
-        self.with_token(Retry::Unsent, || {
-            let (mut kv, request) = (self.kv(), request.clone());
-            async move { kv.put(request).await }
-        })
-        .await
+        self.kv_call(Retry::Unsent, request, |mut kv, request| async move { kv.put(request).await }).await
     }
 
     /// Deletes `key`; the response counts what was deleted.
@@ -349,11 +352,7 @@ impl Client {
     /// Not cancel-safe: a delete dropped after it was sent may still be applied.
     pub(crate) async fn delete(&self, key: &str) -> Result<pb::DeleteRangeResponse, Error> {
         let request = pb::DeleteRangeRequest { key: key.as_bytes().to_vec(), ..Default::default() };
-        self.with_token(Retry::Unsent, || {
-            let (mut kv, request) = (self.kv(), request.clone());
-            async move { kv.delete_range(request).await }
-        })
-        .await
+        self.kv_call(Retry::Unsent, request, |mut kv, request| async move { kv.delete_range(request).await }).await
     }
 
     /// Runs a transaction: `success` if every comparison holds, `failure` otherwise.
@@ -362,11 +361,7 @@ impl Client {
     ///
     /// Not cancel-safe: a transaction dropped after it was sent may still be applied.
     pub(crate) async fn txn(&self, request: pb::TxnRequest) -> Result<pb::TxnResponse, Error> {
-        self.with_token(Retry::Unsent, || {
-            let (mut kv, request) = (self.kv(), request.clone());
-            async move { kv.txn(request).await }
-        })
-        .await
+        self.kv_call(Retry::Unsent, request, |mut kv, request| async move { kv.txn(request).await }).await
     }
 
     fn lease(&self) -> LeaseClient<Authorized> {
