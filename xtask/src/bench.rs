@@ -13,6 +13,7 @@
 
 mod builtin_proxy;
 mod cgroups;
+mod connect;
 mod e2e;
 mod fleet;
 mod health;
@@ -46,6 +47,7 @@ const SECTIONS: &[&str] = &[
     "ordering",
     "templates",
     "fleet",
+    "connect",
 ];
 
 /// What `XTASK_BENCH_ONLY` asks for: `None` for a whole run.
@@ -191,6 +193,13 @@ fn end_to_end(
         {
             lab.keep();
             rows.push(Row::failed("templates: change to verdict, and CPU", &err));
+            errors.push(err);
+        }
+        if only.wants("connect")
+            && let Err(err) = connect::run(&lab, &mut rows)
+        {
+            lab.keep();
+            rows.push(Row::failed("connect: leaf certificates at start", &err));
             errors.push(err);
         }
         // The simulated fleet (20 agents, one etcd, 2 000 puts): informational figures.
