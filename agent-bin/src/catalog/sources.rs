@@ -233,14 +233,16 @@ impl Sources {
 
     /// Re-reads the config dirs; only the files that changed are parsed again. All or
     /// nothing: on any error every error is logged and the previous config stays in force.
+    /// The agent reloads through [`Sources::reload_with`], which also loads the CA.
     #[cfg(test)]
     pub(crate) fn reload(&self) -> Result<ReloadReport, ReloadError> {
         self.reload_with(|_| Ok::<(), ReloadError>(())).map(|(report, ())| report)
     }
 
-    /// Like [`Sources::reload`], with `prepare` run on the new `[connect]` table before
-    /// anything changes (the agent loads the CA there): its error refuses the reload whole.
-    /// Its result is returned beside the report, for the caller to put in force.
+    /// Re-reads the config dirs, as the reload above, with `prepare` run on the new
+    /// `[connect]` table before anything changes (the agent loads the CA there): its error
+    /// refuses the reload whole, logged like any other. Its result is returned beside the
+    /// report, for the caller to put in force.
     pub(crate) fn reload_with<T, E>(
         &self,
         prepare: impl FnOnce(&ConnectSection) -> Result<T, E>,
