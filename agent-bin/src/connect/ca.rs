@@ -57,6 +57,9 @@ pub(crate) enum CaLoadError {
         #[source]
         source: PersistError,
     },
+    /// A provider that this agent cannot run.
+    #[error("{}: field `connect.ca.provider`: this agent has no provider {provider:?}", DisplayPath(config))]
+    Unsupported { config: PathBuf, provider: &'static str },
     /// The dev CA could not be made.
     #[error("cannot make the dev CA")]
     DevMake(#[source] rcgen::Error),
@@ -118,7 +121,9 @@ impl Authority {
                 Self::from_pem(&cert, cert_file.as_path(), &cert_pem, &key, key_file.as_path(), &key_pem)?
             }
             CaProvider::Dev => Self::dev(config, data, connect)?,
-            _ => unreachable!("every provider the config can name is handled"),
+            other => {
+                return Err(CaLoadError::Unsupported { config: config.to_owned(), provider: other.name() });
+            }
         };
         let roots = Field { config, name: "roots" };
         for path in &connect.ca.roots {
