@@ -9,6 +9,7 @@ mod catalog;
 mod cli;
 mod client;
 mod commands;
+mod connect;
 mod connect_proxy;
 mod error;
 mod etcd;

@@ -10,6 +10,8 @@
 //! - [`Manager`]: the engine; [`ManagerConfig`]: its windows, bounds and root policy, with
 //!   the [`UserLookup`] through which the agent tells which users are root.
 //! - [`ProxyBackend`] and [`ProxyHandle`]: the seam to whatever runs proxies.
+//! - [`Leaves`]: a valid leaf certificate for each service with a proxy, signed through the
+//!   [`CertificateAuthority`] seam, renewed at 60 to 80 % of its life ([`LeavesHandle`] reads them).
 //! - [`SnapshotStore`]: where the snapshot lives ([`FileSnapshotStore`], [`MemorySnapshotStore`]).
 //! - [`ManagerHandle`]: statuses, [`ProxyEvent`]s and [`ReconcileStats`] for the API and metrics.
 //! - `testing` (a feature): a recording backend, waits with deadlines and an engine running in
@@ -212,6 +214,7 @@
 #![warn(missing_docs, unreachable_pub)]
 
 mod backend;
+mod leaves;
 mod manager;
 mod plan;
 mod snapshot;
@@ -226,6 +229,12 @@ pub use backend::{
 };
 #[cfg(any(test, feature = "mock"))]
 pub use backend::{MockProxyBackend, MockProxyHandle};
+#[cfg(any(test, feature = "mock"))]
+pub use leaves::MockCertificateAuthority;
+pub use leaves::{
+    CaError, CertificateAuthority, LeafBoard, LeafEvent, LeafEventKind, LeafPolicy, LeafStatus, Leaves, LeavesHandle,
+    renewal_point,
+};
 pub use manager::{Manager, ManagerConfig, ShutdownError};
 #[cfg(any(test, feature = "mock"))]
 pub use snapshot::MockSnapshotStore;

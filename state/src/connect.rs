@@ -1,9 +1,11 @@
 //! Connect's vocabulary: who a service is in the mesh ([`TrustDomain`], [`Datacenter`]),
 //! where its certificates come from ([`CaConfig`], [`CaProvider`], [`PemPath`], [`LeafTtl`]),
+//! what a certificate authority signs ([`SpiffeId`], [`LeafRequest`], [`IssuedLeaf`], [`CaRoot`]),
 //! and who may talk to whom ([`Intention`], [`IntentionTarget`], [`IntentionAction`]), with
 //! the one precedence rule that decides a connection, [`Intentions::decide`].
 //!
-//! This module is pure: it reads no file, holds no key and performs no cryptography. The
+//! This module is pure: it reads no file and performs no cryptography (a key it carries was
+//! made elsewhere, and is never shown). The
 //! config loader builds these values from `[connect]` and `[[intention]]` tables; every value
 //! here is valid by construction.
 
@@ -14,6 +16,10 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::service::ServiceName;
+
+mod certs;
+
+pub use certs::{CaRoot, IssuedLeaf, LeafRequest, PrivateKeyPem, SpiffeId, SpiffeNameError};
 
 /// The datacenter of a service's identity when the config names none.
 pub const DEFAULT_DATACENTER: &str = "dc1";

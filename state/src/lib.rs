@@ -139,9 +139,10 @@ pub use catalog::{
     SourceKind, Subscription,
 };
 pub use connect::{
-    CaConfig, CaProvider, ConnectConfig, ConnectValueError, DATACENTER_RULE, DEFAULT_DATACENTER, DEFAULT_INTENTION,
-    Datacenter, Decision, DuplicateIntentions, Intention, IntentionAction, IntentionTarget, Intentions, LeafTtl,
-    MAX_TRUST_DOMAIN_LEN, PemPath, Precedence, TrustDomain, WILDCARD,
+    CaConfig, CaProvider, CaRoot, ConnectConfig, ConnectValueError, DATACENTER_RULE, DEFAULT_DATACENTER,
+    DEFAULT_INTENTION, Datacenter, Decision, DuplicateIntentions, Intention, IntentionAction, IntentionTarget,
+    Intentions, IssuedLeaf, LeafRequest, LeafTtl, MAX_TRUST_DOMAIN_LEN, PemPath, Precedence, PrivateKeyPem, SpiffeId,
+    SpiffeNameError, TrustDomain, WILDCARD,
 };
 pub use exit::ExitReason;
 pub use health::{HttpTarget, LinePattern, Liveness, Probe, Readiness, TcpTarget};

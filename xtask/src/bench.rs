@@ -8,11 +8,12 @@
 //!
 //! For work on one figure, `XTASK_BENCH_ONLY` narrows the run: `e2e` skips the crate
 //! benchmarks; a comma-separated list of sections (`many`, `scale`, `some`, `health`, `updates`, `reload`, `cgroups`,
-//! `peers`, `builtin-proxy`, `ordering`, `templates`, `fleet`, `fleet-scale`) runs only those end-to-end sections and prints their table without rewriting
+//! `peers`, `builtin-proxy`, `ordering`, `templates`, `fleet`, `fleet-scale`, `connect`) runs only those end-to-end sections and prints their table without rewriting
 //! `BENCHMARKS.md`, which always holds a whole run.
 
 mod builtin_proxy;
 mod cgroups;
+mod connect;
 mod e2e;
 mod fleet;
 mod fleet_scale;
@@ -48,6 +49,7 @@ const SECTIONS: &[&str] = &[
     "templates",
     "fleet",
     "fleet-scale",
+    "connect",
 ];
 
 /// What `XTASK_BENCH_ONLY` asks for: `None` for a whole run.
@@ -193,6 +195,13 @@ fn end_to_end(
         {
             lab.keep();
             rows.push(Row::failed("templates: change to verdict, and CPU", &err));
+            errors.push(err);
+        }
+        if only.wants("connect")
+            && let Err(err) = connect::run(&lab, &mut rows)
+        {
+            lab.keep();
+            rows.push(Row::failed("connect: leaf certificates at start", &err));
             errors.push(err);
         }
         // The simulated fleet (20 agents, one etcd, 2 000 puts): informational figures.

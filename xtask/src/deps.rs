@@ -21,6 +21,11 @@ const ALLOWED_DEPS: &[(&str, &[&str])] = &[
 /// second: the supervisor is reusable without the engine.
 const OPTIONAL_DEPS: &[(&str, &str)] = &[("tether-proxy-daemon", "tether-manager")];
 
+/// Crates that make or read keys and certificates, and the one member that may depend on them
+/// directly: the library crates carry a key as a value and never sign (ARCHITECTURE.md).
+const CRYPTO_CRATES: &[&str] = &["rcgen", "x509-parser", "ring", "rustls", "openssl"];
+const CRYPTO_OWNER: &str = "tether-agent";
+
 /// The workspace's own metadata (`cargo metadata --no-deps`).
 pub(crate) fn metadata(cargo: &str, root: &Path) -> Result<serde_json::Value, String> {
     let output = Command::new(cargo)
@@ -53,6 +58,11 @@ pub(crate) fn check(cargo: &str, root: &Path) -> Result<Vec<String>, String> {
             // downstream crate would): no edge between two crates.
             if target == name && kind == "dev" {
                 continue;
+            }
+            if CRYPTO_CRATES.contains(&target) && name != CRYPTO_OWNER {
+                problems.push(format!(
+                    "{name} -> {target} ({kind}): only {CRYPTO_OWNER} performs cryptography; see ARCHITECTURE.md"
+                ));
             }
             if members.contains(&target) && !allowed.contains(&target) {
                 problems.push(format!("{name} -> {target} ({kind}): not an allowed edge; see ARCHITECTURE.md"));

@@ -26,6 +26,8 @@ pub(crate) const FLOORS: &[&[&str]] = &[
     &["cli", "client", "error", "metrics"],
     // etcd's room: the client, its options and the records written there.
     &["etcd"],
+    // The certificate authority's providers.
+    &["connect"],
     &["catalog"],
     &["fleet"],
     &["templates"],

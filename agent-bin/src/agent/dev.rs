@@ -33,6 +33,7 @@ pub(crate) async fn run(
     let upstream = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await.context("binding the demo upstream")?;
     let upstream_port = upstream.local_addr()?.port();
     let proxy_port = free_port().context("finding a free port for the demo proxy")?;
+    let trust_domain = dev_trust_domain();
     let demo = format!(
         "# The embedded demo of `tether agent --dev`.\n\
          [[service]]\nname = \"demo\"\naddress = \"127.0.0.1\"\nport = {upstream_port}\ntags = [\"dev\"]\n\n\
@@ -41,7 +42,9 @@ pub(crate) async fn run(
          [service.proxy]\nupdate = \"overlap\"\n\n\
          [[service.proxy.listener]]\nname = \"demo\"\naddress = \"127.0.0.1:{proxy_port}\"\n\n\
          # Running means ready: the built-in proxy says so once it listens.\n\
-         [service.proxy.readiness]\nnotify = true\n"
+         [service.proxy.readiness]\nnotify = true\n\n\
+         # Every service gets an identity: a leaf certificate from a CA the agent makes in its data dir.\n\
+         [connect]\ntrust_domain = \"{trust_domain}\"\n\n[connect.ca]\nprovider = \"dev\"\n"
     );
     std::fs::write(config_dir.join("demo.toml"), demo).context("writing the demo config")?;
 
@@ -58,6 +61,7 @@ pub(crate) async fn run(
         out,
         "  demo proxy:     127.0.0.1:{proxy_port} -> 127.0.0.1:{upstream_port} (built-in proxy, on a listener the agent holds)"
     )?;
+    writeln!(out, "  connect:        trust domain {trust_domain}, dev CA in the data dir")?;
     writeln!(out, "try, once the proxy runs (about a second):")?;
     writeln!(out, "  curl http://127.0.0.1:{proxy_port}/")?;
     writeln!(out, "  {tether} status --data-dir {}", data_dir.display())?;
@@ -80,6 +84,16 @@ pub(crate) async fn run(
     tasks.abort_all();
     drop(temp);
     result
+}
+
+/// A trust domain of its own for each dev agent, as Consul's dev agents have: 16 random hex
+/// digits under `.tether`.
+fn dev_trust_domain() -> String {
+    let mut bytes = [0u8; 8];
+    // Without randomness, a fixed domain still works: it is a demo's.
+    let _ = getrandom::fill(&mut bytes);
+    let hex: String = bytes.iter().map(|byte| format!("{byte:02x}")).collect();
+    format!("{hex}.tether")
 }
 
 /// A port that was free a moment ago on loopback.

@@ -29,6 +29,7 @@ use tokio_util::sync::CancellationToken;
 use crate::api::{self, ApiState, LeaveRequest};
 use crate::catalog::sources::Sources;
 use crate::catalog::{held, policy};
+use crate::connect::{self, Connect};
 use crate::error::UsageError;
 use crate::fleet::FleetOptions;
 use crate::fleet::follow::{Coalesce, FleetCollector, Follower};
@@ -175,6 +176,12 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
         Err(errors) => return Err(UsageError(format!("invalid config:\n{errors}")).into()),
     };
     warn_of_missing_programs(sources.state());
+    // The CA before anything starts: an agent whose CA cannot be loaded does not start, and
+    // the proxies find their leaves from their first request.
+    let connect = Arc::new(Connect::new(sources.state().clone()));
+    if let Err(err) = connect::at_start(&connect, &sources.connect_section(), &data) {
+        return Err(UsageError(format!("invalid config:\n{}", crate::error::error_chain(&err))).into());
+    }
     // Rendered before each start, through the backend; re-rendered by their own task.
     let templates = Templates::new(
         sources.state().clone(),
@@ -237,6 +244,7 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
         metrics.register(Box::new(FleetCollector(status.clone())));
     }
     metrics.register(templates.collector());
+    metrics.register(connect::collector(connect.clone()));
     let (leave_tx, mut leave_rx) = mpsc::channel::<LeaveRequest>(1);
     let api_stop = CancellationToken::new();
     let api_state = ApiState {
@@ -248,6 +256,7 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
         fleet: fleet_status,
         held: held.clone(),
         templates: templates.clone(),
+        connect: connect.clone(),
     };
     let mut servers = JoinSet::new();
     let unix = bind_socket(&socket_path)?;
@@ -307,9 +316,8 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
             _ = &mut engine => return Err(anyhow::anyhow!("the engine stopped on its own")),
             _ = sighup.recv() => {
                 tracing::info!("SIGHUP: reloading the config");
-                let reloading = sources.clone();
-                match tokio::task::spawn_blocking(move || reloading.reload()).await {
-                    Ok(Ok(report)) => tracing::info!(
+                match api::reload_config(sources.clone(), &connect).await {
+                    Ok(report) => tracing::info!(
                         added = report.catalog.added,
                         changed = report.catalog.changed,
                         removed = report.catalog.removed,
@@ -317,8 +325,7 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
                         files_unchanged = report.files.reused,
                         "config reloaded"
                     ),
-                    Ok(Err(_)) => tracing::error!("config reload refused; the previous config stays in force"),
-                    Err(err) => tracing::error!(error = %err, "config reload failed"),
+                    Err(_) => tracing::error!("config reload refused; the previous config stays in force"),
                 }
             }
             _ = sigterm.recv() => break Ending::Close("SIGTERM"),
@@ -345,6 +352,7 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
             tracing::error!(error = %err, "the fleet status publisher failed");
         }
     }
+    connect.shutdown().await;
     engine_stop.cancel();
     let manager = engine.await.context("the engine task failed")?;
     match ending {

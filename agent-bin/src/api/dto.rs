@@ -4,7 +4,8 @@
 //! `ProxyStatusDto` is exactly the `status --json` object that `docs/reference.md`
 //! documents; `ProxyConfigDto` is what a proxy reads about itself (and what the built-in
 //! proxy parses); `EventDto` is a line of the events stream; `FleetDto` the etcd follower's
-//! status. Nothing here holds a secret: a proxy's token travels only in its own header.
+//! status. Nothing here holds a secret but `LeafDto`, which only a proxy's own token reads: a
+//! proxy's token travels only in its own header.
 
 use serde::{Deserialize, Serialize};
 use tether_state::{ExitReason, ProxyConfigMap};
@@ -44,6 +45,55 @@ pub(crate) struct ProxyStatusDto {
     /// other proxies. Older agents did not send it.
     #[serde(default)]
     pub(crate) generations: Vec<GenerationDto>,
+    /// The service's leaf certificate, when `[connect]` is set; never its key. Older agents
+    /// did not send it.
+    #[serde(default)]
+    pub(crate) certificate: Option<CertificateDto>,
+}
+
+/// `{"serial", "spiffe_id", "not_after", "next_renewal", "error"}`: a service's leaf
+/// certificate in a status (strings or null; times RFC 3339). No private key, ever.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct CertificateDto {
+    pub(crate) serial: Option<String>,
+    pub(crate) spiffe_id: Option<String>,
+    pub(crate) not_after: Option<String>,
+    pub(crate) next_renewal: Option<String>,
+    pub(crate) error: Option<String>,
+}
+
+/// `GET /v1/agent/connect/ca/roots`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct CaRootsDto {
+    pub(crate) trust_domain: String,
+    pub(crate) active_root_id: Option<String>,
+    pub(crate) roots: Vec<CaRootDto>,
+    pub(crate) index: u64,
+}
+
+/// One trusted root: `id` is its serial, as Consul names a root by it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct CaRootDto {
+    pub(crate) id: String,
+    pub(crate) serial: String,
+    pub(crate) not_after: String,
+    pub(crate) root_cert: String,
+    pub(crate) active: bool,
+}
+
+/// `GET /v1/agent/connect/ca/leaf/{service}`: for the service's own proxy alone, the one
+/// wire shape that carries a private key.
+#[derive(Serialize, Deserialize)]
+pub(crate) struct LeafDto {
+    pub(crate) service: String,
+    pub(crate) service_id: String,
+    pub(crate) spiffe_id: String,
+    pub(crate) serial: String,
+    pub(crate) cert_pem: String,
+    pub(crate) private_key_pem: String,
+    pub(crate) valid_after: String,
+    pub(crate) valid_before: String,
+    pub(crate) index: u64,
 }
 
 /// `{"epoch": n, "pid": n or null, "role": "current" | "new" | "draining"}`: one live
@@ -190,10 +240,17 @@ mod tests {
                 GenerationDto { epoch: 1, pid: Some(42), role: "current".into() },
                 GenerationDto { epoch: 0, pid: Some(41), role: "draining".into() },
             ],
+            certificate: Some(CertificateDto {
+                serial: Some("3a:01".into()),
+                spiffe_id: Some("spiffe://example.org/ns/default/dc/dc1/svc/web".into()),
+                not_after: Some(rfc3339(SystemTime::UNIX_EPOCH)),
+                next_renewal: None,
+                error: None,
+            }),
         };
         assert_eq!(
             serde_json::to_string(&dto).unwrap(),
-            r#"{"id":"web-proxy","service":"web","state":"running","pid":42,"restarts":1,"started_at":"1970-01-01T00:00:00Z","last_exit":{"signal":9},"error":null,"ready":true,"status_text":"serving","resources":null,"update":{"state":"starting","pid":43,"started_at":null},"last_reload":{"at":"1970-01-01T00:00:00Z","result":"timed out","error":"no READY=1"},"generations":[{"epoch":1,"pid":42,"role":"current"},{"epoch":0,"pid":41,"role":"draining"}]}"#
+            r#"{"id":"web-proxy","service":"web","state":"running","pid":42,"restarts":1,"started_at":"1970-01-01T00:00:00Z","last_exit":{"signal":9},"error":null,"ready":true,"status_text":"serving","resources":null,"update":{"state":"starting","pid":43,"started_at":null},"last_reload":{"at":"1970-01-01T00:00:00Z","result":"timed out","error":"no READY=1"},"generations":[{"epoch":1,"pid":42,"role":"current"},{"epoch":0,"pid":41,"role":"draining"}],"certificate":{"serial":"3a:01","spiffe_id":"spiffe://example.org/ns/default/dc/dc1/svc/web","not_after":"1970-01-01T00:00:00Z","next_renewal":null,"error":null}}"#
         );
         assert_eq!(serde_json::to_string(&ExitReason::Code(3)).unwrap(), r#"{"code":3}"#);
     }

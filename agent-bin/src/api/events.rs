@@ -6,7 +6,8 @@
 //! pid that is gone is `exited` (or `stopped`, during a stop), and a proxy entering
 //! `backoff`, `failed`, `blocked` or `waiting` says so, and a new last reload is `reloaded`
 //! (applied or signalled) or `reload-failed` (refused, failed or timed out; the detail says
-//! why). This module keeps one map of statuses per
+//! why); a service's leaf certificate tells `leaf-issued`, `leaf-renewed`, `leaf-failed` and
+//! `leaf-expired` as events of its proxy. This module keeps one map of statuses per
 //! client and nothing else; it never decides or changes anything.
 
 use std::collections::HashMap;
@@ -17,7 +18,7 @@ use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
-use tether_manager::{ExitReason, ProxyEvent, ProxyState, ProxyStatus};
+use tether_manager::{ExitReason, LeafEvent, ProxyEvent, ProxyState, ProxyStatus};
 use tether_state::ProxyId;
 use tokio::sync::{OwnedSemaphorePermit, broadcast, mpsc};
 
@@ -33,23 +34,31 @@ pub(crate) async fn get_events(
     // Subscribe before reading the statuses: no change falls between the two.
     let changes = state.manager.subscribe();
     let templates = state.templates.subscribe();
+    let leaves = state.connect.events();
     let seen: HashMap<ProxyId, ProxyStatus> =
         state.manager.status_unmeasured().into_iter().map(|status| (status.id.clone(), status)).collect();
     let (lines, receiver) = mpsc::channel(64);
-    tokio::spawn(stream(Events { seen }, changes, templates, lines, state.clone(), slot));
+    tokio::spawn(stream(Events { seen }, Streams { changes, templates, leaves }, lines, state.clone(), slot));
     Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], Body::new(ChannelBody(receiver))).into_response())
 }
 
 /// Feeds one client's stream until it goes away, reads nothing for
 /// [`super::STREAM_STALL`], or the API stops; `_slot` is its listener's stream slot.
+/// What one client's stream follows.
+struct Streams {
+    changes: broadcast::Receiver<ProxyEvent>,
+    templates: broadcast::Receiver<TemplateEvent>,
+    leaves: broadcast::Receiver<LeafEvent>,
+}
+
 async fn stream(
     mut events: Events,
-    mut changes: broadcast::Receiver<ProxyEvent>,
-    mut templates: broadcast::Receiver<TemplateEvent>,
+    streams: Streams,
     lines: mpsc::Sender<Bytes>,
     state: ApiState,
     _slot: OwnedSemaphorePermit,
 ) {
+    let Streams { mut changes, mut templates, mut leaves } = streams;
     loop {
         let change = tokio::select! {
             () = state.shutdown.cancelled() => return,
@@ -66,6 +75,20 @@ async fn stream(
                     continue;
                 }
                 // A template event missed is not told again: the status shows the error.
+                Err(broadcast::error::RecvError::Lagged(_)) => continue,
+                Err(broadcast::error::RecvError::Closed) => std::future::pending().await,
+            },
+            leaf = leaves.recv() => match leaf {
+                Ok(leaf) => {
+                    let found = leaf_event(&leaf, SystemTime::now());
+                    let Ok(mut line) = serde_json::to_vec(&found) else { continue };
+                    line.push(b'\n');
+                    if !send_chunk(&lines, Bytes::from(line)).await {
+                        return;
+                    }
+                    continue;
+                }
+                // A leaf event missed is not told again: the status shows the certificate.
                 Err(broadcast::error::RecvError::Lagged(_)) => continue,
                 Err(broadcast::error::RecvError::Closed) => std::future::pending().await,
             },
@@ -133,6 +156,20 @@ fn event(now: SystemTime, id: &ProxyId, name: &'static str, pid: Option<u32>, de
         pid,
         detail,
     }
+}
+
+/// A leaf certificate's event, told as an event of the service's proxy: `leaf-issued`,
+/// `leaf-renewed` (the detail names the serial and the expiry), `leaf-failed` (the error),
+/// `leaf-expired`. Never the key.
+fn leaf_event(leaf: &LeafEvent, now: SystemTime) -> EventDto {
+    let detail = match (&leaf.error, &leaf.serial, leaf.not_after) {
+        (Some(error), _, _) => Some(error.clone()),
+        (None, Some(serial), Some(not_after)) => {
+            Some(format!("serial {serial}, valid until {}", humantime::format_rfc3339_seconds(not_after)))
+        }
+        _ => None,
+    };
+    event(now, &leaf.service.proxy_id(), leaf.kind.as_str(), None, detail)
 }
 
 fn exit_text(exit: Option<ExitReason>) -> String {

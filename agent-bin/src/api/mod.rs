@@ -6,6 +6,7 @@
 //! an extractor's rejection, the router), is `{"error": "..."}` with its status code: 400,
 //! 403, 404, 405, 409, 413 or 500.
 
+pub(crate) mod connect_ca;
 pub(crate) mod dto;
 pub(crate) mod events;
 mod host;
@@ -31,7 +32,7 @@ use tether_state::config::{self, Format, Origin};
 use tether_state::{CatalogError, IdError, ProxyId, ServiceId};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 
-use crate::catalog::sources::{RegisterError, Sources};
+use crate::catalog::sources::{RegisterError, ReloadError, ReloadReport, Sources};
 use crate::metrics::Metrics;
 use dto::{ErrorDto, HealthDto, ProxyStatusDto};
 
@@ -138,6 +139,8 @@ pub(crate) struct ApiState {
     pub(crate) held: Arc<crate::catalog::held::Held>,
     /// The proxies' templates: their errors are shown in the status, their events streamed.
     pub(crate) templates: crate::templates::Templates,
+    /// Connect: the leaf certificates, shown in the status and served to their proxies.
+    pub(crate) connect: Arc<crate::connect::Connect>,
 }
 
 /// An API error: a status code and a message for `{"error": ...}`.
@@ -227,6 +230,8 @@ fn read_routes() -> Router<ApiState> {
         .route("/v1/agent/proxies", get(proxies))
         .route("/v1/agent/proxy/{id}", get(proxy))
         .route("/v1/agent/proxy/{id}/config", get(proxy_config::get_config))
+        .route("/v1/agent/connect/ca/roots", get(connect_ca::get_roots))
+        .route("/v1/agent/connect/ca/leaf/{service}", get(connect_ca::get_leaf))
         .route("/", get(page))
         .route("/v1/agent/events", get(events::get_events))
         .route("/v1/agent/health", get(health))
@@ -311,6 +316,7 @@ pub(crate) fn status_dto(status: &ProxyStatus) -> ProxyStatusDto {
                 .to_owned(),
             })
             .collect(),
+        certificate: None,
     }
 }
 
@@ -335,11 +341,17 @@ async fn proxies(State(state): State<ApiState>) -> Json<Vec<ProxyStatusDto>> {
 }
 
 /// A proxy's status, with its templates' error when the engine has none to show: a file
-/// that failed to render again is kept as it was, and the proxy runs on with it.
+/// that failed to render again is kept as it was, and the proxy runs on with it. With
+/// Connect, its service's certificate, and the certificate's error when nothing else is
+/// wrong: a leaf that cannot be renewed shows before it expires.
 fn status_with_templates(state: &ApiState, status: &tether_manager::ProxyStatus) -> ProxyStatusDto {
     let mut dto = status_dto(status);
     if dto.error.is_none() {
         dto.error = state.templates.error(&status.id);
+    }
+    dto.certificate = connect_ca::certificate_of(state, &status.service);
+    if dto.error.is_none() {
+        dto.error = dto.certificate.as_ref().and_then(|certificate| certificate.error.clone());
     }
     dto
 }
@@ -470,12 +482,33 @@ async fn hold(state: ApiState, id: String, hold: bool) -> Result<Json<ProxyStatu
     Ok(Json(status_dto(&status)))
 }
 
+/// Reloads the config dirs, SIGHUP's way and the API's: the files, then the CA of their
+/// `[connect]` table, all before anything changes; a CA that cannot be loaded refuses the
+/// reload whole, and the leaves of the CA in force stay as they are.
+///
+/// # Errors
+///
+/// [`ReloadError`]; a failed task is [`ReloadError::Connect`] too, with its reason.
+pub(crate) async fn reload_config(
+    sources: Arc<Sources>,
+    connect: &crate::connect::Connect,
+) -> Result<ReloadReport, ReloadError> {
+    let reloaded = tokio::task::spawn_blocking(move || {
+        let data = sources.data().clone();
+        sources.reload_with(|section| {
+            crate::connect::prepare(section, &data).map_err(|err| ReloadError::Connect(Box::new(err)))
+        })
+    })
+    .await
+    .map_err(|join| ReloadError::Connect(Box::new(join)))?;
+    let (report, prepared) = reloaded?;
+    connect.apply(prepared);
+    Ok(report)
+}
+
 /// `PUT /v1/agent/reload`: reloads the config dirs as SIGHUP does, and says whether it took.
 async fn reload(State(state): State<ApiState>) -> Result<Json<serde_json::Value>, ApiError> {
-    let sources = state.sources.clone();
-    let reloaded = tokio::task::spawn_blocking(move || sources.reload())
-        .await
-        .map_err(|join| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("the reload failed: {join}")))?;
+    let reloaded = reload_config(state.sources.clone(), &state.connect).await;
     match reloaded {
         Ok(report) => Ok(Json(serde_json::json!({
             "added": report.catalog.added,

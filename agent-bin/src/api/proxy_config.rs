@@ -29,7 +29,7 @@ pub(crate) struct ConfigQuery {
     wait: Option<String>,
 }
 
-fn forbidden() -> ApiError {
+pub(crate) fn forbidden() -> ApiError {
     ApiError::new(StatusCode::FORBIDDEN, "missing or invalid X-Tether-Proxy-Token for this proxy")
 }
 
@@ -39,8 +39,23 @@ fn decoy() -> ProxyToken {
     ProxyToken::from_hex("0".repeat(64)).unwrap_or_else(|_| unreachable!("64 hex digits are a valid token"))
 }
 
+/// The wait of a blocking query: `wait` (humantime), else [`DEFAULT_WAIT`], at most
+/// [`MAX_WAIT`].
+///
+/// # Errors
+///
+/// 400 for a `wait` that is no duration.
+pub(crate) fn wait_of(wait: Option<&str>) -> Result<Duration, ApiError> {
+    let wait = match wait {
+        Some(wait) => humantime::parse_duration(wait)
+            .map_err(|err| ApiError::new(StatusCode::BAD_REQUEST, format!("invalid wait {wait:?}: {err}")))?,
+        None => DEFAULT_WAIT,
+    };
+    Ok(wait.min(MAX_WAIT))
+}
+
 /// The entry of the proxy `id`, if `token` is its token.
-fn authorised(state: &LocalState, id: &Option<ProxyId>, token: &str) -> Option<Entry> {
+pub(crate) fn authorised(state: &LocalState, id: &Option<ProxyId>, token: &str) -> Option<Entry> {
     let entry = id.as_ref().and_then(|id| state.get(&id.service_id())).filter(|entry| entry.proxy.is_some());
     let expected = entry.as_ref().and_then(|e| e.proxy.as_ref()).map_or_else(decoy, |p| p.token().clone());
     let matches = expected.matches(token);
@@ -61,12 +76,7 @@ pub(crate) async fn get_config(
     let mut changes = catalog.subscribe();
     let mut entry = authorised(catalog, &id, &token).ok_or_else(forbidden)?;
     if let Some(index) = query.index {
-        let wait = match &query.wait {
-            Some(wait) => humantime::parse_duration(wait)
-                .map_err(|err| ApiError::new(StatusCode::BAD_REQUEST, format!("invalid wait {wait:?}: {err}")))?,
-            None => DEFAULT_WAIT,
-        }
-        .min(MAX_WAIT);
+        let wait = wait_of(query.wait.as_deref())?;
         // A query that waits holds one of the listener's stream slots while it waits.
         let _slot = if entry.revision <= Revision::new(index) { Some(slots.take()?) } else { None };
         let deadline = tokio::time::sleep(wait);

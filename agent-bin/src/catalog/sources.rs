@@ -14,7 +14,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use tether_state::config::{ConfigErrors, ConfigFile, ConfigLoader, DisplayPath, LoadStats};
+use tether_state::config::{ConfigErrors, ConfigFile, ConfigLoader, ConnectSection, DisplayPath, LoadStats};
 use tether_state::lock;
 use tether_state::persist::{DataDir, PersistError};
 use tether_state::{
@@ -72,6 +72,9 @@ pub(crate) enum ReloadError {
     /// The new config takes a service id that an API registration owns.
     #[error(transparent)]
     Catalog(#[from] CatalogError),
+    /// The new `[connect]` table's certificate authority cannot be loaded.
+    #[error(transparent)]
+    Connect(Box<dyn std::error::Error + Send + Sync>),
 }
 
 /// What a successful reload did.
@@ -97,6 +100,8 @@ pub(crate) struct Sources {
     /// The tokens last written to `tokens.json`. Held while a snapshot of the catalog's
     /// tokens is taken and written, so that an older snapshot never overwrites a newer one.
     saved_tokens: Mutex<Option<BTreeMap<ProxyId, ProxyToken>>>,
+    /// The `[connect]` table and intentions of the config applied.
+    connect: Mutex<ConnectSection>,
 }
 
 /// The config side of the catalog.
@@ -165,13 +170,15 @@ impl Sources {
             allow_api_commands,
             api_changes: Mutex::new(()),
             saved_tokens: Mutex::new(None),
+            connect: Mutex::new(ConnectSection::default()),
         };
         {
             let mut config = lock(&sources.config);
             // `[connect]` and the intentions are checked with the rest of the files; the
-            // catalog takes only the services.
-            let files = config.loader.load_files()?.files;
-            if let Err(err) = sources.apply_config(&mut config.applied, files) {
+            // catalog takes only the services, and the agent the CA (`connect_section`).
+            let loaded = config.loader.load_files()?;
+            *lock(&sources.connect) = loaded.connect;
+            if let Err(err) = sources.apply_config(&mut config.applied, loaded.files) {
                 // The loader already refused duplicates; a token failure is all that is left.
                 tracing::error!(error = %crate::error::error_chain(&err), "cannot load the config into the catalog");
             }
@@ -214,9 +221,30 @@ impl Sources {
         &self.data
     }
 
+    /// The `[connect]` table and the intentions of the config in force.
+    pub(crate) fn connect_section(&self) -> ConnectSection {
+        lock(&self.connect).clone()
+    }
+
     /// Re-reads the config dirs; only the files that changed are parsed again. All or
     /// nothing: on any error every error is logged and the previous config stays in force.
+    /// The agent reloads through [`Sources::reload_with`], which also loads the CA.
+    #[cfg(test)]
     pub(crate) fn reload(&self) -> Result<ReloadReport, ReloadError> {
+        self.reload_with(|_| Ok::<(), ReloadError>(())).map(|(report, ())| report)
+    }
+
+    /// Re-reads the config dirs, as the reload above, with `prepare` run on the new
+    /// `[connect]` table before anything changes (the agent loads the CA there): its error
+    /// refuses the reload whole, logged like any other. Its result is returned beside the
+    /// report, for the caller to put in force.
+    pub(crate) fn reload_with<T, E>(
+        &self,
+        prepare: impl FnOnce(&ConnectSection) -> Result<T, E>,
+    ) -> Result<(ReloadReport, T), ReloadError>
+    where
+        E: Into<ReloadError>,
+    {
         let mut config = lock(&self.config);
         let loaded = config.loader.load_files();
         let files = config.loader.last_stats();
@@ -226,13 +254,17 @@ impl Sources {
                 tracing::error!(error = %crate::error::error_chain(error), "config reload refused");
             }
         })?;
+        let prepared = prepare(&loaded.connect).map_err(Into::into).inspect_err(|err| {
+            tracing::error!(error = %crate::error::error_chain(err), "config reload refused");
+        })?;
         let catalog = self.apply_config(&mut config.applied, loaded.files).inspect_err(|err| {
             // A config service that an API registration owns: the registration stays.
             tracing::error!(error = %crate::error::error_chain(err), "config reload refused");
         })?;
+        *lock(&self.connect) = loaded.connect;
         drop(config);
         self.save_tokens();
-        Ok(ReloadReport { catalog, files })
+        Ok((ReloadReport { catalog, files }, prepared))
     }
 
     /// Makes the catalog's config services those of `files`, atomically, and remembers

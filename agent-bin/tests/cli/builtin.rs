@@ -305,6 +305,9 @@ fn dev_mode_serves_the_demo_through_the_built_in_proxy_and_leaves_nothing_behind
     });
     assert_eq!(demo["state"], "running", "{demo}");
     assert_eq!(demo["status_text"], format!("listening on 127.0.0.1:{port}"), "{demo}");
+    // --dev makes a CA in its data dir: the demo has an identity.
+    let spiffe = demo["certificate"]["spiffe_id"].as_str().unwrap_or_default();
+    assert!(spiffe.starts_with("spiffe://") && spiffe.ends_with(".tether/ns/default/dc/dc1/svc/demo"), "{demo}");
 
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(guard.0.id() as i32), Signal::SIGINT).unwrap();
     let status = wait_for("the dev agent to exit", || guard.0.try_wait().unwrap());

@@ -319,6 +319,7 @@ fn status_prints_a_table_and_exact_json() {
     assert_eq!(
         keys,
         [
+            "certificate",
             "error",
             "generations",
             "id",

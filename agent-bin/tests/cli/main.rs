@@ -6,6 +6,7 @@
 mod api;
 mod builtin;
 mod cgroups;
+mod connect;
 mod datadir;
 mod envoy;
 mod epoch;
