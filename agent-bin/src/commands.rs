@@ -352,6 +352,7 @@ mod tests {
                 update: None,
                 last_reload: None,
                 generations: Vec::new(),
+                last_xds: None,
             },
             ProxyStatusDto {
                 id: "db-proxy".into(),
@@ -368,6 +369,7 @@ mod tests {
                 update: None,
                 last_reload: None,
                 generations: Vec::new(),
+                last_xds: None,
             },
         ];
         let mut hot = proxies[0].clone();

@@ -138,6 +138,8 @@ pub(crate) struct ApiState {
     pub(crate) held: Arc<crate::catalog::held::Held>,
     /// The proxies' templates: their errors are shown in the status, their events streamed.
     pub(crate) templates: crate::templates::Templates,
+    /// The xDS server: each proxy's last verdict from its Envoy.
+    pub(crate) xds: crate::xds::Xds,
 }
 
 /// An API error: a status code and a message for `{"error": ...}`.
@@ -311,6 +313,7 @@ pub(crate) fn status_dto(status: &ProxyStatus) -> ProxyStatusDto {
                 .to_owned(),
             })
             .collect(),
+        last_xds: None,
     }
 }
 
@@ -341,6 +344,7 @@ fn status_with_templates(state: &ApiState, status: &tether_manager::ProxyStatus)
     if dto.error.is_none() {
         dto.error = state.templates.error(&status.id);
     }
+    dto.last_xds = state.xds.last(&status.id).map(|verdict| dto::XdsDto::from(&verdict));
     dto
 }
 

@@ -39,8 +39,9 @@ fn decoy() -> ProxyToken {
     ProxyToken::from_hex("0".repeat(64)).unwrap_or_else(|_| unreachable!("64 hex digits are a valid token"))
 }
 
-/// The entry of the proxy `id`, if `token` is its token.
-fn authorised(state: &LocalState, id: &Option<ProxyId>, token: &str) -> Option<Entry> {
+/// The entry of the proxy `id`, if `token` is its token: the one check of a proxy's token,
+/// for this endpoint and the xDS server.
+pub(crate) fn authorised(state: &LocalState, id: &Option<ProxyId>, token: &str) -> Option<Entry> {
     let entry = id.as_ref().and_then(|id| state.get(&id.service_id())).filter(|entry| entry.proxy.is_some());
     let expected = entry.as_ref().and_then(|e| e.proxy.as_ref()).map_or_else(decoy, |p| p.token().clone());
     let matches = expected.matches(token);
