@@ -6,7 +6,8 @@
 //! pid that is gone is `exited` (or `stopped`, during a stop), and a proxy entering
 //! `backoff`, `failed`, `blocked` or `waiting` says so, and a new last reload is `reloaded`
 //! (applied or signalled) or `reload-failed` (refused, failed or timed out; the detail says
-//! why). This module keeps one map of statuses per
+//! why); the templates' and the xDS server's own events (`template-*`, `xds-refused`,
+//! `xds-invalid`) pass through. This module keeps one map of statuses per
 //! client and nothing else; it never decides or changes anything.
 
 use std::collections::HashMap;
@@ -24,6 +25,7 @@ use tokio::sync::{OwnedSemaphorePermit, broadcast, mpsc};
 use super::dto::EventDto;
 use super::{ApiError, ApiState, ChannelBody, StreamSlots, send_chunk};
 use crate::templates::TemplateEvent;
+use crate::xds::XdsEvent;
 
 pub(crate) async fn get_events(
     State(state): State<ApiState>,
@@ -33,10 +35,11 @@ pub(crate) async fn get_events(
     // Subscribe before reading the statuses: no change falls between the two.
     let changes = state.manager.subscribe();
     let templates = state.templates.subscribe();
+    let xds = state.xds.subscribe();
     let seen: HashMap<ProxyId, ProxyStatus> =
         state.manager.status_unmeasured().into_iter().map(|status| (status.id.clone(), status)).collect();
     let (lines, receiver) = mpsc::channel(64);
-    tokio::spawn(stream(Events { seen }, changes, templates, lines, state.clone(), slot));
+    tokio::spawn(stream(Events { seen }, changes, templates, xds, lines, state.clone(), slot));
     Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], Body::new(ChannelBody(receiver))).into_response())
 }
 
@@ -46,6 +49,7 @@ async fn stream(
     mut events: Events,
     mut changes: broadcast::Receiver<ProxyEvent>,
     mut templates: broadcast::Receiver<TemplateEvent>,
+    mut xds: broadcast::Receiver<XdsEvent>,
     lines: mpsc::Sender<Bytes>,
     state: ApiState,
     _slot: OwnedSemaphorePermit,
@@ -66,6 +70,20 @@ async fn stream(
                     continue;
                 }
                 // A template event missed is not told again: the status shows the error.
+                Err(broadcast::error::RecvError::Lagged(_)) => continue,
+                Err(broadcast::error::RecvError::Closed) => std::future::pending().await,
+            },
+            told = xds.recv() => match told {
+                Ok(told) => {
+                    let found = event(told.time, &told.proxy, told.event, None, Some(told.detail));
+                    let Ok(mut line) = serde_json::to_vec(&found) else { continue };
+                    line.push(b'\n');
+                    if !send_chunk(&lines, Bytes::from(line)).await {
+                        return;
+                    }
+                    continue;
+                }
+                // An xDS event missed is not told again: the status's last_xds shows it.
                 Err(broadcast::error::RecvError::Lagged(_)) => continue,
                 Err(broadcast::error::RecvError::Closed) => std::future::pending().await,
             },

@@ -113,12 +113,23 @@ struct Board {
     streams: u64,
 }
 
+/// What the events stream tells of xDS.
+#[derive(Debug, Clone)]
+pub(crate) struct XdsEvent {
+    pub(crate) time: SystemTime,
+    pub(crate) proxy: ProxyId,
+    /// `xds-refused` (Envoy refused a response) or `xds-invalid` (the config cannot be served).
+    pub(crate) event: &'static str,
+    pub(crate) detail: String,
+}
+
 struct Shared {
     catalog: LocalState,
     instances: Arc<dyn InstanceSource>,
     /// Bumped on every change that may change what a proxy is served.
     changes: watch::Sender<u64>,
     board: Mutex<Board>,
+    events: broadcast::Sender<XdsEvent>,
     /// Ends every stream.
     stop: CancellationToken,
 }
@@ -140,7 +151,8 @@ impl Xds {
     /// every stream.
     pub(crate) fn new(catalog: LocalState, instances: Arc<dyn InstanceSource>, stop: CancellationToken) -> Self {
         let (changes, _) = watch::channel(0);
-        let shared = Shared { catalog, instances, changes, board: Mutex::default(), stop };
+        let (events, _) = broadcast::channel(64);
+        let shared = Shared { catalog, instances, changes, board: Mutex::default(), events, stop };
         Self { shared: Arc::new(shared) }
     }
 
@@ -152,6 +164,15 @@ impl Xds {
     /// The last verdict of `proxy`'s Envoy, if one ever connected since the agent started.
     pub(crate) fn last(&self, proxy: &ProxyId) -> Option<Verdict> {
         self.board().verdicts.get(proxy).and_then(ProxyVerdicts::last)
+    }
+
+    /// xDS events from now on.
+    pub(crate) fn subscribe(&self) -> broadcast::Receiver<XdsEvent> {
+        self.shared.events.subscribe()
+    }
+
+    fn tell(&self, proxy: &ProxyId, event: &'static str, detail: String) {
+        let _ = self.shared.events.send(XdsEvent { time: SystemTime::now(), proxy: proxy.clone(), event, detail });
     }
 
     /// Wakes every stream when the catalog changes, or a proxy becomes ready or stops being
@@ -265,6 +286,7 @@ impl Xds {
             }
             Answer::Refused { kind, version, error } => {
                 tracing::warn!(proxy = %proxy, kind = kind.as_str(), version, error, "Envoy refused an xDS response");
+                self.tell(proxy, "xds-refused", format!("{kind} version {version}: {error}"));
                 let verdict = Verdict {
                     at: SystemTime::now(),
                     kind: Some(kind.as_str()),
@@ -291,6 +313,7 @@ impl Xds {
                 let text = error.to_string();
                 if verdicts.invalid.as_ref().and_then(|v| v.error.as_deref()) != Some(text.as_str()) {
                     tracing::warn!(proxy = %proxy, error = %text, "the proxy's config cannot be served over xDS");
+                    self.tell(proxy, "xds-invalid", text.clone());
                     verdicts.invalid = Some(Verdict {
                         at: SystemTime::now(),
                         kind: None,

@@ -11,7 +11,7 @@ use std::collections::BTreeSet;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::rc::Rc;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -21,6 +21,7 @@ use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
 use crate::support::*;
+use crate::templates::{KillOnDrop, events};
 
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
@@ -215,16 +216,6 @@ impl Drop for EnvoyGuard {
     }
 }
 
-/// A child process killed and reaped on drop.
-struct KillOnDrop(Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// Waits until `web-proxy`'s `last_xds` is `result` for a response of `kind`; the status.
 #[track_caller]
 fn wait_xds(agent: &Agent, kind: &str, result: &str) -> serde_json::Value {
@@ -297,6 +288,14 @@ fn a_config_envoy_refuses_shows_its_message_and_the_previous_config_serves_on() 
     let pid = agent.wait_state("web-proxy", "running")["pid"].as_i64().unwrap();
     setup.note_base_id();
     wait_served(setup.bind_port, "service\n");
+    let (_events, lines) = events(&setup.dirs);
+    // The events stream is live once it tells of a proxy started after it.
+    setup.dirs.write_config("other.toml", &sleeper("other"));
+    setup.reload();
+    wait_for("other-proxy's started event", || {
+        let event: serde_json::Value = serde_json::from_str(&lines.try_recv().ok()?).unwrap();
+        (event["event"] == "started" && event["proxy"] == "other-proxy").then_some(())
+    });
 
     // An upstream on a port that another socket holds (without SO_REUSEPORT): Envoy cannot
     // bind it, and refuses the listeners.
@@ -315,11 +314,18 @@ fn a_config_envoy_refuses_shows_its_message_and_the_previous_config_serves_on() 
     assert_eq!(status["pid"].as_i64(), Some(pid), "{status}");
     let refused = ["proxy=\"web-proxy\"", "type=\"listener\"", "result=\"refused\""];
     assert_eq!(metric(&agent, "tether_xds_responses_total", &refused), 1.0);
+    let told = wait_for("an xds-refused event", || {
+        let line = lines.try_recv().ok()?;
+        let event: serde_json::Value = serde_json::from_str(&line).unwrap();
+        (event["event"] == "xds-refused").then_some(event)
+    });
+    assert_eq!(told["proxy"], "web-proxy");
+    assert!(told["detail"].as_str().unwrap().contains("cannot bind"), "{told}");
 
     // A change elsewhere in the catalog wakes the stream: the refused version is not sent again.
-    setup.dirs.write_config("other.toml", &sleeper("other"));
+    setup.dirs.write_config("another.toml", &sleeper("another"));
     setup.reload();
-    agent.wait_state("other-proxy", "running");
+    agent.wait_state("another-proxy", "running");
     let other = &agent.proxy("web-proxy").unwrap()["last_xds"];
     assert_eq!(other["result"], "refused", "{other}");
     assert_eq!(metric(&agent, "tether_xds_responses_total", &refused), 1.0, "nothing re-sent after the NACK");
