@@ -399,3 +399,33 @@ fn a_bootstrap_for_a_proxy_without_a_token_is_a_usage_error() {
     assert!(stderr.contains("no proxy web-proxy has a token in"), "{stderr}");
     assert!(printed.stdout.is_empty());
 }
+
+#[test]
+fn envoy_reconnects_to_a_restarted_agent_and_gets_the_config_changed_meanwhile() {
+    let Some(setup) = Setup::new("envoy_reconnects_to_a_restarted_agent_and_gets_the_config_changed_meanwhile") else {
+        return;
+    };
+    let _envoys = setup.guard();
+    let _sweep = SweepOnDrop(setup.dirs.socket());
+    let (first, second) = (Greeter::start("first\n"), Greeter::start("second\n"));
+    setup.write_web(first.port, &format!("{{ bind_port = {} }}", setup.bind_port));
+    let mut agent = Agent::start(&setup.dirs, &root_flags());
+    let pid = agent.wait_state("web-proxy", "running")["pid"].as_i64().unwrap();
+    setup.note_base_id();
+    wait_served(setup.bind_port, "first\n");
+    wait_xds(&agent, "listener", "applied");
+
+    // The agent goes (its proxies stay); Envoy serves on with what it has.
+    agent.signal(Signal::SIGTERM);
+    assert!(agent.wait().success(), "{}", agent.logs());
+    assert_eq!(through(setup.bind_port).as_deref(), Ok("first\n"));
+    setup.write_web(second.port, &format!("{{ bind_port = {} }}", setup.bind_port));
+
+    // The next agent adopts Envoy, which reconnects and gets the config as it is now.
+    let agent = Agent::start(&setup.dirs, &root_flags());
+    wait_served(setup.bind_port, "second\n");
+    // A new stream gets every type again, the listeners last.
+    let status = wait_xds(&agent, "listener", "applied");
+    assert_eq!(status["pid"].as_i64(), Some(pid), "the same Envoy: {status}");
+    assert!(alive(pid));
+}
