@@ -328,6 +328,9 @@ pub(crate) struct EnvoyBootstrapArgs {
     /// Write the bootstrap to this file (mode 0600, replaced atomically) instead of stdout.
     #[arg(long, short = 'o', value_name = "FILE")]
     pub(crate) output: Option<PathBuf>,
+    /// Ask for incremental ADS (api_type DELTA_GRPC) instead of state of the world (GRPC).
+    #[arg(long)]
+    pub(crate) delta: bool,
 }
 
 #[derive(Debug, Subcommand)]

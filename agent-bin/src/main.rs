@@ -109,6 +109,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             xds_address: args.xds_address,
             admin_address: args.admin_address,
             output: args.output,
+            delta: args.delta,
         }),
         Command::Fleet(command) => current_thread()?.block_on(fleet::cli::run(command)),
     }

@@ -43,6 +43,8 @@ pub(crate) struct Bootstrap<'a> {
     pub(crate) token: &'a ProxyToken,
     pub(crate) xds: &'a XdsTarget,
     pub(crate) admin: SocketAddr,
+    /// Incremental ADS (`DELTA_GRPC`) rather than state of the world (`GRPC`).
+    pub(crate) delta: bool,
 }
 
 impl Bootstrap<'_> {
@@ -63,7 +65,7 @@ impl Bootstrap<'_> {
             },
             "dynamic_resources": {
                 "ads_config": {
-                    "api_type": "GRPC",
+                    "api_type": if self.delta { "DELTA_GRPC" } else { "GRPC" },
                     "transport_api_version": "V3",
                     "set_node_on_first_message_only": true,
                     "grpc_services": [{
@@ -105,6 +107,7 @@ pub(crate) struct BootstrapRequest {
     pub(crate) xds_address: Option<SocketAddr>,
     pub(crate) admin_address: SocketAddr,
     pub(crate) output: Option<PathBuf>,
+    pub(crate) delta: bool,
 }
 
 /// Runs `tether envoy bootstrap`.
@@ -132,7 +135,8 @@ pub(crate) fn run(request: &BootstrapRequest) -> anyhow::Result<ExitCode> {
         Some(address) => XdsTarget::Tcp(address),
         None => XdsTarget::Socket(std::path::absolute(data_dir.join(SOCKET_NAME)).context("resolving the data dir")?),
     };
-    let bootstrap = Bootstrap { proxy: &proxy, token: &token, xds: &xds, admin: request.admin_address };
+    let bootstrap =
+        Bootstrap { proxy: &proxy, token: &token, xds: &xds, admin: request.admin_address, delta: request.delta };
     let mut text = serde_json::to_string_pretty(&bootstrap.to_json()).context("encoding the bootstrap")?;
     text.push('\n');
     match &request.output {
@@ -188,7 +192,7 @@ mod tests {
         let token = ProxyToken::from_hex("ab".repeat(32)).unwrap();
         let xds = XdsTarget::Socket(PathBuf::from("/var/lib/tether/xds.sock"));
         let admin: SocketAddr = "127.0.0.1:19000".parse().unwrap();
-        let json = Bootstrap { proxy: &proxy, token: &token, xds: &xds, admin }.to_json();
+        let json = Bootstrap { proxy: &proxy, token: &token, xds: &xds, admin, delta: false }.to_json();
         assert_eq!(json["node"]["id"], "web-proxy");
         assert_eq!(json["node"]["cluster"], "web");
         let service = &json["dynamic_resources"]["ads_config"]["grpc_services"][0];
@@ -200,6 +204,9 @@ mod tests {
         assert_eq!(endpoint["address"]["pipe"]["path"], "/var/lib/tether/xds.sock");
         assert_eq!(json["admin"]["address"]["socket_address"]["port_value"], 19000);
         assert_eq!(json["dynamic_resources"]["lds_config"]["initial_fetch_timeout"], INITIAL_FETCH_TIMEOUT);
+        assert_eq!(json["dynamic_resources"]["ads_config"]["api_type"], "GRPC");
+        let delta = Bootstrap { proxy: &proxy, token: &token, xds: &xds, admin, delta: true }.to_json();
+        assert_eq!(delta["dynamic_resources"]["ads_config"]["api_type"], "DELTA_GRPC");
     }
 
     #[test]
@@ -208,7 +215,7 @@ mod tests {
         let token = ProxyToken::from_hex("ab".repeat(32)).unwrap();
         let xds = XdsTarget::Tcp("127.0.0.1:8502".parse().unwrap());
         let admin: SocketAddr = "127.0.0.1:19000".parse().unwrap();
-        let json = Bootstrap { proxy: &proxy, token: &token, xds: &xds, admin }.to_json();
+        let json = Bootstrap { proxy: &proxy, token: &token, xds: &xds, admin, delta: false }.to_json();
         let endpoint =
             &json["static_resources"]["clusters"][0]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"];
         assert_eq!(endpoint["address"]["socket_address"]["port_value"], 8502);

@@ -1,6 +1,9 @@
-//! The xDS server: Envoy's aggregated discovery service (ADS, state of the world, over
+//! The xDS server: Envoy's aggregated discovery service (ADS, state of the world and delta, over
 //! gRPC), which serves each Envoy its listeners, clusters and endpoints from the catalog.
 //!
+//! Both protocols are served: state of the world (`StreamAggregatedResources`) and
+//! incremental (`DeltaAggregatedResources`), with one stream loop over the `Protocol` of
+//! `stream.rs`.
 //! An Envoy names itself by `node.id` (its proxy id) and proves it with the proxy's token in
 //! the `x-tether-token` metadata of the stream; a stream without both is refused and counted.
 //! Each stream follows the catalog and the readiness of the proxies (one watch channel that
@@ -39,7 +42,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::templates::InstanceSource;
 use resources::{ConfigError, EnvoyConfig, Kind, ProxyResources, Target};
-use stream::{Answer, StreamState};
+use stream::{Answer, DeltaState, Protocol, StreamState};
 
 /// The gRPC metadata key that carries the proxy's token.
 pub(crate) const TOKEN_METADATA: &str = "x-tether-token";
@@ -328,11 +331,11 @@ impl Xds {
 
     /// Runs one ADS stream: authorises it on its first request, then answers requests and
     /// changes until Envoy goes away, the proxy leaves the catalog, or the server stops.
-    async fn stream(
+    async fn stream<P: Protocol>(
         self,
         token: Option<String>,
-        mut requests: Streaming<DiscoveryRequest>,
-        responses: mpsc::Sender<Result<DiscoveryResponse, Status>>,
+        mut requests: Streaming<P::Request>,
+        responses: mpsc::Sender<Result<P::Response, Status>>,
     ) {
         let stop = self.shared.stop.clone();
         let first = tokio::select! {
@@ -343,7 +346,7 @@ impl Xds {
                 _ => return,
             },
         };
-        let node = first.node.as_ref().map(|node| node.id.clone()).unwrap_or_default();
+        let node = P::node(&first).unwrap_or_default().to_owned();
         let (proxy, token) = match (self.authorise(&node, token.as_deref()), token) {
             (Some(entry), Some(token)) => match entry.proxy.as_ref() {
                 Some(managed) => (managed.id().clone(), token),
@@ -359,11 +362,11 @@ impl Xds {
                 return;
             }
         };
-        tracing::info!(proxy = %proxy, "xDS stream opened");
+        tracing::info!(proxy = %proxy, protocol = P::NAME, "xDS stream opened");
         let _open = OpenStream::new(&self);
         let mut changes = self.shared.changes.subscribe();
         changes.mark_unchanged();
-        let mut state = StreamState::default();
+        let mut state = P::default();
         let mut pending = Some(first);
         loop {
             if let Some(request) = pending.take() {
@@ -438,7 +441,7 @@ impl AggregatedDiscoveryService for Ads {
         let (responses, outgoing) = mpsc::channel(QUEUED_RESPONSES);
         // The stream's task ends with the stream: when Envoy goes away (the channel closes),
         // when its requests end, or when the server stops.
-        tokio::spawn(self.0.clone().stream(token, request.into_inner(), responses));
+        tokio::spawn(self.0.clone().stream::<StreamState>(token, request.into_inner(), responses));
         Ok(Response::new(ReceiverStream::new(outgoing)))
     }
 
@@ -446,11 +449,12 @@ impl AggregatedDiscoveryService for Ads {
 
     async fn delta_aggregated_resources(
         &self,
-        _request: Request<Streaming<DeltaDiscoveryRequest>>,
+        request: Request<Streaming<DeltaDiscoveryRequest>>,
     ) -> Result<Response<Self::DeltaAggregatedResourcesStream>, Status> {
-        Err(Status::unimplemented(
-            "this agent serves state-of-the-world ADS (api_type GRPC), not incremental ADS (DELTA_GRPC)",
-        ))
+        let token = request.metadata().get(TOKEN_METADATA).and_then(|value| value.to_str().ok()).map(str::to_owned);
+        let (responses, outgoing) = mpsc::channel(QUEUED_RESPONSES);
+        tokio::spawn(self.0.clone().stream::<DeltaState>(token, request.into_inner(), responses));
+        Ok(Response::new(ReceiverStream::new(outgoing)))
     }
 }
 

@@ -99,6 +99,8 @@ struct Setup {
     base_ids: Rc<RefCell<BTreeSet<u64>>>,
     admin_port: u16,
     bind_port: u16,
+    /// Incremental ADS (`--delta`) rather than state of the world.
+    delta: bool,
 }
 
 impl Setup {
@@ -115,6 +117,7 @@ impl Setup {
             base_ids: Rc::default(),
             admin_port: free_port(),
             bind_port: free_port(),
+            delta: false,
         })
     }
 
@@ -140,7 +143,8 @@ impl Setup {
     /// proxy's `config` table, inline.
     fn write_web(&self, port: u16, config: &str) {
         let script = format!(
-            "{tether} envoy bootstrap --admin-address 127.0.0.1:{admin} --output {bootstrap} && exec {envoy} {args}",
+            "{tether} envoy bootstrap{delta} --admin-address 127.0.0.1:{admin} --output {bootstrap} && exec {envoy} {args}",
+            delta = if self.delta { " --delta" } else { "" },
             tether = env!("CARGO_BIN_EXE_tether"),
             admin = self.admin_port,
             bootstrap = self.bootstrap.display(),
@@ -241,10 +245,26 @@ fn metric(agent: &Agent, metric: &str, labels: &[&str]) -> f64 {
 
 #[test]
 fn envoy_gets_its_whole_config_from_the_agent_and_a_port_change_without_a_restart() {
-    let Some(setup) = Setup::new("envoy_gets_its_whole_config_from_the_agent_and_a_port_change_without_a_restart")
-    else {
-        return;
-    };
+    gets_its_whole_config_and_a_port_change_without_a_restart(
+        "envoy_gets_its_whole_config_from_the_agent_and_a_port_change_without_a_restart",
+        false,
+    );
+}
+
+#[test]
+fn envoy_over_incremental_ads_gets_its_whole_config_and_a_port_change_without_a_restart() {
+    gets_its_whole_config_and_a_port_change_without_a_restart(
+        "envoy_over_incremental_ads_gets_its_whole_config_and_a_port_change_without_a_restart",
+        true,
+    );
+}
+
+/// Traffic through an Envoy fed by the agent (over state-of-the-world ADS, or incremental
+/// with `delta`), and a change of the service's port applied with no restart and no
+/// connection refused.
+fn gets_its_whole_config_and_a_port_change_without_a_restart(test: &str, delta: bool) {
+    let Some(mut setup) = Setup::new(test) else { return };
+    setup.delta = delta;
     let _envoys = setup.guard();
     let _sweep = SweepOnDrop(setup.dirs.socket());
     let (first, second) = (Greeter::start("first\n"), Greeter::start("second\n"));
@@ -273,13 +293,31 @@ fn envoy_gets_its_whole_config_from_the_agent_and_a_port_change_without_a_restar
     assert_eq!(status["restarts"], 0, "{status}");
     assert!(alive(pid));
     assert!(metric(&agent, "tether_xds_responses_total", &["type=\"endpoint\"", "result=\"applied\""]) >= 2.0);
+    let protocol = if delta { r#""protocol":"delta""# } else { r#""protocol":"sotw""# };
+    assert!(agent.logs().contains(protocol), "a stream with {protocol}: {}", agent.logs());
 }
 
 #[test]
 fn a_config_envoy_refuses_shows_its_message_and_the_previous_config_serves_on() {
-    let Some(setup) = Setup::new("a_config_envoy_refuses_shows_its_message_and_the_previous_config_serves_on") else {
-        return;
-    };
+    refused_config_shows_its_message_and_the_previous_serves_on(
+        "a_config_envoy_refuses_shows_its_message_and_the_previous_config_serves_on",
+        false,
+    );
+}
+
+#[test]
+fn over_incremental_ads_a_refused_config_shows_its_message_and_the_previous_serves_on() {
+    refused_config_shows_its_message_and_the_previous_serves_on(
+        "over_incremental_ads_a_refused_config_shows_its_message_and_the_previous_serves_on",
+        true,
+    );
+}
+
+/// An upstream listener Envoy cannot bind: refused with Envoy's message, told as an event,
+/// not sent again on an unrelated change, while the public listener serves on.
+fn refused_config_shows_its_message_and_the_previous_serves_on(test: &str, delta: bool) {
+    let Some(mut setup) = Setup::new(test) else { return };
+    setup.delta = delta;
     let _envoys = setup.guard();
     let _sweep = SweepOnDrop(setup.dirs.socket());
     let service = Greeter::start("service\n");
