@@ -467,3 +467,37 @@ fn envoy_reconnects_to_a_restarted_agent_and_gets_the_config_changed_meanwhile()
     assert_eq!(status["pid"].as_i64(), Some(pid), "the same Envoy: {status}");
     assert!(alive(pid));
 }
+
+#[test]
+fn an_upstreams_instances_follow_the_catalog_without_a_restart() {
+    let Some(setup) = Setup::new("an_upstreams_instances_follow_the_catalog_without_a_restart") else { return };
+    let _envoys = setup.guard();
+    let _sweep = SweepOnDrop(setup.dirs.socket());
+    let service = Greeter::start("service\n");
+    let (one, two) = (Greeter::start("db one\n"), Greeter::start("db two\n"));
+    let upstream_port = free_port();
+    let upstream = format!("upstreams = [{{ destination_name = \"db\", local_bind_port = {upstream_port} }}]");
+    setup.write_web(service.port, &format!("{{ bind_port = {}, {upstream} }}", setup.bind_port));
+    // An instance of db: a service without a proxy is ready as it is.
+    let db = |id: &str, port: u16| format!("[[service]]\nname = \"db\"\nid = \"{id}\"\nport = {port}\n");
+    setup.dirs.write_config("db.toml", &db("db-1", one.port));
+    let agent = Agent::start(&setup.dirs, &root_flags());
+    let pid = agent.wait_state("web-proxy", "running")["pid"].as_i64().unwrap();
+    setup.note_base_id();
+    wait_served(upstream_port, "db one\n");
+
+    // The instance set changes: db-1 goes, db-2 comes.
+    let prober = Prober::start(upstream_port);
+    setup.dirs.write_config("db.toml", &db("db-2", two.port));
+    setup.reload();
+    wait_served(upstream_port, "db two\n");
+    let tried = prober.counts().0;
+    wait_for("more connections through Envoy", || (prober.counts().0 > tried + 50).then_some(()));
+    let (tried, refused) = prober.counts();
+    drop(prober);
+    assert_eq!(refused, 0, "{refused} of {tried} connections refused across the change");
+    let status = agent.proxy("web-proxy").unwrap();
+    assert_eq!(status["pid"].as_i64(), Some(pid), "Envoy was not restarted: {status}");
+    assert_eq!(status["restarts"], 0, "{status}");
+    assert_eq!(through(setup.bind_port).as_deref(), Ok("service\n"), "the public listener serves on");
+}
