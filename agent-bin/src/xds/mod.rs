@@ -194,7 +194,10 @@ impl Xds {
             tokio::select! {
                 () = self.shared.stop.cancelled() => return,
                 changed = catalog.changed() => match changed {
-                    Some(_) => bump(),
+                    Some(_) => {
+                        self.forget_gone();
+                        bump();
+                    }
                     None => return,
                 },
                 event = statuses.recv() => match event {
@@ -210,6 +213,16 @@ impl Xds {
                 },
             }
         }
+    }
+
+    /// Forgets the verdicts and counters of the proxies that left the catalog, so that what
+    /// the board holds follows the catalog, not every proxy that ever was.
+    fn forget_gone(&self) {
+        let catalog = &self.shared.catalog;
+        let known = |id: &ProxyId| catalog.get(&id.service_id()).is_some_and(|entry| entry.proxy.is_some());
+        let mut board = self.board();
+        board.verdicts.retain(|id, _| known(id));
+        board.responses.retain(|(id, _, _), _| known(id));
     }
 
     /// Serves ADS on `listener` (the data dir's socket) until the server stops.
