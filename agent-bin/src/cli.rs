@@ -21,6 +21,9 @@ pub(crate) const DEFAULT_ETCD_PREFIX: &str = "/tether";
 /// The environment variable that gives `--data-dir`, to the agent and every command.
 pub(crate) const DATA_DIR_ENV: &str = "TETHER_DATA_DIR";
 
+/// The address of `--xds-address` given without one: Consul's gRPC port, on the loopback.
+pub(crate) const DEFAULT_XDS_ADDRESS: &str = "127.0.0.1:8502";
+
 /// Where the agent keeps its state when `--data-dir` is not given.
 pub(crate) const DEFAULT_DATA_DIR: &str = "/var/lib/tether";
 
@@ -73,6 +76,9 @@ pub(crate) enum Command {
     /// The fleet in etcd: put, list and remove a node's services, see every node's status.
     #[command(subcommand)]
     Fleet(FleetCommand),
+    /// Envoy: the bootstrap with which an Envoy gets its whole config from the agent (xDS).
+    #[command(subcommand)]
+    Envoy(EnvoyCommand),
     /// Write shell completions or the man page, from this command line's own definition.
     #[command(hide = true, subcommand)]
     Generate(GenerateCommand),
@@ -309,6 +315,38 @@ pub(crate) struct ValidateArgs {
 }
 
 #[derive(Debug, Subcommand)]
+pub(crate) enum EnvoyCommand {
+    /// Print the bootstrap of an Envoy that gets its config from the agent over ADS: its
+    /// node, the agent's xDS socket (or --xds-address), the proxy's token, its admin address.
+    /// It holds the token: print it to a file of mode 0600 (--output does).
+    Bootstrap(EnvoyBootstrapArgs),
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct EnvoyBootstrapArgs {
+    /// The proxy (`<service id>-proxy`, or its service id); default: TETHER_PROXY_ID, when
+    /// this runs as the proxy.
+    #[arg(value_name = "PROXY_ID")]
+    pub(crate) id: Option<String>,
+    /// The agent's data dir, where its xDS socket and the proxies' tokens are (default: the
+    /// dir of TETHER_SOCKET when this runs as the proxy, else /var/lib/tether).
+    #[arg(long, value_name = "DIR", env = DATA_DIR_ENV)]
+    pub(crate) data_dir: Option<PathBuf>,
+    /// Reach the agent's xDS server on this TCP address (its --xds-address) instead of its socket.
+    #[arg(long, value_name = "ADDR")]
+    pub(crate) xds_address: Option<SocketAddr>,
+    /// Envoy's admin interface (keep it on the loopback: it can stop Envoy).
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:19000")]
+    pub(crate) admin_address: SocketAddr,
+    /// Write the bootstrap to this file (mode 0600, replaced atomically) instead of stdout.
+    #[arg(long, short = 'o', value_name = "FILE")]
+    pub(crate) output: Option<PathBuf>,
+    /// Ask for incremental ADS (api_type DELTA_GRPC) instead of state of the world (GRPC).
+    #[arg(long)]
+    pub(crate) delta: bool,
+}
+
+#[derive(Debug, Subcommand)]
 pub(crate) enum IntentionCommand {
     /// Say whether SRC may connect to DST, and which intention decided (or that the default
     /// did), reading the config dirs without an agent: exit 0 allow, 1 deny, 2 bad input.
@@ -355,6 +393,10 @@ pub(crate) struct AgentArgs {
     /// Serve the read endpoints on this loopback TCP address too.
     #[arg(long, value_name = "ADDR")]
     pub(crate) http_addr: Option<SocketAddr>,
+    /// Serve Envoy's xDS (ADS over gRPC) on this loopback TCP address too, besides the data
+    /// dir's xds.sock; without ADDR, 127.0.0.1:8502.
+    #[arg(long, value_name = "ADDR", num_args = 0..=1, default_missing_value = DEFAULT_XDS_ADDRESS)]
+    pub(crate) xds_address: Option<SocketAddr>,
     /// Allow proxies without a `user` to run when the agent runs as root.
     #[arg(long)]
     pub(crate) allow_root: bool,

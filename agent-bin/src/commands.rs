@@ -210,7 +210,7 @@ pub(crate) async fn events(socket: &Path, json: bool) -> anyhow::Result<ExitCode
 
 /// `tether restart PROXY_ID`: returns once the new process runs.
 pub(crate) async fn restart(socket: &Path, id: &str) -> anyhow::Result<ExitCode> {
-    crate::api::proxies_named(id).map_err(|err| UsageError(err.to_string()))?;
+    crate::catalog::names::proxies_named(id).map_err(|err| UsageError(err.to_string()))?;
     let path = format!("/v1/agent/proxy/{id}/restart");
     let response = client::request(socket, Method::PUT, &path, None).await?;
     if response.status != StatusCode::OK {
@@ -229,7 +229,7 @@ const HOLD_WAIT: Duration = Duration::from_secs(120);
 /// `tether stop PROXY_ID` (`hold`) and `tether start PROXY_ID`: returns once the proxy is
 /// `stopped`, or has left `stopped` and `pending`.
 pub(crate) async fn hold(socket: &Path, id: &str, hold: bool) -> anyhow::Result<ExitCode> {
-    crate::api::proxies_named(id).map_err(|err| UsageError(err.to_string()))?;
+    crate::catalog::names::proxies_named(id).map_err(|err| UsageError(err.to_string()))?;
     let verb = if hold { "stop" } else { "start" };
     let response = client::request(socket, Method::PUT, &format!("/v1/agent/proxy/{id}/{verb}"), None).await?;
     if response.status != StatusCode::OK {
@@ -287,7 +287,7 @@ pub(crate) async fn reload(socket: &Path) -> anyhow::Result<ExitCode> {
 /// `tether reload PROXY_ID`: one proxy reloaded in place; exit 0 when applied or signalled,
 /// 1 with the reason when refused, failed or timed out, 2 when it has no reload table.
 pub(crate) async fn reload_proxy(socket: &Path, id: &str) -> anyhow::Result<ExitCode> {
-    crate::api::proxies_named(id).map_err(|err| UsageError(err.to_string()))?;
+    crate::catalog::names::proxies_named(id).map_err(|err| UsageError(err.to_string()))?;
     let path = format!("/v1/agent/proxy/{id}/reload");
     let response = client::request(socket, Method::PUT, &path, None).await?;
     match response.status {
@@ -309,7 +309,7 @@ pub(crate) async fn reload_proxy(socket: &Path, id: &str) -> anyhow::Result<Exit
 /// `follow`, what the proxy writes until interrupted.
 pub(crate) async fn logs(socket: &Path, args: &crate::cli::LogsArgs) -> anyhow::Result<ExitCode> {
     let id = args.id.as_str();
-    crate::api::proxies_named(id).map_err(|err| UsageError(err.to_string()))?;
+    crate::catalog::names::proxies_named(id).map_err(|err| UsageError(err.to_string()))?;
     let stream = if args.stderr { "stderr" } else { "stdout" };
     let path = format!("/v1/agent/proxy/{id}/logs?stream={stream}&lines={}&follow={}", args.lines, args.follow);
     let mut stdout = std::io::stdout().lock();
@@ -353,6 +353,7 @@ mod tests {
                 last_reload: None,
                 generations: Vec::new(),
                 certificate: None,
+                last_xds: None,
             },
             ProxyStatusDto {
                 id: "db-proxy".into(),
@@ -370,6 +371,7 @@ mod tests {
                 last_reload: None,
                 generations: Vec::new(),
                 certificate: None,
+                last_xds: None,
             },
         ];
         let mut hot = proxies[0].clone();

@@ -19,6 +19,7 @@ mod logging;
 mod metrics;
 mod templates;
 mod validate;
+mod xds;
 
 use std::process::ExitCode;
 
@@ -65,6 +66,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         config_dirs: args.config_dirs,
                         data_dir: args.data_dir,
                         http_addr: args.http_addr,
+                        xds_address: args.xds_address,
                         allow_root: args.allow_root,
                         allow_api_commands: args.allow_api_commands,
                         sync_quiescent: args.sync_quiescent,
@@ -103,6 +105,14 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Start(args) => current_thread()?.block_on(commands::hold(&args.socket.socket(), &args.id, false)),
         Command::Events(args) => current_thread()?.block_on(commands::events(&args.socket.socket(), args.json)),
         Command::Generate(what) => generate(what),
+        Command::Envoy(cli::EnvoyCommand::Bootstrap(args)) => xds::bootstrap::run(&xds::bootstrap::BootstrapRequest {
+            proxy: args.id,
+            data_dir: args.data_dir,
+            xds_address: args.xds_address,
+            admin_address: args.admin_address,
+            output: args.output,
+            delta: args.delta,
+        }),
         Command::Fleet(command) => current_thread()?.block_on(fleet::cli::run(command)),
     }
 }

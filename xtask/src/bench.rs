@@ -8,7 +8,7 @@
 //!
 //! For work on one figure, `XTASK_BENCH_ONLY` narrows the run: `e2e` skips the crate
 //! benchmarks; a comma-separated list of sections (`many`, `scale`, `some`, `health`, `updates`, `reload`, `cgroups`,
-//! `peers`, `builtin-proxy`, `ordering`, `templates`, `fleet`, `fleet-scale`, `connect`) runs only those end-to-end sections and prints their table without rewriting
+//! `peers`, `builtin-proxy`, `ordering`, `templates`, `fleet`, `fleet-scale`, `connect`, `xds`) runs only those end-to-end sections and prints their table without rewriting
 //! `BENCHMARKS.md`, which always holds a whole run.
 
 mod builtin_proxy;
@@ -27,6 +27,7 @@ mod scale;
 mod sys;
 mod templates;
 mod updates;
+mod xds;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -50,6 +51,7 @@ const SECTIONS: &[&str] = &[
     "fleet",
     "fleet-scale",
     "connect",
+    "xds",
 ];
 
 /// What `XTASK_BENCH_ONLY` asks for: `None` for a whole run.
@@ -202,6 +204,13 @@ fn end_to_end(
         {
             lab.keep();
             rows.push(Row::failed("connect: leaf certificates at start", &err));
+            errors.push(err);
+        }
+        if only.wants("xds")
+            && let Err(err) = xds::run(&lab, &mut rows)
+        {
+            lab.keep();
+            rows.push(Row::failed("xDS: change to Envoy's ACK", &err));
             errors.push(err);
         }
         // The simulated fleet (20 agents, one etcd, 2 000 puts): informational figures.

@@ -31,6 +31,8 @@ pub(crate) const FLOORS: &[&[&str]] = &[
     &["catalog"],
     &["fleet"],
     &["templates"],
+    // The xDS server: Envoy's config from the catalog and the templates' instances.
+    &["xds"],
     &["api"],
     // The entry points of the commands, and the wiring of the agent.
     &["agent", "commands", "connect_proxy", "intention", "logging", "validate"],

@@ -72,6 +72,7 @@ pub(crate) async fn run(
         config_dirs: vec![config_dir],
         data_dir,
         http_addr,
+        xds_address: None,
         allow_root: true,
         allow_api_commands: false,
         sync_quiescent,

@@ -36,12 +36,15 @@ use crate::fleet::follow::{Coalesce, FleetCollector, Follower};
 use crate::fleet::publish::Publisher;
 use crate::metrics::Metrics;
 use crate::templates::Templates;
+use crate::xds::Xds;
 
 /// What `tether agent` runs with, after `--dev` has been resolved.
 pub(crate) struct AgentOptions {
     pub(crate) config_dirs: Vec<PathBuf>,
     pub(crate) data_dir: PathBuf,
     pub(crate) http_addr: Option<SocketAddr>,
+    /// Serve xDS on this loopback TCP address too (`--xds-address`).
+    pub(crate) xds_address: Option<SocketAddr>,
     pub(crate) allow_root: bool,
     pub(crate) allow_api_commands: bool,
     pub(crate) sync_quiescent: Duration,
@@ -163,6 +166,10 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
     if let Some(addr) = options.http_addr.filter(|addr| !addr.ip().is_loopback()) {
         return Err(UsageError(format!("--http-addr {addr} is not a loopback address")).into());
     }
+    // Tokens travel in the clear over it: the loopback only, as for --http-addr.
+    if let Some(addr) = options.xds_address.filter(|addr| !addr.ip().is_loopback()) {
+        return Err(UsageError(format!("--xds-address {addr} is not a loopback address")).into());
+    }
     let nofile = serve::raise_descriptor_limit();
     let caps = serve::ConnectionCaps::for_limit(nofile);
     tracing::info!(nofile, unix_connections = caps.unix, tcp_connections = caps.tcp, "descriptor limit");
@@ -245,8 +252,15 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
     }
     metrics.register(templates.collector());
     metrics.register(connect::collector(connect.clone()));
-    let (leave_tx, mut leave_rx) = mpsc::channel::<LeaveRequest>(1);
     let api_stop = CancellationToken::new();
+    // Envoy's config over ADS, from the catalog and the readiness of its upstreams' instances.
+    let xds = Xds::new(
+        sources.state().clone(),
+        crate::templates::local_instances(sources.state().clone(), handle.clone()),
+        api_stop.child_token(),
+    );
+    metrics.register(xds.collector());
+    let (leave_tx, mut leave_rx) = mpsc::channel::<LeaveRequest>(1);
     let api_state = ApiState {
         sources: sources.clone(),
         manager: handle.clone(),
@@ -257,6 +271,7 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
         held: held.clone(),
         templates: templates.clone(),
         connect: connect.clone(),
+        xds: xds.clone(),
     };
     let mut servers = JoinSet::new();
     let unix = bind_socket(&socket_path)?;
@@ -278,6 +293,15 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
             api_stop.clone(),
         ));
     }
+    let xds_socket =
+        std::path::absolute(data.root().join(crate::xds::SOCKET_NAME)).context("resolving the xDS socket path")?;
+    servers.spawn(serve_xds(xds.clone().serve_unix(bind_socket(&xds_socket)?), "socket"));
+    if let Some(addr) = options.xds_address {
+        let tcp = TcpListener::bind(addr).await.with_context(|| format!("cannot listen on --xds-address {addr}"))?;
+        tracing::info!(%addr, "serving xDS over TCP");
+        servers.spawn(serve_xds(xds.clone().serve_tcp(tcp), "tcp"));
+    }
+    servers.spawn(xds.follow(handle.clone()));
     tracing::info!(socket = %DisplayPath(&socket_path), services = sources.state().len(), root = running_as_root, "agent started");
 
     let mut sighup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
@@ -368,6 +392,7 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
             // Let the answer reach the client before the socket closes.
             stop_servers(&api_stop, &mut servers).await;
             let _ = std::fs::remove_file(&socket_path);
+            let _ = std::fs::remove_file(&xds_socket);
             result.context("stopping the proxies")?;
         }
         Ending::Close(signal) => {
@@ -378,6 +403,7 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
             }
             stop_servers(&api_stop, &mut servers).await;
             let _ = std::fs::remove_file(&socket_path);
+            let _ = std::fs::remove_file(&xds_socket);
             if options.stop_proxies_on_exit {
                 manager.kill().await.context("stopping the proxies")?;
                 remove_snapshot(&data);
@@ -388,6 +414,13 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
     }
     tracing::info!("agent stopped");
     Ok(ExitCode::SUCCESS)
+}
+
+/// Runs one of the xDS server's listeners, logging why it ended if it failed.
+async fn serve_xds(serving: impl Future<Output = Result<(), tonic::transport::Error>>, listener: &'static str) {
+    if let Err(err) = serving.await {
+        tracing::error!(listener, error = %crate::error::error_chain(&err), "the xDS server failed");
+    }
 }
 
 /// What runs the built-in proxy: this binary, with the subcommand that serves it.

@@ -15,8 +15,9 @@ use tether_manager::{LeafBoard, LeavesHandle};
 use tether_state::ServiceId;
 
 use super::dto::{self, CaRootDto, CaRootsDto, INDEX_HEADER, LeafDto, TOKEN_HEADER};
-use super::proxy_config::{authorised, forbidden, wait_of};
+use super::proxy_config::{forbidden, wait_of};
 use super::{ApiError, ApiState, StreamSlots};
+use crate::catalog::names::authorised;
 
 #[derive(Debug, Deserialize)]
 pub(crate) struct BlockingQuery {

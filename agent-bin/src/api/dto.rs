@@ -49,6 +49,10 @@ pub(crate) struct ProxyStatusDto {
     /// did not send it.
     #[serde(default)]
     pub(crate) certificate: Option<CertificateDto>,
+    /// What its Envoy said of the agent's last xDS response; `null` if no Envoy of this
+    /// proxy got one since the agent started. Older agents did not send it.
+    #[serde(default)]
+    pub(crate) last_xds: Option<XdsDto>,
 }
 
 /// `{"serial", "spiffe_id", "not_after", "next_renewal", "error"}`: a service's leaf
@@ -94,6 +98,31 @@ pub(crate) struct LeafDto {
     pub(crate) valid_after: String,
     pub(crate) valid_before: String,
     pub(crate) index: u64,
+}
+
+/// `{"at": RFC 3339 to the millisecond, "type": "cluster" | "endpoint" | "listener" | null,
+/// "version": string or null, "result": "applied" | "refused" | "invalid", "error": string
+/// or null}`: a proxy's last xDS verdict.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct XdsDto {
+    pub(crate) at: String,
+    #[serde(rename = "type")]
+    pub(crate) kind: Option<String>,
+    pub(crate) version: Option<String>,
+    pub(crate) result: String,
+    pub(crate) error: Option<String>,
+}
+
+impl From<&crate::xds::Verdict> for XdsDto {
+    fn from(verdict: &crate::xds::Verdict) -> Self {
+        Self {
+            at: humantime::format_rfc3339_millis(verdict.at).to_string(),
+            kind: verdict.kind.map(str::to_owned),
+            version: verdict.version.clone(),
+            result: verdict.result.as_str().to_owned(),
+            error: verdict.error.clone(),
+        }
+    }
 }
 
 /// `{"epoch": n, "pid": n or null, "role": "current" | "new" | "draining"}`: one live
@@ -247,10 +276,17 @@ mod tests {
                 next_renewal: None,
                 error: None,
             }),
+            last_xds: Some(XdsDto {
+                at: rfc3339(SystemTime::UNIX_EPOCH),
+                kind: Some("listener".into()),
+                version: Some("00ff".into()),
+                result: "refused".into(),
+                error: Some("cannot bind".into()),
+            }),
         };
         assert_eq!(
             serde_json::to_string(&dto).unwrap(),
-            r#"{"id":"web-proxy","service":"web","state":"running","pid":42,"restarts":1,"started_at":"1970-01-01T00:00:00Z","last_exit":{"signal":9},"error":null,"ready":true,"status_text":"serving","resources":null,"update":{"state":"starting","pid":43,"started_at":null},"last_reload":{"at":"1970-01-01T00:00:00Z","result":"timed out","error":"no READY=1"},"generations":[{"epoch":1,"pid":42,"role":"current"},{"epoch":0,"pid":41,"role":"draining"}],"certificate":{"serial":"3a:01","spiffe_id":"spiffe://example.org/ns/default/dc/dc1/svc/web","not_after":"1970-01-01T00:00:00Z","next_renewal":null,"error":null}}"#
+            r#"{"id":"web-proxy","service":"web","state":"running","pid":42,"restarts":1,"started_at":"1970-01-01T00:00:00Z","last_exit":{"signal":9},"error":null,"ready":true,"status_text":"serving","resources":null,"update":{"state":"starting","pid":43,"started_at":null},"last_reload":{"at":"1970-01-01T00:00:00Z","result":"timed out","error":"no READY=1"},"generations":[{"epoch":1,"pid":42,"role":"current"},{"epoch":0,"pid":41,"role":"draining"}],"certificate":{"serial":"3a:01","spiffe_id":"spiffe://example.org/ns/default/dc/dc1/svc/web","not_after":"1970-01-01T00:00:00Z","next_renewal":null,"error":null},"last_xds":{"at":"1970-01-01T00:00:00Z","type":"listener","version":"00ff","result":"refused","error":"cannot bind"}}"#
         );
         assert_eq!(serde_json::to_string(&ExitReason::Code(3)).unwrap(), r#"{"code":3}"#);
     }

@@ -7,7 +7,8 @@
 //! `backoff`, `failed`, `blocked` or `waiting` says so, and a new last reload is `reloaded`
 //! (applied or signalled) or `reload-failed` (refused, failed or timed out; the detail says
 //! why); a service's leaf certificate tells `leaf-issued`, `leaf-renewed`, `leaf-failed` and
-//! `leaf-expired` as events of its proxy. This module keeps one map of statuses per
+//! `leaf-expired` as events of its proxy; the templates' and the xDS server's own events
+//! (`template-*`, `xds-refused`, `xds-invalid`) pass through. This module keeps one map of statuses per
 //! client and nothing else; it never decides or changes anything.
 
 use std::collections::HashMap;
@@ -25,6 +26,7 @@ use tokio::sync::{OwnedSemaphorePermit, broadcast, mpsc};
 use super::dto::EventDto;
 use super::{ApiError, ApiState, ChannelBody, StreamSlots, send_chunk};
 use crate::templates::TemplateEvent;
+use crate::xds::XdsEvent;
 
 pub(crate) async fn get_events(
     State(state): State<ApiState>,
@@ -35,10 +37,11 @@ pub(crate) async fn get_events(
     let changes = state.manager.subscribe();
     let templates = state.templates.subscribe();
     let leaves = state.connect.events();
+    let xds = state.xds.subscribe();
     let seen: HashMap<ProxyId, ProxyStatus> =
         state.manager.status_unmeasured().into_iter().map(|status| (status.id.clone(), status)).collect();
     let (lines, receiver) = mpsc::channel(64);
-    tokio::spawn(stream(Events { seen }, Streams { changes, templates, leaves }, lines, state.clone(), slot));
+    tokio::spawn(stream(Events { seen }, Streams { changes, templates, leaves, xds }, lines, state.clone(), slot));
     Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], Body::new(ChannelBody(receiver))).into_response())
 }
 
@@ -49,6 +52,7 @@ struct Streams {
     changes: broadcast::Receiver<ProxyEvent>,
     templates: broadcast::Receiver<TemplateEvent>,
     leaves: broadcast::Receiver<LeafEvent>,
+    xds: broadcast::Receiver<XdsEvent>,
 }
 
 async fn stream(
@@ -58,48 +62,36 @@ async fn stream(
     state: ApiState,
     _slot: OwnedSemaphorePermit,
 ) {
-    let Streams { mut changes, mut templates, mut leaves } = streams;
+    let Streams { mut changes, mut templates, mut leaves, mut xds } = streams;
     loop {
-        let change = tokio::select! {
+        // An event of a template, a leaf or xDS that a slow client missed is not told again:
+        // the status shows the error, the certificate or `last_xds`.
+        let found = tokio::select! {
             () = state.shutdown.cancelled() => return,
             () = lines.closed() => return,
-            change = changes.recv() => change,
-            template = templates.recv() => match template {
-                Ok(template) => {
-                    let found = event(template.time, &template.proxy, template.event, None, Some(template.detail));
-                    let Ok(mut line) = serde_json::to_vec(&found) else { continue };
-                    line.push(b'\n');
-                    if !send_chunk(&lines, Bytes::from(line)).await {
-                        return;
-                    }
-                    continue;
+            change = changes.recv() => match change {
+                Ok(change) => events.on(&change, SystemTime::now()),
+                // Too slow a client: compare with the statuses as they are now.
+                Err(broadcast::error::RecvError::Lagged(_)) => {
+                    events.resync(state.manager.status_unmeasured(), SystemTime::now())
                 }
-                // A template event missed is not told again: the status shows the error.
+                Err(broadcast::error::RecvError::Closed) => return,
+            },
+            template = templates.recv() => match template {
+                Ok(told) => vec![event(told.time, &told.proxy, told.event, None, Some(told.detail))],
                 Err(broadcast::error::RecvError::Lagged(_)) => continue,
                 Err(broadcast::error::RecvError::Closed) => std::future::pending().await,
             },
             leaf = leaves.recv() => match leaf {
-                Ok(leaf) => {
-                    let found = leaf_event(&leaf, SystemTime::now());
-                    let Ok(mut line) = serde_json::to_vec(&found) else { continue };
-                    line.push(b'\n');
-                    if !send_chunk(&lines, Bytes::from(line)).await {
-                        return;
-                    }
-                    continue;
-                }
-                // A leaf event missed is not told again: the status shows the certificate.
+                Ok(leaf) => vec![leaf_event(&leaf, SystemTime::now())],
                 Err(broadcast::error::RecvError::Lagged(_)) => continue,
                 Err(broadcast::error::RecvError::Closed) => std::future::pending().await,
             },
-        };
-        let found = match change {
-            Ok(change) => events.on(&change, SystemTime::now()),
-            // Too slow a client: compare with the statuses as they are now.
-            Err(broadcast::error::RecvError::Lagged(_)) => {
-                events.resync(state.manager.status_unmeasured(), SystemTime::now())
-            }
-            Err(broadcast::error::RecvError::Closed) => return,
+            xds = xds.recv() => match xds {
+                Ok(told) => vec![event(told.time, &told.proxy, told.event, None, Some(told.detail))],
+                Err(broadcast::error::RecvError::Lagged(_)) => continue,
+                Err(broadcast::error::RecvError::Closed) => std::future::pending().await,
+            },
         };
         for event in found {
             let Ok(mut line) = serde_json::to_vec(&event) else { continue };

@@ -29,7 +29,7 @@ use axum::{Json, Router};
 use hyper::body::Frame;
 use tether_manager::{ManagerHandle, ProxyStatus};
 use tether_state::config::{self, Format, Origin};
-use tether_state::{CatalogError, IdError, ProxyId, ServiceId};
+use tether_state::{CatalogError, ProxyId, ServiceId};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 
 use crate::catalog::sources::{RegisterError, ReloadError, ReloadReport, Sources};
@@ -49,30 +49,11 @@ impl hyper::body::Body for ChannelBody {
     }
 }
 
-/// The proxies that `name` may mean, the more specific first: the proxy whose id it is,
-/// then the proxy of the service whose id it is (as `systemctl` takes `nginx` for
-/// `nginx.service`). The CLI checks a name with it; the API takes the first one it knows.
-///
-/// # Errors
-///
-/// The service id rule's [`IdError`], when `name` is neither a proxy id nor a service id.
-pub(crate) fn proxies_named(name: &str) -> Result<Vec<ProxyId>, IdError> {
-    let mut candidates = Vec::with_capacity(2);
-    if let Ok(id) = ProxyId::parse(name) {
-        candidates.push(id);
-    }
-    match ServiceId::new(name) {
-        Ok(service) => candidates.push(service.proxy_id()),
-        Err(err) if candidates.is_empty() => return Err(err),
-        Err(_) => {}
-    }
-    Ok(candidates)
-}
-
 /// The proxy that the path's `name` means, among those the engine has: 400 for a name that
 /// is no id, 404 for one that names no proxy.
 fn known_proxy(state: &ApiState, name: &str) -> Result<ProxyId, ApiError> {
-    let candidates = proxies_named(name).map_err(|err| ApiError::new(StatusCode::BAD_REQUEST, err.to_string()))?;
+    let candidates = crate::catalog::names::proxies_named(name)
+        .map_err(|err| ApiError::new(StatusCode::BAD_REQUEST, err.to_string()))?;
     candidates.into_iter().find(|id| state.manager.proxy(id).is_some()).ok_or_else(|| {
         ApiError::new(StatusCode::NOT_FOUND, format!("no proxy {name}, and no service {name} with a proxy"))
     })
@@ -141,6 +122,8 @@ pub(crate) struct ApiState {
     pub(crate) templates: crate::templates::Templates,
     /// Connect: the leaf certificates, shown in the status and served to their proxies.
     pub(crate) connect: Arc<crate::connect::Connect>,
+    /// The xDS server: each proxy's last verdict from its Envoy.
+    pub(crate) xds: crate::xds::Xds,
 }
 
 /// An API error: a status code and a message for `{"error": ...}`.
@@ -317,6 +300,7 @@ pub(crate) fn status_dto(status: &ProxyStatus) -> ProxyStatusDto {
             })
             .collect(),
         certificate: None,
+        last_xds: None,
     }
 }
 
@@ -353,6 +337,7 @@ fn status_with_templates(state: &ApiState, status: &tether_manager::ProxyStatus)
     if dto.error.is_none() {
         dto.error = dto.certificate.as_ref().and_then(|certificate| certificate.error.clone());
     }
+    dto.last_xds = state.xds.last(&status.id).map(|verdict| dto::XdsDto::from(&verdict));
     dto
 }
 

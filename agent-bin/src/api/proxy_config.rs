@@ -12,10 +12,11 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use serde::Deserialize;
-use tether_state::{Catalog, Entry, LocalState, ProxyId, ProxyToken, Revision};
+use tether_state::{Catalog, ProxyId, Revision};
 
 use super::dto::{INDEX_HEADER, ProxyConfigDto, ServiceDto, TOKEN_HEADER};
 use super::{ApiError, ApiState, StreamSlots};
+use crate::catalog::names::authorised;
 
 /// How long a blocking query waits when it does not say.
 const DEFAULT_WAIT: Duration = Duration::from_secs(300);
@@ -33,12 +34,6 @@ pub(crate) fn forbidden() -> ApiError {
     ApiError::new(StatusCode::FORBIDDEN, "missing or invalid X-Tether-Proxy-Token for this proxy")
 }
 
-/// A fixed token to compare against when the id is unknown, so that an unknown id and a
-/// wrong token take the same path and time.
-fn decoy() -> ProxyToken {
-    ProxyToken::from_hex("0".repeat(64)).unwrap_or_else(|_| unreachable!("64 hex digits are a valid token"))
-}
-
 /// The wait of a blocking query: `wait` (humantime), else [`DEFAULT_WAIT`], at most
 /// [`MAX_WAIT`].
 ///
@@ -52,14 +47,6 @@ pub(crate) fn wait_of(wait: Option<&str>) -> Result<Duration, ApiError> {
         None => DEFAULT_WAIT,
     };
     Ok(wait.min(MAX_WAIT))
-}
-
-/// The entry of the proxy `id`, if `token` is its token.
-pub(crate) fn authorised(state: &LocalState, id: &Option<ProxyId>, token: &str) -> Option<Entry> {
-    let entry = id.as_ref().and_then(|id| state.get(&id.service_id())).filter(|entry| entry.proxy.is_some());
-    let expected = entry.as_ref().and_then(|e| e.proxy.as_ref()).map_or_else(decoy, |p| p.token().clone());
-    let matches = expected.matches(token);
-    entry.filter(|_| matches)
 }
 
 pub(crate) async fn get_config(

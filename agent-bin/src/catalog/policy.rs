@@ -307,6 +307,12 @@ fn refused_address(service: &Service) -> Option<ApiSetting> {
     if let Some(bind) = config_str("bind_address") {
         addresses.push(("proxy.config.bind_address", bind.to_owned(), bind));
     }
+    // What an Envoy fed over xDS binds for the proxy's upstreams, as the built-in proxy
+    // binds `bind_address`.
+    let upstreams = proxy.config.get("upstreams").and_then(serde_json::Value::as_array).into_iter().flatten();
+    for bind in upstreams.filter_map(|upstream| upstream.get("local_bind_address")?.as_str()) {
+        addresses.push(("proxy.config.upstreams.local_bind_address", bind.to_owned(), bind));
+    }
     match config_str("local_service_address") {
         Some(upstream) => {
             addresses.push(("proxy.config.local_service_address", upstream.to_owned(), host_of(upstream)))
@@ -642,6 +648,11 @@ mod tests {
                 "::",
             ),
             (r#"{"name": "a", "proxy": {"config": {"bind_port": 80}}}"#, "proxy.config.bind_port", "80"),
+            (
+                r#"{"name": "a", "proxy": {"config": {"bind_port": 21000, "upstreams": [{"destination_name": "db", "local_bind_port": 9191}, {"destination_name": "db", "local_bind_address": "0.0.0.0", "local_bind_port": 9192}]}}}"#,
+                "proxy.config.upstreams.local_bind_address",
+                "0.0.0.0",
+            ),
             (
                 r#"{"name": "a", "proxy": {"readiness": {"http": "http://10.0.0.1/"}}}"#,
                 "proxy.readiness.http",

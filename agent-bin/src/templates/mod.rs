@@ -35,8 +35,9 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+pub(crate) use render::InstanceSource;
 pub(crate) use render::check_syntax;
-use render::{Instance, InstanceSource, RenderError, ServiceData, SharedData};
+use render::{Instance, RenderError, ServiceData, SharedData};
 use write::{Owner, WriteError, Written};
 
 use crate::etcd::{EtcdOptions, Layout};
@@ -533,6 +534,14 @@ impl BeforeStart for Templates {
             Err(join) => Err(Box::new(join)),
         }
     }
+}
+
+/// The ready instances of the agent's own catalog, as `instances(name)` sees them without a
+/// fleet, for another reader (the xDS server's upstream endpoints).
+pub(crate) fn local_instances(catalog: LocalState, manager: ManagerHandle) -> Arc<dyn InstanceSource> {
+    let known = OnceLock::new();
+    let _ = known.set(manager);
+    Arc::new(LocalInstances { catalog, node: None, manager: Arc::new(known) })
 }
 
 /// `instances(name)` from this agent's own catalog: each service named `name` that has no

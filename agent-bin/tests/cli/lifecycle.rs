@@ -325,6 +325,7 @@ fn status_prints_a_table_and_exact_json() {
             "id",
             "last_exit",
             "last_reload",
+            "last_xds",
             "pid",
             "ready",
             "resources",
@@ -338,6 +339,7 @@ fn status_prints_a_table_and_exact_json() {
     );
     assert!(entry["pid"].is_number() && entry["error"].is_null() && entry["last_exit"].is_null());
     assert!(entry["ready"] == true && entry["status_text"].is_null() && entry["last_reload"].is_null());
+    assert!(entry["last_xds"].is_null(), "no Envoy asked: {entry:?}");
     // Under cgroups (as root on a host with a writable cgroup2), what the proxy's cgroup
     // used; without, null.
     let resources = &entry["resources"];

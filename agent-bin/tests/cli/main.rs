@@ -28,4 +28,5 @@ mod scale;
 mod support;
 mod templates;
 mod validate;
+mod xds;
 mod zero_downtime;

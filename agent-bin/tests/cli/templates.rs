@@ -42,8 +42,8 @@ fn renders(dirs: &Dirs, result: &str) -> u64 {
     metrics.lines().find_map(|line| line.strip_prefix(&wanted)?.parse().ok()).unwrap_or(0)
 }
 
-/// `tether events --json`, killed and reaped on drop.
-struct KillOnDrop(std::process::Child);
+/// A child process (`tether events --json`, say), killed and reaped on drop.
+pub(crate) struct KillOnDrop(pub(crate) std::process::Child);
 
 impl Drop for KillOnDrop {
     fn drop(&mut self) {
@@ -53,7 +53,7 @@ impl Drop for KillOnDrop {
 }
 
 /// Streams the agent's events, one JSON line each, to the receiver as they come.
-fn events(dirs: &Dirs) -> (KillOnDrop, std::sync::mpsc::Receiver<String>) {
+pub(crate) fn events(dirs: &Dirs) -> (KillOnDrop, std::sync::mpsc::Receiver<String>) {
     use std::io::BufRead;
     let mut child = tether()
         .args(["events", "--json", "--data-dir"])

