@@ -321,7 +321,7 @@ fn install_missing() {
         .filter(|(program, _)| which(program).is_none())
         .map(|(_, package)| package)
         .collect();
-    if missing.is_empty() || !is_root() {
+    if missing.is_empty() || !sys::is_root() {
         return;
     }
     eprintln!("xtask: bench: installing {}", missing.join(", "));
@@ -593,12 +593,4 @@ fn pss_kib(pid: u32) -> Option<u64> {
     let text = fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
     let line = text.lines().find(|line| line.starts_with("Pss:"))?;
     line.split_whitespace().nth(1)?.parse().ok()
-}
-
-/// Whether this process runs as root (it may install packages).
-fn is_root() -> bool {
-    fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|status| status.lines().find_map(|line| line.strip_prefix("Uid:")).map(str::to_owned))
-        .is_some_and(|uids| uids.split_whitespace().nth(1) == Some("0"))
 }
