@@ -8,9 +8,10 @@
 //!
 //! For work on one figure, `XTASK_BENCH_ONLY` narrows the run: `e2e` skips the crate
 //! benchmarks; a comma-separated list of sections (`many`, `scale`, `some`, `health`, `updates`, `reload`, `cgroups`,
-//! `peers`, `builtin-proxy`, `ordering`, `templates`, `fleet`) runs only those end-to-end sections and prints their table without rewriting
+//! `peers`, `bring-up`, `builtin-proxy`, `ordering`, `templates`, `fleet`) runs only those end-to-end sections and prints their table without rewriting
 //! `BENCHMARKS.md`, which always holds a whole run.
 
+mod bringup;
 mod builtin_proxy;
 mod cgroups;
 mod e2e;
@@ -42,6 +43,7 @@ const SECTIONS: &[&str] = &[
     "reload",
     "cgroups",
     "peers",
+    "bring-up",
     "builtin-proxy",
     "ordering",
     "templates",
@@ -170,6 +172,13 @@ fn end_to_end(
         {
             lab.keep();
             rows.push(Row::failed("side by side with s6, runit and supervisord", &err));
+            errors.push(err);
+        }
+        if only.wants("bring-up")
+            && let Err(err) = bringup::run(&lab, &mut rows)
+        {
+            lab.keep();
+            rows.push(Row::failed("bring-up seen from outside", &err));
             errors.push(err);
         }
         if only.wants("builtin-proxy")

@@ -315,7 +315,7 @@ fn report(rows: &mut Vec<Row>, count: usize, raw: Duration, figures: &[(Peer, Re
 
 /// Installs Debian's packages of the peers that are missing, as root; failures are left to
 /// the rows of the missing peers.
-fn install_missing() {
+pub(crate) fn install_missing() {
     let missing: Vec<&str> = [("s6-svscan", "s6"), ("runsvdir", "runit"), ("supervisord", "supervisor")]
         .into_iter()
         .filter(|(program, _)| which(program).is_none())
@@ -343,7 +343,7 @@ fn install_missing() {
     }
 }
 
-fn which(program: &str) -> Option<PathBuf> {
+pub(crate) fn which(program: &str) -> Option<PathBuf> {
     std::env::var_os("PATH")?
         .to_str()?
         .split(':')
