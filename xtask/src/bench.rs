@@ -8,7 +8,7 @@
 //!
 //! For work on one figure, `XTASK_BENCH_ONLY` narrows the run: `e2e` skips the crate
 //! benchmarks; a comma-separated list of sections (`many`, `scale`, `some`, `health`, `updates`, `reload`, `cgroups`,
-//! `peers`, `bring-up`, `builtin-proxy`, `ordering`, `templates`, `fleet`) runs only those end-to-end sections and prints their table without rewriting
+//! `peers`, `builtin-proxy`, `ordering`, `templates`, `fleet`) runs only those end-to-end sections and prints their table without rewriting
 //! `BENCHMARKS.md`, which always holds a whole run.
 
 mod bringup;
@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 
 use report::{Machine, Row};
 
-/// The end-to-end sections that `XTASK_BENCH_ONLY` can name.
+/// The end-to-end sections that `XTASK_BENCH_ONLY` can name (`bring-up`: see `bringup.rs`).
 const SECTIONS: &[&str] = &[
     "many",
     "scale",
