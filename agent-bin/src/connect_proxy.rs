@@ -358,28 +358,58 @@ async fn forward(client: Client, peer: String, upstream: String) {
         }
     };
     let _ = server.set_nodelay(true);
-    let mut client = match client {
-        Client::Tcp(client) => client,
-        Client::Unix(mut client) => {
-            let copied =
-                tokio::io::copy_bidirectional_with_sizes(&mut client, &mut server, COPY_BUFFER, COPY_BUFFER).await;
-            if let Err(err) = copied {
-                tracing::debug!(%peer, error = %err, "connection ended with an error");
-            }
-            return;
-        }
-    };
-    let _ = client.set_nodelay(true);
-    let forwarded = match (splice::Pipe::new(), splice::Pipe::new()) {
-        (Ok(up), Ok(down)) => splice::both_ways(&client, &server, &up, &down).await,
-        (Err(err), _) | (_, Err(err)) => {
-            // Out of file descriptors for pipes: copy through this process instead.
-            tracing::debug!(%peer, error = %err, "no pipe for splicing; copying");
-            tokio::io::copy_bidirectional_with_sizes(&mut client, &mut server, COPY_BUFFER, COPY_BUFFER).await.map(drop)
-        }
+    let forwarded = match Forwarding::choose(client) {
+        Forwarding::Splice { client, up, down } => splice::both_ways(&client, &server, &up, &down).await,
+        Forwarding::Copy(Client::Tcp(mut client)) => copy::both_ways(&mut client, &mut server).await,
+        Forwarding::Copy(Client::Unix(mut client)) => copy::both_ways(&mut client, &mut server).await,
     };
     if let Err(err) = forwarded {
         tracing::debug!(%peer, error = %err, "connection ended with an error");
+    }
+}
+
+/// How the bytes of one connection cross this process: the one choice between the two
+/// ways, made once per connection.
+///
+/// Splicing needs a socket at each end whose bytes this process does not have to see; any
+/// end that must be read here (a Unix client, a TLS session) takes the copy.
+enum Forwarding {
+    /// TCP to TCP, through a pipe per direction (`up`: client to server).
+    Splice { client: TcpStream, up: splice::Pipe, down: splice::Pipe },
+    /// Through a buffer of this process per direction.
+    Copy(Client),
+}
+
+impl Forwarding {
+    fn choose(client: Client) -> Self {
+        let Client::Tcp(client) = client else { return Self::Copy(client) };
+        let _ = client.set_nodelay(true);
+        match (splice::Pipe::new(), splice::Pipe::new()) {
+            (Ok(up), Ok(down)) => Self::Splice { client, up, down },
+            (Err(err), _) | (_, Err(err)) => {
+                // Out of file descriptors for pipes: copy through this process instead.
+                tracing::debug!(error = %err, "no pipe for splicing; copying");
+                Self::Copy(Client::Tcp(client))
+            }
+        }
+    }
+}
+
+/// Forwarding through this process's memory: each direction reads into a buffer and writes
+/// it out. The way for ends whose bytes must be seen here.
+mod copy {
+    use std::io;
+
+    use tokio::io::{AsyncRead, AsyncWrite};
+
+    /// Forwards `client` to `server` and back until both directions have ended, passing a
+    /// half-close on.
+    pub(super) async fn both_ways<A, B>(client: &mut A, server: &mut B) -> io::Result<()>
+    where
+        A: AsyncRead + AsyncWrite + Unpin + ?Sized,
+        B: AsyncRead + AsyncWrite + Unpin + ?Sized,
+    {
+        tokio::io::copy_bidirectional_with_sizes(client, server, super::COPY_BUFFER, super::COPY_BUFFER).await.map(drop)
     }
 }
 
@@ -392,7 +422,7 @@ mod splice {
     use std::os::fd::{AsFd, OwnedFd};
 
     use nix::fcntl::{FcntlArg, OFlag, SpliceFFlags, fcntl};
-    use nix::sys::socket::{Shutdown, shutdown};
+    use nix::sys::socket::{Shutdown, setsockopt, shutdown, sockopt};
     use tokio::io::Interest;
     use tokio::net::TcpStream;
 
@@ -415,9 +445,19 @@ mod splice {
     }
 
     /// Forwards `client` to `server` and back until both directions have ended.
+    ///
+    /// A direction that fails (a peer reset its connection) ends both: the other end is
+    /// reset too, rather than closed in order, so that it does not take a truncated stream
+    /// for a whole one.
     pub(super) async fn both_ways(client: &TcpStream, server: &TcpStream, up: &Pipe, down: &Pipe) -> io::Result<()> {
-        // The first error ends both directions, as a reset connection would.
-        tokio::try_join!(one_way(client, server, up), one_way(server, client, down)).map(drop)
+        let forwarded = tokio::try_join!(one_way(client, server, up), one_way(server, client, down)).map(drop);
+        if forwarded.is_err() {
+            for end in [client, server] {
+                // A zero linger makes the close that follows a reset.
+                let _ = setsockopt(end, sockopt::Linger, &libc::linger { l_onoff: 1, l_linger: 0 });
+            }
+        }
+        forwarded
     }
 
     /// Moves bytes from `from` to `to` through `pipe` until `from` ends, then ends `to`'s

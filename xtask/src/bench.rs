@@ -11,6 +11,7 @@
 //! `peers`, `builtin-proxy`, `ordering`, `templates`, `fleet`, `fleet-scale`, `connect`, `xds`) runs only those end-to-end sections and prints their table without rewriting
 //! `BENCHMARKS.md`, which always holds a whole run.
 
+mod bringup;
 mod builtin_proxy;
 mod cgroups;
 mod connect;
@@ -35,7 +36,7 @@ use std::time::{Duration, Instant};
 
 use report::{Machine, Row};
 
-/// The end-to-end sections that `XTASK_BENCH_ONLY` can name.
+/// The end-to-end sections that `XTASK_BENCH_ONLY` can name (`bring-up`: see `bringup.rs`).
 const SECTIONS: &[&str] = &[
     "many",
     "scale",
@@ -45,6 +46,7 @@ const SECTIONS: &[&str] = &[
     "reload",
     "cgroups",
     "peers",
+    "bring-up",
     "builtin-proxy",
     "ordering",
     "templates",
@@ -176,6 +178,13 @@ fn end_to_end(
         {
             lab.keep();
             rows.push(Row::failed("side by side with s6, runit and supervisord", &err));
+            errors.push(err);
+        }
+        if only.wants("bring-up")
+            && let Err(err) = bringup::run(&lab, &mut rows)
+        {
+            lab.keep();
+            rows.push(Row::failed("bring-up seen from outside", &err));
             errors.push(err);
         }
         if only.wants("builtin-proxy")

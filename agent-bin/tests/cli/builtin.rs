@@ -155,6 +155,186 @@ fn a_bulk_transfer_and_a_half_close_pass_through_intact_both_ways() {
     assert!(received == expected, "the bytes came back altered");
 }
 
+/// A stream of pseudo-random bytes (xorshift), the same for the same seed.
+struct Pattern(u64);
+
+impl Pattern {
+    fn fill(&mut self, buffer: &mut [u8]) {
+        for byte in buffer {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            *byte = self.0 as u8;
+        }
+    }
+}
+
+/// An FNV-1a checksum of a stream, fed as it arrives.
+struct Checksum {
+    hash: u64,
+    bytes: u64,
+}
+
+impl Checksum {
+    fn new() -> Self {
+        Self { hash: 0xcbf2_9ce4_8422_2325, bytes: 0 }
+    }
+
+    fn feed(&mut self, data: &[u8]) {
+        for byte in data {
+            self.hash = (self.hash ^ u64::from(*byte)).wrapping_mul(0x0100_0000_01b3);
+        }
+        self.bytes += data.len() as u64;
+    }
+
+    /// Reads `stream` to its end.
+    fn of(stream: &mut TcpStream) -> std::io::Result<Self> {
+        let mut checksum = Self::new();
+        let mut buffer = vec![0; 256 * 1024];
+        loop {
+            match stream.read(&mut buffer)? {
+                0 => return Ok(checksum),
+                read => checksum.feed(&buffer[..read]),
+            }
+        }
+    }
+}
+
+/// Writes `bytes` of the pattern of `seed` to `stream`: their checksum.
+fn send_pattern(stream: &mut TcpStream, seed: u64, bytes: u64) -> Checksum {
+    let mut pattern = Pattern(seed);
+    let mut checksum = Checksum::new();
+    let mut buffer = vec![0; 256 * 1024];
+    let mut left = bytes;
+    while left > 0 {
+        let size = buffer.len().min(usize::try_from(left).unwrap());
+        pattern.fill(&mut buffer[..size]);
+        stream.write_all(&buffer[..size]).unwrap();
+        checksum.feed(&buffer[..size]);
+        left -= size as u64;
+    }
+    checksum
+}
+
+/// The descriptors `pid` has open.
+fn open_descriptors(pid: i64) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, Iterator::count)
+}
+
+/// An upstream that serves one connection with `serve` on a thread whose result the test
+/// joins.
+fn serve_once<T: Send + 'static>(
+    serve: impl FnOnce(TcpStream) -> T + Send + 'static,
+) -> (Upstream, std::thread::JoinHandle<T>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let serving = std::thread::spawn(move || {
+        let (stream, _) = listener.accept().unwrap();
+        stream.set_read_timeout(Some(DEADLINE)).unwrap();
+        serve(stream)
+    });
+    (Upstream { port }, serving)
+}
+
+/// Sends the pattern of `seed` from a thread of its own, then half-closes.
+fn send_then_half_close(stream: &TcpStream, seed: u64, bytes: u64) -> std::thread::JoinHandle<Checksum> {
+    let mut writer = stream.try_clone().unwrap();
+    std::thread::spawn(move || {
+        let sent = send_pattern(&mut writer, seed, bytes);
+        writer.shutdown(std::net::Shutdown::Write).unwrap();
+        sent
+    })
+}
+
+#[test]
+fn large_transfers_both_ways_at_once_arrive_whole_through_the_spliced_path() {
+    // More than any pipe or socket buffer holds, in both directions at the same time, so
+    // that each direction waits for a full pipe and a full socket while the other flows.
+    const BYTES: u64 = 256 * 1024 * 1024;
+    let (upstream, serving) = serve_once(|mut stream| {
+        let sending = send_then_half_close(&stream, 2, BYTES);
+        let read = Checksum::of(&mut stream).unwrap();
+        (read, sending.join().unwrap())
+    });
+    let bind = free_port();
+    let _running = run_builtin("large", &upstream, bind);
+    let mut stream = connect(bind);
+    let sending = send_then_half_close(&stream, 1, BYTES);
+    let received = Checksum::of(&mut stream).unwrap();
+    let sent = sending.join().unwrap();
+    let (upstream_read, upstream_sent) = serving.join().unwrap();
+    assert_eq!((upstream_read.bytes, upstream_read.hash), (sent.bytes, sent.hash), "client to upstream");
+    assert_eq!((received.bytes, received.hash), (upstream_sent.bytes, upstream_sent.hash), "upstream to client");
+}
+
+#[test]
+fn a_half_close_by_the_upstream_leaves_the_other_direction_flowing() {
+    // The upstream says all it has to say and half-closes first; the client reads the EOF,
+    // and only then sends its own stream, which must still arrive whole.
+    const BYTES: u64 = 16 * 1024 * 1024;
+    let (upstream, serving) = serve_once(|mut stream| {
+        stream.write_all(b"hello").unwrap();
+        stream.shutdown(std::net::Shutdown::Write).unwrap();
+        Checksum::of(&mut stream).unwrap()
+    });
+    let bind = free_port();
+    let _running = run_builtin("halfup", &upstream, bind);
+    let mut stream = connect(bind);
+    let mut greeting = Vec::new();
+    stream.read_to_end(&mut greeting).unwrap();
+    assert_eq!(greeting, b"hello", "the upstream's bytes, then its EOF");
+    let sent = send_then_half_close(&stream, 3, BYTES).join().unwrap();
+    let read = serving.join().unwrap();
+    assert_eq!((read.bytes, read.hash), (sent.bytes, sent.hash), "sent after the upstream's half-close");
+}
+
+#[test]
+fn a_client_that_resets_resets_the_upstream_and_frees_the_connection() {
+    let (greeted, greeting) = std::sync::mpsc::channel();
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let upstream = Upstream { port: listener.local_addr().unwrap().port() };
+    let serving = std::thread::spawn(move || {
+        // The connection that greets; the test's first one, which only checks that the
+        // proxy listens, ends at once.
+        let mut stream = loop {
+            let (mut stream, _) = listener.accept().unwrap();
+            stream.set_read_timeout(Some(DEADLINE)).unwrap();
+            let mut buffer = [0; 5];
+            if stream.read_exact(&mut buffer).is_ok() {
+                greeted.send(buffer).unwrap();
+                break stream;
+            }
+        };
+        // Then the reset, not an orderly EOF.
+        loop {
+            match stream.read(&mut [0; 1024]) {
+                Ok(0) => return Err("an orderly EOF".to_owned()),
+                Ok(_) => {}
+                Err(err) if err.kind() == std::io::ErrorKind::ConnectionReset => return Ok(()),
+                Err(err) => return Err(err.to_string()),
+            }
+        }
+    });
+    let bind = free_port();
+    let Running { pid, .. } = &run_builtin("reset", &upstream, bind);
+    // The proxy listening and following its config: what it holds with no connection.
+    drop(connect(bind));
+    let idle = wait_for("the proxy to settle", || {
+        let before = open_descriptors(*pid);
+        std::thread::sleep(Duration::from_millis(50));
+        (open_descriptors(*pid) == before).then_some(before)
+    });
+    let mut stream = connect(bind);
+    stream.write_all(b"hello").unwrap();
+    assert_eq!(&greeting.recv_timeout(DEADLINE).unwrap(), b"hello", "forwarded before the reset");
+    // A zero linger makes the close a reset.
+    nix::sys::socket::setsockopt(&stream, nix::sys::socket::sockopt::Linger, &libc::linger { l_onoff: 1, l_linger: 0 })
+        .unwrap();
+    drop(stream);
+    assert_eq!(serving.join().unwrap(), Ok(()), "what the upstream saw");
+    wait_for("the proxy to close both sockets and both pipes", || (open_descriptors(*pid) <= idle).then_some(()));
+}
+
 #[test]
 fn logs_written_to_files_are_plain_text_without_terminal_colours() {
     let bind = free_port();

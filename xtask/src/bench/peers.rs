@@ -315,13 +315,13 @@ fn report(rows: &mut Vec<Row>, count: usize, raw: Duration, figures: &[(Peer, Re
 
 /// Installs Debian's packages of the peers that are missing, as root; failures are left to
 /// the rows of the missing peers.
-fn install_missing() {
+pub(crate) fn install_missing() {
     let missing: Vec<&str> = [("s6-svscan", "s6"), ("runsvdir", "runit"), ("supervisord", "supervisor")]
         .into_iter()
         .filter(|(program, _)| which(program).is_none())
         .map(|(_, package)| package)
         .collect();
-    if missing.is_empty() || !is_root() {
+    if missing.is_empty() || !sys::is_root() {
         return;
     }
     eprintln!("xtask: bench: installing {}", missing.join(", "));
@@ -343,7 +343,7 @@ fn install_missing() {
     }
 }
 
-fn which(program: &str) -> Option<PathBuf> {
+pub(crate) fn which(program: &str) -> Option<PathBuf> {
     std::env::var_os("PATH")?
         .to_str()?
         .split(':')
@@ -593,12 +593,4 @@ fn pss_kib(pid: u32) -> Option<u64> {
     let text = fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
     let line = text.lines().find(|line| line.starts_with("Pss:"))?;
     line.split_whitespace().nth(1)?.parse().ok()
-}
-
-/// Whether this process runs as root (it may install packages).
-fn is_root() -> bool {
-    fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|status| status.lines().find_map(|line| line.strip_prefix("Uid:")).map(str::to_owned))
-        .is_some_and(|uids| uids.split_whitespace().nth(1) == Some("0"))
 }

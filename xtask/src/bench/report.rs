@@ -147,7 +147,16 @@ pub(crate) fn write(root: &Path, machine: &Machine, rows: &[Row], notes: &[Strin
         "# Benchmarks\n\n\
          End-to-end figures of the release `tether` binary with real processes, written by\n\
          `cargo xtask bench` (which first runs every crate's own benchmarks). Each figure sits\n\
-         next to a baseline measured in the same run on the same machine.\n\n",
+         next to a baseline measured in the same run on the same machine.\n\n\
+         Bring-up is counted two ways. *Seen from outside* (section `bring-up`) runs from the\n\
+         start of each peer (a raw spawn loop, s6, tether) until a scan of `/proc` every 2 ms\n\
+         finds every child running its own program: what a user's monitoring sees, the same\n\
+         method for all, the scan's own cost included for all. *As the agent counts it* runs\n\
+         from the agent's start until its API lists every proxy `running`, and its baseline is a\n\
+         raw spawn loop that is timed until its last `spawn` returns, with no scan beside it.\n\
+         The two differ in what ends the clock (an exec seen in `/proc` against the agent's own\n\
+         record of each start) and in what runs meanwhile (the scan takes a share of the CPU\n\
+         from every peer alike), so their ratios are not interchangeable.\n\n",
     );
     let _ = writeln!(text, "- date: {}", machine.date);
     let _ = writeln!(text, "- nproc: {}", machine.nproc);

@@ -253,6 +253,14 @@ pub(crate) fn processes_with_env(name: &str, value: &str) -> Vec<u32> {
         .collect()
 }
 
+/// Whether this process runs as root (it may install packages).
+pub(crate) fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| status.lines().find_map(|line| line.strip_prefix("Uid:")).map(str::to_owned))
+        .is_some_and(|uids| uids.split_whitespace().nth(1) == Some("0"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
