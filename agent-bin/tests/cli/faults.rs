@@ -850,6 +850,14 @@ fn an_agent_killed_at_random_moments_of_start_up_never_runs_a_proxy_twice_and_le
     for round in 0..STARTUP_KILLS {
         let kill_after = Duration::from_millis(3 + random.below(48) as u64);
         let mut first = Agent::spawn(&dirs, &root_flags());
+        // Every third round counts its moment from the first proxy seen running, so that
+        // kills land after spawns however slowly a loaded machine starts the agent; the
+        // others count from the agent's own start, and may land before anything runs.
+        if round % 3 == 2 {
+            wait_for(&format!("round {round}: a first proxy"), || {
+                (!proxies_of(&dirs.socket()).is_empty()).then_some(())
+            });
+        }
         std::thread::sleep(kill_after); // the fault's moment, not a synchronisation
         first.signal(Signal::SIGKILL);
         first.wait();
