@@ -98,12 +98,16 @@ fn a_dependent_starts_only_once_its_dependency_is_ready() {
 fn leave_stops_dependents_and_waits_for_them_before_signalling_what_they_depend_on() {
     let dirs = Dirs::new();
     let out = dirs.temp.path();
-    // On SIGINT, A notes the time and whether B's process is still there (a zombie still
-    // has its /proc entry), then takes 1 s to exit.
+    // On SIGINT, A notes the time, whether B's process is still there (a zombie still has
+    // its /proc entry) and whether C was signalled already (C blocks SIGINT, so a SIGINT
+    // sent to it stays pending, which /proc shows), then takes 1 s to exit.
     let a = scripted(
         "a",
         &format!(
-            "trap 'b=$(cat {0}/b.pid); if [ -e /proc/$b ]; then s=b-alive; else s=b-gone; fi; echo $s $(date +%s%N) > {0}/a.signalled; sleep 1; exit 0' INT; \
+            "trap 'b=$(cat {0}/b.pid); if [ -e /proc/$b ]; then s=b-alive; else s=b-gone; fi; \
+             c=$(cat {0}/c.pid); p=0; for m in $(awk \"/^(SigPnd|ShdPnd):/ {{print \\$2}}\" /proc/$c/status); do p=$(( p | 0x$m )); done; \
+             if [ $(( p & 2 )) -ne 0 ]; then t=c-signalled; else t=c-not-signalled; fi; \
+             echo $s $t $(date +%s%N) > {0}/a.signalled; sleep 1; exit 0' INT; \
              while :; do sleep 0.05; done",
             out.display()
         ),
@@ -117,29 +121,34 @@ fn leave_stops_dependents_and_waits_for_them_before_signalling_what_they_depend_
         ),
         "depends_on = { \"a-proxy\" = \"started\" }\n",
     );
-    // C depends on nothing: it is stopped at once, beside B.
-    let c = scripted(
-        "c",
-        &format!("trap 'echo $(date +%s%N) > {0}/c.exiting; exit 0' INT; while :; do sleep 0.05; done", out.display()),
-        "",
+    // C depends on nothing: it is signalled at once, beside B. It blocks SIGINT, so the
+    // signal stays pending for A to see, and is killed after its kill_timeout.
+    let c = format!(
+        "[[service]]\nname = \"c\"\n[service.proxy]\ncommand = [\"/usr/bin/python3\", \"-c\", \"import os, signal, time; \
+         signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT]); open('{0}/c.pid', 'w').write(str(os.getpid())); \
+         time.sleep(3600)\"]\nkill_timeout = \"1s\"\n",
+        out.display()
     );
     dirs.write_config("a.toml", &format!("{a}{b}{c}"));
     let mut agent = Agent::start(&dirs, &root_flags());
     let a_pid = pid_of(&agent.wait_state("a-proxy", "running"));
     let b_pid = pid_of(&agent.wait_state("b-proxy", "running"));
-    agent.wait_state("c-proxy", "running");
+    let c_pid = pid_of(&agent.wait_state("c-proxy", "running"));
     assert_eq!(read_pid(&out.join("b.pid")), b_pid);
+    assert_eq!(read_pid(&out.join("c.pid")), c_pid);
 
     tether().arg("leave").arg("--data-dir").arg(&dirs.data).assert().code(0);
     assert!(agent.wait().success());
     assert!(!alive(a_pid) && !alive(b_pid));
     let signalled = std::fs::read_to_string(out.join("a.signalled")).unwrap();
     assert!(signalled.starts_with("b-gone "), "a was signalled while b still existed: {signalled}");
+    assert!(
+        signalled.contains(" c-signalled "),
+        "c, which nothing orders, was signalled in the first wave, beside b: {signalled}"
+    );
     let a_signalled = read_time(&out.join("a.signalled"));
     let b_exiting = read_time(&out.join("b.exiting"));
-    let c_exiting = read_time(&out.join("c.exiting"));
     assert!(b_exiting < a_signalled, "b was stopped first");
-    assert!(c_exiting < a_signalled, "c, which nothing orders, was stopped in the first wave, beside b");
 }
 
 #[test]
