@@ -34,6 +34,7 @@ use crate::error::UsageError;
 use crate::fleet::FleetOptions;
 use crate::fleet::follow::{Coalesce, FleetCollector, Follower};
 use crate::fleet::publish::Publisher;
+use crate::fleet::status::FleetReader;
 use crate::metrics::Metrics;
 use crate::templates::Templates;
 use crate::xds::Xds;
@@ -272,7 +273,13 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
         templates: templates.clone(),
         connect: connect.clone(),
         xds: xds.clone(),
+        history: api::history::History::default(),
+        fleet_reader: options
+            .fleet
+            .as_ref()
+            .map(|fleet| Arc::new(FleetReader::new(fleet.etcd.clone(), fleet.layout.prefix().to_owned()))),
     };
+    tokio::spawn(api::history::record(api_state.clone()));
     let mut servers = JoinSet::new();
     let unix = bind_socket(&socket_path)?;
     servers.spawn(serve::serve(

@@ -239,6 +239,44 @@ pub(crate) struct FleetDto {
     pub(crate) last_error: Option<String>,
 }
 
+/// `GET /v1/agent/fleet/nodes`: every node as `tether fleet status --json` shows it,
+/// whether the fleet converged (what that command's exit code says), and the rollouts in
+/// progress.
+#[derive(Debug, Serialize)]
+pub(crate) struct FleetNodesDto {
+    pub(crate) nodes: Vec<crate::fleet::status::NodeRow>,
+    pub(crate) ok: bool,
+    pub(crate) rollouts: Vec<RolloutDto>,
+}
+
+/// A rollout in progress: nodes before `next` are done, the `max_parallel` from `next` in
+/// progress, the others pending.
+#[derive(Debug, Serialize)]
+pub(crate) struct RolloutDto {
+    pub(crate) services: Vec<String>,
+    pub(crate) nodes: Vec<String>,
+    pub(crate) next: usize,
+    pub(crate) max_parallel: usize,
+    pub(crate) started_at: String,
+}
+
+impl From<crate::fleet::status::FleetReport> for FleetNodesDto {
+    fn from(report: crate::fleet::status::FleetReport) -> Self {
+        let rollouts = report
+            .rollouts
+            .into_iter()
+            .map(|rollout| RolloutDto {
+                services: rollout.services,
+                nodes: rollout.nodes,
+                next: rollout.next,
+                max_parallel: rollout.max_parallel,
+                started_at: rollout.started_at,
+            })
+            .collect();
+        Self { nodes: report.nodes, ok: report.converged, rollouts }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::SystemTime;

@@ -9,7 +9,8 @@
 //! why); a service's leaf certificate tells `leaf-issued`, `leaf-renewed`, `leaf-failed` and
 //! `leaf-expired` as events of its proxy; the templates' and the xDS server's own events
 //! (`template-*`, `xds-refused`, `xds-invalid`) pass through. This module keeps one map of statuses per
-//! client and nothing else; it never decides or changes anything.
+//! reader and nothing else; it never decides or changes anything. `history.rs` keeps what one
+//! such reader told during the last hour.
 
 use std::collections::HashMap;
 use std::time::SystemTime;
@@ -33,64 +34,22 @@ pub(crate) async fn get_events(
     Extension(slots): Extension<StreamSlots>,
 ) -> Result<Response, ApiError> {
     let slot = slots.take()?;
-    // Subscribe before reading the statuses: no change falls between the two.
-    let changes = state.manager.subscribe();
-    let templates = state.templates.subscribe();
-    let leaves = state.connect.events();
-    let xds = state.xds.subscribe();
-    let seen: HashMap<ProxyId, ProxyStatus> =
-        state.manager.status_unmeasured().into_iter().map(|status| (status.id.clone(), status)).collect();
+    let follower = Follower::new(&state);
     let (lines, receiver) = mpsc::channel(64);
-    tokio::spawn(stream(Events { seen }, Streams { changes, templates, leaves, xds }, lines, state.clone(), slot));
+    tokio::spawn(stream(follower, lines, state.clone(), slot));
     Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], Body::new(ChannelBody(receiver))).into_response())
 }
 
 /// Feeds one client's stream until it goes away, reads nothing for
 /// [`super::STREAM_STALL`], or the API stops; `_slot` is its listener's stream slot.
-/// What one client's stream follows.
-struct Streams {
-    changes: broadcast::Receiver<ProxyEvent>,
-    templates: broadcast::Receiver<TemplateEvent>,
-    leaves: broadcast::Receiver<LeafEvent>,
-    xds: broadcast::Receiver<XdsEvent>,
-}
-
-async fn stream(
-    mut events: Events,
-    streams: Streams,
-    lines: mpsc::Sender<Bytes>,
-    state: ApiState,
-    _slot: OwnedSemaphorePermit,
-) {
-    let Streams { mut changes, mut templates, mut leaves, mut xds } = streams;
+async fn stream(mut follower: Follower, lines: mpsc::Sender<Bytes>, state: ApiState, _slot: OwnedSemaphorePermit) {
     loop {
-        // An event of a template, a leaf or xDS that a slow client missed is not told again:
-        // the status shows the error, the certificate or `last_xds`.
         let found = tokio::select! {
             () = state.shutdown.cancelled() => return,
             () = lines.closed() => return,
-            change = changes.recv() => match change {
-                Ok(change) => events.on(&change, SystemTime::now()),
-                // Too slow a client: compare with the statuses as they are now.
-                Err(broadcast::error::RecvError::Lagged(_)) => {
-                    events.resync(state.manager.status_unmeasured(), SystemTime::now())
-                }
-                Err(broadcast::error::RecvError::Closed) => return,
-            },
-            template = templates.recv() => match template {
-                Ok(told) => vec![event(told.time, &told.proxy, told.event, None, Some(told.detail))],
-                Err(broadcast::error::RecvError::Lagged(_)) => continue,
-                Err(broadcast::error::RecvError::Closed) => std::future::pending().await,
-            },
-            leaf = leaves.recv() => match leaf {
-                Ok(leaf) => vec![leaf_event(&leaf, SystemTime::now())],
-                Err(broadcast::error::RecvError::Lagged(_)) => continue,
-                Err(broadcast::error::RecvError::Closed) => std::future::pending().await,
-            },
-            xds = xds.recv() => match xds {
-                Ok(told) => vec![event(told.time, &told.proxy, told.event, None, Some(told.detail))],
-                Err(broadcast::error::RecvError::Lagged(_)) => continue,
-                Err(broadcast::error::RecvError::Closed) => std::future::pending().await,
+            found = follower.next(&state) => match found {
+                Some(found) => found,
+                None => return,
             },
         };
         for event in found {
@@ -98,6 +57,69 @@ async fn stream(
             line.push(b'\n');
             if !send_chunk(&lines, Bytes::from(line)).await {
                 return;
+            }
+        }
+    }
+}
+
+/// What tells events: the engine's status changes, compared with the last status seen of
+/// each proxy, and the templates', the leaves' and the xDS server's own events. One per
+/// client stream, and one for the agent's history.
+pub(crate) struct Follower {
+    events: Events,
+    changes: broadcast::Receiver<ProxyEvent>,
+    templates: broadcast::Receiver<TemplateEvent>,
+    leaves: broadcast::Receiver<LeafEvent>,
+    xds: broadcast::Receiver<XdsEvent>,
+}
+
+impl Follower {
+    /// Follows from now on: the statuses as they are now are what the next ones are
+    /// compared with.
+    pub(crate) fn new(state: &ApiState) -> Self {
+        // Subscribe before reading the statuses: no change falls between the two.
+        let changes = state.manager.subscribe();
+        let templates = state.templates.subscribe();
+        let leaves = state.connect.events();
+        let xds = state.xds.subscribe();
+        let seen: HashMap<ProxyId, ProxyStatus> =
+            state.manager.status_unmeasured().into_iter().map(|status| (status.id.clone(), status)).collect();
+        Self { events: Events { seen }, changes, templates, leaves, xds }
+    }
+
+    /// The next events, once there are some; `None` once the engine is gone. Cancel-safe:
+    /// an event is taken from its channel only in the call that returns it.
+    pub(crate) async fn next(&mut self, state: &ApiState) -> Option<Vec<EventDto>> {
+        // An event of a template, a leaf or xDS that a slow reader missed is not told again:
+        // the status shows the error, the certificate or `last_xds`.
+        loop {
+            let found = tokio::select! {
+                change = self.changes.recv() => match change {
+                    Ok(change) => self.events.on(&change, SystemTime::now()),
+                    // Too slow a reader: compare with the statuses as they are now.
+                    Err(broadcast::error::RecvError::Lagged(_)) => {
+                        self.events.resync(state.manager.status_unmeasured(), SystemTime::now())
+                    }
+                    Err(broadcast::error::RecvError::Closed) => return None,
+                },
+                template = self.templates.recv() => match template {
+                    Ok(told) => vec![event(told.time, &told.proxy, told.event, None, Some(told.detail))],
+                    Err(broadcast::error::RecvError::Lagged(_)) => continue,
+                    Err(broadcast::error::RecvError::Closed) => std::future::pending().await,
+                },
+                leaf = self.leaves.recv() => match leaf {
+                    Ok(leaf) => vec![leaf_event(&leaf, SystemTime::now())],
+                    Err(broadcast::error::RecvError::Lagged(_)) => continue,
+                    Err(broadcast::error::RecvError::Closed) => std::future::pending().await,
+                },
+                xds = self.xds.recv() => match xds {
+                    Ok(told) => vec![event(told.time, &told.proxy, told.event, None, Some(told.detail))],
+                    Err(broadcast::error::RecvError::Lagged(_)) => continue,
+                    Err(broadcast::error::RecvError::Closed) => std::future::pending().await,
+                },
+            };
+            if !found.is_empty() {
+                return Some(found);
             }
         }
     }

@@ -9,6 +9,7 @@
 pub(crate) mod connect_ca;
 pub(crate) mod dto;
 pub(crate) mod events;
+pub(crate) mod history;
 mod host;
 pub(crate) mod logs;
 pub(crate) mod proxy_config;
@@ -124,6 +125,10 @@ pub(crate) struct ApiState {
     pub(crate) connect: Arc<crate::connect::Connect>,
     /// The xDS server: each proxy's last verdict from its Envoy.
     pub(crate) xds: crate::xds::Xds,
+    /// The events of the last hour.
+    pub(crate) history: history::History,
+    /// Reads every node of the fleet for the page, when the agent follows etcd.
+    pub(crate) fleet_reader: Option<Arc<crate::fleet::status::FleetReader>>,
 }
 
 /// An API error: a status code and a message for `{"error": ...}`.
@@ -216,9 +221,13 @@ fn read_routes() -> Router<ApiState> {
         .route("/v1/agent/connect/ca/roots", get(connect_ca::get_roots))
         .route("/v1/agent/connect/ca/leaf/{service}", get(connect_ca::get_leaf))
         .route("/", get(page))
+        .route("/page.js", get(page_script))
+        .route("/page.css", get(page_style))
         .route("/v1/agent/events", get(events::get_events))
+        .route("/v1/agent/history", get(history::get_history))
         .route("/v1/agent/health", get(health))
         .route("/v1/agent/fleet", get(fleet))
+        .route("/v1/agent/fleet/nodes", get(fleet_nodes))
         .route("/metrics", get(metrics))
 }
 
@@ -318,6 +327,19 @@ async fn fleet(State(state): State<ApiState>) -> Result<Json<dto::FleetDto>, Api
         invalid: status.invalid,
         last_error: status.last_error,
     }))
+}
+
+/// Every node of the fleet, read from etcd by the agent: the page never talks to etcd.
+async fn fleet_nodes(State(state): State<ApiState>) -> Result<Json<dto::FleetNodesDto>, ApiError> {
+    let reader =
+        state.fleet_reader.as_ref().ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, "the agent follows no etcd"))?;
+    let report = reader.report().await.map_err(|err| {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("cannot read the fleet: {}", crate::error::error_chain(&err)),
+        )
+    })?;
+    Ok(Json(report.into()))
 }
 
 async fn proxies(State(state): State<ApiState>) -> Json<Vec<ProxyStatusDto>> {
@@ -510,19 +532,35 @@ async fn reload(State(state): State<ApiState>) -> Result<Json<serde_json::Value>
 /// `GET /`: the status page, one self-contained file built into the binary. It reads
 /// `/v1/agent/proxies` and follows `/v1/agent/events`, so it needs nothing the read
 /// endpoints do not serve, and loads nothing from elsewhere (its policy says so).
-async fn page() -> impl IntoResponse {
+/// What the page's answers may load: its own script and style, and the agent's answers;
+/// nothing inline, nothing from elsewhere, and no frame may hold it.
+const PAGE_POLICY: &str = "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; \
+                           img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'";
+
+/// One of the page's files, built into the binary.
+fn page_file(content_type: &'static str, body: &'static str) -> impl IntoResponse {
     (
         [
-            (header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            (header::CONTENT_TYPE, content_type),
             (header::CACHE_CONTROL, "no-cache"),
             (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
-            (
-                header::CONTENT_SECURITY_POLICY,
-                "default-src 'none'; connect-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'",
-            ),
+            (header::CONTENT_SECURITY_POLICY, PAGE_POLICY),
+            (header::X_FRAME_OPTIONS, "DENY"),
         ],
-        include_str!("page.html"),
+        body,
     )
+}
+
+async fn page() -> impl IntoResponse {
+    page_file("text/html; charset=utf-8", include_str!("page.html"))
+}
+
+async fn page_script() -> impl IntoResponse {
+    page_file("text/javascript; charset=utf-8", include_str!("page.js"))
+}
+
+async fn page_style() -> impl IntoResponse {
+    page_file("text/css; charset=utf-8", include_str!("page.css"))
 }
 
 async fn health() -> Json<HealthDto> {

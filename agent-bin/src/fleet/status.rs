@@ -16,7 +16,7 @@ use tether_state::ServiceId;
 
 use super::etcd_failure;
 pub(crate) use crate::etcd::PublishedProxy;
-use crate::etcd::{self, EtcdError, EtcdOptions, NodeRecord, timed};
+use crate::etcd::{self, EtcdError, EtcdOptions, NodeRecord, RolloutRecord, timed};
 
 /// One node: its desired services (by id, with the mod revision of each key) and, while its
 /// agent is up, what it publishes.
@@ -92,7 +92,7 @@ const REMOVING: &str = "removing";
 
 /// One row of the table or of `--json`.
 #[derive(Debug, serde::Serialize)]
-struct Row {
+pub(crate) struct Row {
     proxy: String,
     service: Option<String>,
     state: Option<String>,
@@ -104,8 +104,9 @@ struct Row {
     error: Option<String>,
 }
 
+/// One node of `--json`, and of the API's `GET /v1/agent/fleet/nodes`.
 #[derive(Debug, serde::Serialize)]
-struct NodeRow {
+pub(crate) struct NodeRow {
     node: String,
     state: &'static str,
     revision: Option<i64>,
@@ -170,6 +171,94 @@ fn rows(view: &FleetView, node: Option<&str>, service: Option<&str>) -> (Vec<Nod
         });
     }
     (nodes, all_good)
+}
+
+/// A rollout in progress, as etcd keeps it: its services, its nodes in order, how far it
+/// went.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct RolloutView {
+    pub(crate) services: Vec<String>,
+    pub(crate) nodes: Vec<String>,
+    /// The index in `nodes` of the first node of the batch in progress.
+    pub(crate) next: usize,
+    pub(crate) max_parallel: usize,
+    pub(crate) started_at: String,
+}
+
+/// The fleet as the agent shows it to its page: every node, whether every node runs what it
+/// should, and the rollouts in progress.
+pub(crate) struct FleetReport {
+    pub(crate) nodes: Vec<NodeRow>,
+    pub(crate) converged: bool,
+    pub(crate) rollouts: Vec<RolloutView>,
+}
+
+/// Reads the fleet for the agent's API through one connection, made at the first read and
+/// made again after a read that failed.
+pub(crate) struct FleetReader {
+    options: EtcdOptions,
+    prefix: String,
+    client: tokio::sync::Mutex<Option<etcd::Client>>,
+}
+
+impl FleetReader {
+    pub(crate) fn new(options: EtcdOptions, prefix: String) -> Self {
+        Self { options, prefix, client: tokio::sync::Mutex::new(None) }
+    }
+
+    /// Every node and the rollouts in progress, as etcd holds them now.
+    ///
+    /// # Errors
+    ///
+    /// An [`EtcdError`] when etcd cannot be asked.
+    pub(crate) async fn report(&self) -> Result<FleetReport, EtcdError> {
+        let mut slot = self.client.lock().await;
+        let client = match slot.as_ref() {
+            Some(client) => client.clone(),
+            None => {
+                let client = self.options.connect().await?;
+                *slot = Some(client.clone());
+                client
+            }
+        };
+        drop(slot);
+        let read = async {
+            let view = read(&self.options, &client, &self.prefix).await?;
+            let rollouts = rollouts(&self.options, &client, &self.prefix).await?;
+            Ok::<_, EtcdError>((view, rollouts))
+        };
+        match read.await {
+            Ok((view, rollouts)) => {
+                let (nodes, converged) = rows(&view, None, None);
+                Ok(FleetReport { nodes, converged, rollouts })
+            }
+            Err(err) => {
+                *self.client.lock().await = None;
+                Err(err)
+            }
+        }
+    }
+}
+
+/// The rollouts in progress under `prefix`: each once, though etcd keeps it under each of
+/// its services. A record that does not parse is left out.
+async fn rollouts(options: &EtcdOptions, client: &etcd::Client, prefix: &str) -> Result<Vec<RolloutView>, EtcdError> {
+    let kept = timed(options, "read", client.get_prefix(&format!("{prefix}/rollouts/"))).await?;
+    let mut found: Vec<RolloutView> = Vec::new();
+    for kv in &kept.kvs {
+        let Ok(record) = serde_json::from_slice::<RolloutRecord>(&kv.value) else { continue };
+        let view = RolloutView {
+            services: record.services.keys().cloned().collect(),
+            nodes: record.nodes,
+            next: record.next,
+            max_parallel: record.max_parallel,
+            started_at: record.started_at,
+        };
+        if !found.contains(&view) {
+            found.push(view);
+        }
+    }
+    Ok(found)
 }
 
 /// Runs `tether fleet status`.

@@ -21,10 +21,6 @@ fn root_flags() -> Vec<&'static str> {
     if is_root() { vec!["--allow-root"] } else { vec![] }
 }
 
-fn pid_of(status: &serde_json::Value) -> i64 {
-    status["pid"].as_i64().unwrap_or_else(|| panic!("no pid in {status}"))
-}
-
 fn sigkill(pid: i64) {
     kill(Pid::from_raw(i32::try_from(pid).unwrap()), Signal::SIGKILL).unwrap();
 }

@@ -629,12 +629,18 @@ const TTL_SECONDS: u64 = 2;
 
 /// Starts an agent that follows `node` and publishes its status under a short lease.
 fn publishing_agent(dirs: &Dirs, etcd: &Etcd, node: &str) -> Agent {
+    publishing_agent_with(dirs, etcd, node, &[])
+}
+
+/// [`publishing_agent`], with `extra` flags.
+fn publishing_agent_with(dirs: &Dirs, etcd: &Etcd, node: &str, extra: &[&str]) -> Agent {
     let url = etcd.url();
     let ttl = format!("{TTL_SECONDS}s");
     let mut flags = vec!["--etcd", url.as_str(), "--node", node, "--fleet-ttl", ttl.as_str()];
     if is_root() {
         flags.push("--allow-root");
     }
+    flags.extend(extra);
     Agent::start(dirs, &flags)
 }
 
@@ -690,6 +696,54 @@ impl ThreeNodes {
             (code == Some(0) && ready).then(|| view.clone()).ok_or(view.to_string())
         })
     }
+}
+
+#[test]
+fn the_page_shows_every_node_of_the_fleet_and_a_killed_agent_down() {
+    if crate::page::browser_missing() {
+        return;
+    }
+    let Some(etcd) = Etcd::start("the fleet on the page") else { return };
+    let dirs: Vec<Dirs> = ThreeNodes::NODES.iter().map(|_| Dirs::new()).collect();
+    let _sweeps: Vec<support::SweepOnDrop> = dirs.iter().map(|dirs| support::SweepOnDrop(dirs.socket())).collect();
+    let http_addr = format!("127.0.0.1:{}", crate::page::free_port());
+    let mut agents: Vec<Agent> = ThreeNodes::NODES
+        .iter()
+        .zip(&dirs)
+        .map(|(node, dirs)| match *node {
+            "n1" => publishing_agent_with(dirs, &etcd, node, &["--http-addr", &http_addr]),
+            _ => publishing_agent(dirs, &etcd, node),
+        })
+        .collect();
+    for (node, dirs) in ThreeNodes::NODES.iter().zip(&dirs) {
+        put_sleeper(&etcd, dirs, node, "web", 3600);
+    }
+    let browser = crate::page::Browser::start();
+    browser.open(&format!("http://{http_addr}/"));
+    let node_state = |node: &str| {
+        browser.eval(&format!(
+            "const row = document.querySelector('#nodes tr[data-node=\"{node}\"]'); \
+             return row ? [row.children[1].textContent, row.children[2].textContent] : null;"
+        ))
+    };
+    // Read through n1's agent: every node up, each with its proxy ready.
+    wait_for("every node up and ready on n1's page", || {
+        ThreeNodes::NODES.iter().all(|node| node_state(node) == serde_json::json!(["up", "1"])).then_some(())
+    });
+    let summary = browser.eval("return document.getElementById('fleet-summary').textContent;");
+    assert_eq!(summary, serde_json::json!("3 nodes, 3 up; converged"));
+    browser.screenshot(&crate::page::artifact("fleet-up"));
+
+    // kill -9 of n2's agent: the page shows n2 down once its lease expires.
+    agents[1].signal(Signal::SIGKILL);
+    agents[1].wait();
+    let killed = Instant::now();
+    wait_for("n2 down on the page", || (node_state("n2").get(0) == Some(&serde_json::json!("down"))).then_some(()));
+    eprintln!("n2 shown down {:?} after its agent was killed (TTL {TTL_SECONDS} s)", killed.elapsed());
+    let summary = browser.eval("return document.getElementById('fleet-summary').textContent;");
+    assert_eq!(summary, serde_json::json!("3 nodes, 2 up; not converged"));
+    browser.screenshot(&crate::page::artifact("fleet-node-down"));
+    drop(agents);
 }
 
 #[test]

@@ -12,10 +12,6 @@ fn root_flags() -> Vec<&'static str> {
     if is_root() { vec!["--allow-root"] } else { vec![] }
 }
 
-fn pid_of(status: &serde_json::Value) -> i64 {
-    status["pid"].as_i64().unwrap_or_else(|| panic!("no pid in {status}"))
-}
-
 #[test]
 fn sigterm_leaves_proxies_running_and_the_next_agent_adopts_them_with_the_same_pid() {
     let dirs = Dirs::new();

@@ -14,10 +14,6 @@ fn root_flags() -> Vec<&'static str> {
     if is_root() { vec!["--allow-root"] } else { vec![] }
 }
 
-fn pid_of(status: &serde_json::Value) -> i64 {
-    status["pid"].as_i64().unwrap_or_else(|| panic!("no pid in {status}"))
-}
-
 /// A service whose proxy runs `script` under `/bin/sh`, with `extra` lines in its
 /// `[service.proxy]` table.
 fn scripted(name: &str, script: &str, extra: &str) -> String {

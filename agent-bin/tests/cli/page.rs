@@ -26,7 +26,7 @@ fn root_flags() -> Vec<&'static str> {
     if is_root() { vec!["--allow-root"] } else { vec![] }
 }
 
-fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
@@ -84,7 +84,7 @@ fn http_json(
 }
 
 /// ChromeDriver and its browser, in a process group that is killed on drop.
-struct Browser {
+pub(crate) struct Browser {
     driver: Child,
     addr: SocketAddr,
     session: String,
@@ -92,7 +92,7 @@ struct Browser {
 }
 
 impl Browser {
-    fn start() -> Self {
+    pub(crate) fn start() -> Self {
         let port = free_port();
         let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
         let driver = Command::new(CHROMEDRIVER)
@@ -134,16 +134,16 @@ impl Browser {
         answer["value"].clone()
     }
 
-    fn open(&self, url: &str) {
+    pub(crate) fn open(&self, url: &str) {
         self.command("POST", "url", Some(&json!({ "url": url })));
     }
 
     /// Runs `script` in the page and returns its value.
-    fn eval(&self, script: &str) -> Value {
+    pub(crate) fn eval(&self, script: &str) -> Value {
         self.command("POST", "execute/sync", Some(&json!({ "script": script, "args": [] })))
     }
 
-    fn screenshot(&self, path: &Path) {
+    pub(crate) fn screenshot(&self, path: &Path) {
         let data = self.command("GET", "screenshot", None);
         let png = base64::engine::general_purpose::STANDARD.decode(data.as_str().unwrap()).unwrap();
         std::fs::write(path, png).unwrap();
@@ -192,7 +192,8 @@ fn the_status_page_lists_the_proxies_and_shows_a_restart_without_a_reload() {
     let browser = Browser::start();
     browser.open(&format!("http://{http_addr}/"));
     let listed = wait_for("the page to list the proxies", || {
-        let ids = browser.eval("return [...document.querySelectorAll('tbody tr')].map(r => r.dataset.proxy);");
+        let ids =
+            browser.eval("return [...document.querySelectorAll('#proxies tr[data-proxy]')].map(r => r.dataset.proxy);");
         (ids.as_array().is_some_and(|ids| ids.len() == 3)).then_some(ids)
     });
     assert_eq!(listed, json!(["s0-proxy", "s1-proxy", "s2-proxy"]));
@@ -228,4 +229,153 @@ fn the_status_page_lists_the_proxies_and_shows_a_restart_without_a_reload() {
     browser.screenshot(&artifact);
     eprintln!("screenshot: {}", artifact.display());
     assert!(std::fs::metadata(&artifact).unwrap().len() > 1000);
+}
+
+/// Skips the test, saying why, where the browser or its driver is missing.
+pub(crate) fn browser_missing() -> bool {
+    for program in [CHROMIUM, CHROMEDRIVER] {
+        if !Path::new(program).exists() {
+            eprintln!("skipped: {program} is missing (install Debian's chromium and chromium-driver)");
+            return true;
+        }
+    }
+    false
+}
+
+/// Where a screenshot of the page in `state` is written, for a person to look at.
+pub(crate) fn artifact(state: &str) -> std::path::PathBuf {
+    Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("status-page-{state}.png"))
+}
+
+/// The text of the detail's entry `key` of proxy `id`, or null while it is not shown.
+fn detail_script(id: &str, key: &str) -> String {
+    format!(
+        "const detail = document.querySelector('tr[data-detail=\"{id}\"]'); \
+         const entry = detail && detail.querySelector('dd[data-key=\"{key}\"]'); \
+         return entry ? entry.textContent : null;"
+    )
+}
+
+#[test]
+fn the_page_shows_a_failed_reload_with_its_message_and_a_restart_on_the_proxys_timeline() {
+    if browser_missing() {
+        return;
+    }
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    // web's reload is refused by its check, with a message; db is killed from outside.
+    let config = sleeper("web")
+        + "[service.proxy.reload]\nsignal = \"SIGHUP\"\ncheck = [\"/bin/sh\", \"-c\", \"echo bad config line 7; exit 1\"]\n"
+        + &sleeper("db");
+    dirs.write_config("a.toml", &config);
+    let port = free_port();
+    let http_addr = format!("127.0.0.1:{port}");
+    let mut flags = root_flags();
+    flags.extend(["--http-addr", &http_addr]);
+    let agent = Agent::start(&dirs, &flags);
+    agent.wait_state("web-proxy", "running");
+    let db = pid_of(&agent.wait_state("db-proxy", "running"));
+
+    let browser = Browser::start();
+    browser.open(&format!("http://{http_addr}/"));
+    wait_for("the page to say it is live", || {
+        (browser.eval("return document.getElementById('connection').textContent;") == json!("live")).then_some(())
+    });
+    // The page's own rules: no inline script or style would run under its policy.
+    let inline = browser.eval("return document.querySelectorAll('script:not([src]), style, [style]').length;");
+    assert_eq!(inline, json!(0), "the page has inline script or style");
+
+    // A refused reload: its verdict and message in web's detail, and in the events feed.
+    let answer = put(&dirs.socket(), "/v1/agent/proxy/web-proxy/reload", None).unwrap();
+    assert!(answer.body.contains("bad config line 7"), "the check refuses the reload: {}", answer.body);
+    browser.eval("document.querySelector('tr[data-proxy=\"web-proxy\"] td.id').click(); return null;");
+    let shown = wait_for("the failed reload in web's detail", || {
+        browser.eval(&detail_script("web-proxy", "last-reload")).as_str().map(str::to_owned)
+    });
+    assert!(shown.contains("refused") && shown.contains("bad config line 7"), "{shown}");
+    wait_for("the failed reload in the events feed", || {
+        let found = browser.eval("return [...document.querySelectorAll('#feed li')].filter(li => li.dataset.event === 'reload-failed' && li.textContent.includes('bad config line 7')).length;");
+        (found.as_i64() >= Some(1)).then_some(())
+    });
+    browser.screenshot(&artifact("failed-reload"));
+
+    // A kill from outside: db's timeline gets a restart mark, and its detail names it.
+    browser.eval("document.querySelector('tr[data-proxy=\"db-proxy\"] td.id').click(); return null;");
+    kill(Pid::from_raw(i32::try_from(db).unwrap()), Signal::SIGKILL).unwrap();
+    wait_for("a restart on db's timeline", || {
+        let marks = browser.eval("const d = document.querySelector('tr[data-detail=\"db-proxy\"]'); return d ? [...d.querySelectorAll('svg.timeline .mark')].map(m => m.dataset.event) : [];");
+        let marks: Vec<String> = serde_json::from_value(marks).unwrap_or_default();
+        (marks.iter().any(|mark| mark == "restarted") && marks.iter().any(|mark| mark == "exited")).then_some(())
+    });
+    // The feed follows one proxy when asked.
+    browser.eval("const f = document.getElementById('feed-filter'); f.value = 'db-proxy'; f.dispatchEvent(new Event('input')); return null;");
+    let proxies =
+        browser.eval("return [...new Set([...document.querySelectorAll('#feed li')].map(li => li.dataset.proxy))];");
+    assert_eq!(proxies, json!(["db-proxy"]));
+    browser.screenshot(&artifact("restart-timeline"));
+
+    // What the page learned before it was opened: a page opened now shows the same
+    // timeline from the agent's history.
+    browser.open(&format!("http://{http_addr}/"));
+    wait_for("db's restart from the history", || {
+        let found = browser.eval("return [...document.querySelectorAll('#feed li')].filter(li => li.dataset.proxy === 'db-proxy' && li.dataset.event === 'restarted').length;");
+        (found.as_i64() >= Some(1)).then_some(())
+    });
+    eprintln!("screenshots: {} and {}", artifact("failed-reload").display(), artifact("restart-timeline").display());
+}
+
+#[test]
+fn a_thousand_proxies_are_listed_and_one_change_applied_without_freezing_the_page() {
+    if browser_missing() {
+        return;
+    }
+    const PROXIES: usize = 1000;
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    let services: String = (0..PROXIES).map(|n| sleeper(&format!("s{n:04}"))).collect();
+    dirs.write_config("many.toml", &services);
+    let port = free_port();
+    let http_addr = format!("127.0.0.1:{port}");
+    let mut flags = root_flags();
+    flags.extend(["--http-addr", &http_addr]);
+    let agent = Agent::start(&dirs, &flags);
+    wait_for("every proxy running", || {
+        let proxies = agent.proxies();
+        (proxies.iter().filter(|p| p["state"] == "running").count() == PROXIES).then_some(())
+    });
+
+    let browser = Browser::start();
+    browser.open(&format!("http://{http_addr}/"));
+    let first = wait_for("the page's first list", || {
+        let timings = browser.eval("return window.tetherTimings;");
+        (timings["rows"] == json!(PROXIES)).then_some(timings)
+    });
+    let summary = browser.eval("return document.getElementById('summary').textContent;");
+    assert_eq!(summary, json!(format!("{PROXIES} proxies: {PROXIES} running")));
+    // A page of rows is in the document, and the next page holds the rest.
+    let rows = browser.eval("return document.querySelectorAll('#proxies tr[data-proxy]').length;");
+    assert_eq!(rows, json!(500));
+    browser.eval("document.getElementById('next').click(); return null;");
+    let last = browser
+        .eval("const r = document.querySelectorAll('#proxies tr[data-proxy]'); return r[r.length - 1].dataset.proxy;");
+    assert_eq!(last, json!(format!("s{:04}-proxy", PROXIES - 1)));
+
+    // One change: the page applies it, and says how long its last refresh took.
+    let victim = format!("s{:04}-proxy", PROXIES - 1);
+    let pid = pid_of(&agent.proxy(&victim).unwrap());
+    let before = browser.eval("return window.tetherTimings.lastApply;");
+    kill(Pid::from_raw(i32::try_from(pid).unwrap()), Signal::SIGKILL).unwrap();
+    wait_for("the restart on the page", || {
+        let restarts = browser.eval(&cell_script(&victim, "restarts"));
+        (restarts == json!("1")).then_some(())
+    });
+    let after = browser.eval("return window.tetherTimings;");
+    assert_ne!(after["lastApply"], before, "the change was applied by a refresh");
+    eprintln!(
+        "{PROXIES} proxies: first list drawn {:.0} ms after the page began to load; a refresh with one change took {:.1} ms \
+         (fetch, parse and draw)",
+        first["firstRender"].as_f64().unwrap_or(f64::NAN),
+        after["lastRefreshMs"].as_f64().unwrap_or(f64::NAN)
+    );
+    browser.screenshot(&artifact("thousand"));
 }

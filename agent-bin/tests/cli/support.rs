@@ -48,6 +48,12 @@ pub fn wait_for<T>(what: &str, mut condition: impl FnMut() -> Option<T>) -> T {
     }
 }
 
+/// The pid in a proxy's status; panics, showing the status, when it has none.
+#[track_caller]
+pub fn pid_of(status: &serde_json::Value) -> i64 {
+    status["pid"].as_i64().unwrap_or_else(|| panic!("no pid in {status}"))
+}
+
 /// A config dir and a data dir in one temp dir.
 pub struct Dirs {
     pub temp: tempfile::TempDir,

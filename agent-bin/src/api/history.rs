@@ -1,0 +1,169 @@
+//! `GET /v1/agent/history`: the events of the last hour, oldest first, so that a page or a
+//! command opened now can show what happened before it looked.
+//!
+//! One [`Follower`] (the same reader that feeds each client of the events stream) runs for
+//! the agent's life and keeps what it tells in memory, never on disk: an hour at most, the
+//! last [`PER_PROXY`] events of each proxy and [`TOTAL`] in all, the oldest dropped first.
+//! An agent started again starts with an empty history.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use axum::Json;
+use axum::extract::{Query, State};
+use axum::http::StatusCode;
+use serde::Deserialize;
+use tether_state::lock;
+
+use super::dto::EventDto;
+use super::events::Follower;
+use super::{ApiError, ApiState};
+
+/// The longest the history reaches back.
+pub(crate) const SPAN: Duration = Duration::from_secs(3600);
+
+/// The most events kept of one proxy: a proxy that keeps crashing cannot push the others out.
+const PER_PROXY: usize = 256;
+
+/// The most events kept in all: about 50 MiB at most, whatever the number of proxies.
+const TOTAL: usize = 100_000;
+
+/// What the agent told during the last hour.
+#[derive(Clone, Default)]
+pub(crate) struct History(Arc<Mutex<Kept>>);
+
+#[derive(Default)]
+struct Kept {
+    /// Every kept event, oldest first, with when it was seen.
+    all: VecDeque<(SystemTime, EventDto)>,
+    /// How many of `all` each proxy has.
+    counts: HashMap<String, usize>,
+}
+
+impl History {
+    /// Keeps `found`, seen at `now`, and forgets what is older than [`SPAN`] or over the
+    /// bounds.
+    fn keep(&self, found: Vec<EventDto>, now: SystemTime) {
+        let mut kept = lock(&self.0);
+        for event in found {
+            let count = kept.counts.entry(event.proxy.clone()).or_default();
+            *count += 1;
+            let over = *count > PER_PROXY;
+            let proxy = event.proxy.clone();
+            kept.all.push_back((now, event));
+            if over {
+                // The proxy's oldest event goes; the others keep theirs.
+                if let Some(at) = kept.all.iter().position(|(_, event)| event.proxy == proxy) {
+                    kept.all.remove(at);
+                    kept.forget_one(&proxy);
+                }
+            }
+        }
+        while let Some((at, _)) = kept.all.front() {
+            let old = now.duration_since(*at).is_ok_and(|age| age > SPAN);
+            if !old && kept.all.len() <= TOTAL {
+                break;
+            }
+            if let Some((_, event)) = kept.all.pop_front() {
+                kept.forget_one(&event.proxy);
+            }
+        }
+    }
+
+    /// The kept events seen within `span` before `now`, of `proxy` alone when given, oldest
+    /// first.
+    fn since(&self, now: SystemTime, span: Duration, proxy: Option<&str>) -> Vec<EventDto> {
+        let kept = lock(&self.0);
+        let from = now.checked_sub(span).unwrap_or(SystemTime::UNIX_EPOCH);
+        kept.all
+            .iter()
+            .filter(|(at, event)| *at >= from && proxy.is_none_or(|proxy| event.proxy == proxy))
+            .map(|(_, event)| event.clone())
+            .collect()
+    }
+}
+
+impl Kept {
+    fn forget_one(&mut self, proxy: &str) {
+        if let Some(count) = self.counts.get_mut(proxy) {
+            *count -= 1;
+            if *count == 0 {
+                self.counts.remove(proxy);
+            }
+        }
+    }
+}
+
+/// Keeps what a [`Follower`] tells until the API stops.
+pub(crate) async fn record(state: ApiState) {
+    let mut follower = Follower::new(&state);
+    loop {
+        let found = tokio::select! {
+            () = state.shutdown.cancelled() => return,
+            found = follower.next(&state) => match found {
+                Some(found) => found,
+                None => return,
+            },
+        };
+        state.history.keep(found, SystemTime::now());
+    }
+}
+
+#[derive(Debug, Deserialize)]
+pub(crate) struct HistoryQuery {
+    /// How far back, as a duration (`10m`); an hour when not given, at most an hour.
+    since: Option<String>,
+    /// One proxy's events only.
+    proxy: Option<String>,
+}
+
+pub(crate) async fn get_history(
+    State(state): State<ApiState>,
+    Query(query): Query<HistoryQuery>,
+) -> Result<Json<Vec<EventDto>>, ApiError> {
+    let span = match query.since.as_deref() {
+        Some(since) => humantime::parse_duration(since)
+            .map_err(|err| ApiError::new(StatusCode::BAD_REQUEST, format!("invalid since {since:?}: {err}")))?,
+        None => SPAN,
+    };
+    Ok(Json(state.history.since(SystemTime::now(), span.min(SPAN), query.proxy.as_deref())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn told(proxy: &str, name: &'static str) -> EventDto {
+        EventDto { time: String::new(), proxy: proxy.to_owned(), event: name, pid: None, detail: None }
+    }
+
+    fn names(events: &[EventDto]) -> Vec<(&str, &str)> {
+        events.iter().map(|event| (event.proxy.as_str(), event.event)).collect()
+    }
+
+    #[test]
+    fn events_older_than_the_span_are_forgotten() {
+        let history = History::default();
+        let start = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        history.keep(vec![told("a", "started")], start);
+        history.keep(vec![told("a", "exited"), told("b", "started")], start + Duration::from_secs(1800));
+        let later = start + SPAN + Duration::from_secs(1);
+        history.keep(vec![told("b", "ready")], later);
+        assert_eq!(names(&history.since(later, SPAN, None)), [("a", "exited"), ("b", "started"), ("b", "ready")]);
+        assert_eq!(names(&history.since(later, Duration::from_secs(60), None)), [("b", "ready")]);
+        assert_eq!(names(&history.since(later, SPAN, Some("a"))), [("a", "exited")]);
+    }
+
+    #[test]
+    fn a_proxy_over_its_share_loses_its_own_oldest_events_not_the_others() {
+        let history = History::default();
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        history.keep(vec![told("quiet", "started")], now);
+        history.keep((0..PER_PROXY + 10).map(|_| told("noisy", "restarted")).collect(), now);
+        let kept = history.since(now, SPAN, None);
+        assert_eq!(kept.len(), PER_PROXY + 1);
+        assert_eq!(names(&kept[..1]), [("quiet", "started")]);
+        assert_eq!(history.since(now, SPAN, Some("noisy")).len(), PER_PROXY);
+    }
+}
