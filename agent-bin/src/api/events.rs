@@ -8,8 +8,10 @@
 //! (applied or signalled) or `reload-failed` (refused, failed or timed out; the detail says
 //! why); a service's leaf certificate tells `leaf-issued`, `leaf-renewed`, `leaf-failed` and
 //! `leaf-expired` as events of its proxy; the templates' and the xDS server's own events
-//! (`template-*`, `xds-refused`, `xds-invalid`) pass through. This module keeps one map of statuses per
-//! client and nothing else; it never decides or changes anything.
+//! (`template-*`, `xds-refused`, `xds-invalid`) pass through. With `--etcd`, the fleet
+//! follower's `store-unreachable` and `store-reachable` pass through too, as the agent's own
+//! events (no proxy). This module keeps one map of statuses per client and nothing else; it
+//! never decides or changes anything.
 
 use std::collections::HashMap;
 use std::time::SystemTime;
@@ -25,6 +27,7 @@ use tokio::sync::{OwnedSemaphorePermit, broadcast, mpsc};
 
 use super::dto::EventDto;
 use super::{ApiError, ApiState, ChannelBody, StreamSlots, send_chunk};
+use crate::fleet::follow::StoreEvent;
 use crate::templates::TemplateEvent;
 use crate::xds::XdsEvent;
 
@@ -38,10 +41,17 @@ pub(crate) async fn get_events(
     let templates = state.templates.subscribe();
     let leaves = state.connect.events();
     let xds = state.xds.subscribe();
+    let store = state.fleet.as_ref().map(crate::fleet::follow::SharedStatus::subscribe);
     let seen: HashMap<ProxyId, ProxyStatus> =
         state.manager.status_unmeasured().into_iter().map(|status| (status.id.clone(), status)).collect();
     let (lines, receiver) = mpsc::channel(64);
-    tokio::spawn(stream(Events { seen }, Streams { changes, templates, leaves, xds }, lines, state.clone(), slot));
+    tokio::spawn(stream(
+        Events { seen },
+        Streams { changes, templates, leaves, xds, store },
+        lines,
+        state.clone(),
+        slot,
+    ));
     Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], Body::new(ChannelBody(receiver))).into_response())
 }
 
@@ -53,6 +63,8 @@ struct Streams {
     templates: broadcast::Receiver<TemplateEvent>,
     leaves: broadcast::Receiver<LeafEvent>,
     xds: broadcast::Receiver<XdsEvent>,
+    /// The store lost or back, when the agent follows etcd.
+    store: Option<broadcast::Receiver<StoreEvent>>,
 }
 
 async fn stream(
@@ -62,7 +74,7 @@ async fn stream(
     state: ApiState,
     _slot: OwnedSemaphorePermit,
 ) {
-    let Streams { mut changes, mut templates, mut leaves, mut xds } = streams;
+    let Streams { mut changes, mut templates, mut leaves, mut xds, mut store } = streams;
     loop {
         // An event of a template, a leaf or xDS that a slow client missed is not told again:
         // the status shows the error, the certificate or `last_xds`.
@@ -89,6 +101,12 @@ async fn stream(
             },
             xds = xds.recv() => match xds {
                 Ok(told) => vec![event(told.time, &told.proxy, told.event, None, Some(told.detail))],
+                Err(broadcast::error::RecvError::Lagged(_)) => continue,
+                Err(broadcast::error::RecvError::Closed) => std::future::pending().await,
+            },
+            // A store event that a slow client missed: `GET /v1/agent/fleet` says where it is.
+            told = recv_store(store.as_mut()) => match told {
+                Ok(told) => vec![store_event(&told)],
                 Err(broadcast::error::RecvError::Lagged(_)) => continue,
                 Err(broadcast::error::RecvError::Closed) => std::future::pending().await,
             },
@@ -143,10 +161,31 @@ impl Events {
 fn event(now: SystemTime, id: &ProxyId, name: &'static str, pid: Option<u32>, detail: Option<String>) -> EventDto {
     EventDto {
         time: humantime::format_rfc3339_millis(now).to_string(),
-        proxy: id.as_str().to_owned(),
+        proxy: Some(id.as_str().to_owned()),
         event: name,
         pid,
         detail,
+    }
+}
+
+/// The next store event, or never when the agent follows no etcd.
+async fn recv_store(
+    store: Option<&mut broadcast::Receiver<StoreEvent>>,
+) -> Result<StoreEvent, broadcast::error::RecvError> {
+    match store {
+        Some(store) => store.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The store lost or back: an event of the agent's own, with no proxy.
+fn store_event(told: &StoreEvent) -> EventDto {
+    EventDto {
+        time: humantime::format_rfc3339_millis(told.time).to_string(),
+        proxy: None,
+        event: told.event,
+        pid: None,
+        detail: Some(told.detail.clone()),
     }
 }
 
