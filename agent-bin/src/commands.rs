@@ -12,7 +12,7 @@ use hyper::{Method, StatusCode};
 use tether_state::ServiceId;
 use tether_state::config::{self, Format, Origin};
 
-use crate::api::dto::{ProxyStatusDto, ReloadDto};
+use crate::api::dto::{FleetDto, ProxyStatusDto, ReloadDto};
 use crate::client::{self, Response};
 use crate::error::UsageError;
 use tether_state::ExitReason;
@@ -21,7 +21,8 @@ fn refused(what: &str, response: &Response) -> anyhow::Error {
     anyhow::anyhow!("{what}: the agent answered {}: {}", response.status, response.error_message())
 }
 
-/// `tether status [--json]`.
+/// `tether status [--json]`. When the agent follows etcd and has no watch on it, a line
+/// says so after the table (on stderr with `--json`, whose output stays the list).
 pub(crate) async fn status(socket: &Path, json: bool) -> anyhow::Result<ExitCode> {
     let response = client::request(socket, Method::GET, "/v1/agent/proxies", None).await?;
     if response.status != StatusCode::OK {
@@ -29,14 +30,54 @@ pub(crate) async fn status(socket: &Path, json: bool) -> anyhow::Result<ExitCode
     }
     let proxies: Vec<ProxyStatusDto> =
         serde_json::from_slice(&response.body).context("the agent sent a status this version cannot read")?;
+    let fleet = client::request(socket, Method::GET, "/v1/agent/fleet", None).await?;
+    let store = match fleet.status {
+        StatusCode::OK => {
+            let fleet: FleetDto = serde_json::from_slice(&fleet.body)
+                .context("the agent sent a fleet status this version cannot read")?;
+            store_line(&fleet, SystemTime::now())
+        }
+        // The agent follows no etcd.
+        StatusCode::NOT_FOUND => None,
+        _ => return Err(refused("status", &fleet)),
+    };
     let mut stdout = std::io::stdout().lock();
     if json {
         serde_json::to_writer_pretty(&mut stdout, &proxies)?;
         writeln!(stdout)?;
+        if let Some(line) = store {
+            writeln!(std::io::stderr(), "{line}")?;
+        }
     } else {
         stdout.write_all(table(&proxies, SystemTime::now()).as_bytes())?;
+        if let Some(line) = store {
+            writeln!(stdout, "{line}")?;
+        }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// What `status` says of the store when the agent has no watch on it: since when it is
+/// unreachable, at which endpoints, and why; `None` while the watch stands.
+fn store_line(fleet: &FleetDto, now: SystemTime) -> Option<String> {
+    if fleet.connected {
+        return None;
+    }
+    let endpoints = fleet.endpoints.join(",");
+    let Some(since) = &fleet.unreachable_since else {
+        return Some(format!("fleet: connecting to etcd at {endpoints} (node {})", fleet.node));
+    };
+    let ago = humantime::parse_rfc3339(since)
+        .ok()
+        .and_then(|since| now.duration_since(since).ok())
+        .map(|ago| format!(" ({} ago)", humantime::format_duration(Duration::from_secs(ago.as_secs()))))
+        .unwrap_or_default();
+    let why = fleet.last_error.as_deref().map(|error| format!(": {error}")).unwrap_or_default();
+    Some(format!(
+        "fleet: etcd unreachable since {since}{ago} at {endpoints}{why}; every proxy runs on, on the last known \
+         set of node {}",
+        fleet.node
+    ))
 }
 
 /// `bytes` in the largest binary unit that keeps a number of at least 1, such as `12.3MiB`.
@@ -327,6 +368,38 @@ pub(crate) async fn logs(socket: &Path, args: &crate::cli::LogsArgs) -> anyhow::
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn status_names_since_when_and_where_the_store_is_unreachable_and_is_silent_while_it_is_not() {
+        let now = humantime::parse_rfc3339("2026-01-01T00:01:05Z").unwrap();
+        let mut fleet = FleetDto {
+            node: "n1".into(),
+            prefix: "/tether".into(),
+            endpoints: vec!["http://127.0.0.1:2379".into(), "http://127.0.0.1:2479".into()],
+            connected: true,
+            unreachable_since: None,
+            revision: 7,
+            services: 2,
+            invalid: Default::default(),
+            last_error: None,
+        };
+        assert_eq!(store_line(&fleet, now), None);
+        fleet.connected = false;
+        assert_eq!(
+            store_line(&fleet, now).as_deref(),
+            Some("fleet: connecting to etcd at http://127.0.0.1:2379,http://127.0.0.1:2479 (node n1)")
+        );
+        fleet.unreachable_since = Some("2026-01-01T00:00:00Z".into());
+        fleet.last_error = Some("etcd has no leader".into());
+        assert_eq!(
+            store_line(&fleet, now).as_deref(),
+            Some(
+                "fleet: etcd unreachable since 2026-01-01T00:00:00Z (1m 5s ago) at \
+                 http://127.0.0.1:2379,http://127.0.0.1:2479: etcd has no leader; every proxy runs on, on the last \
+                 known set of node n1"
+            )
+        );
+    }
 
     #[test]
     fn table_aligns_columns_and_shows_uptime_only_when_running() {

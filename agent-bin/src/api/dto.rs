@@ -216,19 +216,26 @@ pub(crate) struct ServiceDto {
 pub(crate) struct EventDto {
     /// When it was seen, RFC 3339 with milliseconds.
     pub(crate) time: String,
-    pub(crate) proxy: String,
+    /// The proxy it happened to; `None` for the agent's own events (the store lost or back).
+    pub(crate) proxy: Option<String>,
     pub(crate) event: &'static str,
     pub(crate) pid: Option<u32>,
     pub(crate) detail: Option<String>,
 }
 
-/// The etcd follower's status, as `GET /v1/agent/fleet` shows it.
-#[derive(Debug, Clone, Serialize)]
+/// The etcd follower's status, as `GET /v1/agent/fleet` shows it (and `tether status`
+/// reads it).
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) struct FleetDto {
     pub(crate) node: String,
     pub(crate) prefix: String,
+    /// The etcd client URLs the agent was given.
+    pub(crate) endpoints: Vec<String>,
     /// Whether a watch on etcd is established now.
     pub(crate) connected: bool,
+    /// Since when the store is unreachable (RFC 3339); `None` while it is reachable, or
+    /// before the first attempt ended.
+    pub(crate) unreachable_since: Option<String>,
     /// The etcd revision the applied set reflects (0: none read yet).
     pub(crate) revision: i64,
     /// Services applied to the catalog.

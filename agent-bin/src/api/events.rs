@@ -8,9 +8,11 @@
 //! (applied or signalled) or `reload-failed` (refused, failed or timed out; the detail says
 //! why); a service's leaf certificate tells `leaf-issued`, `leaf-renewed`, `leaf-failed` and
 //! `leaf-expired` as events of its proxy; the templates' and the xDS server's own events
-//! (`template-*`, `xds-refused`, `xds-invalid`) pass through. This module keeps one map of statuses per
-//! reader and nothing else; it never decides or changes anything. `history.rs` keeps what one
-//! such reader told during the last hour.
+//! (`template-*`, `xds-refused`, `xds-invalid`) pass through. With `--etcd`, the fleet
+//! follower's `store-unreachable` and `store-reachable` pass through too, as the agent's own
+//! events (no proxy). This module keeps one map of statuses per reader and nothing else; it
+//! never decides or changes anything. `history.rs` keeps what one such reader told during the
+//! last hour.
 
 use std::collections::HashMap;
 use std::time::SystemTime;
@@ -26,6 +28,7 @@ use tokio::sync::{OwnedSemaphorePermit, broadcast, mpsc};
 
 use super::dto::EventDto;
 use super::{ApiError, ApiState, ChannelBody, StreamSlots, send_chunk};
+use crate::fleet::follow::StoreEvent;
 use crate::templates::TemplateEvent;
 use crate::xds::XdsEvent;
 
@@ -71,6 +74,8 @@ pub(crate) struct Follower {
     templates: broadcast::Receiver<TemplateEvent>,
     leaves: broadcast::Receiver<LeafEvent>,
     xds: broadcast::Receiver<XdsEvent>,
+    /// The store lost or back, when the agent follows etcd.
+    store: Option<broadcast::Receiver<StoreEvent>>,
 }
 
 impl Follower {
@@ -82,9 +87,10 @@ impl Follower {
         let templates = state.templates.subscribe();
         let leaves = state.connect.events();
         let xds = state.xds.subscribe();
+        let store = state.fleet.as_ref().map(crate::fleet::follow::SharedStatus::subscribe);
         let seen: HashMap<ProxyId, ProxyStatus> =
             state.manager.status_unmeasured().into_iter().map(|status| (status.id.clone(), status)).collect();
-        Self { events: Events { seen }, changes, templates, leaves, xds }
+        Self { events: Events { seen }, changes, templates, leaves, xds, store }
     }
 
     /// The next events, once there are some; `None` once the engine is gone. Cancel-safe:
@@ -114,6 +120,12 @@ impl Follower {
                 },
                 xds = self.xds.recv() => match xds {
                     Ok(told) => vec![event(told.time, &told.proxy, told.event, None, Some(told.detail))],
+                    Err(broadcast::error::RecvError::Lagged(_)) => continue,
+                    Err(broadcast::error::RecvError::Closed) => std::future::pending().await,
+                },
+                // A store event that a slow reader missed: `GET /v1/agent/fleet` says where it is.
+                told = recv_store(self.store.as_mut()) => match told {
+                    Ok(told) => vec![store_event(&told)],
                     Err(broadcast::error::RecvError::Lagged(_)) => continue,
                     Err(broadcast::error::RecvError::Closed) => std::future::pending().await,
                 },
@@ -165,10 +177,31 @@ impl Events {
 fn event(now: SystemTime, id: &ProxyId, name: &'static str, pid: Option<u32>, detail: Option<String>) -> EventDto {
     EventDto {
         time: humantime::format_rfc3339_millis(now).to_string(),
-        proxy: id.as_str().to_owned(),
+        proxy: Some(id.as_str().to_owned()),
         event: name,
         pid,
         detail,
+    }
+}
+
+/// The next store event, or never when the agent follows no etcd.
+async fn recv_store(
+    store: Option<&mut broadcast::Receiver<StoreEvent>>,
+) -> Result<StoreEvent, broadcast::error::RecvError> {
+    match store {
+        Some(store) => store.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The store lost or back: an event of the agent's own, with no proxy.
+fn store_event(told: &StoreEvent) -> EventDto {
+    EventDto {
+        time: humantime::format_rfc3339_millis(told.time).to_string(),
+        proxy: None,
+        event: told.event,
+        pid: None,
+        detail: Some(told.detail.clone()),
     }
 }
 

@@ -38,7 +38,8 @@ struct Kept {
     /// Every kept event, oldest first, with when it was seen.
     all: VecDeque<(SystemTime, EventDto)>,
     /// How many of `all` each proxy has.
-    counts: HashMap<String, usize>,
+    /// How many of `all` each proxy has (`None`: the agent's own events).
+    counts: HashMap<Option<String>, usize>,
 }
 
 impl History {
@@ -78,14 +79,14 @@ impl History {
         let from = now.checked_sub(span).unwrap_or(SystemTime::UNIX_EPOCH);
         kept.all
             .iter()
-            .filter(|(at, event)| *at >= from && proxy.is_none_or(|proxy| event.proxy == proxy))
+            .filter(|(at, event)| *at >= from && proxy.is_none_or(|proxy| event.proxy.as_deref() == Some(proxy)))
             .map(|(_, event)| event.clone())
             .collect()
     }
 }
 
 impl Kept {
-    fn forget_one(&mut self, proxy: &str) {
+    fn forget_one(&mut self, proxy: &Option<String>) {
         if let Some(count) = self.counts.get_mut(proxy) {
             *count -= 1;
             if *count == 0 {
@@ -135,11 +136,11 @@ mod tests {
     use super::*;
 
     fn told(proxy: &str, name: &'static str) -> EventDto {
-        EventDto { time: String::new(), proxy: proxy.to_owned(), event: name, pid: None, detail: None }
+        EventDto { time: String::new(), proxy: Some(proxy.to_owned()), event: name, pid: None, detail: None }
     }
 
     fn names(events: &[EventDto]) -> Vec<(&str, &str)> {
-        events.iter().map(|event| (event.proxy.as_str(), event.event)).collect()
+        events.iter().map(|event| (event.proxy.as_deref().unwrap_or(""), event.event)).collect()
     }
 
     #[test]

@@ -321,7 +321,9 @@ async fn fleet(State(state): State<ApiState>) -> Result<Json<dto::FleetDto>, Api
     Ok(Json(dto::FleetDto {
         node: status.node,
         prefix: status.prefix,
+        endpoints: status.endpoints,
         connected: status.connected,
+        unreachable_since: status.unreachable_since.map(dto::rfc3339),
         revision: status.revision,
         services: status.services,
         invalid: status.invalid,

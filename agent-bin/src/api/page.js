@@ -280,6 +280,8 @@ function lastEvents(events) {
 
 // One event, from the history or the stream: kept once, for the feed and its timeline.
 function told(event) {
+  // The agent's own events (the store lost or back) name no proxy.
+  if (event.proxy === null || event.proxy === undefined) event.proxy = "(agent)";
   const key = event.time + " " + event.proxy + " " + event.event + " " + event.pid;
   if (seenEvents.has(key)) return false;
   seenEvents.add(key);

@@ -152,6 +152,18 @@ impl Members {
     }
 }
 
+/// The member that a new client sends to first, at random: so that a fleet's watches and
+/// lease keep-alives spread over the members instead of all landing on the first one listed.
+fn first_member(count: usize) -> usize {
+    let mut bytes = [0; 8];
+    // Without the OS's randomness, the clock's nanoseconds spread a fleet well enough.
+    if getrandom::fill(&mut bytes).is_err() {
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        bytes = u64::from(nanos.subsec_nanos()).to_le_bytes();
+    }
+    usize::try_from(u64::from_le_bytes(bytes) % u64::try_from(count.max(1)).unwrap_or(1)).unwrap_or(0)
+}
+
 /// Whether a request may be sent again through another member after it failed with
 /// `status`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -221,7 +233,8 @@ impl Client {
         if channels.is_empty() {
             return Err(Error::NoEndpoint);
         }
-        let members = Arc::new(Members { channels, current: AtomicUsize::new(0) });
+        let first = first_member(channels.len());
+        let members = Arc::new(Members { channels, current: AtomicUsize::new(first) });
         let client = Self { members, token: Token::default(), user: options.user.clone() };
         client.authenticate().await?;
         Ok(client)
@@ -600,6 +613,17 @@ mod tests {
         members.failed(1);
         members.failed(2);
         assert_eq!(members.current().0, 0, "round and round");
+    }
+
+    #[test]
+    fn clients_start_at_members_spread_over_every_one() {
+        assert_eq!(first_member(1), 0);
+        let mut seen = [0_u32; 3];
+        for _ in 0..300 {
+            seen[first_member(3)] += 1;
+        }
+        // 300 draws of 3: each member is chosen; none is even near all of them.
+        assert!(seen.iter().all(|count| (1..300).contains(count)), "{seen:?}");
     }
 
     #[test]

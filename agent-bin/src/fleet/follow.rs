@@ -13,12 +13,14 @@
 //! start revision triggers a full re-read. When etcd is unreachable the last known set stays in force
 //! (in the catalog and in `fleet.json`), and the follower reconnects with capped,
 //! jittered backoff, resuming where it stopped. It never starts a process and never fails
-//! the agent: every problem is logged, counted and retried.
+//! the agent: every problem is logged, counted and retried. The moment the store is lost
+//! and the moment it is back are told as [`StoreEvent`]s (the API's events stream), and
+//! since when it is lost is in the status.
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
@@ -26,7 +28,7 @@ use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use tether_state::persist::DataDir;
 use tether_state::{Backoff, CatalogError, Service, Source};
-use tokio::sync::Notify;
+use tokio::sync::{Notify, broadcast};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -41,8 +43,13 @@ use crate::etcd::{self, Client, EtcdError, EtcdOptions, Layout, WatchStream, jit
 pub(crate) struct FleetStatus {
     pub(crate) node: String,
     pub(crate) prefix: String,
+    /// The etcd client URLs the agent was given.
+    pub(crate) endpoints: Vec<String>,
     /// Whether a watch on etcd is established now.
     pub(crate) connected: bool,
+    /// Since when the store is unreachable: set by the first failure after a watch was
+    /// established (or at start), cleared when a watch is established again.
+    pub(crate) unreachable_since: Option<SystemTime>,
     /// The etcd revision the applied set reflects (0: none read yet).
     pub(crate) revision: i64,
     /// Services applied to the catalog.
@@ -64,18 +71,76 @@ struct Counters {
     persist_failures: u64,
 }
 
-/// The follower's status, shared with the API and the metrics collector.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct SharedStatus(Arc<Mutex<FleetStatus>>);
+/// The store lost or back, as the events stream tells it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct StoreEvent {
+    pub(crate) time: SystemTime,
+    /// `store-unreachable` or `store-reachable`.
+    pub(crate) event: &'static str,
+    pub(crate) detail: String,
+}
+
+/// The follower's status, shared with the API and the metrics collector, and the
+/// [`StoreEvent`]s its changes make.
+#[derive(Debug, Clone)]
+pub(crate) struct SharedStatus {
+    status: Arc<Mutex<FleetStatus>>,
+    told: broadcast::Sender<StoreEvent>,
+}
+
+impl Default for SharedStatus {
+    fn default() -> Self {
+        // Two changes a session at most: a slow reader that misses some still has the status.
+        let (told, _) = broadcast::channel(16);
+        Self { status: Arc::default(), told }
+    }
+}
 
 impl SharedStatus {
     fn lock(&self) -> MutexGuard<'_, FleetStatus> {
-        tether_state::lock(&self.0)
+        tether_state::lock(&self.status)
     }
 
     /// A copy of the status now.
     pub(crate) fn get(&self) -> FleetStatus {
         self.lock().clone()
+    }
+
+    /// The store's changes from now on.
+    pub(crate) fn subscribe(&self) -> broadcast::Receiver<StoreEvent> {
+        self.told.subscribe()
+    }
+
+    /// A watch is established: the store is reachable, which is told when it was not.
+    fn set_connected(&self, now: SystemTime) {
+        let mut shown = self.lock();
+        shown.connected = true;
+        shown.last_error = None;
+        if let Some(since) = shown.unreachable_since.take() {
+            let lost = now.duration_since(since).unwrap_or_default();
+            let detail = format!(
+                "watching etcd again after {:.1} s; the agent follows its node's keys from where it stopped",
+                lost.as_secs_f64()
+            );
+            // No subscriber is no error.
+            let _ = self.told.send(StoreEvent { time: now, event: "store-reachable", detail });
+        }
+    }
+
+    /// The store cannot be reached (`error`): said at once, and told at the first failure
+    /// since it was last reachable.
+    fn set_unreachable(&self, error: String, now: SystemTime) {
+        let mut shown = self.lock();
+        shown.connected = false;
+        if shown.unreachable_since.is_none() {
+            shown.unreachable_since = Some(now);
+            let detail = format!(
+                "etcd at {} unreachable: {error}; every proxy runs on, on the last known set",
+                shown.endpoints.join(",")
+            );
+            let _ = self.told.send(StoreEvent { time: now, event: "store-unreachable", detail });
+        }
+        shown.last_error = Some(error);
     }
 }
 
@@ -129,6 +194,7 @@ impl Follower {
             let mut shown = status.lock();
             shown.node = layout.node().to_owned();
             shown.prefix = layout.prefix().to_owned();
+            shown.endpoints.clone_from(&etcd.endpoints);
         }
         let revisions = Revisions::default();
         let mut follower =
@@ -169,12 +235,8 @@ impl Follower {
             let Err(ended) = ended;
             let error = crate::error::error_chain(&ended);
             let wait = jittered(backoff.next());
-            {
-                let mut shown = self.status.lock();
-                shown.connected = false;
-                shown.counters.connect_failures += 1;
-                shown.last_error = Some(error.clone());
-            }
+            self.status.lock().counters.connect_failures += 1;
+            self.status.set_unreachable(error.clone(), SystemTime::now());
             tracing::warn!(
                 error,
                 retry_ms = u64::try_from(wait.as_millis()).unwrap_or(u64::MAX),
@@ -204,11 +266,7 @@ impl Follower {
         };
         loop {
             let stream = timed(&self.etcd, "watch", client.watch_prefix(&prefix, start)).await?;
-            {
-                let mut shown = self.status.lock();
-                shown.connected = true;
-                shown.last_error = None;
-            }
+            self.status.set_connected(SystemTime::now());
             backoff.reset();
             let compacted = self.follow(stream).await?;
             self.status.lock().counters.compactions += 1;
@@ -454,9 +512,7 @@ async fn read_watch(mut stream: WatchStream, inbox: Arc<Inbox>, status: SharedSt
         tokio::task::coop::consume_budget().await;
     };
     if let Err(err) = &ended {
-        let mut shown = status.lock();
-        shown.connected = false;
-        shown.last_error = Some(crate::error::error_chain(err));
+        status.set_unreachable(crate::error::error_chain(err), SystemTime::now());
     }
     inbox.lock().ended = Some(ended);
     inbox.notify.notify_one();
@@ -601,6 +657,48 @@ mod tests {
 
     fn keys(due: &Option<Due>) -> Vec<String> {
         due.iter().flat_map(|due| due.events.keys().map(|key| String::from_utf8_lossy(key).into_owned())).collect()
+    }
+
+    #[test]
+    fn the_store_lost_is_told_once_and_its_return_once_but_not_the_first_connection() {
+        let status = SharedStatus::default();
+        status.lock().endpoints = vec!["http://127.0.0.1:1".into(), "http://127.0.0.1:2".into()];
+        let mut told = status.subscribe();
+        let start = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000);
+        let at = |seconds: u64| start + Duration::from_secs(seconds);
+
+        status.set_connected(at(0));
+        assert!(told.try_recv().is_err(), "the first watch is no return");
+
+        status.set_unreachable("stream ended".into(), at(10));
+        status.set_unreachable("connection refused".into(), at(12));
+        let lost = told.try_recv().unwrap();
+        assert_eq!((lost.event, lost.time), ("store-unreachable", at(10)));
+        assert!(lost.detail.contains("http://127.0.0.1:1,http://127.0.0.1:2"), "{}", lost.detail);
+        assert!(lost.detail.contains("stream ended"), "{}", lost.detail);
+        assert!(told.try_recv().is_err(), "a second failure while lost is not told again");
+        let shown = status.get();
+        assert_eq!((shown.connected, shown.unreachable_since), (false, Some(at(10))));
+        assert_eq!(shown.last_error.as_deref(), Some("connection refused"), "the last error is the latest");
+
+        status.set_connected(at(43));
+        let back = told.try_recv().unwrap();
+        assert_eq!((back.event, back.time), ("store-reachable", at(43)));
+        assert!(back.detail.contains("after 33.0 s"), "{}", back.detail);
+        let shown = status.get();
+        assert_eq!((shown.connected, shown.unreachable_since, shown.last_error), (true, None, None));
+        status.set_connected(at(50));
+        assert!(told.try_recv().is_err(), "a new watch while reachable is not told");
+    }
+
+    #[test]
+    fn an_agent_that_never_reached_the_store_tells_it_is_unreachable() {
+        let status = SharedStatus::default();
+        let mut told = status.subscribe();
+        status.set_unreachable("connection refused".into(), SystemTime::UNIX_EPOCH);
+        assert_eq!(told.try_recv().unwrap().event, "store-unreachable");
+        status.set_connected(SystemTime::UNIX_EPOCH + Duration::from_secs(1));
+        assert_eq!(told.try_recv().unwrap().event, "store-reachable");
     }
 
     #[test]

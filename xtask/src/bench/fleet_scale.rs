@@ -6,10 +6,16 @@
 //! the new version (from etcd's answer to the put to the mtime of the new pid file, which the
 //! backend writes as it spawns), median, p99 and max; a rollout of a new version of one
 //! service over the 300 nodes, 20 at a time, by `tether fleet rollout`; and from the
-//! members' own metrics, the watchers the agents hold, the lease keep-alives a second while
-//! idle, the revisions (write transactions) a second while idle, and the gRPC bytes etcd
-//! sends for one change. Everything runs in a temp dir under /tmp; a guard stops every
-//! agent, proxy and member, even on failure.
+//! members' own metrics and API, the watchers the agents hold, the leases, keys and database
+//! size, the gRPC messages and lease keep-alives a second while idle, the revisions (write
+//! transactions) a second while idle, and the gRPC messages and bytes etcd handles for one
+//! change. These are what docs/operations.md projects to larger fleets. Everything runs in a
+//! temp dir under /tmp; a guard stops every agent, proxy and member, even on failure.
+//!
+//! 300 agents on one host hold more inotify instances than the kernel's default per-user
+//! limit (`fs.inotify.max_user_instances`, often 128) allows: as root the bench raises it for
+//! its run and puts it back afterwards, also on failure; otherwise it stops at once, naming
+//! the setting.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -22,6 +28,7 @@ use base64::engine::general_purpose::STANDARD as BASE64;
 
 use super::fleet::{find_on_path, free_port, http_tcp, http_unix, kill_proxies_of, wait};
 use super::report::{ms, percentile, secs};
+use super::sys;
 
 /// Agents in the fleet.
 const AGENTS: usize = 300;
@@ -31,15 +38,39 @@ const PER_AGENT: usize = 10;
 const PARALLEL: usize = 20;
 /// How long the idle rates are measured over.
 const IDLE: Duration = Duration::from_secs(10);
+/// The inotify instances an agent and its keeper hold, at most (cgroup events, the watched
+/// pid files, the log rotator): with room to spare.
+const INOTIFY_PER_AGENT: u64 = 4;
+/// Inotify instances left for the rest of the machine's processes of the same user.
+const INOTIFY_HEADROOM: u64 = 256;
+/// The sysctl that caps inotify instances per user.
+const INOTIFY_INSTANCES: &str = "fs.inotify.max_user_instances";
+
+/// Lease keep-alives received, as etcd counts them (a sample per member).
+const KEEP_ALIVES: &str = r#"grpc_server_msg_received_total{grpc_method="LeaseKeepAlive""#;
+/// Every gRPC message received (unary requests and stream messages), all methods.
+const MESSAGES: &str = "grpc_server_msg_received_total{";
+const MIB: f64 = 1024.0 * 1024.0;
 
 /// Runs the fleet at scale with the `tether` binary at `tether`; returns (figure, value) rows.
 pub(crate) fn run(tether: &Path) -> Result<Vec<(String, String)>, String> {
     let etcd = find_on_path("etcd").ok_or("no etcd binary on PATH (apt-get install etcd-server)")?;
+    let needed = AGENTS as u64 * INOTIFY_PER_AGENT + INOTIFY_HEADROOM;
+    // Declared before the fleet, so dropped after it: put back once every agent is gone.
+    let raised = sys::sysctl_at_least(INOTIFY_INSTANCES, needed, &format!("{AGENTS} agents on one host"))?;
+    let inotify = match &raised {
+        Some(raised) => format!("{needed} for the run (was {}, put back after)", raised.old()),
+        None => format!("{} (left as it was)", sys::read_sysctl(INOTIFY_INSTANCES)?),
+    };
     let dir = std::env::temp_dir().join(format!("tether-fleet-scale-{}", std::process::id()));
     fs::create_dir_all(&dir).map_err(|err| format!("cannot create {}: {err}", dir.display()))?;
     let mut fleet = Fleet { dir, members: Vec::new(), agents: Vec::new(), tether: tether.to_owned() };
-    let result = fleet.run(&etcd);
+    let result = fleet.run(&etcd).map(|mut rows| {
+        rows.insert(1, (format!("fleet at scale: {INOTIFY_INSTANCES}"), inotify));
+        rows
+    });
     fleet.stop();
+    drop(raised);
     if result.is_ok() {
         let _ = fs::remove_dir_all(&fleet.dir);
     } else {
@@ -68,8 +99,7 @@ impl Fleet {
     fn run(&mut self, etcd: &Path) -> Result<Vec<(String, String)>, String> {
         self.start_cluster(etcd)?;
         let urls = self.urls();
-        let root =
-            std::os::unix::fs::MetadataExt::uid(&fs::metadata("/proc/self").map_err(|err| err.to_string())?) == 0;
+        let root = sys::is_root();
         let started = Instant::now();
         for index in 0..AGENTS {
             let data = self.dir.join(format!("agent-{index}"));
@@ -110,18 +140,28 @@ impl Fleet {
         self.wait_running(|_| true)?;
         let populated = started.elapsed();
 
-        // Idle: lease keep-alives and write transactions a second.
-        let (keep_alives, revisions) =
-            (self.sum_metric(r#"grpc_server_msg_received_total{grpc_method="LeaseKeepAlive""#)?, self.revision()?);
+        // Idle: lease keep-alives, every gRPC message and write transactions a second.
+        let (keep_alives, messages, revisions) =
+            (self.sum_metric(KEEP_ALIVES)?, self.sum_metric(MESSAGES)?, self.revision()?);
         thread::sleep(IDLE);
-        let keep_alives_per_s = (self.sum_metric(r#"grpc_server_msg_received_total{grpc_method="LeaseKeepAlive""#)?
-            - keep_alives)
-            / IDLE.as_secs_f64();
+        let keep_alives_per_s = (self.sum_metric(KEEP_ALIVES)? - keep_alives) / IDLE.as_secs_f64();
+        let messages_per_s = (self.sum_metric(MESSAGES)? - messages) / IDLE.as_secs_f64();
         let revisions_per_s = (self.revision()? - revisions) as f64 / IDLE.as_secs_f64();
         let watchers = self.sum_metric("etcd_debugging_mvcc_watcher_total")?;
+        // Each agent starts at a member of its own: how evenly the watches spread.
+        let per_member = (0..self.members.len())
+            .map(|member| self.metric_of(member, "etcd_debugging_mvcc_watcher_total").map(|w| format!("{w:.0}")))
+            .collect::<Result<Vec<_>, _>>()?
+            .join(" / ");
+        let watch_streams = self.sum_metric("etcd_debugging_mvcc_watch_stream_total")?;
+        let leases = self.leases()?;
+        let keys = self.keys()?;
+        // Each member holds the whole database: one member's figures.
+        let db_size = self.metric_of(0, "etcd_mvcc_db_total_size_in_bytes")?;
+        let db_in_use = self.metric_of(0, "etcd_mvcc_db_total_size_in_use_in_bytes")?;
 
         // One change to s0 on every node.
-        let sent_before = self.sum_metric(r#"grpc_server_msg_sent_total{grpc_method="Watch""#).ok();
+        let messages_before = self.sum_metric(MESSAGES)?;
         let bytes_before = self.sum_metric("etcd_network_client_grpc_sent_bytes_total")?;
         let revision_before = self.revision()?;
         let mut committed = Vec::with_capacity(AGENTS);
@@ -147,7 +187,7 @@ impl Fleet {
         let revisions_for_change = self.revision()? - revision_before;
         let bytes_per_change =
             (self.sum_metric("etcd_network_client_grpc_sent_bytes_total")? - bytes_before) / AGENTS as f64;
-        let _ = sent_before;
+        let messages_per_change = (self.sum_metric(MESSAGES)? - messages_before) / AGENTS as f64;
 
         // A rollout of s1 over every node, 20 at a time.
         let file = self.dir.join("s1.toml");
@@ -177,7 +217,18 @@ impl Fleet {
             ),
             ("fleet at scale: agents started and following".to_owned(), secs(agents_up)),
             (format!("fleet at scale: {} puts until every proxy runs", AGENTS * PER_AGENT), secs(populated)),
-            ("fleet at scale: watchers on etcd (all members)".to_owned(), format!("{watchers:.0}")),
+            (
+                "fleet at scale: watchers on etcd, all members (each member)".to_owned(),
+                format!("{watchers:.0} ({per_member})"),
+            ),
+            ("fleet at scale: watch streams on etcd (all members)".to_owned(), format!("{watch_streams:.0}")),
+            ("fleet at scale: leases".to_owned(), leases.to_string()),
+            ("fleet at scale: keys under the prefix".to_owned(), keys.to_string()),
+            (
+                "fleet at scale: etcd database size, total / in use (one member)".to_owned(),
+                format!("{:.1} MiB / {:.1} MiB", db_size / MIB, db_in_use / MIB),
+            ),
+            ("fleet at scale: gRPC messages a second, idle (all members)".to_owned(), format!("{messages_per_s:.1}")),
             (
                 "fleet at scale: lease keep-alives a second, idle (TTL 10 s)".to_owned(),
                 format!("{keep_alives_per_s:.1}"),
@@ -193,6 +244,7 @@ impl Fleet {
                 format!("{:.1}", revisions_for_change as f64 / AGENTS as f64),
             ),
             ("fleet at scale: gRPC bytes etcd sent per change".to_owned(), format!("{bytes_per_change:.0} B")),
+            ("fleet at scale: gRPC messages etcd received per change".to_owned(), format!("{messages_per_change:.1}")),
             (format!("fleet at scale: rollout over {AGENTS} nodes, {PARALLEL} at a time"), secs(rollout_took)),
         ])
     }
@@ -215,16 +267,37 @@ impl Fleet {
 
     /// The sum over the members of every sample whose line starts with `metric`.
     fn sum_metric(&self, metric: &str) -> Result<f64, String> {
-        let mut sum = 0.0;
-        for (_, port) in &self.members {
-            let text = get(*port, "/metrics")?;
-            sum += text
-                .lines()
-                .filter(|line| line.starts_with(metric))
-                .filter_map(|line| line.rsplit_once(' ')?.1.trim().parse::<f64>().ok())
-                .sum::<f64>();
-        }
-        Ok(sum)
+        (0..self.members.len()).map(|member| self.metric_of(member, metric)).sum()
+    }
+
+    /// The sum of every sample of member `member` whose line starts with `metric`.
+    fn metric_of(&self, member: usize, metric: &str) -> Result<f64, String> {
+        let text = get(self.members[member].1, "/metrics")?;
+        Ok(text
+            .lines()
+            .filter(|line| line.starts_with(metric))
+            .filter_map(|line| line.rsplit_once(' ')?.1.trim().parse::<f64>().ok())
+            .sum())
+    }
+
+    /// The leases alive in the cluster.
+    fn leases(&self) -> Result<usize, String> {
+        let body = http_tcp(self.members[0].1, "/v3/lease/leases", "{}")?;
+        let value: serde_json::Value = serde_json::from_str(&body).map_err(|err| format!("lease list: {err}"))?;
+        Ok(value["leases"].as_array().map_or(0, Vec::len))
+    }
+
+    /// The keys under `/tether/`.
+    fn keys(&self) -> Result<i64, String> {
+        let body = format!(
+            r#"{{"key": "{}", "range_end": "{}", "count_only": true}}"#,
+            BASE64.encode("/tether/"),
+            BASE64.encode("/tether0")
+        );
+        let answer = http_tcp(self.members[0].1, "/v3/kv/range", &body)?;
+        let value: serde_json::Value = serde_json::from_str(&answer).map_err(|err| format!("key count: {err}"))?;
+        // The gateway leaves out a count of 0.
+        value["count"].as_str().map_or(Ok(0), |count| count.parse().map_err(|err| format!("key count: {err}")))
     }
 
     /// Waits until every agent runs all its proxies, and every `s0` process's command line

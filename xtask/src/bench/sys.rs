@@ -1,6 +1,6 @@
 //! The operating-system side of the end-to-end benchmarks: signals to arbitrary pids, the
-//! open-file limit, and what `/proc` says about a process (memory, context switches,
-//! environment, liveness).
+//! open-file limit, kernel settings raised for a run (and put back), and what `/proc` says
+//! about a process (memory, context switches, environment, liveness).
 //!
 //! std can only signal its own children with SIGKILL, and the bench signals the agent's
 //! proxies and sends SIGTERM and SIGHUP to agents, so this module uses `nix`'s safe
@@ -41,6 +41,66 @@ pub(crate) fn raise_open_files() -> Result<u64, String> {
         setrlimit(Resource::RLIMIT_NOFILE, hard, hard).map_err(|err| format!("setrlimit(NOFILE, {hard}): {err}"))?;
     }
     Ok(hard.max(soft))
+}
+
+/// A kernel setting that the bench raised for its run: dropping it writes the old value
+/// back, also when the run failed or panicked.
+#[must_use = "dropping the guard puts the old value back at once"]
+pub(crate) struct RaisedSysctl {
+    name: &'static str,
+    old: u64,
+}
+
+impl RaisedSysctl {
+    /// The value before the run.
+    pub(crate) fn old(&self) -> u64 {
+        self.old
+    }
+}
+
+impl Drop for RaisedSysctl {
+    fn drop(&mut self) {
+        match write_sysctl(self.name, self.old) {
+            Ok(()) => eprintln!("xtask: bench: {} put back to {}", self.name, self.old),
+            Err(err) => eprintln!("xtask: bench: cannot put {} back to {}: {err}", self.name, self.old),
+        }
+    }
+}
+
+/// `/proc/sys/...` of a dotted sysctl name.
+fn sysctl_path(name: &str) -> String {
+    format!("/proc/sys/{}", name.replace('.', "/"))
+}
+
+/// The value of the numeric sysctl `name` (dotted, as `sysctl` names it).
+pub(crate) fn read_sysctl(name: &str) -> Result<u64, String> {
+    let path = sysctl_path(name);
+    let text = fs::read_to_string(&path).map_err(|err| format!("{name}: cannot read {path}: {err}"))?;
+    text.trim().parse().map_err(|err| format!("{name}: {path} holds {:?}: {err}", text.trim()))
+}
+
+fn write_sysctl(name: &str, value: u64) -> Result<(), String> {
+    let path = sysctl_path(name);
+    fs::write(&path, format!("{value}\n")).map_err(|err| format!("{name}: cannot write {path}: {err}"))
+}
+
+/// Makes sure that the sysctl `name` is at least `needed` for `why`. A value high enough is
+/// left as it is (`None`). As root, a lower one is raised to `needed` and the guard puts the
+/// old one back; otherwise the error names the setting and the command that raises it.
+pub(crate) fn sysctl_at_least(name: &'static str, needed: u64, why: &str) -> Result<Option<RaisedSysctl>, String> {
+    let old = read_sysctl(name)?;
+    if old >= needed {
+        return Ok(None);
+    }
+    if !is_root() {
+        return Err(format!(
+            "{name} is {old}; {why} needs {needed}: run the bench as root (it raises it for the run and puts it \
+             back), or raise it yourself: sysctl -w {name}={needed}"
+        ));
+    }
+    write_sysctl(name, needed).map_err(|err| format!("{why} needs {name} >= {needed} (it is {old}): {err}"))?;
+    eprintln!("xtask: bench: {name} raised from {old} to {needed} for {why}; put back after the run");
+    Ok(Some(RaisedSysctl { name, old }))
 }
 
 /// The fields of `/proc/<pid>[/task/<tid>]/status`.

@@ -222,9 +222,30 @@ fn cluster_agent(dirs: &Dirs, cluster: &Cluster, node: &str) -> Agent {
     Agent::start(dirs, &flags)
 }
 
+/// How long the quorum-lost test keeps two of three members down.
+const QUORUM_LOST_FOR: Duration = Duration::from_secs(30);
+
+/// The next event named `name` on `lines` (JSON lines of `tether events --json`), within the
+/// deadline; events of other names are passed over.
+#[track_caller]
+fn next_event(lines: &std::sync::mpsc::Receiver<String>, name: &str) -> serde_json::Value {
+    wait_for(&format!("a {name} event"), || {
+        let line = lines.try_recv().ok()?;
+        let event: serde_json::Value = serde_json::from_str(&line).unwrap();
+        (event["event"] == name).then_some(event)
+    })
+}
+
+/// `tether status` of the agent on `dirs`: its exit code and what it printed.
+fn agent_status(dirs: &Dirs) -> (Option<i32>, String) {
+    let output = tether().args(["status", "--data-dir"]).arg(&dirs.data).output().unwrap();
+    (output.status.code(), String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
 /// Two of three members down: no quorum, so no request succeeds, and a watch on the member
 /// left may stay open and silent. The agent keeps every proxy, says the store is
-/// unreachable, and converges within seconds once quorum is back.
+/// unreachable (in its fleet status, metrics, events and `tether status`), and converges
+/// within seconds once quorum is back, telling so.
 #[test]
 fn with_quorum_lost_every_proxy_runs_on_the_store_shows_unreachable_and_changes_apply_on_return() {
     let Some(mut cluster) = Cluster::start("fleet quorum lost") else { return };
@@ -232,9 +253,19 @@ fn with_quorum_lost_every_proxy_runs_on_the_store_shows_unreachable_and_changes_
     let _sweep = support::SweepOnDrop(dirs.socket());
     let agent = cluster_agent(&dirs, &cluster, "n1");
     put(&cluster, "n1", &sleeper_file(&dirs, "a", 3600));
-    put(&cluster, "n1", &sleeper_file(&dirs, "b", 3600));
+    pid_of(&agent, "a-proxy");
+    // The events stream, proved live by the start of the second proxy.
+    let (_events, lines) = crate::templates::events(&dirs);
+    wait_for("the events stream", || {
+        let output = fleet(&cluster.urls(), &["put", "n1", &sleeper_file(&dirs, "b", 3600)]);
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        lines.recv_timeout(Duration::from_millis(500)).ok()
+    });
     let pids = (pid_of(&agent, "a-proxy"), pid_of(&agent, "b-proxy"));
     wait_for("the agent's watch", || fleet_status(&agent)["connected"].as_bool().filter(|c| *c));
+    let (code, said) = agent_status(&dirs);
+    assert_eq!(code, Some(0));
+    assert!(!said.contains("fleet:"), "nothing said of the store while it is reachable: {said}");
 
     // The member that serves the agent's watch stays: its stream stays open, and only the
     // member's lost leader can tell the agent that nothing will come through it.
@@ -252,11 +283,29 @@ fn with_quorum_lost_every_proxy_runs_on_the_store_shows_unreachable_and_changes_
     });
     let noticed_after = lost_at.elapsed();
     assert_eq!(metric(&agent, "tether_fleet_connected"), Some(0.0));
+    let lost = next_event(&lines, "store-unreachable");
+    assert_eq!(lost["proxy"], serde_json::Value::Null, "the agent's own event: {lost}");
+    let detail = lost["detail"].as_str().unwrap();
+    assert!(detail.contains(&cluster.urls()), "names the endpoints: {detail}");
+    let shown = fleet_status(&agent);
+    let since = shown["unreachable_since"].as_str().unwrap_or_else(|| panic!("since when: {shown}")).to_owned();
+    let (code, said) = agent_status(&dirs);
+    assert_eq!(code, Some(0), "the proxies run: {said}");
+    assert!(
+        said.contains(&format!("fleet: etcd unreachable since {since}")) && said.contains(&cluster.urls()),
+        "tether status says since when and where the store is lost: {said}"
+    );
     let view = fleet(&cluster.urls(), &["status"]);
     assert_eq!(view.status.code(), Some(1), "{}", String::from_utf8_lossy(&view.stdout));
     let said = String::from_utf8_lossy(&view.stderr).into_owned();
     assert!(said.contains("etcd at"), "says it cannot reach the store: {said}");
     assert_eq!((pid_of(&agent, "a-proxy"), pid_of(&agent, "b-proxy")), pids, "no proxy stopped or restarted");
+    // Quorum stays lost for 30 s; the proxies run on, and the agent says the same throughout.
+    while lost_at.elapsed() < QUORUM_LOST_FOR {
+        assert_eq!((pid_of(&agent, "a-proxy"), pid_of(&agent, "b-proxy")), pids, "no proxy stopped or restarted");
+        assert_eq!(fleet_status(&agent)["unreachable_since"].as_str(), Some(since.as_str()));
+        std::thread::sleep(Duration::from_millis(500));
+    }
 
     // Quorum is back: a change made now applies, and nothing else restarts.
     cluster.spawn(leader);
@@ -267,6 +316,11 @@ fn with_quorum_lost_every_proxy_runs_on_the_store_shows_unreachable_and_changes_
     pid_of(&agent, "c-proxy");
     let converged_after = back_at.elapsed();
     wait_for("the agent's watch again", || fleet_status(&agent)["connected"].as_bool().filter(|c| *c));
+    let back = next_event(&lines, "store-reachable");
+    assert_eq!(back["proxy"], serde_json::Value::Null, "the agent's own event: {back}");
+    assert_eq!(fleet_status(&agent)["unreachable_since"], serde_json::Value::Null);
+    let (_, said) = agent_status(&dirs);
+    assert!(!said.contains("fleet:"), "nothing said of the store once it is back: {said}");
     assert_eq!((pid_of(&agent, "a-proxy"), pid_of(&agent, "b-proxy")), pids, "no proxy stopped or restarted");
     wait_until("fleet status to show n1 with three proxies", || {
         let output = fleet(&cluster.urls(), &["status", "--json"]);
