@@ -7,7 +7,8 @@
 //! `backoff`, `failed`, `blocked` or `waiting` says so, and a new last reload is `reloaded`
 //! (applied or signalled) or `reload-failed` (refused, failed or timed out; the detail says
 //! why); a service's leaf certificate tells `leaf-issued`, `leaf-renewed`, `leaf-failed` and
-//! `leaf-expired` as events of its proxy; the templates' and the xDS server's own events
+//! `leaf-expired` as events of its proxy, and a connection that its built-in proxy refused or
+//! closed, `connection-refused` (the detail starts with the reason); the templates' and the xDS server's own events
 //! (`template-*`, `xds-refused`, `xds-invalid`) pass through. This module keeps one map of statuses per
 //! client and nothing else; it never decides or changes anything.
 
@@ -38,10 +39,17 @@ pub(crate) async fn get_events(
     let templates = state.templates.subscribe();
     let leaves = state.connect.events();
     let xds = state.xds.subscribe();
+    let refusals = state.connect.refusals();
     let seen: HashMap<ProxyId, ProxyStatus> =
         state.manager.status_unmeasured().into_iter().map(|status| (status.id.clone(), status)).collect();
     let (lines, receiver) = mpsc::channel(64);
-    tokio::spawn(stream(Events { seen }, Streams { changes, templates, leaves, xds }, lines, state.clone(), slot));
+    tokio::spawn(stream(
+        Events { seen },
+        Streams { changes, templates, leaves, xds, refusals },
+        lines,
+        state.clone(),
+        slot,
+    ));
     Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], Body::new(ChannelBody(receiver))).into_response())
 }
 
@@ -53,6 +61,7 @@ struct Streams {
     templates: broadcast::Receiver<TemplateEvent>,
     leaves: broadcast::Receiver<LeafEvent>,
     xds: broadcast::Receiver<XdsEvent>,
+    refusals: broadcast::Receiver<crate::connect::Refusal>,
 }
 
 async fn stream(
@@ -62,7 +71,7 @@ async fn stream(
     state: ApiState,
     _slot: OwnedSemaphorePermit,
 ) {
-    let Streams { mut changes, mut templates, mut leaves, mut xds } = streams;
+    let Streams { mut changes, mut templates, mut leaves, mut xds, mut refusals } = streams;
     loop {
         // An event of a template, a leaf or xDS that a slow client missed is not told again:
         // the status shows the error, the certificate or `last_xds`.
@@ -84,6 +93,14 @@ async fn stream(
             },
             leaf = leaves.recv() => match leaf {
                 Ok(leaf) => vec![leaf_event(&leaf, SystemTime::now())],
+                Err(broadcast::error::RecvError::Lagged(_)) => continue,
+                Err(broadcast::error::RecvError::Closed) => std::future::pending().await,
+            },
+            refusal = refusals.recv() => match refusal {
+                Ok(told) => {
+                    let detail = format!("{}: {}", told.reason, told.detail);
+                    vec![event(told.time, &told.service.proxy_id(), "connection-refused", None, Some(detail))]
+                }
                 Err(broadcast::error::RecvError::Lagged(_)) => continue,
                 Err(broadcast::error::RecvError::Closed) => std::future::pending().await,
             },
