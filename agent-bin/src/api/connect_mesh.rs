@@ -129,8 +129,6 @@ pub(crate) async fn get_upstream(
             Some(MeshInstanceDto { service_id: entry.service.id.to_string(), address, port })
         })
         .collect();
-    // The generation counts from 0; an index of 0 would never block.
-    let index = index + 1;
     let body = UpstreamDto { destination: destination.to_string(), spiffe_id: spiffe_id.to_string(), instances, index };
     Ok(with_index(body, index))
 }

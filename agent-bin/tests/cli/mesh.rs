@@ -44,10 +44,15 @@ fn serving(serve: impl Fn(TcpStream) + Copy + Send + 'static) -> u16 {
 
 /// Answers each read with `db: <what was read>`.
 fn echo() -> u16 {
-    serving(|mut stream| {
+    echo_as("db")
+}
+
+/// Answers each read with `<name>: <what was read>`.
+fn echo_as(name: &'static str) -> u16 {
+    serving(move |mut stream| {
         let mut buffer = [0u8; 1024];
         while let Ok(n) = stream.read(&mut buffer) {
-            if n == 0 || stream.write_all(&[b"db: ", &buffer[..n]].concat()).is_err() {
+            if n == 0 || stream.write_all(&[name.as_bytes(), b": ", &buffer[..n]].concat()).is_err() {
                 return;
             }
         }
@@ -150,6 +155,57 @@ fn an_upstream_reaches_its_destination_over_mutual_tls_and_intentions_refuse_clo
     agent.signal(Signal::SIGHUP);
     let (_, answer) = wait_for("the allow intention to let web in again", || exchange_once(web_upstream, "three"));
     assert_eq!(answer, "db: three");
+}
+
+#[test]
+fn an_upstream_spreads_over_the_instances_and_skips_one_that_fails_its_handshake() {
+    let dirs = Dirs::new();
+    let (a_bind, b_bind, web_bind, web_upstream) = (free_port(), free_port(), free_port(), free_port());
+    dirs.write_config("mesh.toml", &dev_mesh("72h"));
+    dirs.write_config("intentions.toml", &intention("web", "db", "allow"));
+    let db = |id: &str, port: u16, bind: u16| {
+        format!(
+            "[[service]]\nname = \"db\"\nid = \"{id}\"\nport = {port}\n[service.proxy]\nkill_timeout = \"2s\"\nconfig = {{ bind_port = {bind} }}\n"
+        )
+    };
+    dirs.write_config(
+        "db.toml",
+        &format!("{}\n{}", db("db-a", echo_as("a"), a_bind), db("db-b", echo_as("b"), b_bind)),
+    );
+    let web = format!(
+        "bind_port = {web_bind}, upstreams = [{{ destination_name = \"db\", local_bind_port = {web_upstream} }}]"
+    );
+    dirs.write_config("web.toml", &builtin("web", None, &web));
+    let agent = Agent::start(&dirs, &["--allow-root"]);
+    agent.wait_state("db-a-proxy", "running");
+    let b_pid = agent.wait_state("db-b-proxy", "running")["pid"].as_i64().unwrap() as i32;
+    agent.wait_state("web-proxy", "running");
+
+    // Connections take the instances in turn: both answer.
+    let mut seen = std::collections::BTreeSet::new();
+    wait_for("both instances to answer through web's upstream", || {
+        if let Some((_, answer)) = exchange_once(web_upstream, "hi") {
+            seen.insert(answer);
+        }
+        (seen.len() == 2).then_some(())
+    });
+    assert_eq!(seen.into_iter().collect::<Vec<_>>(), ["a: hi", "b: hi"]);
+
+    // db-b's proxy stops answering (its process is stopped, its port still takes connections):
+    // every connection still reaches db-a, one of them after db-b's handshake times out.
+    let b = nix::unistd::Pid::from_raw(b_pid);
+    nix::sys::signal::kill(b, Signal::SIGSTOP).unwrap();
+    struct Resume(nix::unistd::Pid);
+    impl Drop for Resume {
+        fn drop(&mut self) {
+            let _ = nix::sys::signal::kill(self.0, Signal::SIGCONT);
+        }
+    }
+    let _resume = Resume(b);
+    for _ in 0..2 {
+        let answer = exchange_once(web_upstream, "again").map(|(_, answer)| answer);
+        assert_eq!(answer.as_deref(), Some("a: again"), "a failed instance was not skipped");
+    }
 }
 
 /// `curl` over TLS to `port` with `cert` and `key`, if given; its output when it succeeded.
