@@ -70,6 +70,18 @@ pub(crate) async fn request_with(
         .map_err(|_| ClientError::Timeout)?
 }
 
+/// Sends one PUT with a JSON body and extra headers.
+pub(crate) async fn put_with(
+    socket: &Path,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Vec<u8>,
+) -> Result<Response, ClientError> {
+    tokio::time::timeout(TIMEOUT, send(socket, Method::PUT, path, Some(body), headers))
+        .await
+        .map_err(|_| ClientError::Timeout)?
+}
+
 /// Connects to the agent's socket and runs the HTTP/1.1 connection in a task of its own.
 async fn connect(
     socket: &Path,

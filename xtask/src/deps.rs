@@ -23,7 +23,7 @@ const OPTIONAL_DEPS: &[(&str, &str)] = &[("tether-proxy-daemon", "tether-manager
 
 /// Crates that make or read keys and certificates, and the one member that may depend on them
 /// directly: the library crates carry a key as a value and never sign (ARCHITECTURE.md).
-const CRYPTO_CRATES: &[&str] = &["rcgen", "x509-parser", "ring", "rustls", "openssl"];
+const CRYPTO_CRATES: &[&str] = &["rcgen", "x509-parser", "ring", "rustls", "tokio-rustls", "openssl"];
 const CRYPTO_OWNER: &str = "tether-agent";
 
 /// The workspace's own metadata (`cargo metadata --no-deps`).

@@ -1,8 +1,9 @@
 //! `tether agent --dev`: the agent on an embedded demo, in a temporary data dir.
 //!
-//! The agent serves a demo upstream on loopback itself, and runs one demo service whose
-//! built-in proxy forwards to it, so that one command shows tether working with nothing
-//! else installed. Nothing persists: the proxies stop and the temp dir goes on exit.
+//! The agent serves a demo upstream on loopback itself, and runs two demo services with
+//! built-in proxies: `demo` in front of that upstream, taking mutual TLS, and `web`, whose
+//! upstream listener reaches `demo` over mutual TLS as an intention allows, so that one
+//! command shows the mesh working with nothing else installed. Nothing persists: the proxies stop and the temp dir goes on exit.
 
 use std::io::Write;
 use std::net::{Ipv4Addr, SocketAddr};
@@ -33,6 +34,8 @@ pub(crate) async fn run(
     let upstream = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await.context("binding the demo upstream")?;
     let upstream_port = upstream.local_addr()?.port();
     let proxy_port = free_port().context("finding a free port for the demo proxy")?;
+    let web_port = free_port().context("finding a free port for web's proxy")?;
+    let web_upstream = free_port().context("finding a free port for web's upstream")?;
     let trust_domain = dev_trust_domain();
     let demo = format!(
         "# The embedded demo of `tether agent --dev`.\n\
@@ -43,6 +46,12 @@ pub(crate) async fn run(
          [[service.proxy.listener]]\nname = \"demo\"\naddress = \"127.0.0.1:{proxy_port}\"\n\n\
          # Running means ready: the built-in proxy says so once it listens.\n\
          [service.proxy.readiness]\nnotify = true\n\n\
+         # web has no port of its own: its proxy's upstream listener reaches demo over mutual TLS.\n\
+         [[service]]\nname = \"web\"\naddress = \"127.0.0.1\"\n\n\
+         [service.proxy]\nconfig = {{ bind_port = {web_port}, upstreams = [{{ destination_name = \"demo\", local_bind_port = {web_upstream} }}] }}\n\n\
+         [service.proxy.readiness]\nnotify = true\n\n\
+         # Connections are denied unless an intention allows them.\n\
+         [[intention]]\nsource = \"web\"\ndestination = \"demo\"\naction = \"allow\"\n\n\
          # Every service gets an identity: a leaf certificate from a CA the agent makes in its data dir.\n\
          [connect]\ntrust_domain = \"{trust_domain}\"\n\n[connect.ca]\nprovider = \"dev\"\n"
     );
@@ -59,11 +68,15 @@ pub(crate) async fn run(
     writeln!(out, "  demo upstream:  127.0.0.1:{upstream_port}, served by the agent")?;
     writeln!(
         out,
-        "  demo proxy:     127.0.0.1:{proxy_port} -> 127.0.0.1:{upstream_port} (built-in proxy, on a listener the agent holds)"
+        "  demo proxy:     127.0.0.1:{proxy_port} (mutual TLS) -> 127.0.0.1:{upstream_port} (built-in proxy, on a listener the agent holds)"
+    )?;
+    writeln!(
+        out,
+        "  web's upstream: 127.0.0.1:{web_upstream} -> mutual TLS as web -> demo's proxy (intention web -> demo: allow)"
     )?;
     writeln!(out, "  connect:        trust domain {trust_domain}, dev CA in the data dir")?;
-    writeln!(out, "try, once the proxy runs (about a second):")?;
-    writeln!(out, "  curl http://127.0.0.1:{proxy_port}/")?;
+    writeln!(out, "try, once the proxies run (about a second):")?;
+    writeln!(out, "  curl http://127.0.0.1:{web_upstream}/")?;
     writeln!(out, "  {tether} status --data-dir {}", data_dir.display())?;
     writeln!(out, "stop with Ctrl-C: the demo proxy stops with the agent")?;
     drop(out);

@@ -21,8 +21,8 @@ use crate::catalog::names::authorised;
 
 #[derive(Debug, Deserialize)]
 pub(crate) struct BlockingQuery {
-    index: Option<u64>,
-    wait: Option<String>,
+    pub(crate) index: Option<u64>,
+    pub(crate) wait: Option<String>,
 }
 
 fn leaves(state: &ApiState) -> Result<LeavesHandle, ApiError> {

@@ -100,6 +100,50 @@ pub(crate) struct LeafDto {
     pub(crate) index: u64,
 }
 
+/// `GET /v1/agent/connect/intentions/{service}`: the intentions that may decide a connection
+/// to the service (those whose destination is the service or `*`), and the default.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct IntentionsDto {
+    pub(crate) default_intention: String,
+    pub(crate) intentions: Vec<IntentionDto>,
+    pub(crate) index: u64,
+}
+
+/// `{"source", "destination", "action"}`: one intention, `*` for every service.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct IntentionDto {
+    pub(crate) source: String,
+    pub(crate) destination: String,
+    pub(crate) action: String,
+}
+
+/// `GET /v1/agent/connect/upstream/{service}/{destination}`: the ready instances of an
+/// upstream's destination that its built-in proxy connects to over mutual TLS.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct UpstreamDto {
+    pub(crate) destination: String,
+    /// The identity every instance must prove.
+    pub(crate) spiffe_id: String,
+    pub(crate) instances: Vec<MeshInstanceDto>,
+    pub(crate) index: u64,
+}
+
+/// `{"service_id", "address", "port"}`: where one instance's proxy takes mutual TLS.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct MeshInstanceDto {
+    pub(crate) service_id: String,
+    pub(crate) address: String,
+    pub(crate) port: u16,
+}
+
+/// `PUT /v1/agent/connect/refused/{service}`: a connection that the service's built-in proxy
+/// refused (or closed), for the metric and the events.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct RefusalDto {
+    pub(crate) reason: String,
+    pub(crate) detail: String,
+}
+
 /// `{"at": RFC 3339 to the millisecond, "type": "cluster" | "endpoint" | "listener" | null,
 /// "version": string or null, "result": "applied" | "refused" | "invalid", "error": string
 /// or null}`: a proxy's last xDS verdict.

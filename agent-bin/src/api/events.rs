@@ -7,7 +7,8 @@
 //! `backoff`, `failed`, `blocked` or `waiting` says so, and a new last reload is `reloaded`
 //! (applied or signalled) or `reload-failed` (refused, failed or timed out; the detail says
 //! why); a service's leaf certificate tells `leaf-issued`, `leaf-renewed`, `leaf-failed` and
-//! `leaf-expired` as events of its proxy; the templates' and the xDS server's own events
+//! `leaf-expired` as events of its proxy, and a connection that its built-in proxy refused or
+//! closed, `connection-refused` (the detail starts with the reason); the templates' and the xDS server's own events
 //! (`template-*`, `xds-refused`, `xds-invalid`) pass through. With `--etcd`, the fleet
 //! follower's `store-unreachable` and `store-reachable` pass through too, as the agent's own
 //! events (no proxy). This module keeps one map of statuses per reader and nothing else; it
@@ -76,6 +77,8 @@ pub(crate) struct Follower {
     xds: broadcast::Receiver<XdsEvent>,
     /// The store lost or back, when the agent follows etcd.
     store: Option<broadcast::Receiver<StoreEvent>>,
+    /// Connections that the built-in proxies refused or closed.
+    refusals: broadcast::Receiver<crate::connect::Refusal>,
 }
 
 impl Follower {
@@ -88,9 +91,10 @@ impl Follower {
         let leaves = state.connect.events();
         let xds = state.xds.subscribe();
         let store = state.fleet.as_ref().map(crate::fleet::follow::SharedStatus::subscribe);
+        let refusals = state.connect.refusals();
         let seen: HashMap<ProxyId, ProxyStatus> =
             state.manager.status_unmeasured().into_iter().map(|status| (status.id.clone(), status)).collect();
-        Self { events: Events { seen }, changes, templates, leaves, xds, store }
+        Self { events: Events { seen }, changes, templates, leaves, xds, store, refusals }
     }
 
     /// The next events, once there are some; `None` once the engine is gone. Cancel-safe:
@@ -120,6 +124,14 @@ impl Follower {
                 },
                 xds = self.xds.recv() => match xds {
                     Ok(told) => vec![event(told.time, &told.proxy, told.event, None, Some(told.detail))],
+                    Err(broadcast::error::RecvError::Lagged(_)) => continue,
+                    Err(broadcast::error::RecvError::Closed) => std::future::pending().await,
+                },
+                refusal = self.refusals.recv() => match refusal {
+                    Ok(told) => {
+                        let detail = format!("{}: {}", told.reason, told.detail);
+                        vec![event(told.time, &told.service.proxy_id(), "connection-refused", None, Some(detail))]
+                    }
                     Err(broadcast::error::RecvError::Lagged(_)) => continue,
                     Err(broadcast::error::RecvError::Closed) => std::future::pending().await,
                 },

@@ -7,6 +7,7 @@
 //! 403, 404, 405, 409, 413 or 500.
 
 pub(crate) mod connect_ca;
+pub(crate) mod connect_mesh;
 pub(crate) mod dto;
 pub(crate) mod events;
 pub(crate) mod history;
@@ -175,6 +176,7 @@ pub(crate) fn socket_router(state: ApiState, streams: usize) -> Router {
         .route("/v1/agent/service/register", put(register))
         .route("/v1/agent/service/deregister/{id}", put(deregister))
         .route("/v1/agent/leave", put(leave))
+        .route("/v1/agent/connect/refused/{service}", put(connect_mesh::put_refused))
         .route("/v1/agent/reload", put(reload))
         .route("/v1/agent/proxy/{id}/restart", put(restart))
         .route("/v1/agent/proxy/{id}/reload", put(reload_proxy))
@@ -220,6 +222,8 @@ fn read_routes() -> Router<ApiState> {
         .route("/v1/agent/proxy/{id}/config", get(proxy_config::get_config))
         .route("/v1/agent/connect/ca/roots", get(connect_ca::get_roots))
         .route("/v1/agent/connect/ca/leaf/{service}", get(connect_ca::get_leaf))
+        .route("/v1/agent/connect/intentions/{service}", get(connect_mesh::get_intentions))
+        .route("/v1/agent/connect/upstream/{service}/{destination}", get(connect_mesh::get_upstream))
         .route("/", get(page))
         .route("/page.js", get(page_script))
         .route("/page.css", get(page_style))

@@ -102,6 +102,9 @@ pub(crate) struct Sources {
     saved_tokens: Mutex<Option<BTreeMap<ProxyId, ProxyToken>>>,
     /// The `[connect]` table and intentions of the config applied.
     connect: Mutex<ConnectSection>,
+    /// Bumped whenever a reload changes the intentions or their default, for the blocking
+    /// queries of the built-in proxies, which close the connections that a change denies.
+    intentions_index: tokio::sync::watch::Sender<u64>,
 }
 
 /// The config side of the catalog.
@@ -171,6 +174,7 @@ impl Sources {
             api_changes: Mutex::new(()),
             saved_tokens: Mutex::new(None),
             connect: Mutex::new(ConnectSection::default()),
+            intentions_index: tokio::sync::watch::channel(1).0,
         };
         {
             let mut config = lock(&sources.config);
@@ -226,6 +230,11 @@ impl Sources {
         lock(&self.connect).clone()
     }
 
+    /// The index of the intentions in force, bumped by every reload that changes them.
+    pub(crate) fn intentions_index(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.intentions_index.subscribe()
+    }
+
     /// Re-reads the config dirs; only the files that changed are parsed again. All or
     /// nothing: on any error every error is logged and the previous config stays in force.
     /// The agent reloads through [`Sources::reload_with`], which also loads the CA.
@@ -261,7 +270,12 @@ impl Sources {
             // A config service that an API registration owns: the registration stays.
             tracing::error!(error = %crate::error::error_chain(err), "config reload refused");
         })?;
-        *lock(&self.connect) = loaded.connect;
+        let old = std::mem::replace(&mut *lock(&self.connect), loaded.connect);
+        let new = self.connect_section();
+        let (before, after) = (old.intentions(), new.intentions());
+        if before.rules() != after.rules() || before.default_action() != after.default_action() {
+            self.intentions_index.send_modify(|index| *index += 1);
+        }
         drop(config);
         self.save_tokens();
         Ok((ReloadReport { catalog, files }, prepared))

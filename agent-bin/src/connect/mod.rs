@@ -53,6 +53,25 @@ pub(crate) struct Connect {
     running: Mutex<Option<Running>>,
     /// Every leaf event of whichever loop runs, for the events stream.
     events: broadcast::Sender<LeafEvent>,
+    /// The connections that built-in proxies refused or closed, by service and reason.
+    refusals: Mutex<std::collections::BTreeMap<(String, &'static str), u64>>,
+    /// Each refusal as its proxy reported it, for the events stream.
+    refused: broadcast::Sender<Refusal>,
+}
+
+/// Why a built-in proxy refused a connection (or closed one), as it reports it.
+pub(crate) const REFUSAL_REASONS: [&str; 6] =
+    ["no-certificate", "untrusted", "expired", "bad-identity", "denied", "handshake"];
+
+/// A connection that a service's built-in proxy refused, or closed when an intention came to
+/// deny it.
+#[derive(Debug, Clone)]
+pub(crate) struct Refusal {
+    pub(crate) time: std::time::SystemTime,
+    pub(crate) service: tether_state::ServiceId,
+    /// One of [`REFUSAL_REASONS`].
+    pub(crate) reason: &'static str,
+    pub(crate) detail: String,
 }
 
 /// How many leaf events a slow reader may fall behind by.
@@ -65,7 +84,24 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 impl Connect {
     /// Connect for `catalog`, with no CA yet.
     pub(crate) fn new(catalog: LocalState) -> Self {
-        Self { catalog, running: Mutex::new(None), events: broadcast::channel(EVENT_BACKLOG).0 }
+        Self {
+            catalog,
+            running: Mutex::new(None),
+            events: broadcast::channel(EVENT_BACKLOG).0,
+            refusals: Mutex::default(),
+            refused: broadcast::channel(EVENT_BACKLOG).0,
+        }
+    }
+
+    /// Counts `refusal` and tells it to the events stream.
+    pub(crate) fn refuse(&self, refusal: Refusal) {
+        *lock(&self.refusals).entry((refusal.service.to_string(), refusal.reason)).or_default() += 1;
+        let _ = self.refused.send(refusal);
+    }
+
+    /// The refusals from now on.
+    pub(crate) fn refusals(&self) -> broadcast::Receiver<Refusal> {
+        self.refused.subscribe()
     }
 
     /// The leaves, while a CA is in force.
@@ -157,8 +193,10 @@ pub(crate) fn at_start(connect: &Connect, section: &ConnectSection, data: &DataD
     Ok(())
 }
 
-/// The metric of the leaves: `tether_leaf_cert_expiry_timestamp_seconds{service}`, when each
-/// service's leaf expires (seconds since the epoch), so that an alert fires before one does.
+/// The metrics of Connect: `tether_leaf_cert_expiry_timestamp_seconds{service}`, when each
+/// service's leaf expires (seconds since the epoch), so that an alert fires before one does;
+/// and `tether_connect_refusals_total{service, reason}`, the connections that built-in
+/// proxies refused or closed.
 pub(crate) fn collector(connect: Arc<Connect>) -> Box<dyn prometheus_client::collector::Collector> {
     Box::new(LeafCollector(connect))
 }
@@ -176,6 +214,20 @@ impl prometheus_client::collector::Collector for LeafCollector {
         use prometheus_client::encoding::EncodeMetric;
         use prometheus_client::metrics::gauge::ConstGauge;
 
+        let refusals = lock(&self.0.refusals).clone();
+        if !refusals.is_empty() {
+            use prometheus_client::metrics::counter::ConstCounter;
+            let mut family = encoder.encode_descriptor(
+                "tether_connect_refusals",
+                "Connections that a built-in proxy refused, or closed once an intention denied them, by reason",
+                None,
+                ConstCounter::new(0u64).metric_type(),
+            )?;
+            for ((service, reason), count) in &refusals {
+                ConstCounter::new(*count)
+                    .encode(family.encode_family(&[("service", service.as_str()), ("reason", reason)])?)?;
+            }
+        }
         let Some(handle) = self.0.leaves() else { return Ok(()) };
         let expiries: Vec<(String, f64)> = {
             let board = handle.board();

@@ -15,7 +15,7 @@
 //! This module serves only: it starts no process and writes no file.
 
 pub(crate) mod bootstrap;
-mod resources;
+pub(crate) mod resources;
 mod stream;
 
 use std::collections::{BTreeMap, HashMap};
@@ -162,6 +162,12 @@ impl Xds {
     fn board(&self) -> MutexGuard<'_, Board> {
         // Every critical section only moves values in or out.
         self.shared.board.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// A generation bumped on every change of the catalog or of a proxy's readiness: what
+    /// the built-in proxies' upstream queries wait on.
+    pub(crate) fn changes(&self) -> watch::Receiver<u64> {
+        self.shared.changes.subscribe()
     }
 
     /// The last verdict of `proxy`'s Envoy, if one ever connected since the agent started.

@@ -128,7 +128,7 @@ pub(crate) struct ConfigError {
 }
 
 /// One entry of `config.upstreams`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(crate) struct Upstream {
     /// The service name whose ready instances it reaches.
     pub(crate) destination_name: String,
@@ -186,17 +186,7 @@ impl EnvoyConfig {
                 }
             },
         };
-        let upstreams = match config.get("upstreams") {
-            None => Vec::new(),
-            Some(Value::Array(entries)) => entries
-                .iter()
-                .enumerate()
-                .map(|(at, entry)| {
-                    upstream(entry).map_err(|(key, problem)| error(&format!("upstreams[{at}]{key}"), problem))
-                })
-                .collect::<Result<Vec<_>, _>>()?,
-            Some(other) => return Err(error("upstreams", format!("must be an array of tables, not {other}"))),
-        };
+        let upstreams = read_upstreams(config).map_err(|(field, problem)| error(&field, problem))?;
         let mut seen = BTreeMap::new();
         let bind = SocketAddr::new(bind_address, bind_port);
         seen.insert(bind, "bind_port".to_owned());
@@ -210,6 +200,20 @@ impl EnvoyConfig {
             }
         }
         Ok(Self { bind, local_service, upstreams })
+    }
+}
+
+/// `config.upstreams`, as Envoy's listeners and the built-in proxy's both read it; an error
+/// names the key (`upstreams[0].local_bind_port`) and the problem.
+pub(crate) fn read_upstreams(config: &tether_state::ProxyConfigMap) -> Result<Vec<Upstream>, (String, String)> {
+    match config.get("upstreams") {
+        None => Ok(Vec::new()),
+        Some(Value::Array(entries)) => entries
+            .iter()
+            .enumerate()
+            .map(|(at, entry)| upstream(entry).map_err(|(key, problem)| (format!("upstreams[{at}]{key}"), problem)))
+            .collect(),
+        Some(other) => Err(("upstreams".to_owned(), format!("must be an array of tables, not {other}"))),
     }
 }
 

@@ -432,7 +432,7 @@ fn the_built_in_proxy_survives_an_agent_restart_and_keeps_forwarding() {
 }
 
 #[test]
-fn dev_mode_serves_the_demo_through_the_built_in_proxy_and_leaves_nothing_behind() {
+fn dev_mode_serves_the_demo_over_mutual_tls_between_two_built_in_proxies_and_leaves_nothing_behind() {
     use std::io::BufRead;
     let mut child = tether()
         .args(["agent", "--dev", "--sync-quiescent", "20ms"])
@@ -456,8 +456,13 @@ fn dev_mode_serves_the_demo_through_the_built_in_proxy_and_leaves_nothing_behind
     let mut lines = std::io::BufReader::new(stdout).lines();
     let mut port = None;
     let mut data_dir = None;
+    let mut demo_port = None;
     for line in lines.by_ref() {
         let line = line.unwrap();
+        if let Some(address) = line.trim().strip_prefix("demo proxy:") {
+            let address = address.split_whitespace().next().unwrap();
+            demo_port = Some(address.trim_start_matches("127.0.0.1:").parse::<u16>().unwrap());
+        }
         if let Some(dir) = line.trim().strip_prefix("data dir:") {
             data_dir = Some(std::path::PathBuf::from(dir.split_whitespace().next().unwrap()));
         }
@@ -484,7 +489,9 @@ fn dev_mode_serves_the_demo_through_the_built_in_proxy_and_leaves_nothing_behind
         get(&socket, "/v1/agent/proxy/demo-proxy").ok().map(|r| r.json()).filter(|p| p["ready"] == true)
     });
     assert_eq!(demo["state"], "running", "{demo}");
-    assert_eq!(demo["status_text"], format!("listening on 127.0.0.1:{port}"), "{demo}");
+    // The curl goes to web's upstream, which reaches the demo's proxy over mutual TLS.
+    let demo_port = demo_port.expect("the demo proxy's address");
+    assert_eq!(demo["status_text"], format!("listening on 127.0.0.1:{demo_port}"), "{demo}");
     // --dev makes a CA in its data dir: the demo has an identity.
     let spiffe = demo["certificate"]["spiffe_id"].as_str().unwrap_or_default();
     assert!(spiffe.starts_with("spiffe://") && spiffe.ends_with(".tether/ns/default/dc/dc1/svc/demo"), "{demo}");

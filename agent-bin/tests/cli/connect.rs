@@ -26,20 +26,20 @@ fn file_mesh(cert: &Path, key: &Path, ttl: &str) -> String {
 }
 
 /// The proxy token of `service`'s proxy, from the running proxy's environment.
-fn token(agent: &Agent, service: &str) -> String {
+pub(crate) fn token(agent: &Agent, service: &str) -> String {
     let status = agent.wait_state(&format!("{service}-proxy"), "running");
     let pid = status["pid"].as_i64().unwrap() as i32;
     wait_for("the proxy's token", || environ_var(pid, "TETHER_PROXY_TOKEN"))
 }
 
-fn leaf(agent: &Agent, service: &str, token: Option<&str>, query: &str) -> crate::support::Response {
+pub(crate) fn leaf(agent: &Agent, service: &str, token: Option<&str>, query: &str) -> crate::support::Response {
     let headers: Vec<(&str, &str)> = token.map(|t| ("X-Tether-Proxy-Token", t)).into_iter().collect();
     request(&agent.socket, "GET", &format!("/v1/agent/connect/ca/leaf/{service}{query}"), &headers, None).unwrap()
 }
 
 /// A CA certificate and PKCS #8 key made by `openssl`, as an operator would; `None` (the
 /// test skips) where `openssl` is not installed.
-fn openssl_ca(dir: &Path) -> Option<(PathBuf, PathBuf)> {
+pub(crate) fn openssl_ca(dir: &Path) -> Option<(PathBuf, PathBuf)> {
     let (cert, key) = (dir.join("ca.pem"), dir.join("ca-key.pem"));
     let made = Command::new("openssl")
         .args(["req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "2"])
@@ -174,7 +174,7 @@ fn without_a_connect_table_the_endpoints_say_so() {
 }
 
 /// `tether events --json`, killed and reaped on drop.
-struct KillOnDrop(std::process::Child);
+pub(crate) struct KillOnDrop(std::process::Child);
 
 impl Drop for KillOnDrop {
     fn drop(&mut self) {
@@ -184,7 +184,7 @@ impl Drop for KillOnDrop {
 }
 
 /// Streams the agent's events, one JSON line each, to the receiver as they come.
-fn events(dirs: &Dirs) -> (KillOnDrop, std::sync::mpsc::Receiver<String>) {
+pub(crate) fn events(dirs: &Dirs) -> (KillOnDrop, std::sync::mpsc::Receiver<String>) {
     use std::io::BufRead;
     let mut child = tether()
         .args(["events", "--json", "--data-dir"])

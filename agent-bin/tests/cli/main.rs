@@ -18,6 +18,7 @@ mod keeper;
 mod lifecycle;
 mod limits;
 mod lookup;
+mod mesh;
 mod operations;
 mod operator;
 mod ordering;
