@@ -1,10 +1,14 @@
 //! Log rotation by copy-and-truncate, driven by inotify.
 //!
 //! This module owns the one thread that watches every supervised log file and rotates a
-//! file once it passes its cap: `<file>.N-1` becomes `<file>.N`, …, the file is copied to
-//! `<file>.1` and truncated, so the process keeps appending to the same fd. A copy never
-//! holds more than the cap: what a late rotation finds past it becomes further copies, each
-//! at most the cap ([`rotate`]). The thread is its own, not a task of the runtime, so that
+//! file once it passes its cap: the file is copied and truncated, so the process keeps
+//! appending to the same fd, then `<file>.N-1` becomes `<file>.N`, …, and the copy
+//! `<file>.1`. A copy never holds more than the cap: what a late rotation finds past it
+//! becomes further copies, each at most the cap ([`rotate`]). A file that would reach its
+//! threshold within a second at its rate has its first bytes copied as it grows
+//! ([`Staged`]), so that between the check that finds it past its threshold and its
+//! truncation only the bytes written since the last check are copied: on a busy disk,
+//! copying a whole file took long enough for a fast writer to double it meanwhile. The thread is its own, not a task of the runtime, so that
 //! how soon a fast writer's file is rotated depends on the kernel scheduling one thread,
 //! never on a runtime busy with other work or a blocking pool's queue. It never
 //! polls: a file is watched with `IN_MODIFY | IN_ONESHOT`, so a burst of writes costs one
@@ -188,6 +192,8 @@ struct Watched {
     rate: Option<f32>,
     /// How long its last rotation took, in microseconds.
     rotation_took_micros: u32,
+    /// The copy of its first bytes made while it nears its threshold ([`Staged`]).
+    staged: Option<Box<Staged>>,
 }
 
 impl Watched {
@@ -265,7 +271,15 @@ impl State<'_> {
                     let watch = self.files.remove(&key).and_then(|old| old.watch);
                     self.files.insert(
                         key,
-                        Watched { file, limits, watch, checked: None, rate: None, rotation_took_micros: 0 },
+                        Watched {
+                            file,
+                            limits,
+                            watch,
+                            checked: None,
+                            rate: None,
+                            rotation_took_micros: 0,
+                            staged: None,
+                        },
                     );
                     self.arm(key);
                 }
@@ -357,8 +371,16 @@ impl State<'_> {
         }
         let threshold = watched.threshold();
         if let Some(size) = seen.filter(|&size| size <= threshold) {
+            if nears_threshold(size, threshold, watched.rate.map(f64::from)) {
+                let staged = watched.staged.take();
+                watched.staged = stage(&log, limits, staged);
+            } else {
+                // A writer that slowed down: nothing is held for it meanwhile.
+                watched.staged = None;
+            }
             return size;
         }
+        let staged = watched.staged.take();
         let (live, size) = match open_live(&log) {
             Ok(Some(live)) => live,
             Ok(None) => {
@@ -375,7 +397,7 @@ impl State<'_> {
         }
         // The copy blocks this thread, and only this one.
         let started = Instant::now();
-        let rotated = rotate(&log, &live, limits);
+        let rotated = rotate(&log, &live, limits, staged.map(|staged| *staged));
         let ended = Instant::now();
         if let Some(watched) = self.files.get_mut(&key) {
             watched.rotation_took_micros = u32::try_from(ended.duration_since(started).as_micros()).unwrap_or(u32::MAX);
@@ -412,54 +434,126 @@ pub(crate) fn rotated_name(name: &str, index: u32) -> String {
     format!("{name}.{index}")
 }
 
-/// Shifts the rotated copies, copies `live` (the log file `log`, opened by [`open_live`])
-/// to `<log>.1` and truncates `live`; returns how many copies it made.
+/// How far ahead of its threshold, at its current rate, a file's first bytes are copied
+/// while it grows ([`stage`]).
+const STAGE_AHEAD: Duration = Duration::from_secs(1);
+
+/// Whether a file at `size` would pass its `threshold` within [`STAGE_AHEAD`] at `rate`
+/// (bytes a second): then its first bytes are copied as it grows.
+fn nears_threshold(size: u64, threshold: u64, rate: Option<f64>) -> bool {
+    rate.is_some_and(|rate| size as f64 + rate * STAGE_AHEAD.as_secs_f64() >= threshold as f64)
+}
+
+/// The first bytes of a live log, copied while it grows towards its threshold, so that its
+/// rotation has only the bytes written since to copy before it truncates the file: what a
+/// fast writer adds between the check that finds it past its threshold and the truncation
+/// is then what it writes while a tail is copied, not while the whole file is.
+#[derive(Debug)]
+struct Staged {
+    /// The copy, under a temporary name of the log's directory (which a crash leaves for
+    /// the next agent to remove), to become `<log>.1`.
+    copy: tether_state::persist::Temporary,
+    /// How many of the live file's first bytes it holds.
+    length: u64,
+    /// The live file's device and inode: a copy of another file is of no use.
+    of: (u64, u64),
+    /// The live file, held open so that its inode number is not given to another file
+    /// while the copy is kept.
+    _live: File,
+}
+
+/// The device and inode of `file`.
+fn identity(file: &File) -> io::Result<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let metadata = file.metadata()?;
+    Ok((metadata.dev(), metadata.ino()))
+}
+
+/// Copies the bytes `log` gained since `staged` was last brought up to date into it (a
+/// piece's worth at most, [`piece_size`]), starting a new copy when there is none, or when
+/// the file was replaced or truncated since; `None` when the file cannot be copied (the
+/// rotation then copies it whole).
+fn stage(log: &LogFile, limits: LogPolicy, staged: Option<Box<Staged>>) -> Option<Box<Staged>> {
+    if limits.keep == 0 {
+        return None; // nothing is kept: a rotation only truncates
+    }
+    let (live, size) = open_live(log).ok()??;
+    let of = identity(&live).ok()?;
+    let mut staged = match staged.filter(|staged| staged.of == of && staged.length <= size) {
+        Some(staged) => staged,
+        None => {
+            let copy = log.dir().create_temporary(rotated_name(log.name(), 1)).ok()?;
+            let held = live.try_clone().ok()?;
+            Box::new(Staged { copy, length: 0, of, _live: held })
+        }
+    };
+    let wanted = size.min(piece_size(limits.max_size)).saturating_sub(staged.length);
+    staged.length += copy_from(&live, staged.length, wanted, staged.copy.file()).ok()?;
+    Some(staged)
+}
+
+/// Appends up to `length` bytes of `live`, from `offset`, to `copy`; returns how many.
+fn copy_from(live: &File, offset: u64, length: u64, mut copy: &File) -> io::Result<u64> {
+    let mut live = live;
+    io::Seek::seek(&mut live, io::SeekFrom::Start(offset))?;
+    io::copy(&mut live.take(length), &mut copy)
+}
+
+/// Copies `live` (the log file `log`, opened by [`open_live`]) into new files, truncates
+/// it, then shifts the rotated copies and puts the new ones in place, the newest as
+/// `<log>.1`; returns how many copies it made.
 ///
 /// A copy holds at most a tenth more than `limits.max_size` ([`piece_size`]): a file found
 /// further past its cap (a rotation that came late, or a writer that went on while it was
-/// copied) is copied in pieces of that size,
-/// each shifted along like a rotation of its own, the oldest bytes in the highest index,
-/// and only the newest `limits.keep` of them (older bytes would only be shifted out). So the cap holds for every copy whatever the write
-/// rate; what the writer adds between the end of the last piece and the truncation is lost,
-/// as with any copy-and-truncate.
+/// copied) is copied in pieces of that size, each shifted along like a rotation of its
+/// own, the oldest bytes in the highest index, and only the newest `limits.keep` of them
+/// (older bytes would only be shifted out). So the cap holds for every copy whatever the
+/// write rate. `staged`, a copy of the file's first bytes made while it grew, is the first
+/// piece's beginning when it is of this file and those bytes are kept.
+///
+/// The file is truncated as soon as the copies are made, before any name changes, so that
+/// what a fast writer adds before the truncation, and loses with it (as with any
+/// copy-and-truncate), is what it writes while the bytes not staged are copied.
 ///
 /// Renames move a link at a rotated name along, never following it; each copy is a new
 /// 0600 file renamed over `<log>.1`, replacing whatever was there; only `live` is
 /// truncated. Rotated copies are in the crash durability class: nothing is fsynced, as
-/// the log itself is not.
-pub(crate) fn rotate(log: &LogFile, live: &File, limits: LogPolicy) -> Result<u32, PersistError> {
+/// the log itself is not; a copy not yet renamed when the agent dies keeps a temporary
+/// name, which the next agent removes.
+fn rotate(log: &LogFile, live: &File, limits: LogPolicy, staged: Option<Staged>) -> Result<u32, PersistError> {
     let (dir, name) = (log.dir(), log.name());
+    let read_error = |source| PersistError::Read { path: log.path(), source };
     let piece = piece_size(limits.max_size);
-    let (mut copies, mut offset) = (0, 0);
+    let mut pieces = Vec::new();
     if limits.keep > 0 {
+        let size = live.metadata().map_err(read_error)?.len();
         // More than `keep` pieces: the oldest would only be shifted out, so they are skipped.
-        let size = live.metadata().map_err(|source| PersistError::Read { path: log.path(), source })?.len();
-        let kept = piece.saturating_mul(u64::from(limits.keep));
-        if size > kept {
-            offset = size - kept;
-            let mut skip = live;
-            io::Seek::seek(&mut skip, io::SeekFrom::Start(offset))
-                .map_err(|source| PersistError::Read { path: log.path(), source })?;
-        }
-    }
-    while copies < limits.keep {
-        for index in (1..limits.keep).rev() {
-            dir.rename(rotated_name(name, index), rotated_name(name, index + 1))?;
-        }
-        // `live` was opened for this rotation: its offset runs on from one piece to the next.
-        let mut copied = 0;
-        dir.write_atomic_file(rotated_name(name, 1), Durability::Crash, |copy| {
-            copied += io::copy(&mut live.take(piece), copy)?;
-            Ok(())
-        })?;
-        copies += 1;
-        offset += copied;
-        let size = live.metadata().map_err(|source| PersistError::Read { path: log.path(), source })?.len();
-        if copied < piece || size <= offset {
-            break; // the end of the file: the rest fitted in this piece
+        let mut offset = size.saturating_sub(piece.saturating_mul(u64::from(limits.keep)));
+        let of = identity(live).map_err(read_error)?;
+        let mut staged = staged.filter(|staged| offset == 0 && staged.of == of && staged.length <= size);
+        while pieces.len() < limits.keep as usize {
+            let (copy, mut length) = match staged.take() {
+                Some(Staged { copy, length, .. }) => (copy, length),
+                None => (dir.create_temporary(rotated_name(name, 1))?, 0),
+            };
+            let copy_error = |source| PersistError::Write { path: dir.path().join(copy.name()), source };
+            length += copy_from(live, offset + length, piece - length, copy.file()).map_err(copy_error)?;
+            pieces.push(copy);
+            offset += length;
+            let size = live.metadata().map_err(read_error)?.len();
+            if length < piece || size <= offset {
+                break; // the end of the file: the rest fitted in this piece
+            }
         }
     }
     live.set_len(0).map_err(|source| PersistError::Write { path: log.path(), source })?;
+    let copies = u32::try_from(pieces.len()).unwrap_or(u32::MAX);
+    for copy in pieces {
+        for index in (1..limits.keep).rev() {
+            dir.rename(rotated_name(name, index), rotated_name(name, index + 1))?;
+        }
+        copy.persist(Durability::Crash)?;
+    }
     Ok(copies)
 }
 
@@ -548,7 +642,7 @@ mod tests {
     fn write_and_rotate(log: &LogFile, content: &str, keep: u32) {
         fs::write(log.path(), content).unwrap();
         let (live, _size) = open_live(log).unwrap().unwrap();
-        rotate(log, &live, LogPolicy { max_size: 1 << 20, keep }).unwrap();
+        rotate(log, &live, LogPolicy { max_size: 1 << 20, keep }, None).unwrap();
     }
 
     fn copy(log: &LogFile, index: u32) -> std::path::PathBuf {
@@ -595,7 +689,7 @@ mod tests {
         let rotate_now = |content: &str, keep| {
             fs::write(log.path(), content).unwrap();
             let (live, _size) = open_live(&log).unwrap().unwrap();
-            let copies = rotate(&log, &live, LogPolicy { max_size: 40, keep }).unwrap();
+            let copies = rotate(&log, &live, LogPolicy { max_size: 40, keep }, None).unwrap();
             assert_eq!(fs::read_to_string(log.path()).unwrap(), "");
             copies
         };
@@ -613,6 +707,63 @@ mod tests {
         assert_eq!(rotate_now(&format!("{e}{f}{g}"), 2), 2);
         assert_eq!(fs::read_to_string(copy(&log, 2)).unwrap(), f);
         assert_eq!(fs::read_to_string(copy(&log, 1)).unwrap(), g);
+    }
+
+    #[test]
+    fn a_copy_staged_while_the_file_grew_is_completed_by_the_rotation_and_nothing_else_is_left() {
+        let (_temp, log) = log_file();
+        let limits = LogPolicy { max_size: 40, keep: 5 };
+        let append = |text: &str| {
+            let mut file = fs::OpenOptions::new().append(true).create(true).open(log.path()).unwrap();
+            io::Write::write_all(&mut file, text.as_bytes()).unwrap();
+        };
+        append(&"a".repeat(10));
+        let staged = stage(&log, limits, None).unwrap();
+        assert_eq!(staged.length, 10);
+        append(&"b".repeat(20));
+        let staged = stage(&log, limits, Some(staged)).unwrap();
+        assert_eq!(staged.length, 30);
+        // The rotation copies the rest, and a piece past it (pieces of 44).
+        append(&"c".repeat(30));
+        let (live, _size) = open_live(&log).unwrap().unwrap();
+        assert_eq!(rotate(&log, &live, limits, Some(*staged)).unwrap(), 2);
+        let whole = format!("{}{}{}", "a".repeat(10), "b".repeat(20), "c".repeat(30));
+        assert_eq!(fs::read_to_string(copy(&log, 2)).unwrap(), whole[..44]);
+        assert_eq!(fs::read_to_string(copy(&log, 1)).unwrap(), whole[44..]);
+        assert_eq!(fs::read_to_string(log.path()).unwrap(), "");
+        let names: Vec<_> = fs::read_dir(log.dir().path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names.len(), 3, "no temporary file is left: {names:?}");
+    }
+
+    #[test]
+    fn a_copy_staged_of_a_file_since_replaced_or_truncated_is_not_used() {
+        let (_temp, log) = log_file();
+        let limits = LogPolicy { max_size: 1 << 20, keep: 2 };
+        fs::write(log.path(), "old file").unwrap();
+        let staged = stage(&log, limits, None).unwrap();
+        fs::remove_file(log.path()).unwrap();
+        fs::write(log.path(), "new file").unwrap();
+        let (live, _size) = open_live(&log).unwrap().unwrap();
+        rotate(&log, &live, limits, Some(*staged)).unwrap();
+        assert_eq!(fs::read_to_string(copy(&log, 1)).unwrap(), "new file");
+
+        fs::write(log.path(), "a longer first text").unwrap();
+        let staged = stage(&log, limits, None).unwrap();
+        fs::write(log.path(), "short").unwrap();
+        // Staging again starts anew on a file shorter than what it holds.
+        let staged = stage(&log, limits, Some(staged)).unwrap();
+        assert_eq!(staged.length, 5);
+        drop(staged);
+        let names: Vec<_> = fs::read_dir(log.dir().path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names.len(), 2, "a dropped staged copy leaves nothing: {names:?}");
+    }
+
+    #[test]
+    fn only_a_file_within_a_second_of_its_threshold_at_its_rate_is_staged() {
+        assert!(nears_threshold(5_000_000, 10_000_000, Some(50e6)));
+        assert!(!nears_threshold(5_000_000, 10_000_000, Some(1e6)));
+        assert!(nears_threshold(9_500_000, 10_000_000, Some(1e6)));
+        assert!(!nears_threshold(9_500_000, 10_000_000, None));
     }
 
     #[test]

@@ -22,7 +22,7 @@ use crate::token::ProxyToken;
 
 mod dir;
 
-pub use dir::{Durability, LinkedComponent, PrivateDir, UnsafeEntry};
+pub use dir::{Durability, LinkedComponent, PrivateDir, Temporary, UnsafeEntry};
 
 /// The mode of every directory tether creates.
 pub const DIR_MODE: u32 = 0o700;

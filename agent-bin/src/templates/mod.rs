@@ -356,7 +356,7 @@ impl Templates {
         let mut due: HashMap<(ProxyId, PathBuf), Instant> = HashMap::new();
         let mut restarts = JoinSet::new();
         // Proxies adopted from an earlier agent did not start here: their files are checked now.
-        self.mark(&mut due, |_, _| true);
+        self.mark_all(&mut due);
         loop {
             let next = due.values().min().copied();
             tokio::select! {
@@ -366,7 +366,7 @@ impl Templates {
                         return;
                     }
                     // Every template sees `service` and `services`.
-                    self.mark(&mut due, |_, _| true);
+                    self.mark_all(&mut due);
                     self.forget_gone();
                 }
                 event = statuses.recv() => match event {
@@ -375,14 +375,14 @@ impl Templates {
                         if ready.insert(status.id.clone(), now_ready) != Some(now_ready) {
                             let name = self.shared.catalog.get(&status.service).map(|e| e.service.name.as_str().to_owned());
                             if let Some(name) = name {
-                                self.mark(&mut due, |_, names| names.contains(&name));
+                                self.mark_asking(&mut due, |names| names.contains(&name));
                             }
                         }
                     }
                     Ok(_) => {}
                     Err(broadcast::error::RecvError::Lagged(_)) => {
                         ready = manager.status_unmeasured().into_iter().map(|status| (status.id.clone(), status.ready())).collect();
-                        self.mark(&mut due, |_, names| !names.is_empty());
+                        self.mark_asking(&mut due, |names| !names.is_empty());
                     }
                     Err(broadcast::error::RecvError::Closed) => return,
                 },
@@ -396,32 +396,42 @@ impl Templates {
                     }
                 }
                 Some(name) = async { fleet_changes.as_mut()?.recv().await }, if fleet_changes.is_some() => {
-                    self.mark(&mut due, |_, names| names.contains(&name));
+                    self.mark_asking(&mut due, |names| names.contains(&name));
                 }
                 Some(_) = restarts.join_next(), if !restarts.is_empty() => {}
             }
         }
     }
 
-    /// Sets a render time, `wait` from now, for every template that `select` picks (by its
-    /// proxy and the names it asked `instances` for) and has none yet: changes within the
-    /// window render once.
-    fn mark(
-        &self,
-        due: &mut HashMap<(ProxyId, PathBuf), Instant>,
-        select: impl Fn(&ProxyId, &BTreeSet<String>) -> bool,
-    ) {
+    /// Sets a render time, `wait` from now, for every template of the catalog that has none
+    /// yet: changes within the window render once.
+    fn mark_all(&self, due: &mut HashMap<(ProxyId, PathBuf), Instant>) {
         let now = Instant::now();
-        let board = lock(&self.shared.board);
-        let empty = BTreeSet::new();
         for entry in self.shared.catalog.entries() {
             let Some(proxy) = &entry.proxy else { continue };
             for template in &proxy.spec().templates {
-                let key = (proxy.id().clone(), template.destination.clone());
-                let names = board.instances_of.get(&key).unwrap_or(&empty);
-                if select(proxy.id(), names) {
-                    due.entry(key).or_insert(now + template.wait);
-                }
+                due.entry((proxy.id().clone(), template.destination.clone())).or_insert(now + template.wait);
+            }
+        }
+    }
+
+    /// [`Templates::mark_all`] for the templates whose last render asked `instances` for
+    /// names that `select` picks. Only those are looked at, not the catalog: a readiness
+    /// change of each proxy of a bring-up would otherwise walk every proxy, a cost that
+    /// grows with the square of their number.
+    fn mark_asking(&self, due: &mut HashMap<(ProxyId, PathBuf), Instant>, select: impl Fn(&BTreeSet<String>) -> bool) {
+        let now = Instant::now();
+        let board = lock(&self.shared.board);
+        for (key, names) in &board.instances_of {
+            if !select(names) || due.contains_key(key) {
+                continue;
+            }
+            let (proxy_id, destination) = key;
+            let proxy = self.shared.catalog.get(&proxy_id.service_id()).and_then(|entry| entry.proxy);
+            let Some(proxy) = proxy.filter(|proxy| proxy.id() == proxy_id) else { continue };
+            if let Some(template) = proxy.spec().templates.iter().find(|template| template.destination == *destination)
+            {
+                due.insert(key.clone(), now + template.wait);
             }
         }
     }

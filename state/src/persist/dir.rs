@@ -468,6 +468,21 @@ impl PrivateDir {
         durability: Durability,
         write: impl FnOnce(&mut File) -> io::Result<()>,
     ) -> Result<(), PersistError> {
+        let name = name.as_ref();
+        let mut temporary = self.create_temporary(name)?;
+        write(&mut temporary.file).map_err(|source| PersistError::Write { path: self.path().join(name), source })?;
+        temporary.persist(durability)
+    }
+
+    /// Creates an empty file (mode 0600) under a temporary name of this directory, to become
+    /// `name` once written ([`Temporary::persist`]). Its name, `.<name>.tmp.<pid>.<n>`, is
+    /// the one that [`PrivateDir::remove_temporaries`] finds after a crash; dropped before
+    /// it is persisted, it is removed.
+    ///
+    /// # Errors
+    ///
+    /// [`PersistError::Write`], naming `name`.
+    pub fn create_temporary(&self, name: impl AsRef<OsStr>) -> Result<Temporary, PersistError> {
         static COUNTER: AtomicU64 = AtomicU64::new(0);
         let name = name.as_ref();
         let write_error = |source: io::Error| PersistError::Write { path: self.path().join(name), source };
@@ -475,23 +490,8 @@ impl PrivateDir {
         let mut temp = OsString::from(".");
         temp.push(name);
         temp.push(format!(".tmp.{}.{}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed)));
-        let result = (|| {
-            let mut file = File::from(self.create(&temp, OFlag::O_WRONLY)?);
-            write(&mut file)?;
-            if durability == Durability::PowerLoss {
-                file.sync_all()?;
-            }
-            drop(file);
-            renameat(self.fd(), temp.as_os_str(), self.fd(), name)?;
-            if durability == Durability::PowerLoss {
-                fsync(self.fd())?;
-            }
-            Ok(())
-        })();
-        if result.is_err() {
-            let _ = unlinkat(self.fd(), temp.as_os_str(), UnlinkatFlags::NoRemoveDir);
-        }
-        result.map_err(write_error)
+        let file = File::from(self.create(&temp, OFlag::O_WRONLY).map_err(|errno| write_error(errno.into()))?);
+        Ok(Temporary { dir: self.clone(), name: name.to_owned(), temp, file, persisted: false })
     }
 
     /// Removes `name` (a link is removed, not its target); `false` if there was nothing.
@@ -788,4 +788,56 @@ fn temporary_of(entry: &OsStr) -> Option<(&[u8], u32)> {
         return None;
     }
     Some((name, std::str::from_utf8(pid).ok()?.parse().ok()?))
+}
+
+/// A file being written under a temporary name of its directory, which becomes its name
+/// once written ([`PrivateDir::create_temporary`]); removed if dropped before.
+#[derive(Debug)]
+pub struct Temporary {
+    dir: PrivateDir,
+    name: OsString,
+    temp: OsString,
+    file: File,
+    persisted: bool,
+}
+
+impl Temporary {
+    /// The file, to write into.
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
+    /// The name it will have.
+    pub fn name(&self) -> &OsStr {
+        &self.name
+    }
+
+    /// Renames it to its name, replacing what is there (a link is replaced, never
+    /// followed): fsynced first, and the directory after, if `durability` asks for it.
+    ///
+    /// # Errors
+    ///
+    /// [`PersistError::Write`], naming its name; the temporary file is then removed.
+    pub fn persist(mut self, durability: Durability) -> Result<(), PersistError> {
+        let result = (|| {
+            if durability == Durability::PowerLoss {
+                self.file.sync_all()?;
+            }
+            renameat(self.dir.fd(), self.temp.as_os_str(), self.dir.fd(), self.name.as_os_str())?;
+            self.persisted = true;
+            if durability == Durability::PowerLoss {
+                fsync(self.dir.fd())?;
+            }
+            Ok(())
+        })();
+        result.map_err(|source: io::Error| PersistError::Write { path: self.dir.path().join(&self.name), source })
+    }
+}
+
+impl Drop for Temporary {
+    fn drop(&mut self) {
+        if !self.persisted {
+            let _ = unlinkat(self.dir.fd(), self.temp.as_os_str(), UnlinkatFlags::NoRemoveDir);
+        }
+    }
 }
