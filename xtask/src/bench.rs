@@ -222,8 +222,9 @@ fn end_to_end(
             rows.push(Row::failed("xDS: change to Envoy's ACK", &err));
             errors.push(err);
         }
-        // The simulated fleet (20 agents, one etcd, 2 000 puts): informational figures.
-        match only.wants("fleet").then(|| fleet::run(root, &lab.tether)) {
+        // Informational figures, with no baseline: the simulated fleet (20 agents, one etcd,
+        // 2 000 puts) and 300 agents on a three-member etcd cluster.
+        let mut informational = |name: &str, figures: Option<Result<Vec<(String, String)>, String>>| match figures {
             None => {}
             Some(Ok(figures)) => rows.extend(
                 figures
@@ -231,23 +232,12 @@ fn end_to_end(
                     .map(|(figure, value)| Row::new(&figure, "—".into(), value, "—".into(), "—", report::Met::Info)),
             ),
             Some(Err(err)) => {
-                rows.push(Row::failed("simulated fleet", &err));
+                rows.push(Row::failed(name, &err));
                 errors.push(err);
             }
-        }
-        // 300 agents on a three-member etcd cluster: informational figures.
-        match only.wants("fleet-scale").then(|| fleet_scale::run(&lab.tether)) {
-            None => {}
-            Some(Ok(figures)) => rows.extend(
-                figures
-                    .into_iter()
-                    .map(|(figure, value)| Row::new(&figure, "—".into(), value, "—".into(), "—", report::Met::Info)),
-            ),
-            Some(Err(err)) => {
-                rows.push(Row::failed("fleet at scale", &err));
-                errors.push(err);
-            }
-        }
+        };
+        informational("simulated fleet", only.wants("fleet").then(|| fleet::run(root, &lab.tether)));
+        informational("fleet at scale", only.wants("fleet-scale").then(|| fleet_scale::run(&lab.tether)));
     }
     machine.load_after = report::load_average();
     let mut notes = vec![format!(

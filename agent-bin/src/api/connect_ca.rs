@@ -25,23 +25,27 @@ pub(crate) struct BlockingQuery {
     pub(crate) wait: Option<String>,
 }
 
-fn leaves(state: &ApiState) -> Result<LeavesHandle, ApiError> {
-    state.connect.leaves().ok_or_else(|| {
-        ApiError::new(StatusCode::NOT_FOUND, "Connect is not enabled: no config dir has a [connect] table")
-    })
+/// 404 for an endpoint of Connect while no config dir has a `[connect]` table.
+pub(crate) fn not_enabled() -> ApiError {
+    ApiError::new(StatusCode::NOT_FOUND, "Connect is not enabled: no config dir has a [connect] table")
 }
 
-/// Waits until `passed` holds for the board, `wait` ends or the API stops.
-async fn block(
+fn leaves(state: &ApiState) -> Result<LeavesHandle, ApiError> {
+    state.connect.leaves().ok_or_else(not_enabled)
+}
+
+/// The wait of a blocking query on `watched`: returns at once without `?index=`, or when
+/// `passed(value, index)` holds already; else once it holds, the query's wait ends or the
+/// API stops, holding one of the listener's stream slots meanwhile.
+pub(crate) async fn block<T>(
     state: &ApiState,
-    handle: &LeavesHandle,
+    mut watched: tokio::sync::watch::Receiver<T>,
     query: &BlockingQuery,
     slots: &StreamSlots,
-    passed: impl Fn(&LeafBoard, u64) -> bool,
+    passed: impl Fn(&T, u64) -> bool,
 ) -> Result<(), ApiError> {
     let Some(index) = query.index else { return Ok(()) };
-    let mut board = handle.watch();
-    if passed(&board.borrow_and_update(), index) {
+    if passed(&watched.borrow_and_update(), index) {
         return Ok(());
     }
     let wait = wait_of(query.wait.as_deref())?;
@@ -49,14 +53,15 @@ async fn block(
     let waited = tokio::time::timeout(wait, async {
         tokio::select! {
             () = state.shutdown.cancelled() => {}
-            _ = board.wait_for(|board| passed(board, index)) => {}
+            _ = watched.wait_for(|value| passed(value, index)) => {}
         }
     });
     let _ = waited.await;
     Ok(())
 }
 
-fn with_index(body: impl serde::Serialize, index: u64) -> Response {
+/// A blocking query's answer: `body`, with its index in `X-Tether-Index`.
+pub(crate) fn with_index(body: impl serde::Serialize, index: u64) -> Response {
     let mut response = Json(body).into_response();
     if let Ok(value) = HeaderValue::from_str(&index.to_string()) {
         response.headers_mut().insert(INDEX_HEADER, value);
@@ -70,7 +75,7 @@ pub(crate) async fn get_roots(
     Extension(slots): Extension<StreamSlots>,
 ) -> Result<Response, ApiError> {
     let handle = leaves(&state)?;
-    block(&state, &handle, &query, &slots, |board, index| board.roots_index > index).await?;
+    block(&state, handle.watch(), &query, &slots, |board: &LeafBoard, index| board.roots_index > index).await?;
     let board = handle.board();
     let roots: Vec<CaRootDto> = board
         .roots
@@ -108,7 +113,7 @@ pub(crate) async fn get_leaf(
     authorised(state.sources.state(), &proxy_id, &token).ok_or_else(forbidden)?;
     let Some(service_id) = service_id else { return Err(forbidden()) };
     let handle = leaves(&state)?;
-    block(&state, &handle, &query, &slots, |board, index| {
+    block(&state, handle.watch(), &query, &slots, |board: &LeafBoard, index| {
         board.services.get(&service_id).is_some_and(|status| status.index > index)
     })
     .await?;

@@ -7,14 +7,14 @@
 //! connection the proxy refused or closed: counted, and told as an event).
 
 use axum::extract::{Path, Query, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use tether_state::{ListenAddress, ProxyId, ServiceId, ServiceName, SpiffeId};
 
-use super::connect_ca::BlockingQuery;
-use super::dto::{INDEX_HEADER, IntentionDto, IntentionsDto, MeshInstanceDto, RefusalDto, TOKEN_HEADER, UpstreamDto};
-use super::proxy_config::{forbidden, wait_of};
+use super::connect_ca::{BlockingQuery, block, not_enabled, with_index};
+use super::dto::{IntentionDto, IntentionsDto, MeshInstanceDto, RefusalDto, TOKEN_HEADER, UpstreamDto};
+use super::proxy_config::forbidden;
 use super::{ApiError, ApiState, StreamSlots};
 use crate::catalog::names::authorised;
 
@@ -28,41 +28,6 @@ fn own_service(state: &ApiState, service: &str, headers: &HeaderMap) -> Result<t
     authorised(state.sources.state(), &proxy_id, token).ok_or_else(forbidden)
 }
 
-fn not_enabled() -> ApiError {
-    ApiError::new(StatusCode::NOT_FOUND, "Connect is not enabled: no config dir has a [connect] table")
-}
-
-/// Waits until `index` passes `query`'s index, the query's wait ends or the API stops.
-async fn block(
-    state: &ApiState,
-    mut index: tokio::sync::watch::Receiver<u64>,
-    query: &BlockingQuery,
-    slots: &StreamSlots,
-) -> Result<(), ApiError> {
-    let Some(wanted) = query.index else { return Ok(()) };
-    if *index.borrow_and_update() > wanted {
-        return Ok(());
-    }
-    let wait = wait_of(query.wait.as_deref())?;
-    let _slot = slots.take()?;
-    let waited = tokio::time::timeout(wait, async {
-        tokio::select! {
-            () = state.shutdown.cancelled() => {}
-            _ = index.wait_for(|index| *index > wanted) => {}
-        }
-    });
-    let _ = waited.await;
-    Ok(())
-}
-
-fn with_index(body: impl serde::Serialize, index: u64) -> Response {
-    let mut response = Json(body).into_response();
-    if let Ok(value) = HeaderValue::from_str(&index.to_string()) {
-        response.headers_mut().insert(INDEX_HEADER, value);
-    }
-    response
-}
-
 pub(crate) async fn get_intentions(
     State(state): State<ApiState>,
     Path(service): Path<String>,
@@ -72,7 +37,7 @@ pub(crate) async fn get_intentions(
 ) -> Result<Response, ApiError> {
     let entry = own_service(&state, &service, &headers)?;
     let changes = state.sources.intentions_index();
-    block(&state, changes.clone(), &query, &slots).await?;
+    block(&state, changes.clone(), &query, &slots, |index, wanted| *index > wanted).await?;
     // The index before the section: a change in between is answered again by the next query.
     let index = *changes.borrow();
     let section = state.sources.connect_section();
@@ -109,7 +74,7 @@ pub(crate) async fn get_upstream(
     let destination = ServiceName::new(destination.as_str())
         .map_err(|err| ApiError::new(StatusCode::BAD_REQUEST, format!("invalid destination: {err}")))?;
     let changes = state.xds.changes();
-    block(&state, changes.clone(), &query, &slots).await?;
+    block(&state, changes.clone(), &query, &slots, |index, wanted| *index > wanted).await?;
     let index = *changes.borrow();
     let section = state.sources.connect_section();
     let connect = section.connect().ok_or_else(not_enabled)?;
