@@ -278,11 +278,13 @@ function lastEvents(events) {
   return list;
 }
 
+function keyOf(event) { return event.time + " " + event.proxy + " " + event.event + " " + event.pid; }
+
 // One event, from the history or the stream: kept once, for the feed and its timeline.
 function told(event) {
   // The agent's own events (the store lost or back) name no proxy.
   if (event.proxy === null || event.proxy === undefined) event.proxy = "(agent)";
-  const key = event.time + " " + event.proxy + " " + event.event + " " + event.pid;
+  const key = keyOf(event);
   if (seenEvents.has(key)) return false;
   seenEvents.add(key);
   let list = timelines.get(event.proxy);
@@ -291,6 +293,13 @@ function told(event) {
   if (list.length > PER_PROXY) list.splice(0, list.length - PER_PROXY);
   feedEvents.push(event);
   if (feedEvents.length > FEED_SIZE * 4) feedEvents.splice(0, feedEvents.length - FEED_SIZE * 4);
+  // A page left open for days keeps only the keys of the events it still holds.
+  if (seenEvents.size > 4 * (FEED_SIZE * 4 + PER_PROXY * timelines.size)) {
+    seenEvents.clear();
+    for (const kept of [...feedEvents, ...[...timelines.values()].flat()]) {
+      seenEvents.add(keyOf(kept));
+    }
+  }
   return true;
 }
 
