@@ -327,12 +327,23 @@ fn refused_config_shows_its_message_and_the_previous_serves_on(test: &str, delta
     setup.note_base_id();
     wait_served(setup.bind_port, "service\n");
     let (_events, lines) = events(&setup.dirs);
-    // The events stream is live once it tells of a proxy started after it.
-    setup.dirs.write_config("other.toml", &sleeper("other"));
-    setup.reload();
-    wait_for("other-proxy's started event", || {
-        let event: serde_json::Value = serde_json::from_str(&lines.try_recv().ok()?).unwrap();
-        (event["event"] == "started" && event["proxy"] == "other-proxy").then_some(())
+    // The events stream is live once it tells of a proxy started after it: a proxy started
+    // before the stream subscribed is not told, so another one is started until one is.
+    let mut pokes = 0;
+    wait_for("the events stream to tell of a proxy started after it", || {
+        pokes += 1;
+        let name = format!("other{pokes}");
+        setup.dirs.write_config("other.toml", &sleeper(&name));
+        setup.reload();
+        let wanted = format!("{name}-proxy");
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+            let event: serde_json::Value = serde_json::from_str(&lines.recv_timeout(left).ok()?).unwrap();
+            if event["event"] == "started" && event["proxy"] == wanted.as_str() {
+                return Some(());
+            }
+        }
+        None
     });
 
     // An upstream on a port that another socket holds (without SO_REUSEPORT): Envoy cannot
