@@ -3,9 +3,8 @@
 //! ports (client and peer port per member, a temp data dir each), gives the agents and the
 //! `tether fleet` commands all three endpoints, and kills every member on drop.
 
-use std::sync::Arc;
-
 use super::*;
+use netns::Partition;
 
 /// One member of a [`Cluster`]: its name, ports, data dir and process.
 struct Member {
@@ -30,12 +29,20 @@ pub struct Cluster {
     binary: PathBuf,
     dir: tempfile::TempDir,
     members: Vec<Member>,
+    /// A second address every member serves clients on, beside loopback.
+    also_at: Option<&'static str>,
 }
 
 impl Cluster {
     /// Starts three members and waits until the cluster has a leader, or returns `None`
     /// (and says why) when there is no etcd binary.
     fn start(test: &str) -> Option<Self> {
+        Self::start_also_at(test, None)
+    }
+
+    /// Like [`Cluster::start`], each member serving clients at `address` too (on the same
+    /// port as on loopback).
+    fn start_also_at(test: &str, also_at: Option<&'static str>) -> Option<Self> {
         let Some(binary) = etcd_binary() else {
             assert!(std::env::var_os("CI").is_none(), "CI must have an etcd binary (.ci/run installs etcd-server)");
             eprintln!("skipping {test}: no etcd binary on PATH (apt-get install etcd-server)");
@@ -44,7 +51,7 @@ impl Cluster {
         let members = (0..3)
             .map(|i| Member { name: format!("m{i}"), client_port: free_port(), peer_port: free_port(), child: None })
             .collect();
-        let mut cluster = Self { binary, dir: tempfile::tempdir().unwrap(), members };
+        let mut cluster = Self { binary, dir: tempfile::tempdir().unwrap(), members, also_at };
         for i in 0..3 {
             cluster.spawn(i);
         }
@@ -55,6 +62,12 @@ impl Cluster {
     /// Every member's client URL, comma-separated, as `--etcd` takes them.
     fn urls(&self) -> String {
         self.members.iter().map(Member::url).collect::<Vec<_>>().join(",")
+    }
+
+    /// Every member's client URL at `address`, comma-separated.
+    fn urls_at(&self, address: &str) -> String {
+        let urls: Vec<String> = self.members.iter().map(|m| format!("http://{address}:{}", m.client_port)).collect();
+        urls.join(",")
     }
 
     /// Starts member `i` on its data dir (new, or kept from before).
@@ -69,6 +82,10 @@ impl Cluster {
         let token = self.dir.path().file_name().unwrap().to_string_lossy().into_owned();
         let member = &self.members[i];
         assert!(member.child.is_none(), "{} runs already", member.name);
+        let listen = match self.also_at {
+            Some(address) => format!("{},http://{address}:{}", member.url(), member.client_port),
+            None => member.url(),
+        };
         let log = std::fs::File::options()
             .create(true)
             .append(true)
@@ -77,7 +94,7 @@ impl Cluster {
         let child = support::command(&self.binary)
             .arg(format!("--name={}", member.name))
             .arg(format!("--data-dir={}", self.dir.path().join(&member.name).display()))
-            .arg(format!("--listen-client-urls={}", member.url()))
+            .arg(format!("--listen-client-urls={listen}"))
             .arg(format!("--advertise-client-urls={}", member.url()))
             .arg(format!("--listen-peer-urls={}", member.peer_url()))
             .arg(format!("--initial-advertise-peer-urls={}", member.peer_url()))
@@ -214,12 +231,30 @@ fn put(cluster: &Cluster, node: &str, file: &str) {
 
 /// An agent that follows `node`, given every member's endpoint.
 fn cluster_agent(dirs: &Dirs, cluster: &Cluster, node: &str) -> Agent {
-    let urls = cluster.urls();
-    let mut flags = vec!["--etcd", urls.as_str(), "--node", node];
+    cluster_agent_with(dirs, cluster, node, &[])
+}
+
+/// Like [`cluster_agent`], with `extra` flags.
+fn cluster_agent_with(dirs: &Dirs, cluster: &Cluster, node: &str, extra: &[&str]) -> Agent {
+    Agent::start(dirs, &agent_flags(&cluster.urls(), node, extra))
+}
+
+/// An agent in the cut-off side of `partition` that follows `node`, given every member's
+/// endpoint on the link.
+fn partitioned_agent(partition: &Partition, dirs: &Dirs, cluster: &Cluster, node: &str, extra: &[&str]) -> Agent {
+    let urls = cluster.urls_at(netns::STORE_ADDRESS);
+    let flags = agent_flags(&urls, node, extra);
+    Agent::start_configured(dirs, &flags, |command| partition.in_cut_off(command))
+}
+
+/// `--etcd URLS --node NODE EXTRA...`, and `--allow-root` as root.
+fn agent_flags<'a>(urls: &'a str, node: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut flags = vec!["--etcd", urls, "--node", node];
+    flags.extend_from_slice(extra);
     if is_root() {
         flags.push("--allow-root");
     }
-    Agent::start(dirs, &flags)
+    flags
 }
 
 /// How long the quorum-lost test keeps two of three members down.
@@ -496,130 +531,17 @@ fn a_leader_killed_mid_rollout_neither_skips_nor_repeats_a_node_and_restarts_not
     eprintln!("rollout across a leader's death:\n{all}");
 }
 
-/// A link between an agent and the cluster that the test can cut: a relay on loopback per
-/// member, whose connections carry bytes both ways until [`Link::cut`], and then carry none
-/// (a partition: nothing is refused or reset, bytes are lost). [`Link::heal`] drops the
-/// connections that lived through the cut, as their peers' timeouts would have, and carries
-/// new ones again.
-struct Link {
-    cut: Arc<std::sync::atomic::AtomicBool>,
-    /// Bumped at each heal: a connection of an older generation stops.
-    generation: Arc<std::sync::atomic::AtomicU64>,
-    ports: Vec<u16>,
-    stop: Arc<std::sync::atomic::AtomicBool>,
-}
-
-impl Link {
-    fn new(cluster: &Cluster) -> Self {
-        use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-        let cut = Arc::new(AtomicBool::new(false));
-        let generation = Arc::new(AtomicU64::new(0));
-        let stop = Arc::new(AtomicBool::new(false));
-        let mut ports = Vec::new();
-        for member in &cluster.members {
-            let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-            listener.set_nonblocking(true).unwrap();
-            ports.push(listener.local_addr().unwrap().port());
-            let (cut, generation, stop, target) =
-                (Arc::clone(&cut), Arc::clone(&generation), Arc::clone(&stop), member.client_port);
-            std::thread::spawn(move || {
-                while !stop.load(Ordering::Relaxed) {
-                    let Ok((client, _)) = listener.accept() else {
-                        std::thread::sleep(Duration::from_millis(5));
-                        continue;
-                    };
-                    client.set_nonblocking(false).unwrap();
-                    let Ok(server) = TcpStream::connect(("127.0.0.1", target)) else { continue };
-                    let born = generation.load(Ordering::Relaxed);
-                    for (from, to) in [(client.try_clone().unwrap(), server.try_clone().unwrap()), (server, client)] {
-                        let (cut, generation, stop) = (Arc::clone(&cut), Arc::clone(&generation), Arc::clone(&stop));
-                        std::thread::spawn(move || pump(from, to, born, &cut, &generation, &stop));
-                    }
-                }
-            });
-        }
-        Self { cut, generation, ports, stop }
-    }
-
-    /// The relays' URLs, comma-separated, for `--etcd`.
-    fn urls(&self) -> String {
-        self.ports.iter().map(|port| format!("http://127.0.0.1:{port}")).collect::<Vec<_>>().join(",")
-    }
-
-    fn cut(&self) {
-        self.cut.store(true, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    fn heal(&self) {
-        self.generation.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.cut.store(false, std::sync::atomic::Ordering::Relaxed);
-    }
-}
-
-impl Drop for Link {
-    fn drop(&mut self) {
-        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    }
-}
-
-/// Carries bytes from `from` to `to`: none while cut, and none ever again once a heal made
-/// its generation old (both ends are shut then).
-fn pump(
-    mut from: TcpStream,
-    mut to: TcpStream,
-    born: u64,
-    cut: &std::sync::atomic::AtomicBool,
-    generation: &std::sync::atomic::AtomicU64,
-    stop: &std::sync::atomic::AtomicBool,
-) {
-    use std::sync::atomic::Ordering;
-    from.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
-    let mut buffer = [0u8; 16 * 1024];
-    loop {
-        if stop.load(Ordering::Relaxed) || generation.load(Ordering::Relaxed) != born {
-            let _ = from.shutdown(std::net::Shutdown::Both);
-            let _ = to.shutdown(std::net::Shutdown::Both);
-            return;
-        }
-        match from.read(&mut buffer) {
-            Ok(0) => {
-                let _ = to.shutdown(std::net::Shutdown::Write);
-                return;
-            }
-            Ok(n) if !cut.load(Ordering::Relaxed) => {
-                if to.write_all(&buffer[..n]).is_err() {
-                    return;
-                }
-            }
-            Ok(_) => {} // lost in the partition
-            Err(error) if matches!(error.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
-            Err(_) => {
-                let _ = to.shutdown(std::net::Shutdown::Both);
-                return;
-            }
-        }
-    }
-}
-
 /// One agent cut off from every member while another is not: its proxies run on, it is
 /// `down` in `fleet status` once its TTL passes, and once the link returns it is `up` with
 /// nothing restarted and the change made meanwhile applied, once.
 #[test]
 fn an_agent_cut_off_from_the_cluster_keeps_its_proxies_is_down_after_the_ttl_and_catches_up_on_return() {
-    let Some(cluster) = Cluster::start("fleet agent cut off") else { return };
-    let link = Link::new(&cluster);
+    let Some(partition) = Partition::new("fleet agent cut off") else { return };
+    let Some(cluster) = Cluster::start_also_at("fleet agent cut off", Some(netns::STORE_ADDRESS)) else { return };
     let (cut_dirs, other_dirs) = (Dirs::new(), Dirs::new());
     let _sweeps = [support::SweepOnDrop(cut_dirs.socket()), support::SweepOnDrop(other_dirs.socket())];
-    let ttl = "3s";
-    let start = |dirs: &Dirs, urls: &str, node: &str| {
-        let mut flags = vec!["--etcd", urls, "--node", node, "--fleet-ttl", ttl];
-        if is_root() {
-            flags.push("--allow-root");
-        }
-        Agent::start(dirs, &flags)
-    };
-    let cut_off = start(&cut_dirs, &link.urls(), "n1");
-    let other = start(&other_dirs, &cluster.urls(), "n2");
+    let cut_off = partitioned_agent(&partition, &cut_dirs, &cluster, "n1", &["--fleet-ttl", "3s"]);
+    let other = cluster_agent_with(&other_dirs, &cluster, "n2", &["--fleet-ttl", "3s"]);
     put(&cluster, "n1", &sleeper_file(&cut_dirs, "a", 3600));
     put(&cluster, "n2", &sleeper_file(&other_dirs, "b", 3600));
     let (a, b) = (pid_of(&cut_off, "a-proxy"), pid_of(&other, "b-proxy"));
@@ -630,7 +552,7 @@ fn an_agent_cut_off_from_the_cluster_keeps_its_proxies_is_down_after_the_ttl_and
     };
     wait_for("n1 up", || (node_state("n1") == "up").then_some(()));
 
-    link.cut();
+    partition.cut();
     let cut_at = Instant::now();
     wait_until("n1 to be down", || {
         let state = node_state("n1");
@@ -647,7 +569,7 @@ fn an_agent_cut_off_from_the_cluster_keeps_its_proxies_is_down_after_the_ttl_and
     assert!(cut_off.proxy("c-proxy").is_none(), "nothing reached it");
     assert_eq!(node_state("n2"), "up");
 
-    link.heal();
+    partition.heal();
     let healed_at = Instant::now();
     let c = pid_of(&cut_off, "c-proxy");
     wait_until("n1 up again", || {
@@ -667,23 +589,20 @@ fn an_agent_cut_off_from_the_cluster_keeps_its_proxies_is_down_after_the_ttl_and
 /// difference.
 #[test]
 fn history_compacted_while_an_agent_was_cut_off_is_read_whole_and_only_the_difference_applies() {
-    let Some(cluster) = Cluster::start("fleet compaction while cut off") else { return };
-    let link = Link::new(&cluster);
+    let Some(partition) = Partition::new("fleet compaction while cut off") else { return };
+    let Some(cluster) = Cluster::start_also_at("fleet compaction while cut off", Some(netns::STORE_ADDRESS)) else {
+        return;
+    };
     let dirs = Dirs::new();
     let _sweep = support::SweepOnDrop(dirs.socket());
-    let urls = link.urls();
-    let mut flags = vec!["--etcd", urls.as_str(), "--node", "n1"];
-    if is_root() {
-        flags.push("--allow-root");
-    }
-    let agent = Agent::start(&dirs, &flags);
+    let agent = partitioned_agent(&partition, &dirs, &cluster, "n1", &[]);
     put(&cluster, "n1", &sleeper_file(&dirs, "a", 3600));
     put(&cluster, "n1", &sleeper_file(&dirs, "b", 3600));
     let b = pid_of(&agent, "b-proxy");
     pid_of(&agent, "a-proxy");
     wait_for("the agent's watch", || fleet_status(&agent)["connected"].as_bool().filter(|c| *c));
 
-    link.cut();
+    partition.cut();
     let removed = fleet(&cluster.urls(), &["rm", "n1", "a"]);
     assert!(removed.status.success(), "{}", String::from_utf8_lossy(&removed.stderr));
     put(&cluster, "n1", &sleeper_file(&dirs, "c", 3600));
@@ -694,7 +613,7 @@ fn history_compacted_while_an_agent_was_cut_off_is_read_whole_and_only_the_diffe
         (status["connected"] == false).then_some(()).ok_or(status.to_string())
     });
 
-    link.heal();
+    partition.heal();
     let c = pid_of(&agent, "c-proxy");
     agent.wait_gone("a-proxy");
     assert_eq!(pid_of(&agent, "b-proxy"), b, "an unchanged proxy is left alone");
