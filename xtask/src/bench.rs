@@ -8,8 +8,9 @@
 //!
 //! For work on one figure, `XTASK_BENCH_ONLY` narrows the run: `e2e` skips the crate
 //! benchmarks; a comma-separated list of sections (`many`, `scale`, `some`, `health`, `updates`, `reload`, `cgroups`,
-//! `peers`, `builtin-proxy`, `ordering`, `templates`, `fleet`, `fleet-scale`, `connect`, `xds`) runs only those end-to-end sections and prints their table without rewriting
-//! `BENCHMARKS.md`, which always holds a whole run.
+//! `peers`, `bring-up`, `builtin-proxy`, `ordering`, `templates`, `connect`, `xds`, `fleet`, `fleet-scale`) runs only those
+//! end-to-end sections, prints their table, and replaces only their blocks in
+//! `BENCHMARKS.md` (each block says when it was measured).
 
 mod bringup;
 mod builtin_proxy;
@@ -34,26 +35,46 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use report::{Machine, Row};
+use report::{Machine, Report, Row};
 
-/// The end-to-end sections that `XTASK_BENCH_ONLY` can name (`bring-up`: see `bringup.rs`).
-const SECTIONS: &[&str] = &[
-    "many",
-    "scale",
-    "some",
-    "health",
-    "updates",
-    "reload",
-    "cgroups",
-    "peers",
-    "bring-up",
-    "builtin-proxy",
-    "ordering",
-    "templates",
-    "fleet",
-    "fleet-scale",
-    "connect",
-    "xds",
+/// The end-to-end sections, in the order they run and appear in `BENCHMARKS.md`: the name
+/// that `XTASK_BENCH_ONLY` takes, and a title (`bring-up`: see `bringup.rs`).
+const SECTIONS: &[(&str, &str)] = &[
+    ("many", "1 000 proxies"),
+    ("scale", "bring-up at 100, 1 000 and 10 000 proxies, as the agent counts it"),
+    ("some", "100 proxies"),
+    ("health", "health checks"),
+    ("updates", "zero-downtime updates"),
+    ("reload", "reload in place (HAProxy)"),
+    ("cgroups", "cgroups"),
+    ("peers", "side by side with s6, runit and supervisord"),
+    ("bring-up", "bring-up seen from outside"),
+    ("builtin-proxy", "the built-in proxy"),
+    ("ordering", "ordering"),
+    ("templates", "templates"),
+    ("connect", "Connect"),
+    ("xds", "xDS"),
+    ("fleet", "a simulated fleet: 20 agents on one etcd"),
+    ("fleet-scale", "the fleet at scale: 300 agents on a three-member etcd"),
+];
+
+/// A section that takes the lab and fills its rows, the title of its failure row, and its
+/// name in [`SECTIONS`].
+type Run = fn(&lab::Lab, &mut Vec<Row>) -> Result<(), String>;
+
+/// The sections that are one call each, in order, after `many`, `scale` and `some`.
+const RUNS: &[(&str, &str, Run)] = &[
+    ("health", "health-check figures", health::run),
+    ("updates", "zero-downtime updates", updates::run),
+    ("reload", "reload in place (HAProxy)", reload::run),
+    ("cgroups", "cgroups: bring-up and restart", cgroups::run),
+    ("peers", "side by side with s6, runit and supervisord", peers::run),
+    ("bring-up", "bring-up seen from outside", bringup::run),
+    ("builtin-proxy", "built-in proxy figures", builtin_proxy::run),
+    ("ordering", "ordering: chains against independent proxies", ordering::run),
+    ("templates", "templates: change to verdict, and CPU", templates::run),
+    ("connect", "connect: leaf certificates at start", connect::run),
+    ("xds", "xDS: change to Envoy's ACK", xds::run),
 ];
 
 /// What `XTASK_BENCH_ONLY` asks for: `None` for a whole run.
@@ -71,10 +92,11 @@ impl Only {
             return Ok(Self { skip_crates: true, sections: None });
         }
         let sections: Vec<String> = only.split(',').map(|section| section.trim().to_owned()).collect();
-        if let Some(unknown) = sections.iter().find(|section| !SECTIONS.contains(&section.as_str())) {
+        if let Some(unknown) = sections.iter().find(|section| !SECTIONS.iter().any(|(name, _)| name == section)) {
+            let names: Vec<&str> = SECTIONS.iter().map(|(name, _)| *name).collect();
             return Err(format!(
                 "XTASK_BENCH_ONLY: unknown section `{unknown}`; expected `e2e` or a comma-separated list of {}",
-                SECTIONS.join(", ")
+                names.join(", ")
             ));
         }
         Ok(Self { skip_crates: true, sections: Some(sections) })
@@ -134,110 +156,47 @@ fn end_to_end(
     }
     let mut machine = Machine::now();
     let e2e_start = Instant::now();
-    let mut rows: Vec<Row> = Vec::new();
+    let mut report = Report::default();
     let mut errors = Vec::new();
     {
         let lab = lab::Lab::new(tether)?;
         eprintln!("xtask: bench: end-to-end in {}", lab.dir.display());
         if (only.wants("many") || only.wants("scale") || only.wants("some"))
-            && let Err(err) = e2e::run(&lab, &mut rows, only.wants("many"), only.wants("some"), only.wants("scale"))
+            && let Err(err) = e2e::run(&lab, &mut report, only.wants("many"), only.wants("some"), only.wants("scale"))
         {
             lab.keep();
             errors.push(err);
         }
-        if only.wants("health")
-            && let Err(err) = health::run(&lab, &mut rows)
-        {
-            lab.keep();
-            rows.push(Row::failed("health-check figures", &err));
-            errors.push(err);
-        }
-        if only.wants("updates")
-            && let Err(err) = updates::run(&lab, &mut rows)
-        {
-            lab.keep();
-            rows.push(Row::failed("zero-downtime updates", &err));
-            errors.push(err);
-        }
-        if only.wants("reload")
-            && let Err(err) = reload::run(&lab, &mut rows)
-        {
-            lab.keep();
-            rows.push(Row::failed("reload in place (HAProxy)", &err));
-            errors.push(err);
-        }
-        if only.wants("cgroups")
-            && let Err(err) = cgroups::run(&lab, &mut rows)
-        {
-            lab.keep();
-            rows.push(Row::failed("cgroups: bring-up and restart", &err));
-            errors.push(err);
-        }
-        if only.wants("peers")
-            && let Err(err) = peers::run(&lab, &mut rows)
-        {
-            lab.keep();
-            rows.push(Row::failed("side by side with s6, runit and supervisord", &err));
-            errors.push(err);
-        }
-        if only.wants("bring-up")
-            && let Err(err) = bringup::run(&lab, &mut rows)
-        {
-            lab.keep();
-            rows.push(Row::failed("bring-up seen from outside", &err));
-            errors.push(err);
-        }
-        if only.wants("builtin-proxy")
-            && let Err(err) = builtin_proxy::run(&lab, &mut rows)
-        {
-            lab.keep();
-            rows.push(Row::failed("built-in proxy figures", &err));
-            errors.push(err);
-        }
-        if only.wants("ordering")
-            && let Err(err) = ordering::run(&lab, &mut rows)
-        {
-            lab.keep();
-            rows.push(Row::failed("ordering: chains against independent proxies", &err));
-            errors.push(err);
-        }
-        if only.wants("templates")
-            && let Err(err) = templates::run(&lab, &mut rows)
-        {
-            lab.keep();
-            rows.push(Row::failed("templates: change to verdict, and CPU", &err));
-            errors.push(err);
-        }
-        if only.wants("connect")
-            && let Err(err) = connect::run(&lab, &mut rows)
-        {
-            lab.keep();
-            rows.push(Row::failed("connect: leaf certificates at start", &err));
-            errors.push(err);
-        }
-        if only.wants("xds")
-            && let Err(err) = xds::run(&lab, &mut rows)
-        {
-            lab.keep();
-            rows.push(Row::failed("xDS: change to Envoy's ACK", &err));
-            errors.push(err);
+        for (name, failed, run) in RUNS {
+            if only.wants(name)
+                && let Err(err) = run(&lab, report.begin(name))
+            {
+                lab.keep();
+                report.current().push(Row::failed(failed, &err));
+                errors.push(err);
+            }
         }
         // Informational figures, with no baseline: the simulated fleet (20 agents, one etcd,
         // 2 000 puts) and 300 agents on a three-member etcd cluster.
-        let mut informational = |name: &str, figures: Option<Result<Vec<(String, String)>, String>>| match figures {
-            None => {}
-            Some(Ok(figures)) => rows.extend(
-                figures
-                    .into_iter()
-                    .map(|(figure, value)| Row::new(&figure, "—".into(), value, "—".into(), "—", report::Met::Info)),
-            ),
-            Some(Err(err)) => {
-                rows.push(Row::failed(name, &err));
-                errors.push(err);
-            }
-        };
-        informational("simulated fleet", only.wants("fleet").then(|| fleet::run(root, &lab.tether)));
-        informational("fleet at scale", only.wants("fleet-scale").then(|| fleet_scale::run(&lab.tether)));
+        let mut informational =
+            |name: &'static str, failed: &str, run: &dyn Fn() -> Result<Vec<(String, String)>, String>| {
+                if !only.wants(name) {
+                    return;
+                }
+                let rows = report.begin(name);
+                match run() {
+                    Ok(figures) => rows.extend(figures.into_iter().map(|(figure, value)| {
+                        Row::new(&figure, "—".into(), value, "—".into(), "—", report::Met::Info)
+                    })),
+                    Err(err) => {
+                        rows.push(Row::failed(failed, &err));
+                        errors.push(err);
+                    }
+                }
+            };
+        informational("fleet", "simulated fleet", &|| fleet::run(root, &lab.tether));
+        informational("fleet-scale", "fleet at scale", &|| fleet_scale::run(&lab.tether));
+        report.end();
     }
     machine.load_after = report::load_average();
     let mut notes = vec![format!(
@@ -256,10 +215,12 @@ fn end_to_end(
         notes.push(format!("errors: {}", errors.join("; ")));
     }
     if only.sections.is_none() {
-        report::write(root, &machine, &rows, &notes)?;
+        report::write(root, &machine, &report, SECTIONS, &notes)?;
     } else {
-        notes.push("a partial run (XTASK_BENCH_ONLY): BENCHMARKS.md is left as it was".to_owned());
+        report::merge(root, &report, SECTIONS)?;
+        notes.push("a partial run (XTASK_BENCH_ONLY): only its sections were replaced in BENCHMARKS.md".to_owned());
     }
+    let rows: Vec<Row> = report.rows().cloned().collect();
     println!("{}", report::table(&rows));
     for note in &notes {
         println!("{note}");

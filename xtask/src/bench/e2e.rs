@@ -14,7 +14,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use super::lab::{Agent, Flock, Lab, POLL, ProxyRow, SLEEP, raw_bring_up, request, send};
-use super::report::{Met, Row, median, met, ms, percentile, ratio, secs};
+use super::report::{Met, Report, Row, median, met, ms, percentile, ratio, secs};
 use super::sys;
 
 /// Proxies for bring-up, memory, agent restart and blocking queries.
@@ -41,7 +41,7 @@ const DEAF: &[&str] = &["/bin/sh", "-c", "trap '' INT; exec /bin/sleep 3600"];
 /// (`some`), appending rows; returns the errors of the parts that failed.
 pub(crate) fn run(
     lab: &Lab,
-    rows: &mut Vec<Row>,
+    report: &mut Report,
     with_many: bool,
     with_some: bool,
     with_scale: bool,
@@ -52,16 +52,16 @@ pub(crate) fn run(
     thread::sleep(Duration::from_secs(1));
     let empty_rss = sys::rss_kib(idle_agent.pid())?;
     let mut errors = Vec::new();
-    if with_many && let Err(err) = many(lab, &idle_agent, empty_rss, rows) {
-        rows.push(Row::failed("1 000-proxy figures", &err));
+    if with_many && let Err(err) = many(lab, &idle_agent, empty_rss, report.begin("many")) {
+        report.current().push(Row::failed("1 000-proxy figures", &err));
         errors.push(err);
     }
-    if with_scale && let Err(err) = super::scale::run(lab, empty_rss, rows) {
-        rows.push(Row::failed("bring-up at 100, 1 000 and 10 000 proxies", &err));
+    if with_scale && let Err(err) = super::scale::run(lab, empty_rss, report.begin("scale")) {
+        report.current().push(Row::failed("bring-up at 100, 1 000 and 10 000 proxies", &err));
         errors.push(err);
     }
-    if with_some && let Err(err) = some(lab, &idle_agent, rows) {
-        rows.push(Row::failed("100-proxy figures", &err));
+    if with_some && let Err(err) = some(lab, &idle_agent, report.begin("some")) {
+        report.current().push(Row::failed("100-proxy figures", &err));
         errors.push(err);
     }
     idle_agent.leave(Duration::from_secs(30))?;
