@@ -393,6 +393,10 @@ pub(crate) struct AgentArgs {
     /// Serve the read endpoints on this loopback TCP address too.
     #[arg(long, value_name = "ADDR")]
     pub(crate) http_addr: Option<SocketAddr>,
+    /// Serve the proxies' output (`GET /v1/agent/proxy/{id}/logs`) on --http-addr too, so
+    /// that the page shows it; off by default, since a proxy's output may hold secrets.
+    #[arg(long, requires = "http_addr")]
+    pub(crate) http_logs: bool,
     /// Serve Envoy's xDS (ADS over gRPC) on this loopback TCP address too, besides the data
     /// dir's xds.sock; without ADDR, 127.0.0.1:8502.
     #[arg(long, value_name = "ADDR", num_args = 0..=1, default_missing_value = DEFAULT_XDS_ADDRESS)]

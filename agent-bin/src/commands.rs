@@ -427,6 +427,8 @@ mod tests {
                 generations: Vec::new(),
                 certificate: None,
                 last_xds: None,
+                depends_on: Vec::new(),
+                templates: Vec::new(),
             },
             ProxyStatusDto {
                 id: "db-proxy".into(),
@@ -445,6 +447,8 @@ mod tests {
                 generations: Vec::new(),
                 certificate: None,
                 last_xds: None,
+                depends_on: Vec::new(),
+                templates: Vec::new(),
             },
         ];
         let mut hot = proxies[0].clone();

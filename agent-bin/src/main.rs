@@ -60,12 +60,14 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             };
             runtime()?.block_on(async move {
                 if args.dev {
-                    agent::dev::run(args.http_addr, args.sync_quiescent, args.sync_max_delay, cgroups).await
+                    agent::dev::run(args.http_addr, args.http_logs, args.sync_quiescent, args.sync_max_delay, cgroups)
+                        .await
                 } else {
                     agent::run(agent::AgentOptions {
                         config_dirs: args.config_dirs,
                         data_dir: args.data_dir,
                         http_addr: args.http_addr,
+                        http_logs: args.http_logs,
                         xds_address: args.xds_address,
                         allow_root: args.allow_root,
                         allow_api_commands: args.allow_api_commands,

@@ -23,6 +23,7 @@ const GREETING: &str = "hello from the tether demo upstream, through the built-i
 /// Runs the agent on the demo config until SIGINT, SIGTERM or `leave`.
 pub(crate) async fn run(
     http_addr: Option<SocketAddr>,
+    http_logs: bool,
     sync_quiescent: Duration,
     sync_max_delay: Duration,
     cgroups: super::CgroupChoice,
@@ -85,6 +86,7 @@ pub(crate) async fn run(
         config_dirs: vec![config_dir],
         data_dir,
         http_addr,
+        http_logs,
         xds_address: None,
         allow_root: true,
         allow_api_commands: false,

@@ -44,6 +44,8 @@ pub(crate) struct AgentOptions {
     pub(crate) config_dirs: Vec<PathBuf>,
     pub(crate) data_dir: PathBuf,
     pub(crate) http_addr: Option<SocketAddr>,
+    /// Serve the proxies' output on `http_addr` too (`--http-logs`).
+    pub(crate) http_logs: bool,
     /// Serve xDS on this loopback TCP address too (`--xds-address`).
     pub(crate) xds_address: Option<SocketAddr>,
     pub(crate) allow_root: bool,
@@ -294,7 +296,7 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
         tracing::info!(%addr, "serving the read endpoints over HTTP");
         servers.spawn(serve::serve(
             tcp,
-            api::http_router(api_state, serve::ConnectionCaps::streams(caps.tcp)),
+            api::http_router(api_state, serve::ConnectionCaps::streams(caps.tcp), options.http_logs),
             "http",
             caps.tcp,
             api_stop.clone(),

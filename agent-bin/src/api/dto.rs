@@ -53,6 +53,35 @@ pub(crate) struct ProxyStatusDto {
     /// proxy got one since the agent started. Older agents did not send it.
     #[serde(default)]
     pub(crate) last_xds: Option<XdsDto>,
+    /// What it waits for before it starts (its `depends_on`), each with the proxy that
+    /// stands for it now. Older agents did not send it.
+    #[serde(default)]
+    pub(crate) depends_on: Vec<DependencyDto>,
+    /// Its templates' last renders, by destination; empty before the first. Older agents
+    /// did not send it.
+    #[serde(default)]
+    pub(crate) templates: Vec<TemplateRenderDto>,
+}
+
+/// `{"dependency", "condition", "proxy"}`: one of a proxy's `depends_on` as the config
+/// names it, the condition it must reach (`started` or `ready`), and the proxy it stands
+/// for now (`null` while none does).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct DependencyDto {
+    pub(crate) dependency: String,
+    pub(crate) condition: String,
+    pub(crate) proxy: Option<String>,
+}
+
+/// `{"destination", "at", "result", "error"}`: a template's last render (`rendered`: a new
+/// file is in place; `unchanged`; `failed`, with its error, the previous file kept).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct TemplateRenderDto {
+    pub(crate) destination: String,
+    /// RFC 3339, UTC.
+    pub(crate) at: String,
+    pub(crate) result: String,
+    pub(crate) error: Option<String>,
 }
 
 /// `{"serial", "spiffe_id", "not_after", "next_renewal", "error"}`: a service's leaf
@@ -372,10 +401,21 @@ mod tests {
                 result: "refused".into(),
                 error: Some("cannot bind".into()),
             }),
+            depends_on: vec![DependencyDto {
+                dependency: "db".into(),
+                condition: "ready".into(),
+                proxy: Some("db-proxy".into()),
+            }],
+            templates: vec![TemplateRenderDto {
+                destination: "/etc/web.conf".into(),
+                at: rfc3339(SystemTime::UNIX_EPOCH),
+                result: "failed".into(),
+                error: Some("line 1: unknown filter".into()),
+            }],
         };
         assert_eq!(
             serde_json::to_string(&dto).unwrap(),
-            r#"{"id":"web-proxy","service":"web","state":"running","pid":42,"restarts":1,"started_at":"1970-01-01T00:00:00Z","last_exit":{"signal":9},"error":null,"ready":true,"status_text":"serving","resources":null,"update":{"state":"starting","pid":43,"started_at":null},"last_reload":{"at":"1970-01-01T00:00:00Z","result":"timed out","error":"no READY=1"},"generations":[{"epoch":1,"pid":42,"role":"current"},{"epoch":0,"pid":41,"role":"draining"}],"certificate":{"serial":"3a:01","spiffe_id":"spiffe://example.org/ns/default/dc/dc1/svc/web","not_after":"1970-01-01T00:00:00Z","next_renewal":null,"error":null},"last_xds":{"at":"1970-01-01T00:00:00Z","type":"listener","version":"00ff","result":"refused","error":"cannot bind"}}"#
+            r#"{"id":"web-proxy","service":"web","state":"running","pid":42,"restarts":1,"started_at":"1970-01-01T00:00:00Z","last_exit":{"signal":9},"error":null,"ready":true,"status_text":"serving","resources":null,"update":{"state":"starting","pid":43,"started_at":null},"last_reload":{"at":"1970-01-01T00:00:00Z","result":"timed out","error":"no READY=1"},"generations":[{"epoch":1,"pid":42,"role":"current"},{"epoch":0,"pid":41,"role":"draining"}],"certificate":{"serial":"3a:01","spiffe_id":"spiffe://example.org/ns/default/dc/dc1/svc/web","not_after":"1970-01-01T00:00:00Z","next_renewal":null,"error":null},"last_xds":{"at":"1970-01-01T00:00:00Z","type":"listener","version":"00ff","result":"refused","error":"cannot bind"},"depends_on":[{"dependency":"db","condition":"ready","proxy":"db-proxy"}],"templates":[{"destination":"/etc/web.conf","at":"1970-01-01T00:00:00Z","result":"failed","error":"line 1: unknown filter"}]}"#
         );
         assert_eq!(serde_json::to_string(&ExitReason::Code(3)).unwrap(), r#"{"code":3}"#);
     }

@@ -182,15 +182,18 @@ pub(crate) fn socket_router(state: ApiState, streams: usize) -> Router {
         .route("/v1/agent/proxy/{id}/reload", put(reload_proxy))
         .route("/v1/agent/proxy/{id}/stop", put(stop))
         .route("/v1/agent/proxy/{id}/start", put(start))
-        // Socket only: a proxy's output may hold secrets.
+        // On the socket; over HTTP only with `--http-logs`: a proxy's output may hold secrets.
         .route("/v1/agent/proxy/{id}/logs", get(logs::get_logs));
     with_json_errors(routes).layer(axum::Extension(StreamSlots::new(streams))).with_state(state)
 }
 
 /// The routes of `--http-addr`: reading only, for requests that name the loopback, with
-/// `streams` slots for answers that stay open.
-pub(crate) fn http_router(state: ApiState, streams: usize) -> Router {
-    with_json_errors(read_routes())
+/// `streams` slots for answers that stay open; the proxies' output only with `logs`
+/// (`--http-logs`).
+pub(crate) fn http_router(state: ApiState, streams: usize, logs: bool) -> Router {
+    let routes = read_routes();
+    let routes = if logs { routes.route("/v1/agent/proxy/{id}/logs", get(logs::get_logs)) } else { routes };
+    with_json_errors(routes)
         .layer(middleware::from_fn(host::require_loopback))
         .layer(axum::Extension(StreamSlots::new(streams)))
         .with_state(state)
@@ -314,6 +317,8 @@ pub(crate) fn status_dto(status: &ProxyStatus) -> ProxyStatusDto {
             .collect(),
         certificate: None,
         last_xds: None,
+        depends_on: Vec::new(),
+        templates: Vec::new(),
     }
 }
 
@@ -366,6 +371,29 @@ fn status_with_templates(state: &ApiState, status: &tether_manager::ProxyStatus)
         dto.error = dto.certificate.as_ref().and_then(|certificate| certificate.error.clone());
     }
     dto.last_xds = state.xds.last(&status.id).map(|verdict| dto::XdsDto::from(&verdict));
+    dto.templates = state
+        .templates
+        .last_renders(&status.id)
+        .into_iter()
+        .map(|(destination, render)| dto::TemplateRenderDto {
+            destination: destination.display().to_string(),
+            at: dto::rfc3339(render.at),
+            result: render.result.to_owned(),
+            error: render.error,
+        })
+        .collect();
+    if let Some(proxy) = state.sources.state().get(&status.service).and_then(|entry| entry.proxy) {
+        dto.depends_on = proxy
+            .spec()
+            .depends_on
+            .iter()
+            .map(|(dependency, condition)| dto::DependencyDto {
+                dependency: dependency.to_string(),
+                condition: condition.as_str().to_owned(),
+                proxy: dependency.resolve(|id| state.manager.proxy(id).is_some()).map(|id| id.to_string()),
+            })
+            .collect();
+    }
     dto
 }
 

@@ -15,6 +15,7 @@ const details = new Map();
 const opened = new Set();
 const timelines = new Map();
 let proxies = [];
+let byId = new Map();
 let page = 0;
 let refreshing = false, again = false, lastRefresh = 0;
 const seenEvents = new Set();
@@ -88,8 +89,37 @@ function newRow(id) {
   return row;
 }
 
+// The last lines of each open proxy's output, when the agent serves them over HTTP
+// (`--http-logs`): asked for when its detail opens and after each of its events, at most
+// once a second per proxy. `null`: not served here.
+const LOG_LINES = 20;
+const logs = new Map();
+const logsAsked = new Map();
+let logsServed = true;
+
+async function refreshLogs(id) {
+  if (!logsServed || !opened.has(id)) return;
+  const last = logsAsked.get(id) || 0;
+  if (Date.now() - last < 1000) return;
+  logsAsked.set(id, Date.now());
+  try {
+    const answer = await fetch("/v1/agent/proxy/" + encodeURIComponent(id) + "/logs?lines=" + LOG_LINES, { cache: "no-store" });
+    if (answer.status === 404) {
+      // An open proxy is known: a 404 says the route is not served (no --http-logs).
+      const said = await answer.json().catch(() => ({}));
+      if (!String(said.error || "").includes(id)) { logsServed = false; render(); return; }
+    }
+    if (!answer.ok) return;
+    logs.set(id, await answer.text());
+    render();
+  } catch (_) {
+    // The agent is away: the next event asks again.
+  }
+}
+
 function toggle(id) {
   if (opened.has(id)) opened.delete(id); else opened.add(id);
+  if (opened.has(id)) refreshLogs(id); else { logs.delete(id); logsAsked.delete(id); }
   feedFilter.value = opened.has(id) ? id : "";
   renderFeed();
   render();
@@ -162,7 +192,7 @@ function time(value) {
 }
 
 function verdict(result, error) {
-  const good = result === "applied" || result === "signalled";
+  const good = result === "applied" || result === "signalled" || result === "rendered" || result === "unchanged";
   return element("span", { class: good ? "good" : "bad" }, result + (error ? ": " + error : ""));
 }
 
@@ -182,6 +212,17 @@ function detailOf(proxy, now) {
   };
   add("state", proxy.state + (proxy.status_text ? " — " + proxy.status_text : ""), "state");
   if (proxy.state === "waiting" || proxy.state === "blocked") add("waiting for", proxy.error || "-", "waiting");
+  if (proxy.depends_on && proxy.depends_on.length) {
+    const list = element("span");
+    proxy.depends_on.forEach((d, at) => {
+      const other = d.proxy ? byId.get(d.proxy) : null;
+      const state = other ? other.state : "not registered";
+      const met = other && (d.condition === "started" ? other.pid : other.state === "running");
+      if (at) list.append("; ");
+      list.append(d.dependency + " (" + d.condition + "): ", element("span", { class: met ? "good" : "bad" }, state));
+    });
+    add("depends on", list, "depends-on");
+  }
   if (proxy.update) {
     add("update", proxy.update.state + (proxy.update.pid ? " (pid " + proxy.update.pid + ")" : ""), "update");
   }
@@ -205,7 +246,19 @@ function detailOf(proxy, now) {
   if (proxy.error && proxy.state !== "waiting" && proxy.state !== "blocked") {
     add("error", element("span", { class: "bad" }, proxy.error), "error");
   }
-  add("logs", "tether logs " + proxy.id + " (a proxy's output is served on the agent's socket only: it may hold secrets)", "logs");
+  if (proxy.templates && proxy.templates.length) {
+    const list = element("span");
+    proxy.templates.forEach((t, at) => {
+      if (at) list.append("; ");
+      list.append(t.destination + ": " + time(t.at) + " ", verdict(t.result, t.error));
+    });
+    add("templates", list, "templates");
+  }
+  if (logs.has(proxy.id)) {
+    add("logs", element("pre", { class: "logs" }, logs.get(proxy.id) || "(nothing written yet)"), "logs");
+  } else if (!logsServed) {
+    add("logs", "tether logs " + proxy.id + " (the agent serves a proxy's output on its socket, and over HTTP only with --http-logs: it may hold secrets)", "logs");
+  }
   const events = timelines.get(proxy.id) || [];
   const cell = row.firstChild;
   cell.replaceChildren(list, timeline(events, now), legend(), lastEvents(events));
@@ -291,6 +344,7 @@ function told(event) {
   if (!list) { list = []; timelines.set(event.proxy, list); }
   list.push(event);
   if (list.length > PER_PROXY) list.splice(0, list.length - PER_PROXY);
+  if (opened.has(event.proxy)) refreshLogs(event.proxy);
   feedEvents.push(event);
   if (feedEvents.length > FEED_SIZE * 4) feedEvents.splice(0, feedEvents.length - FEED_SIZE * 4);
   // A page left open for days keeps only the keys of the events it still holds.
@@ -330,6 +384,7 @@ async function refresh() {
     const answer = await fetch("/v1/agent/proxies", { cache: "no-store" });
     if (answer.ok) {
       proxies = await answer.json();
+      byId = new Map(proxies.map((proxy) => [proxy.id, proxy]));
       render();
       const now = performance.now();
       if (timings.firstRender === null) timings.firstRender = now;

@@ -66,19 +66,6 @@ pub(crate) enum TemplateError {
     Refused { destination: PathBuf, reason: String },
 }
 
-impl TemplateError {
-    fn destination(&self) -> &Path {
-        match self {
-            Self::Source { destination, .. }
-            | Self::Render { destination, .. }
-            | Self::Write { destination, .. }
-            | Self::User { destination, .. }
-            | Self::Taken { destination, .. }
-            | Self::Refused { destination, .. } => destination,
-        }
-    }
-}
-
 /// A template whose file changed: what it wrote, and what the file held before (`None`: no
 /// file).
 struct Changed {
@@ -132,10 +119,19 @@ impl std::fmt::Debug for Shared {
     }
 }
 
+/// A template's last render: when, what it did (`rendered`, `unchanged` or `failed`), and
+/// its error.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct LastRender {
+    pub(crate) at: SystemTime,
+    pub(crate) result: &'static str,
+    pub(crate) error: Option<String>,
+}
+
 #[derive(Default)]
 struct Board {
-    /// The last error of each template that failed, by proxy and destination.
-    errors: HashMap<ProxyId, BTreeMap<PathBuf, String>>,
+    /// The last render of each template, by proxy and destination.
+    last: HashMap<ProxyId, BTreeMap<PathBuf, LastRender>>,
     /// Renders by proxy and result.
     renders: BTreeMap<(ProxyId, &'static str), u64>,
     /// The service names each template asked `instances` for, at its last render.
@@ -185,7 +181,17 @@ impl Templates {
 
     /// The error of a proxy's templates, if one failed at its last render.
     pub(crate) fn error(&self, proxy: &ProxyId) -> Option<String> {
-        lock(&self.shared.board).errors.get(proxy).and_then(|errors| errors.values().next().cloned())
+        lock(&self.shared.board).last.get(proxy).and_then(|last| last.values().find_map(|render| render.error.clone()))
+    }
+
+    /// The last render of each of a proxy's templates, by destination; empty before its first.
+    pub(crate) fn last_renders(&self, proxy: &ProxyId) -> Vec<(PathBuf, LastRender)> {
+        let board = lock(&self.shared.board);
+        board
+            .last
+            .get(proxy)
+            .map(|last| last.iter().map(|(path, render)| (path.clone(), render.clone())).collect())
+            .unwrap_or_default()
     }
 
     /// Template events from now on.
@@ -239,10 +245,10 @@ impl Templates {
     fn forget_other_templates(&self, proxy: &ProxyId, templates: &[Template]) {
         let kept = |destination: &Path| templates.iter().any(|t| t.destination == destination);
         let mut board = lock(&self.shared.board);
-        if let Some(errors) = board.errors.get_mut(proxy) {
-            errors.retain(|destination, _| kept(destination));
-            if errors.is_empty() {
-                board.errors.remove(proxy);
+        if let Some(last) = board.last.get_mut(proxy) {
+            last.retain(|destination, _| kept(destination));
+            if last.is_empty() {
+                board.last.remove(proxy);
             }
         }
         board.instances_of.retain(|(id, destination), _| id != proxy || kept(destination));
@@ -253,7 +259,7 @@ impl Templates {
         let wanted: BTreeSet<ProxyId> =
             self.shared.catalog.entries().iter().filter_map(|entry| Some(entry.proxy.as_ref()?.id().clone())).collect();
         let mut board = lock(&self.shared.board);
-        board.errors.retain(|id, _| wanted.contains(id));
+        board.last.retain(|id, _| wanted.contains(id));
         board.instances_of.retain(|(id, _), _| wanted.contains(id));
         board.writers.retain(|_, id| wanted.contains(id));
     }
@@ -313,25 +319,18 @@ impl Templates {
     fn record(&self, proxy: &ProxyId, template: &Template, result: &'static str, error: Option<&TemplateError>) {
         let mut board = lock(&self.shared.board);
         *board.renders.entry((proxy.clone(), result)).or_default() += 1;
-        let event = match error {
-            Some(error) => {
-                let text = crate::error::error_chain(error);
-                board.errors.entry(proxy.clone()).or_default().insert(error.destination().to_owned(), text.clone());
+        let text = error.map(|error| crate::error::error_chain(error));
+        let last = LastRender { at: SystemTime::now(), result, error: text.clone() };
+        board.last.entry(proxy.clone()).or_default().insert(template.destination.clone(), last);
+        let event = match text {
+            Some(text) => {
                 tracing::warn!(proxy = %proxy, destination = %DisplayPath(&template.destination), error = %text, "template failed");
                 Some(("template-failed", text))
             }
-            None => {
-                if let Some(errors) = board.errors.get_mut(proxy) {
-                    errors.remove(&template.destination);
-                    if errors.is_empty() {
-                        board.errors.remove(proxy);
-                    }
-                }
-                (result == "rendered").then(|| {
-                    tracing::info!(proxy = %proxy, destination = %DisplayPath(&template.destination), "template rendered");
-                    ("template-rendered", DisplayPath(&template.destination).to_string())
-                })
-            }
+            None => (result == "rendered").then(|| {
+                tracing::info!(proxy = %proxy, destination = %DisplayPath(&template.destination), "template rendered");
+                ("template-rendered", DisplayPath(&template.destination).to_string())
+            }),
         };
         drop(board);
         if let Some((event, detail)) = event {

@@ -153,6 +153,8 @@ fn the_http_listener_serves_reads_only() {
     assert!(proxies.contains("\"web-proxy\""));
     assert!(http("PUT", "/v1/agent/service/register").starts_with("HTTP/1.1 404"));
     assert!(http("PUT", "/v1/agent/leave").starts_with("HTTP/1.1 404"));
+    let logs = http("GET", "/v1/agent/proxy/web-proxy/logs");
+    assert!(logs.starts_with("HTTP/1.1 404"), "a proxy's output is served over HTTP only with --http-logs: {logs}");
     assert!(agent.proxy("web-proxy").is_some(), "the agent is still there");
 
     let other = Dirs::new();

@@ -325,6 +325,71 @@ fn the_page_shows_a_failed_reload_with_its_message_and_a_restart_on_the_proxys_t
 }
 
 #[test]
+fn the_detail_shows_each_dependency_with_its_state_the_last_render_and_the_last_lines_of_output() {
+    if browser_missing() {
+        return;
+    }
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    let ready = dirs.temp.path().join("db.ready");
+    let rendered = dirs.temp.path().join("web.conf");
+    // db says two lines and is ready once the test makes its file; web waits for it and
+    // renders a file from the catalog.
+    let config = format!(
+        "[[service]]\nname = \"db\"\n[service.proxy]\n\
+         command = [\"/bin/sh\", \"-c\", \"echo hello from db; echo second line; exec sleep 3600\"]\n\
+         kill_timeout = \"2s\"\n\
+         [service.proxy.readiness]\nexec = [\"/bin/test\", \"-e\", \"{ready}\"]\ninterval = \"50ms\"\n\
+         [[service]]\nname = \"web\"\n[service.proxy]\ncommand = [\"/bin/sleep\", \"3600\"]\nkill_timeout = \"2s\"\n\
+         depends_on = {{ db = \"ready\" }}\n\
+         [[service.proxy.template]]\ncontents = '''{{% for s in services %}}{{{{ s.id }}}}\n{{% endfor %}}'''\n\
+         destination = \"{rendered}\"\n",
+        ready = ready.display(),
+        rendered = rendered.display()
+    );
+    dirs.write_config("a.toml", &config);
+    let port = free_port();
+    let http_addr = format!("127.0.0.1:{port}");
+    let mut flags = root_flags();
+    flags.extend(["--http-addr", &http_addr, "--http-logs"]);
+    let agent = Agent::start(&dirs, &flags);
+    agent.wait_state("web-proxy", "waiting");
+
+    let browser = Browser::start();
+    browser.open(&format!("http://{http_addr}/"));
+    browser.eval("document.querySelector('tr[data-proxy=\"web-proxy\"] td.id').click(); return null;");
+    let waiting = wait_for("web's dependency in its detail", || {
+        browser.eval(&detail_script("web-proxy", "depends-on")).as_str().map(str::to_owned)
+    });
+    assert!(waiting.starts_with("db (ready): ") && !waiting.contains("running"), "db is not ready yet: {waiting}");
+
+    std::fs::write(&ready, "").unwrap();
+    agent.wait_state("web-proxy", "running");
+    wait_for("db running in web's detail", || {
+        let shown = browser.eval(&detail_script("web-proxy", "depends-on"));
+        (shown.as_str() == Some("db (ready): running")).then_some(())
+    });
+    let templates = wait_for("web's template in its detail", || {
+        browser.eval(&detail_script("web-proxy", "templates")).as_str().map(str::to_owned)
+    });
+    assert!(templates.starts_with(&format!("{}: ", rendered.display())), "{templates}");
+    assert!(templates.ends_with("rendered") || templates.ends_with("unchanged"), "{templates}");
+    let status = agent.proxy("web-proxy").unwrap();
+    assert_eq!(status["depends_on"], json!([{ "dependency": "db", "condition": "ready", "proxy": "db-proxy" }]));
+    assert_eq!(status["templates"][0]["error"], Value::Null, "{status}");
+
+    // db's output, through the logs endpoint that the agent serves with --http-logs.
+    browser.eval("document.querySelector('tr[data-proxy=\"db-proxy\"] td.id').click(); return null;");
+    let logs = wait_for("db's output in its detail", || {
+        let shown = browser.eval(&detail_script("db-proxy", "logs"));
+        shown.as_str().filter(|text| text.contains("second line")).map(str::to_owned)
+    });
+    assert!(logs.contains("hello from db\nsecond line"), "{logs}");
+    browser.screenshot(&artifact("dependencies-templates-logs"));
+    eprintln!("screenshot: {}", artifact("dependencies-templates-logs").display());
+}
+
+#[test]
 fn a_thousand_proxies_are_listed_and_one_change_applied_without_freezing_the_page() {
     if browser_missing() {
         return;
