@@ -82,8 +82,12 @@ fn next_rate(rate: Option<f64>, sample: Option<f64>, elapsed: Duration) -> Optio
     }
 }
 
-/// The shortest span whose growth may lower a file's rate.
-const RATE_SPAN: Duration = Duration::from_millis(20);
+/// The shortest span whose growth may lower a file's rate: a second. A writer that a busy
+/// machine starves for a while catches up in a burst, so a slower sample over a short span
+/// says nothing of how fast the file may grow next; planning with it once let a check wait
+/// 235 ms while a writer at 50 MB/s took its file from 5 to 13.7 MB. A writer that truly
+/// slowed down is checked a little more often than it needs until a second shows it.
+const RATE_SPAN: Duration = Duration::from_secs(1);
 
 /// How long a busy machine may keep the rotation thread from running once a check is due:
 /// a fast writer is rotated early by what it writes in that time too.
@@ -190,6 +194,9 @@ struct Watched {
     /// precision, and the rotation's length in microseconds below: every supervised process
     /// has two of these, and a planning figure needs no more.)
     rate: Option<f32>,
+    /// How long its growth has been measured, in milliseconds, up to [`RATE_SPAN`]: until
+    /// then its rate plans no pause ([`Watched::planning_rate`]).
+    measured_millis: u16,
     /// How long its last rotation took, in microseconds.
     rotation_took_micros: u32,
     /// The copy of its first bytes made while it nears its threshold ([`Staged`]).
@@ -197,6 +204,15 @@ struct Watched {
 }
 
 impl Watched {
+    /// The rate that plans the pause before the next check: none until the growth has been
+    /// measured over [`RATE_SPAN`]. A writer's first milliseconds say little of its pace (a
+    /// first sample of 64 KiB over 6 ms once read as 11.6 MB/s planned a 451 ms pause in
+    /// which a writer at 50 MB/s took its file to 22 MB), so a new file is checked at the
+    /// shortest pause for its first second of writes.
+    fn planning_rate(&self) -> Option<f64> {
+        self.rate.filter(|_| u128::from(self.measured_millis) >= RATE_SPAN.as_millis()).map(f64::from)
+    }
+
     fn threshold(&self) -> u64 {
         let took = Duration::from_micros(u64::from(self.rotation_took_micros));
         rotation_threshold(self.limits.max_size, self.rate.map(f64::from), took)
@@ -277,6 +293,7 @@ impl State<'_> {
                             watch,
                             checked: None,
                             rate: None,
+                            measured_millis: 0,
                             rotation_took_micros: 0,
                             staged: None,
                         },
@@ -322,7 +339,7 @@ impl State<'_> {
         }
         let size = self.check(key);
         let Some(watched) = self.files.get(&key) else { return };
-        let delay = rearm_delay(size, watched.threshold(), watched.limits.max_size, watched.rate.map(f64::from));
+        let delay = rearm_delay(size, watched.threshold(), watched.limits.max_size, watched.planning_rate());
         self.rearm.push(Reverse((Instant::now() + delay, key)));
     }
 
@@ -363,6 +380,9 @@ impl State<'_> {
         let now = Instant::now();
         if let Some(size) = seen {
             if let Some((then, before)) = watched.checked {
+                let span = u16::try_from(now.duration_since(then).as_millis()).unwrap_or(u16::MAX);
+                let most = u16::try_from(RATE_SPAN.as_millis()).unwrap_or(u16::MAX);
+                watched.measured_millis = watched.measured_millis.saturating_add(span).min(most);
                 let sample = growth(now.duration_since(then), before, size);
                 let rate = next_rate(watched.rate.map(f64::from), sample, now.duration_since(then));
                 watched.rate = rate.map(|rate| rate as f32);
@@ -629,6 +649,26 @@ mod tests {
         assert_eq!(rotation_threshold(max, Some(50e6), Duration::ZERO), max - 1_000_000);
         assert_eq!(rotation_threshold(max, Some(100.0), Duration::from_millis(10)), max - 4);
         assert_eq!(rotation_threshold(max, None, Duration::from_millis(10)), max);
+    }
+
+    #[test]
+    fn a_rate_plans_pauses_only_once_it_was_measured_over_a_second() {
+        let (_temp, log) = log_file();
+        let mut watched = Watched {
+            file: log,
+            limits: LogPolicy { max_size: 10 << 20, keep: 3 },
+            watch: None,
+            checked: None,
+            rate: Some(11.6e6),
+            measured_millis: 6,
+            rotation_took_micros: 0,
+            staged: None,
+        };
+        assert_eq!(watched.planning_rate(), None, "6 ms of a writer's start say nothing of its pace");
+        watched.measured_millis = 999;
+        assert_eq!(watched.planning_rate(), None);
+        watched.measured_millis = 1000;
+        assert_eq!(watched.planning_rate(), Some(f64::from(11.6e6_f32)));
     }
 
     /// `web-proxy-stdout.log` in a new data dir's `logs/`.
