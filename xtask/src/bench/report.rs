@@ -200,7 +200,7 @@ fn marker(name: &str) -> String {
 fn block(section: &Section, title: &str) -> String {
     let rows: Vec<Row> = section.rows.clone();
     format!(
-        "{}\n### {title} (`{}`)\n\nMeasured {}; load average (1, 5, 15 min) {} before, {} after.\n\n{}\n",
+        "{}\n### {title} (`{}`)\n\nMeasured {}; load average (1, 5, 15 min) {} before, {} after.\n\n{}",
         marker(section.name),
         section.name,
         section.date,
