@@ -13,16 +13,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tether_state::{Catalog, DesiredProxy, ManagedProxy, ProxyId, Revision, Subscription, TokenFingerprint};
-use tokio::sync::{mpsc, oneshot, watch};
-use tokio::task::{AbortHandle, JoinSet};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::backend::{BackendError, BackendStatus, ProxyBackend, ProxyHandle, ProxyState};
+use crate::backend::{BackendError, ProxyBackend, ProxyHandle, ProxyState};
 use crate::plan::{Action, Observed, Policy, decide};
 use crate::snapshot::{EncodedService, SnapshotError, SnapshotStore, WriterMessage, WriterSender};
-use crate::status::{ManagerHandle, ProxyStatus, Published, Request, RequestError, UpdateStatus};
+use crate::status::{ManagerHandle, ProxyStatus, Published, Request, UpdateStatus};
 use crate::users::UserLookup;
+use slot::{Installed, Outcome, Slot};
 
 /// How the engine behaves. `Default` gives the agent's defaults (those of `tether agent`'s
 /// flags).
@@ -87,102 +88,6 @@ pub enum ShutdownError {
 
 fn join_ids(ids: &[ProxyId]) -> String {
     ids.iter().map(ProxyId::as_str).collect::<Vec<_>>().join(", ")
-}
-
-/// A handle the engine holds, with what it needs to report and snapshot it.
-struct Installed {
-    handle: Arc<dyn ProxyHandle>,
-    status: watch::Receiver<BackendStatus>,
-    generation: u64,
-    watcher: AbortHandle,
-    /// What the snapshot records the process was started from, encoded once.
-    service: Option<EncodedService>,
-    token: Option<TokenFingerprint>,
-}
-
-/// Everything the engine knows of one proxy.
-struct Slot {
-    observed: Observed,
-    installed: Option<Installed>,
-    /// The action running on it, if any: at most one, always.
-    busy: Option<Action>,
-    /// What was wanted when the running action was launched, and its catalog revision.
-    launched_for: Option<Arc<ManagedProxy>>,
-    launched_revision: Option<Revision>,
-    /// The catalog revision of the definition the installed instance runs.
-    applied_revision: Option<Revision>,
-    error: Option<String>,
-    /// Starts that failed in a row; the next retry waits per the restart policy.
-    start_failures: u32,
-    /// When the failed start is tried again, if it is to be.
-    retry_at: Option<Instant>,
-    /// Restarts counted before the current handle: kept across `tether restart`.
-    restarts_base: u64,
-    /// A restart asked through a handle, answered when its action is done, with the
-    /// restart count to keep.
-    requested: Option<(oneshot::Sender<Result<(), RequestError>>, u64)>,
-    /// The new instance of the overlapping update in flight, and the task that publishes
-    /// its changes.
-    overlap: Option<(watch::Receiver<Option<BackendStatus>>, AbortHandle)>,
-    /// Cancelled to give up a hot restart (`update = "epoch"`) that still waits for an old
-    /// generation to exit, when what it would start is no longer wanted.
-    superseded: Option<CancellationToken>,
-    /// The last overlapping update was abandoned, and the instance it would have replaced
-    /// still serves: shown as it runs, with the error.
-    old_serves: bool,
-    /// Not started because its dependencies have not reached their conditions; `error`
-    /// says which.
-    waiting: bool,
-    /// Runs, and must stop because a dependency goes away: its dependents stop first.
-    draining: bool,
-}
-
-impl Slot {
-    fn new() -> Self {
-        Self {
-            observed: Observed::Idle,
-            installed: None,
-            busy: None,
-            launched_for: None,
-            launched_revision: None,
-            applied_revision: None,
-            error: None,
-            start_failures: 0,
-            retry_at: None,
-            restarts_base: 0,
-            requested: None,
-            overlap: None,
-            superseded: None,
-            old_serves: false,
-            waiting: false,
-            draining: false,
-        }
-    }
-}
-
-/// What an action task reports back.
-enum Outcome {
-    Started {
-        proxy: Arc<ManagedProxy>,
-        handle: Box<dyn ProxyHandle>,
-    },
-    StartFailed {
-        error: BackendError,
-    },
-    Stopped,
-    StopFailed {
-        error: BackendError,
-    },
-    Updated {
-        proxy: Arc<ManagedProxy>,
-    },
-    UpdateFailed {
-        error: BackendError,
-    },
-    /// An overlapping update was abandoned: the old instance serves on.
-    OverlapFailed {
-        reason: String,
-    },
 }
 
 /// The reconcile engine: keeps the proxies that run equal to the proxies the catalog wants.
@@ -903,6 +808,7 @@ mod coalescing;
 mod ordering;
 mod records;
 mod restore;
+mod slot;
 
 use coalescing::{Coalescing, Offered, Window};
 use ordering::StopOrder;

@@ -29,6 +29,7 @@ use crate::status::{ProcessStatus, SupervisedProcess};
 
 mod adopt;
 mod checks;
+mod instance;
 mod lines;
 mod reload;
 mod task;
@@ -38,7 +39,8 @@ pub(crate) use reload::ReloadReply;
 
 #[cfg(feature = "manager")] // the engine adapter's
 pub(crate) use adopt::Proven;
-use task::{Instance, InstanceKind, Task};
+use instance::{Instance, InstanceKind};
+use task::Task;
 
 /// Spawns, supervises, restarts, stops and adopts OS processes.
 ///

@@ -4,12 +4,13 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use tether_state::{LocalState, ProxySpec, Service, ServiceId, ServiceName, Source};
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use super::fake::{Call, Fake};
 use super::*;
 use crate::snapshot::{MemorySnapshotStore, ProxyRecord, Snapshot};
-use crate::{BackendRecord, BackendState, MockProxyBackend, MockProxyHandle, ProxyEvent};
+use crate::{BackendRecord, BackendState, BackendStatus, MockProxyBackend, MockProxyHandle, ProxyEvent, RequestError};
 
 const LIMIT: Duration = Duration::from_secs(600);
 const QUIESCENT: Duration = Duration::from_millis(500);
