@@ -254,12 +254,9 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
     metrics.register(templates.collector());
     metrics.register(connect::collector(connect.clone()));
     let api_stop = CancellationToken::new();
-    // Envoy's config over ADS, from the catalog and the readiness of its upstreams' instances.
-    let xds = Xds::new(
-        sources.state().clone(),
-        crate::templates::local_instances(sources.state().clone(), handle.clone()),
-        api_stop.child_token(),
-    );
+    // Envoy's config over ADS, from the catalog and its upstreams' ready instances: the
+    // templates' one source (the fleet's, when the agent follows etcd).
+    let xds = Xds::new(sources.state().clone(), templates.instances(), api_stop.child_token());
     metrics.register(xds.collector());
     let (leave_tx, mut leave_rx) = mpsc::channel::<LeaveRequest>(1);
     let api_state = ApiState {
@@ -331,6 +328,16 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
         _ => None,
     };
     let fleet_task = follower.map(|follower| tokio::spawn(follower.run(fleet_stop.clone())));
+    // The fleet's intentions, merged with the config files' as they change.
+    let intentions_task = options.fleet.as_ref().map(|fleet| {
+        let follow = crate::fleet::intentions::follow(
+            fleet.etcd.clone(),
+            fleet.layout.clone(),
+            sources.clone(),
+            fleet_stop.clone(),
+        );
+        tokio::spawn(follow)
+    });
     let engine_stop = CancellationToken::new();
     let templates_stop = CancellationToken::new();
     let templates_task = tokio::spawn(templates.run(templates_stop.clone()));
@@ -381,6 +388,11 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
     if let Some(task) = publisher {
         if let Err(err) = task.await {
             tracing::error!(error = %err, "the fleet status publisher failed");
+        }
+    }
+    if let Some(task) = intentions_task {
+        if let Err(err) = task.await {
+            tracing::error!(error = %err, "the fleet's intentions follower failed");
         }
     }
     connect.shutdown().await;
