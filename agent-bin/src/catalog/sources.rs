@@ -559,6 +559,39 @@ mod tests {
     }
 
     #[test]
+    fn the_fleets_intentions_join_the_files_and_a_pair_both_define_is_the_files() {
+        let root = tempfile::tempdir().unwrap();
+        let config = root.path().join("config");
+        std::fs::create_dir_all(&config).unwrap();
+        let rule = |source: &str, destination: &str, action: &str| {
+            format!("[[intention]]\nsource = \"{source}\"\ndestination = \"{destination}\"\naction = \"{action}\"\n")
+        };
+        std::fs::write(config.join("mesh.toml"), rule("*", "db", "allow") + &rule("api", "db", "allow")).unwrap();
+        let (sources, _) = open(root.path());
+        let index = sources.intentions_index();
+        let before = *index.borrow();
+        let fleet = |source: &str, destination: &str, action| {
+            let target = |name: &str| tether_state::IntentionTarget::parse(name).unwrap();
+            let key = format!("/tether/intentions/{source}/{destination}");
+            (Intention::new(target(source), target(destination), action), key)
+        };
+        use tether_state::IntentionAction::{Allow, Deny};
+        sources.set_fleet_intentions(vec![fleet("web", "db", Deny), fleet("api", "db", Deny)]);
+        let name = |name: &str| ServiceName::new(name).unwrap();
+        let intentions = sources.intentions();
+        // The fleet's exact rule decides over the files' wildcard; the files' exact rule
+        // keeps its pair.
+        let decided = |source: &str| intentions.decide(&name(source), &name("db")).action;
+        assert_eq!((decided("web"), decided("api"), decided("cache")), (Deny, Allow, Allow));
+        assert!(*index.borrow() > before, "the proxies' blocking query was not woken");
+        let after = *index.borrow();
+        sources.set_fleet_intentions(vec![fleet("web", "db", Deny), fleet("api", "db", Deny)]);
+        assert_eq!(*index.borrow(), after, "the same reading changes nothing");
+        sources.set_fleet_intentions(Vec::new());
+        assert_eq!(sources.intentions().decide(&name("web"), &name("db")).action, Allow);
+    }
+
+    #[test]
     fn a_new_registration_that_cannot_be_persisted_never_enters_the_catalog() {
         let root = tempfile::tempdir().unwrap();
         let (sources, data) = open(root.path());
