@@ -328,16 +328,6 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
         _ => None,
     };
     let fleet_task = follower.map(|follower| tokio::spawn(follower.run(fleet_stop.clone())));
-    // The fleet's intentions, merged with the config files' as they change.
-    let intentions_task = options.fleet.as_ref().map(|fleet| {
-        let follow = crate::fleet::intentions::follow(
-            fleet.etcd.clone(),
-            fleet.layout.clone(),
-            sources.clone(),
-            fleet_stop.clone(),
-        );
-        tokio::spawn(follow)
-    });
     let engine_stop = CancellationToken::new();
     let templates_stop = CancellationToken::new();
     let templates_task = tokio::spawn(templates.run(templates_stop.clone()));
@@ -388,11 +378,6 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
     if let Some(task) = publisher {
         if let Err(err) = task.await {
             tracing::error!(error = %err, "the fleet status publisher failed");
-        }
-    }
-    if let Some(task) = intentions_task {
-        if let Err(err) = task.await {
-            tracing::error!(error = %err, "the fleet's intentions follower failed");
         }
     }
     connect.shutdown().await;

@@ -1,7 +1,8 @@
 //! etcd, as every part of the agent speaks to it: the client (`client`), where things live
 //! (`Layout`), how to reach it (`EtcdOptions`, with `REQUEST_TIMEOUT` for every request), the
 //! one reconnect schedule of everything that follows or writes etcd (`RECONNECT`, spread by
-//! `jittered`), the one way of following a prefix (`follow_prefix`), and the records that are written there (`records`), which the writer and
+//! `jittered`), the one way of following a prefix (`read_and_watch`, and `follow_prefix` with its own
+//! connection and reconnects), and the records that are written there (`records`), which the writer and
 //! every reader share.
 //!
 //! This is a leaf of the binary: it imports no other module of it but `cli` (the flags of
@@ -253,10 +254,22 @@ pub(crate) async fn follow_prefix(
 ) {
     let mut backoff = RECONNECT;
     loop {
+        let mut answered = false;
+        let session = async {
+            let client = options.connect().await.map_err(|err| tether_state::error_chain(&err))?;
+            read_and_watch(&client, prefix, |kvs| {
+                answered = true;
+                apply(kvs);
+            })
+            .await
+        };
         let error = tokio::select! {
             () = stop.cancelled() => return,
-            Err(error) = read_and_watch(options, prefix, &mut backoff, &mut apply) => error,
+            Err(error) = session => error,
         };
+        if answered {
+            backoff.reset();
+        }
         let wait = jittered(backoff.next());
         tracing::warn!(%prefix, what, error = %error, retry_in = ?wait, "cannot follow etcd");
         tokio::select! {
@@ -266,19 +279,21 @@ pub(crate) async fn follow_prefix(
     }
 }
 
-/// Reads `prefix`, then reads it again on every change, until an error.
-async fn read_and_watch(
-    options: &EtcdOptions,
+/// Reads `prefix` through `client` and hands the keys to `apply`, then reads them again on
+/// every change, until an error.
+///
+/// # Cancel safety
+///
+/// Cancel-safe: dropping it drops the watch.
+pub(crate) async fn read_and_watch(
+    client: &Client,
     prefix: &str,
-    backoff: &mut Backoff,
-    apply: &mut impl FnMut(&[pb::KeyValue]),
+    mut apply: impl FnMut(&[pb::KeyValue]),
 ) -> Result<std::convert::Infallible, String> {
     let error = |err: &dyn std::error::Error| tether_state::error_chain(err);
-    let client = options.connect().await.map_err(|err| error(&err))?;
     let range = client.get_prefix(prefix).await.map_err(|err| error(&err))?;
     let revision = revision(range.header.as_ref());
     apply(&range.kvs);
-    backoff.reset();
     let mut stream = client.watch_prefix(prefix, revision + 1).await.map_err(|err| error(&err))?;
     loop {
         match stream.message().await.map_err(|err| error(&err))? {

@@ -1,7 +1,8 @@
 //! Intentions from etcd: `<prefix>/intentions/<source>/<destination>`, each source and
 //! destination a service name or `*`, each value an `IntentionRecord`
 //! (`{"action": "allow"}`, with an optional `description`). Every agent that follows etcd
-//! reads the prefix, watches it, and hands what it holds to
+//! reads the prefix and watches it, in each session of its follower and on its connection,
+//! and hands what it holds to
 //! `Sources::set_fleet_intentions`, which merges it with the config files' intentions; the
 //! built-in proxies follow the result as they follow a reload.
 //!
@@ -11,22 +12,22 @@
 use std::sync::Arc;
 
 use tether_state::{Intention, IntentionAction, IntentionTarget};
-use tokio_util::sync::CancellationToken;
 
 use crate::catalog::sources::Sources;
-use crate::etcd::{self, EtcdOptions, IntentionRecord, Layout, pb};
+use crate::etcd::{self, Client, IntentionRecord, pb};
 
-/// Follows `layout`'s intentions until `stop`, handing every reading to `sources`.
+/// Follows the fleet's intentions under `prefix` through `client`, handing every reading to
+/// `sources`, until the watch fails: the follower runs it in each of its sessions with etcd,
+/// on the session's connection, so that one member serves the node's watches, and a new
+/// session reads the intentions again.
 ///
 /// # Cancel safety
 ///
-/// Meant to run as a task of its own; it returns once `stop` is cancelled.
-pub(crate) async fn follow(etcd: EtcdOptions, layout: Layout, sources: Arc<Sources>, stop: CancellationToken) {
-    let prefix = layout.intentions_prefix();
-    etcd::follow_prefix(&etcd, &prefix, "the fleet's intentions", &stop, |kvs| {
-        sources.set_fleet_intentions(read(&prefix, kvs));
-    })
-    .await;
+/// Cancel-safe: dropping it drops the watch; what was read stays in force.
+pub(crate) async fn follow(client: Client, prefix: String, sources: Arc<Sources>) {
+    let read = etcd::read_and_watch(&client, &prefix, |kvs| sources.set_fleet_intentions(read(&prefix, kvs)));
+    let Err(error) = read.await;
+    tracing::warn!(%prefix, %error, "cannot follow the fleet's intentions until the next session with etcd");
 }
 
 /// The intentions that the keys under `prefix` hold, each with its key; an invalid one is
