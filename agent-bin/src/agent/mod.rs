@@ -256,12 +256,9 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
     metrics.register(templates.collector());
     metrics.register(connect::collector(connect.clone()));
     let api_stop = CancellationToken::new();
-    // Envoy's config over ADS, from the catalog and the readiness of its upstreams' instances.
-    let xds = Xds::new(
-        sources.state().clone(),
-        crate::templates::local_instances(sources.state().clone(), handle.clone()),
-        api_stop.child_token(),
-    );
+    // Envoy's config over ADS, from the catalog and its upstreams' ready instances: the
+    // templates' one source (the fleet's, when the agent follows etcd).
+    let xds = Xds::new(sources.state().clone(), templates.instances(), api_stop.child_token());
     metrics.register(xds.collector());
     let (leave_tx, mut leave_rx) = mpsc::channel::<LeaveRequest>(1);
     let api_state = ApiState {

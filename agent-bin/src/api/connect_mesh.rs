@@ -2,15 +2,16 @@
 //! token: `GET /v1/agent/connect/intentions/{service}` (the intentions that decide who may
 //! connect to the service, as a blocking query on the intentions' index, so that a proxy
 //! closes a connection that a reload denies), `GET /v1/agent/connect/upstream/{service}/{destination}`
-//! (where the ready instances of an upstream take mutual TLS, as a blocking query on the
-//! catalog and the proxies' readiness), and `PUT /v1/agent/connect/refused/{service}` (a
+//! (where the ready instances of an upstream take mutual TLS, from the agent's one source of
+//! instances — its catalog, or the fleet's `instances/` keys when it follows etcd —, as a
+//! blocking query on the catalog, the proxies' readiness and the fleet's instances), and `PUT /v1/agent/connect/refused/{service}` (a
 //! connection the proxy refused or closed: counted, and told as an event).
 
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
-use tether_state::{ListenAddress, ProxyId, ServiceId, ServiceName, SpiffeId};
+use tether_state::{ProxyId, ServiceId, ServiceName, SpiffeId};
 
 use super::connect_ca::{BlockingQuery, block, not_enabled, with_index};
 use super::dto::{IntentionDto, IntentionsDto, MeshInstanceDto, RefusalDto, TOKEN_HEADER, UpstreamDto};
@@ -45,7 +46,8 @@ pub(crate) async fn get_intentions(
         return Err(not_enabled());
     }
     let name = &entry.service.name;
-    let intentions = section.intentions();
+    // The config files' and, when the agent follows etcd, the fleet's.
+    let intentions = state.sources.intentions();
     let body = IntentionsDto {
         default_intention: intentions.default_action().as_str().to_owned(),
         intentions: intentions
@@ -80,44 +82,29 @@ pub(crate) async fn get_upstream(
     let connect = section.connect().ok_or_else(not_enabled)?;
     let spiffe_id = SpiffeId::service(&connect.trust_domain, &connect.datacenter, &destination)
         .map_err(|err| ApiError::new(StatusCode::BAD_REQUEST, err.to_string()))?;
-    let instances = state
-        .sources
-        .state()
-        .entries()
-        .iter()
-        .filter(|entry| entry.service.name == destination)
-        .filter(|entry| {
-            entry.proxy.as_ref().is_some_and(|proxy| state.manager.proxy(proxy.id()).is_some_and(|s| s.ready()))
-        })
-        .filter_map(|entry| {
-            let (address, port) = mesh_address(entry)?;
-            Some(MeshInstanceDto { service_id: entry.service.id.to_string(), address, port })
+    // The agent's one source of instances (the fleet's, when it follows etcd): each that is
+    // ready and whose proxy listens. A name the fleet has not answered about yet is waited
+    // for, once, on a blocking thread.
+    let source = state.templates.instances();
+    let found = match source.known(destination.as_str()) {
+        Some(found) => found,
+        None => {
+            let name = destination.to_string();
+            tokio::task::spawn_blocking(move || source.instances(&name))
+                .await
+                .map_err(|err| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, err.to_string()))?
+                .map_err(|problem| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, problem))?
+        }
+    };
+    let instances = found
+        .into_iter()
+        .filter_map(|instance| {
+            let mesh = instance.mesh?;
+            Some(MeshInstanceDto { service_id: instance.id, address: mesh.address, port: mesh.port })
         })
         .collect();
     let body = UpstreamDto { destination: destination.to_string(), spiffe_id: spiffe_id.to_string(), instances, index };
     Ok(with_index(body, index))
-}
-
-/// Where an instance's proxy takes mutual TLS: its first TCP listener, when the agent holds
-/// its listeners, else its `config.bind_port` on `config.bind_address` (the service's address
-/// when the proxy listens on every address).
-fn mesh_address(entry: &tether_state::Entry) -> Option<(String, u16)> {
-    let proxy = entry.proxy.as_ref()?;
-    let spec = proxy.spec();
-    for listener in &spec.listeners {
-        if let ListenAddress::Tcp(target) = &listener.address {
-            let (host, port) = target.as_str().rsplit_once(':')?;
-            return Some((host.trim_start_matches('[').trim_end_matches(']').to_owned(), port.parse().ok()?));
-        }
-    }
-    let port = spec.config.get("bind_port").and_then(serde_json::Value::as_u64).and_then(|p| u16::try_from(p).ok())?;
-    let address = spec.config.get("bind_address").and_then(serde_json::Value::as_str).unwrap_or("127.0.0.1");
-    let address = match address {
-        "0.0.0.0" | "::" | "[::]" => entry.service.address.clone(),
-        "localhost" => "127.0.0.1".to_owned(),
-        other => other.to_owned(),
-    };
-    Some((address, port))
 }
 
 pub(crate) async fn put_refused(

@@ -18,8 +18,8 @@ use tether_state::config::{ConfigErrors, ConfigFile, ConfigLoader, ConnectSectio
 use tether_state::lock;
 use tether_state::persist::{DataDir, PersistError};
 use tether_state::{
-    CatalogError, DependsOn, LocalState, ProxyId, ProxyToken, ReplaceReport, Service, ServiceId, Source, SourceKind,
-    cycle_text, dependency_cycles,
+    CatalogError, DependsOn, Intention, Intentions, LocalState, ProxyId, ProxyToken, ReplaceReport, Service, ServiceId,
+    Source, SourceKind, cycle_text, dependency_cycles,
 };
 
 use super::policy::{self, ApiSetting};
@@ -102,9 +102,34 @@ pub(crate) struct Sources {
     saved_tokens: Mutex<Option<BTreeMap<ProxyId, ProxyToken>>>,
     /// The `[connect]` table and intentions of the config applied.
     connect: Mutex<ConnectSection>,
-    /// Bumped whenever a reload changes the intentions or their default, for the blocking
-    /// queries of the built-in proxies, which close the connections that a change denies.
+    /// The fleet's intentions, each with its etcd key, as last read (none without a fleet).
+    fleet_intentions: Mutex<Vec<(Intention, String)>>,
+    /// The intentions in force: the config files' merged with the fleet's ([`merge`]).
+    intentions: Mutex<Arc<Intentions>>,
+    /// Bumped whenever the intentions in force or their default change (a reload, the
+    /// fleet's keys), for the blocking queries of the built-in proxies, which close the
+    /// connections that a change denies.
     intentions_index: tokio::sync::watch::Sender<u64>,
+}
+
+/// The intentions in force: the config files' rules and, after them, the fleet's, with the
+/// files' default. A source and destination pair that both define is the files' (the node's
+/// own word); the fleet's rule is left out, with a warning naming its key. Between pairs,
+/// the most precise rule decides, wherever it came from.
+fn merge(section: &ConnectSection, fleet: &[(Intention, String)]) -> Intentions {
+    let files = section.intentions();
+    let mut rules = files.rules().to_vec();
+    for (rule, key) in fleet {
+        let same_pair = |own: &Intention| own.source() == rule.source() && own.destination() == rule.destination();
+        if let Some(own) = files.rules().iter().find(|own| same_pair(own)) {
+            let file = section.intention_file(own).map(DisplayPath).map(|path| path.to_string()).unwrap_or_default();
+            tracing::warn!(%key, %file, rule = %rule, "an intention of the config files decides this pair; the fleet's key is left out");
+            continue;
+        }
+        rules.push(rule.clone());
+    }
+    // The files' pairs are unique, and so are etcd's keys, so no pair repeats.
+    Intentions::new(rules, files.default_action()).unwrap_or_else(|_| files.clone())
 }
 
 /// The config side of the catalog.
@@ -174,6 +199,8 @@ impl Sources {
             api_changes: Mutex::new(()),
             saved_tokens: Mutex::new(None),
             connect: Mutex::new(ConnectSection::default()),
+            fleet_intentions: Mutex::default(),
+            intentions: Mutex::default(),
             intentions_index: tokio::sync::watch::channel(1).0,
         };
         {
@@ -181,6 +208,7 @@ impl Sources {
             // `[connect]` and the intentions are checked with the rest of the files; the
             // catalog takes only the services, and the agent the CA (`connect_section`).
             let loaded = config.loader.load_files()?;
+            *lock(&sources.intentions) = Arc::new(loaded.connect.intentions().clone());
             *lock(&sources.connect) = loaded.connect;
             if let Err(err) = sources.apply_config(&mut config.applied, loaded.files) {
                 // The loader already refused duplicates; a token failure is all that is left.
@@ -230,7 +258,30 @@ impl Sources {
         lock(&self.connect).clone()
     }
 
-    /// The index of the intentions in force, bumped by every reload that changes them.
+    /// The intentions in force: the config files' and the fleet's, merged.
+    pub(crate) fn intentions(&self) -> Arc<Intentions> {
+        lock(&self.intentions).clone()
+    }
+
+    /// Puts the fleet's intentions (each with its key) in force beside the config files'.
+    pub(crate) fn set_fleet_intentions(&self, rules: Vec<(Intention, String)>) {
+        *lock(&self.fleet_intentions) = rules;
+        self.merge_intentions();
+    }
+
+    /// Merges the files' intentions and the fleet's again, and bumps the index if that
+    /// changed what is in force.
+    fn merge_intentions(&self) {
+        let merged = merge(&lock(&self.connect), &lock(&self.fleet_intentions));
+        let mut current = lock(&self.intentions);
+        if current.rules() != merged.rules() || current.default_action() != merged.default_action() {
+            *current = Arc::new(merged);
+            drop(current);
+            self.intentions_index.send_modify(|index| *index += 1);
+        }
+    }
+
+    /// The index of the intentions in force, bumped by every change of them.
     pub(crate) fn intentions_index(&self) -> tokio::sync::watch::Receiver<u64> {
         self.intentions_index.subscribe()
     }
@@ -270,12 +321,8 @@ impl Sources {
             // A config service that an API registration owns: the registration stays.
             tracing::error!(error = %crate::error::error_chain(err), "config reload refused");
         })?;
-        let old = std::mem::replace(&mut *lock(&self.connect), loaded.connect);
-        let new = self.connect_section();
-        let (before, after) = (old.intentions(), new.intentions());
-        if before.rules() != after.rules() || before.default_action() != after.default_action() {
-            self.intentions_index.send_modify(|index| *index += 1);
-        }
+        *lock(&self.connect) = loaded.connect;
+        self.merge_intentions();
         drop(config);
         self.save_tokens();
         Ok((ReloadReport { catalog, files }, prepared))
@@ -509,6 +556,39 @@ mod tests {
 
     fn saved_tokens(data: &DataDir) -> Vec<ProxyId> {
         data.tokens().load().tokens.into_keys().collect()
+    }
+
+    #[test]
+    fn the_fleets_intentions_join_the_files_and_a_pair_both_define_is_the_files() {
+        let root = tempfile::tempdir().unwrap();
+        let config = root.path().join("config");
+        std::fs::create_dir_all(&config).unwrap();
+        let rule = |source: &str, destination: &str, action: &str| {
+            format!("[[intention]]\nsource = \"{source}\"\ndestination = \"{destination}\"\naction = \"{action}\"\n")
+        };
+        std::fs::write(config.join("mesh.toml"), rule("*", "db", "allow") + &rule("api", "db", "allow")).unwrap();
+        let (sources, _) = open(root.path());
+        let index = sources.intentions_index();
+        let before = *index.borrow();
+        let fleet = |source: &str, destination: &str, action| {
+            let target = |name: &str| tether_state::IntentionTarget::parse(name).unwrap();
+            let key = format!("/tether/intentions/{source}/{destination}");
+            (Intention::new(target(source), target(destination), action), key)
+        };
+        use tether_state::IntentionAction::{Allow, Deny};
+        sources.set_fleet_intentions(vec![fleet("web", "db", Deny), fleet("api", "db", Deny)]);
+        let name = |name: &str| ServiceName::new(name).unwrap();
+        let intentions = sources.intentions();
+        // The fleet's exact rule decides over the files' wildcard; the files' exact rule
+        // keeps its pair.
+        let decided = |source: &str| intentions.decide(&name(source), &name("db")).action;
+        assert_eq!((decided("web"), decided("api"), decided("cache")), (Deny, Allow, Allow));
+        assert!(*index.borrow() > before, "the proxies' blocking query was not woken");
+        let after = *index.borrow();
+        sources.set_fleet_intentions(vec![fleet("web", "db", Deny), fleet("api", "db", Deny)]);
+        assert_eq!(*index.borrow(), after, "the same reading changes nothing");
+        sources.set_fleet_intentions(Vec::new());
+        assert_eq!(sources.intentions().decide(&name("web"), &name("db")).action, Allow);
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! etcd, as every part of the agent speaks to it: the client (`client`), where things live
 //! (`Layout`), how to reach it (`EtcdOptions`, with `REQUEST_TIMEOUT` for every request), the
 //! one reconnect schedule of everything that follows or writes etcd (`RECONNECT`, spread by
-//! `jittered`), and the records that are written there (`records`), which the writer and
+//! `jittered`), the one way of following a prefix (`read_and_watch`, and `follow_prefix` with its own
+//! connection and reconnects), and the records that are written there (`records`), which the writer and
 //! every reader share.
 //!
 //! This is a leaf of the binary: it imports no other module of it but `cli` (the flags of
@@ -17,9 +18,10 @@ use std::time::Duration;
 
 use tether_state::config;
 use tether_state::{Backoff, ServiceId};
+use tokio_util::sync::CancellationToken;
 
 pub(crate) use client::{Client, Error, WatchStream, delete_op, mod_revision_is, pb, put_op, revision};
-pub(crate) use records::{Instance, NodeRecord, PublishedProxy, RolloutRecord, rfc3339};
+pub(crate) use records::{Instance, IntentionRecord, NodeRecord, PublishedProxy, RolloutRecord, rfc3339};
 
 /// The delays between two sessions with etcd, for the follower, the publisher and the
 /// templates' watches alike: 250 ms, doubled after each failure up to 10 s, each spread by
@@ -88,6 +90,12 @@ impl Layout {
     /// `<prefix>/instances/<service name>/<node>/<service id>`.
     pub(crate) fn instance_key(&self, name: &tether_state::ServiceName, id: &ServiceId) -> String {
         format!("{}/instances/{name}/{}/{id}", self.prefix, self.node)
+    }
+
+    /// The prefix of the fleet's intentions, `<prefix>/intentions/`, under which each key is
+    /// `<source>/<destination>`.
+    pub(crate) fn intentions_prefix(&self) -> String {
+        format!("{}/intentions/", self.prefix)
     }
 
     /// The prefix of every service key of this node, ending in `/`.
@@ -227,6 +235,75 @@ pub(crate) async fn timed<T>(
         Ok(Ok(value)) => Ok(value),
         Ok(Err(source)) => Err(EtcdError::Request { endpoints: options.shown(), operation, source }),
         Err(_elapsed) => Err(EtcdError::Timeout { endpoints: options.shown(), operation }),
+    }
+}
+
+/// Reads every key under `prefix` and hands them to `apply`, then reads them all again on
+/// every change, until `stop`; a failure is logged (naming `what`) and followed by a new
+/// connection on [`RECONNECT`]'s backoff, and what was applied stays in force meanwhile.
+///
+/// # Cancel safety
+///
+/// Meant to run as a task of its own; it returns once `stop` is cancelled.
+pub(crate) async fn follow_prefix(
+    options: &EtcdOptions,
+    prefix: &str,
+    what: &str,
+    stop: &CancellationToken,
+    mut apply: impl FnMut(&[pb::KeyValue]),
+) {
+    let mut backoff = RECONNECT;
+    loop {
+        let mut answered = false;
+        let session = async {
+            let client = options.connect().await.map_err(|err| tether_state::error_chain(&err))?;
+            read_and_watch(&client, prefix, |kvs| {
+                answered = true;
+                apply(kvs);
+            })
+            .await
+        };
+        let error = tokio::select! {
+            () = stop.cancelled() => return,
+            Err(error) = session => error,
+        };
+        if answered {
+            backoff.reset();
+        }
+        let wait = jittered(backoff.next());
+        tracing::warn!(%prefix, what, error = %error, retry_in = ?wait, "cannot follow etcd");
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = tokio::time::sleep(wait) => {}
+        }
+    }
+}
+
+/// Reads `prefix` through `client` and hands the keys to `apply`, then reads them again on
+/// every change, until an error.
+///
+/// # Cancel safety
+///
+/// Cancel-safe: dropping it drops the watch.
+pub(crate) async fn read_and_watch(
+    client: &Client,
+    prefix: &str,
+    mut apply: impl FnMut(&[pb::KeyValue]),
+) -> Result<std::convert::Infallible, String> {
+    let error = |err: &dyn std::error::Error| tether_state::error_chain(err);
+    let range = client.get_prefix(prefix).await.map_err(|err| error(&err))?;
+    let revision = revision(range.header.as_ref());
+    apply(&range.kvs);
+    let mut stream = client.watch_prefix(prefix, revision + 1).await.map_err(|err| error(&err))?;
+    loop {
+        match stream.message().await.map_err(|err| error(&err))? {
+            // Read whole again: one small prefix, and no event order to get right.
+            Some(_) => {
+                let range = client.get_prefix(prefix).await.map_err(|err| error(&err))?;
+                apply(&range.kvs);
+            }
+            None => return Err("etcd ended the watch".to_owned()),
+        }
     }
 }
 

@@ -6,7 +6,10 @@
 //!   `tether fleet status` and rollouts;
 //! - `<prefix>/status/<node>/proxies/<proxy id>`: [`PublishedProxy`], the same;
 //! - `<prefix>/instances/<service name>/<node>/<service id>`: [`Instance`], written by the
-//!   publisher, read by the templates' `instances(name)`;
+//!   publisher, read by the one `FleetInstances` of an agent (the templates' `instances(name)`,
+//!   the xDS server's endpoints, the built-in proxies' upstreams);
+//! - `<prefix>/intentions/<source>/<destination>`: [`IntentionRecord`], written by operators,
+//!   read by every agent beside the intentions of its config files;
 //! - `<prefix>/rollouts/<service id>`: [`RolloutRecord`], written and read by
 //!   `tether fleet rollout`.
 //!
@@ -17,7 +20,7 @@ use std::collections::BTreeMap;
 use std::time::SystemTime;
 
 use serde::{Deserialize, Serialize};
-use tether_state::Service;
+use tether_state::{Entry, ListenAddress};
 
 use crate::cli::OnFailure;
 
@@ -85,11 +88,24 @@ pub(crate) struct Instance {
     pub(crate) port: Option<u16>,
     pub(crate) tags: Vec<String>,
     pub(crate) meta: BTreeMap<String, String>,
+    /// Where its proxy's public listener takes connections (mutual TLS with `[connect]`):
+    /// what another node's built-in proxy dials for an upstream. `None` for a service
+    /// without a proxy that listens; absent from the records of older agents.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) mesh: Option<MeshAddress>,
+}
+
+/// Where an instance's proxy listens.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub(crate) struct MeshAddress {
+    pub(crate) address: String,
+    pub(crate) port: u16,
 }
 
 impl Instance {
-    /// The instance of `service` on `node`.
-    pub(crate) fn of(node: Option<&str>, service: &Service) -> Self {
+    /// The instance of `entry`'s service on `node`.
+    pub(crate) fn of(node: Option<&str>, entry: &Entry) -> Self {
+        let service = &entry.service;
         Self {
             node: node.map(str::to_owned),
             id: service.id.as_str().to_owned(),
@@ -97,8 +113,43 @@ impl Instance {
             port: service.port,
             tags: service.tags.clone(),
             meta: service.meta.clone(),
+            mesh: mesh_address(entry),
         }
     }
+}
+
+/// Where an instance's proxy takes connections: its first TCP listener, when the agent holds
+/// its listeners, else its `config.bind_port` on `config.bind_address` (the service's address
+/// when the proxy listens on every address).
+fn mesh_address(entry: &Entry) -> Option<MeshAddress> {
+    let proxy = entry.proxy.as_ref()?;
+    let spec = proxy.spec();
+    for listener in &spec.listeners {
+        if let ListenAddress::Tcp(target) = &listener.address {
+            let (host, port) = target.as_str().rsplit_once(':')?;
+            let address = host.trim_start_matches('[').trim_end_matches(']').to_owned();
+            return Some(MeshAddress { address, port: port.parse().ok()? });
+        }
+    }
+    let port = spec.config.get("bind_port").and_then(serde_json::Value::as_u64).and_then(|p| u16::try_from(p).ok())?;
+    let address = spec.config.get("bind_address").and_then(serde_json::Value::as_str).unwrap_or("127.0.0.1");
+    let address = match address {
+        "0.0.0.0" | "::" | "[::]" => entry.service.address.clone(),
+        "localhost" => "127.0.0.1".to_owned(),
+        other => other.to_owned(),
+    };
+    Some(MeshAddress { address, port })
+}
+
+/// An intention as etcd keeps it: the key names the source and the destination (a service
+/// name or `*`), the value says what the rule does.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct IntentionRecord {
+    /// `allow` or `deny`.
+    pub(crate) action: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) description: Option<String>,
 }
 
 /// A rollout as etcd keeps it, taken and moved in transactions so that a second rollout of

@@ -253,6 +253,11 @@ impl Follower {
     /// Connects, catches up, and follows the watch until something fails.
     async fn session(&mut self, backoff: &mut Backoff) -> Result<Infallible, SessionError> {
         let client = self.etcd.connect().await?;
+        // The fleet's intentions on the same connection, for as long as this session lasts:
+        // one member serves both of the node's watches.
+        let mut intentions = tokio::task::JoinSet::new();
+        let intentions_prefix = self.layout.intentions_prefix();
+        intentions.spawn(super::intentions::follow(client.clone(), intentions_prefix, self.sources.clone()));
         let prefix = self.layout.services_prefix();
         // Where etcd is now: a store that went back (restored from a backup, replaced by a
         // new cluster) cannot be resumed from our revision.

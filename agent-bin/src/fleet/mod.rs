@@ -3,7 +3,8 @@
 //! Keys are `<prefix>/nodes/<node>/services/<service id>`; each value is one service object
 //! in the register API's JSON schema. This module owns the parsing of values into services
 //! (an invalid value is a per-key report, never a failure of the whole set), the agent's
-//! follower (`follow`) and publisher (`publish`), and the operators' commands (`cli`,
+//! follower (`follow`) and publisher (`publish`), the fleet's intentions (`intentions`),
+//! and the operators' commands (`cli`,
 //! `status`, `rollout`, with the helpers they share here). How etcd is reached, where keys
 //! live and what the published records hold are `crate::etcd`'s. Its services enter
 //! `LocalState` as `Source::External("etcd")`. It never starts a process and writes nothing
@@ -11,6 +12,7 @@
 
 pub(crate) mod cli;
 pub(crate) mod follow;
+pub(crate) mod intentions;
 pub(crate) mod publish;
 pub(crate) mod roles;
 pub(crate) mod rollout;

@@ -291,8 +291,9 @@ impl Publisher {
             let service = entry.as_ref().map(|entry| &*entry.service);
             let value = published(&status, revision, service);
             values.insert(self.layout.proxy_status_key(&status.id), encode(&value));
-            if let (true, Some(service)) = (status.ready(), service) {
-                let instance = Instance::of(Some(self.layout.node()), service);
+            if let (true, Some(entry)) = (status.ready(), entry.as_ref()) {
+                let instance = Instance::of(Some(self.layout.node()), entry);
+                let service = &entry.service;
                 values.insert(self.layout.instance_key(&service.name, &service.id), encode(&instance));
             }
         }

@@ -1,8 +1,9 @@
 //! `tether fleet roles NODE`: the etcd role that the agent of NODE needs, and nothing more,
 //! as the `etcdctl` commands that create it.
 //!
-//! The agent reads its node's desired services and the `instances/` of every service (for
-//! templates), and writes its node's status keys and the `instances/<name>/<node>/` keys of
+//! The agent reads its node's desired services, the `instances/` of every service (for
+//! templates, Envoy's endpoints and the built-in proxies' upstreams) and the fleet's
+//! `intentions/`, and writes its node's status keys and the `instances/<name>/<node>/` keys of
 //! the services it runs. etcd grants by key range, and the instance keys put the service's
 //! name before the node, so the role names each service of the node: the services that
 //! NODE has in etcd now, and those given with `--service-name`.
@@ -25,11 +26,13 @@ pub(crate) fn script(layout: &Layout, names: &BTreeSet<String>) -> String {
     let (prefix, node) = (layout.prefix(), layout.node());
     let role = role_name(node);
     let mut lines = vec![
-        format!("# The etcd role of the agent of node {node}: it reads its desired services and every"),
-        "# service's instances, and writes its own status and the instances of its services.".to_owned(),
+        format!("# The etcd role of the agent of node {node}: it reads its desired services, every"),
+        "# service's instances and the intentions, and writes its own status and the instances of".to_owned(),
+        "# its services.".to_owned(),
         format!("etcdctl role add {role}"),
         format!("etcdctl role grant-permission --prefix {role} read {}", layout.services_prefix()),
         format!("etcdctl role grant-permission --prefix {role} read {prefix}/instances/"),
+        format!("etcdctl role grant-permission --prefix {role} read {}", layout.intentions_prefix()),
         format!("etcdctl role grant-permission {role} readwrite {}", layout.status_key()),
         format!("etcdctl role grant-permission --prefix {role} readwrite {}/", layout.status_key()),
     ];
@@ -66,7 +69,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_role_reads_its_services_and_instances_and_writes_only_its_own_keys() {
+    fn the_role_reads_its_services_instances_and_intentions_and_writes_only_its_own_keys() {
         let layout = Layout::new("/tether/", "n1").unwrap();
         let names = ["api".to_owned(), "web".to_owned()].into_iter().collect();
         let text = script(&layout, &names);
@@ -76,6 +79,7 @@ mod tests {
             [
                 "etcdctl role grant-permission --prefix tether-node-n1 read /tether/nodes/n1/services/",
                 "etcdctl role grant-permission --prefix tether-node-n1 read /tether/instances/",
+                "etcdctl role grant-permission --prefix tether-node-n1 read /tether/intentions/",
                 "etcdctl role grant-permission tether-node-n1 readwrite /tether/status/n1",
                 "etcdctl role grant-permission --prefix tether-node-n1 readwrite /tether/status/n1/",
                 "etcdctl role grant-permission --prefix tether-node-n1 readwrite /tether/instances/api/n1/",

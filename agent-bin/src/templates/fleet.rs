@@ -1,18 +1,18 @@
-//! `instances(name)` across the fleet: the ready instances that every agent publishes under
-//! `<prefix>/instances/<name>/<node>/<service id>`, read and then watched for each name a
-//! template asks for, and only for those.
+//! The fleet's instances: the ready instances that every agent publishes under
+//! `<prefix>/instances/<name>/<node>/<service id>`, read and then watched for each name that
+//! a reader asks for (a template's `instances(name)`, an Envoy's upstream, a built-in proxy's
+//! upstream), and only for those. An agent has one, which all of them share.
 //!
 //! This module owns one watching task per name, a cache of what each last found, and the
-//! wake-ups that tell the renderer which names changed. It writes nothing to etcd.
+//! wake-ups that tell the renderer which names changed and the other readers that something
+//! did. It writes nothing to etcd.
 
 use std::collections::HashMap;
-use std::convert::Infallible;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use tether_state::Backoff;
 use tether_state::lock;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use super::render::{Instance, InstanceSource};
@@ -37,6 +37,8 @@ struct Inner {
     answered: Condvar,
     /// The names whose instances changed, for the renderer.
     changed: mpsc::UnboundedSender<String>,
+    /// Bumped on every change, for the xDS server and the built-in proxies' upstreams.
+    generation: watch::Sender<u64>,
     stop: CancellationToken,
 }
 
@@ -57,6 +59,7 @@ impl FleetInstances {
             known: Mutex::default(),
             answered: Condvar::new(),
             changed,
+            generation: watch::channel(0).0,
             stop,
         };
         Self { inner: Arc::new(inner) }
@@ -68,11 +71,7 @@ impl InstanceSource for FleetInstances {
     /// blocking threads.
     fn instances(&self, name: &str) -> Result<Vec<Instance>, String> {
         let inner = &self.inner;
-        let mut known = lock(&inner.known);
-        if !known.contains_key(name) {
-            known.insert(name.to_owned(), None);
-            inner.runtime.spawn(watch(inner.clone(), name.to_owned()));
-        }
+        let mut known = inner.learn(name);
         let deadline = std::time::Instant::now() + FIRST_ANSWER;
         loop {
             if let Some(Some(found)) = known.get(name) {
@@ -87,46 +86,34 @@ impl InstanceSource for FleetInstances {
             known = inner.answered.wait_timeout(known, left).unwrap_or_else(|poisoned| poisoned.into_inner()).0;
         }
     }
+
+    fn known(&self, name: &str) -> Option<Vec<Instance>> {
+        self.inner.learn(name).get(name).cloned().flatten()
+    }
+
+    fn changes(&self) -> Option<watch::Receiver<u64>> {
+        Some(self.inner.generation.subscribe())
+    }
 }
 
-/// Follows `name`'s prefix until the source stops, reconnecting on its backoff; what was
-/// last found stays known meanwhile.
+impl Inner {
+    /// What is known, with a watch of `name` started if it had none.
+    fn learn(self: &Arc<Self>, name: &str) -> std::sync::MutexGuard<'_, HashMap<String, Option<Vec<Instance>>>> {
+        let mut known = lock(&self.known);
+        if !known.contains_key(name) {
+            known.insert(name.to_owned(), None);
+            self.runtime.spawn(watch(self.clone(), name.to_owned()));
+        }
+        known
+    }
+}
+
+/// Follows `name`'s prefix until the source stops; what was last found stays known while
+/// etcd is away.
 async fn watch(inner: Arc<Inner>, name: String) {
-    let mut backoff = etcd::RECONNECT;
-    loop {
-        let error = tokio::select! {
-            () = inner.stop.cancelled() => return,
-            Err(error) = follow(&inner, &name, &mut backoff) => error,
-        };
-        let wait = etcd::jittered(backoff.next());
-        tracing::warn!(name = %name, error = %error, retry_in = ?wait, "cannot follow the fleet's instances");
-        tokio::select! {
-            () = inner.stop.cancelled() => return,
-            () = tokio::time::sleep(wait) => {}
-        }
-    }
-}
-
-/// Reads `name`'s instances, then reads them again on every change, until an error.
-async fn follow(inner: &Inner, name: &str, backoff: &mut Backoff) -> Result<Infallible, String> {
     let prefix = format!("{}{name}/", inner.prefix);
-    let error = |err: &dyn std::error::Error| crate::error::error_chain(err);
-    let client = inner.etcd.connect().await.map_err(|err| error(&err))?;
-    let range = client.get_prefix(&prefix).await.map_err(|err| error(&err))?;
-    let revision = etcd::revision(range.header.as_ref());
-    store(inner, name, &range.kvs);
-    backoff.reset();
-    let mut stream = client.watch_prefix(&prefix, revision + 1).await.map_err(|err| error(&err))?;
-    loop {
-        match stream.message().await.map_err(|err| error(&err))? {
-            // Read whole again: one small prefix, and no event order to get right.
-            Some(_) => {
-                let range = client.get_prefix(&prefix).await.map_err(|err| error(&err))?;
-                store(inner, name, &range.kvs);
-            }
-            None => return Err("etcd ended the watch".to_owned()),
-        }
-    }
+    etcd::follow_prefix(&inner.etcd, &prefix, "the fleet's instances", &inner.stop, |kvs| store(&inner, &name, kvs))
+        .await;
 }
 
 /// Keeps what the keys under `name`'s prefix say, and tells the renderer if it changed.
@@ -149,5 +136,6 @@ fn store(inner: &Inner, name: &str, kvs: &[etcd::pb::KeyValue]) {
     inner.answered.notify_all();
     if before != Some(Some(found)) {
         let _ = inner.changed.send(name.to_owned());
+        inner.generation.send_modify(|generation| *generation += 1);
     }
 }

@@ -174,6 +174,13 @@ impl Templates {
         Self { shared: Arc::new(shared) }
     }
 
+    /// Where the ready instances of a service are found: the fleet's, when the agent follows
+    /// etcd, else its own catalog's. The one source of the agent, for the xDS server and the
+    /// built-in proxies' upstreams too.
+    pub(crate) fn instances(&self) -> Arc<dyn InstanceSource> {
+        self.shared.instances.clone()
+    }
+
     /// Gives the templates the engine: before it, every proxy counts as not ready.
     pub(crate) fn set_manager(&self, manager: ManagerHandle) {
         let _ = self.shared.manager.set(manager);
@@ -545,14 +552,6 @@ impl BeforeStart for Templates {
     }
 }
 
-/// The ready instances of the agent's own catalog, as `instances(name)` sees them without a
-/// fleet, for another reader (the xDS server's upstream endpoints).
-pub(crate) fn local_instances(catalog: LocalState, manager: ManagerHandle) -> Arc<dyn InstanceSource> {
-    let known = OnceLock::new();
-    let _ = known.set(manager);
-    Arc::new(LocalInstances { catalog, node: None, manager: Arc::new(known) })
-}
-
 /// `instances(name)` from this agent's own catalog: each service named `name` that has no
 /// proxy, or whose proxy is `running`. An agent that follows etcd reads the fleet's instead
 /// ([`fleet::FleetInstances`]).
@@ -575,7 +574,7 @@ impl InstanceSource for LocalInstances {
                 None => true,
                 Some(proxy) => manager.and_then(|m| m.proxy(proxy.id())).is_some_and(|status| status.ready()),
             })
-            .map(|entry| Instance::of(self.node.as_deref(), &entry.service))
+            .map(|entry| Instance::of(self.node.as_deref(), entry))
             .collect())
     }
 }

@@ -40,12 +40,27 @@ impl From<&Service> for ServiceData {
 /// whichever source found it.
 pub(crate) use crate::etcd::Instance;
 
-/// Where `instances(name)` finds the ready instances of a service: this agent's catalog, or
-/// the fleet's `instances/<name>/` prefix in etcd.
+/// Where the ready instances of a service are found: this agent's catalog, or the fleet's
+/// `instances/<name>/` prefix in etcd. One source per agent, which the templates'
+/// `instances(name)`, the xDS server's endpoints and the built-in proxies' upstreams share.
 pub(crate) trait InstanceSource: Send + Sync {
     /// The ready instances of the services named `name`, in any order; `Err` with the reason
-    /// when they are not known (the render fails, and the last good file stays).
+    /// when they are not known (the render fails, and the last good file stays). It may
+    /// block until the first answer about `name`: call it from a blocking thread.
     fn instances(&self, name: &str) -> Result<Vec<Instance>, String>;
+
+    /// What is known of `name` now, without waiting: `None` until its first answer (a
+    /// source that learns names as they are asked for starts learning this one).
+    fn known(&self, name: &str) -> Option<Vec<Instance>> {
+        self.instances(name).ok()
+    }
+
+    /// A generation bumped whenever what the source knows changes, for readers that follow
+    /// it; `None` for a source whose changes are the catalog's and the proxies' readiness,
+    /// which those readers follow already.
+    fn changes(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
+        None
+    }
 }
 
 /// What every template of an agent sees besides its own service.
@@ -219,6 +234,7 @@ mod tests {
             port: Some(port),
             tags: vec!["v1".into()],
             meta: BTreeMap::from([("of".to_owned(), "api".to_owned())]),
+            mesh: None,
         }
     }
 

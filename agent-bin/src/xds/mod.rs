@@ -164,8 +164,8 @@ impl Xds {
         self.shared.board.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// A generation bumped on every change of the catalog or of a proxy's readiness: what
-    /// the built-in proxies' upstream queries wait on.
+    /// A generation bumped on every change of the catalog, of a proxy's readiness or of the
+    /// fleet's instances: what the built-in proxies' upstream queries wait on.
     pub(crate) fn changes(&self) -> watch::Receiver<u64> {
         self.shared.changes.subscribe()
     }
@@ -184,8 +184,9 @@ impl Xds {
         let _ = self.shared.events.send(XdsEvent { time: SystemTime::now(), proxy: proxy.clone(), event, detail });
     }
 
-    /// Wakes every stream when the catalog changes, or a proxy becomes ready or stops being
-    /// ready (its service's instances change), until the server stops.
+    /// Wakes every stream when the catalog changes, a proxy becomes ready or stops being
+    /// ready (its service's instances change), or the fleet's instances change, until the
+    /// server stops.
     ///
     /// # Cancel safety
     ///
@@ -196,9 +197,23 @@ impl Xds {
         let mut ready: HashMap<ProxyId, bool> =
             manager.status_unmeasured().into_iter().map(|status| (status.id.clone(), status.ready())).collect();
         let bump = || self.shared.changes.send_modify(|generation| *generation += 1);
+        // The fleet's instances change apart from this catalog; a source without changes of
+        // its own never wakes this branch.
+        let mut fleet = self.shared.instances.changes();
+        let fleet_changed = async |fleet: &mut Option<watch::Receiver<u64>>| match fleet {
+            Some(receiver) => receiver.changed().await.is_ok(),
+            None => std::future::pending().await,
+        };
         loop {
             tokio::select! {
                 () = self.shared.stop.cancelled() => return,
+                changed = fleet_changed(&mut fleet) => {
+                    if changed {
+                        bump();
+                    } else {
+                        fleet = None;
+                    }
+                }
                 changed = catalog.changed() => match changed {
                     Some(_) => {
                         self.forget_gone();
@@ -281,8 +296,9 @@ impl Xds {
             if targets.contains_key(&upstream.destination_name) {
                 continue;
             }
-            // The agent's own catalog answers at once; a name not known yet has no target.
-            let found = self.shared.instances.instances(&upstream.destination_name).unwrap_or_default();
+            // The agent's own catalog answers at once; a name the fleet does not know yet has no
+            // target until its first answer, which wakes every stream (`follow`).
+            let found = self.shared.instances.known(&upstream.destination_name).unwrap_or_default();
             let found = found
                 .into_iter()
                 .filter_map(|instance| Some(Target { address: instance.address, port: instance.port? }))

@@ -17,7 +17,7 @@ fn dev_mesh(ttl: &str) -> String {
     format!("[connect]\ntrust_domain = \"{DOMAIN}\"\n[connect.ca]\nprovider = \"dev\"\nleaf_ttl = \"{ttl}\"\n")
 }
 
-fn file_mesh(cert: &Path, key: &Path, ttl: &str) -> String {
+pub(crate) fn file_mesh(cert: &Path, key: &Path, ttl: &str) -> String {
     format!(
         "[connect]\ntrust_domain = \"{DOMAIN}\"\n[connect.ca]\nprovider = \"file\"\ncert_file = \"{}\"\nkey_file = \"{}\"\nleaf_ttl = \"{ttl}\"\n",
         cert.display(),
@@ -309,7 +309,16 @@ fn the_operators_ca_signs_and_a_refused_reload_keeps_the_running_certificates() 
     std::fs::write(dirs.temp.path().join("broken.pem"), "-----BEGIN CERTIFICATE-----\nnope\n").unwrap();
     dirs.write_config("mesh.toml", &file_mesh(&dirs.temp.path().join("broken.pem"), &key, "1h"));
     agent.signal(Signal::SIGHUP);
-    wait_for("the refused reload in the log", || agent.logs().contains("config reload refused").then_some(()));
+    let refused = wait_for("the refused reload in the log", || {
+        agent
+            .logs()
+            .lines()
+            .find(|line| line.contains("config reload refused") && line.contains("broken.pem"))
+            .map(str::to_owned)
+    });
+    // The line names the config file, the field and the PEM file at fault.
+    let config = dirs.config.join("mesh.toml");
+    assert!(refused.contains(&config.display().to_string()) && refused.contains("connect.ca.cert_file"), "{refused}");
 
     let after = leaf(&agent, "web", Some(&token), "").json();
     assert_eq!(after["serial"], first["serial"], "the running leaf stays");

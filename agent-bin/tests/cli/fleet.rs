@@ -1580,5 +1580,6 @@ fn connected_turns_false_when_etcd_goes_away_in_the_middle_of_a_burst() {
 }
 
 mod cluster;
+mod mesh;
 mod netns;
 mod roles;

@@ -27,19 +27,19 @@ fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
-fn root_flags() -> Vec<&'static str> {
+pub(crate) fn root_flags() -> Vec<&'static str> {
     if is_root() { vec!["--allow-root"] } else { vec![] }
 }
 
 /// A service: a thread that writes its greeting to each connection and closes it.
-struct Greeter {
-    port: u16,
+pub(crate) struct Greeter {
+    pub(crate) port: u16,
     stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Greeter {
-    fn start(greeting: &'static str) -> Self {
+    pub(crate) fn start(greeting: &'static str) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
         let stop = Arc::new(AtomicBool::new(false));
@@ -80,7 +80,7 @@ fn through(port: u16) -> Result<String, String> {
 
 /// Waits until a connection to `port` reads `greeting`.
 #[track_caller]
-fn wait_served(port: u16, greeting: &str) {
+pub(crate) fn wait_served(port: u16, greeting: &str) {
     wait_until(&format!("port {port} to answer {greeting:?}"), || match through(port) {
         Ok(answer) if answer == greeting => Ok(()),
         other => Err(format!("{other:?}")),
@@ -91,20 +91,20 @@ fn wait_served(port: u16, greeting: &str) {
 ///
 /// Envoy runs with `--use-dynamic-base-id` (tests run side by side) and writes the base id it
 /// took with `--base-id-path`, so that [`EnvoyGuard`] removes its shared memory.
-struct Setup {
-    dirs: Dirs,
+pub(crate) struct Setup {
+    pub(crate) dirs: Dirs,
     envoy: PathBuf,
     bootstrap: PathBuf,
     base_id_file: PathBuf,
     base_ids: Rc<RefCell<BTreeSet<u64>>>,
     admin_port: u16,
-    bind_port: u16,
+    pub(crate) bind_port: u16,
     /// Incremental ADS (`--delta`) rather than state of the world.
     delta: bool,
 }
 
 impl Setup {
-    fn new(test: &str) -> Option<Self> {
+    pub(crate) fn new(test: &str) -> Option<Self> {
         let envoy = envoy_or_skip(test)?;
         let dirs = Dirs::new();
         let bootstrap = dirs.temp.path().join("envoy-bootstrap.json");
@@ -123,7 +123,7 @@ impl Setup {
 
     /// Kills, on drop, every Envoy of this setup and removes its shared memory. Declare it
     /// before the [`SweepOnDrop`] and the agent, so that it drops after them.
-    fn guard(&self) -> EnvoyGuard {
+    pub(crate) fn guard(&self) -> EnvoyGuard {
         EnvoyGuard {
             bootstrap: self.bootstrap.clone(),
             base_id_file: self.base_id_file.clone(),
@@ -141,7 +141,7 @@ impl Setup {
 
     /// The service `web` on `port`, whose proxy is Envoy fed by the agent; `config` is the
     /// proxy's `config` table, inline.
-    fn write_web(&self, port: u16, config: &str) {
+    pub(crate) fn write_web(&self, port: u16, config: &str) {
         let script = format!(
             "{tether} envoy bootstrap{delta} --admin-address 127.0.0.1:{admin} --output {bootstrap} && exec {envoy} {args}",
             delta = if self.delta { " --delta" } else { "" },
@@ -170,7 +170,7 @@ impl Setup {
         assert!(reloaded.status.success(), "{}", String::from_utf8_lossy(&reloaded.stderr));
     }
 
-    fn note_base_id(&self) {
+    pub(crate) fn note_base_id(&self) {
         self.base_ids.borrow_mut().extend(read_base_id(&self.base_id_file));
     }
 }
@@ -193,7 +193,7 @@ fn envoys_running(bootstrap: &Path) -> Vec<i32> {
 
 /// On drop, SIGKILLs every process that names the setup's bootstrap until none is left (or
 /// [`DEADLINE`] passes), then removes the shared memory of the base ids its Envoys used.
-struct EnvoyGuard {
+pub(crate) struct EnvoyGuard {
     bootstrap: PathBuf,
     base_id_file: PathBuf,
     base_ids: Rc<RefCell<BTreeSet<u64>>>,

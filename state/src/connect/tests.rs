@@ -212,6 +212,29 @@ proptest! {
     }
 
     #[test]
+    fn the_decision_does_not_depend_on_the_order_of_the_rules(
+        (rules, shuffled) in prop::collection::vec((target(), target(), action()), 0..16).prop_flat_map(|raw| {
+            let mut seen = std::collections::HashSet::new();
+            let unique: Vec<_> = raw.into_iter().filter(|(s, d, _)| seen.insert((s.clone(), d.clone()))).collect();
+            (Just(unique.clone()), Just(unique).prop_shuffle())
+        }),
+        default in action(),
+        source in "[abcd]",
+        destination in "[abcd]",
+    ) {
+        let build = |raw: &[(String, String, IntentionAction)]| {
+            let rules = raw.iter().map(|(s, d, action)| rule(s, d, *action)).collect();
+            Intentions::new(rules, default).unwrap()
+        };
+        let (given, reordered) = (build(&rules), build(&shuffled));
+        let (source, destination) = (name(&source), name(&destination));
+        let (first, second) = (given.decide(&source, &destination), reordered.decide(&source, &destination));
+        prop_assert_eq!(first.action, second.action);
+        // The same rule, wherever it stands in the list.
+        prop_assert_eq!(first.rule, second.rule);
+    }
+
+    #[test]
     fn a_set_is_refused_exactly_when_it_repeats_a_pair_and_every_repeat_is_named(
         raw in prop::collection::vec((target(), target(), action()), 0..8),
     ) {

@@ -26,22 +26,22 @@ use super::report::{Met, Row, median, met, percentile, ratio};
 use super::sys;
 
 /// Bytes per bulk transfer.
-const BULK: u64 = 1 << 30;
+pub(super) const BULK: u64 = 1 << 30;
 /// Rounds of bulk transfers (direct, minimal forwarder, built-in proxy each).
-const BULK_ROUNDS: usize = 5;
+pub(super) const BULK_ROUNDS: usize = 5;
 /// Round trips per latency run, after as many again of warm-up.
 const ROUND_TRIPS: usize = 2_000;
 const MESSAGE: usize = 64;
 
 /// A loopback listener served by threads of this process until dropped.
-struct Upstream {
-    addr: SocketAddr,
+pub(super) struct Upstream {
+    pub(super) addr: SocketAddr,
     stop: Arc<AtomicBool>,
 }
 
 impl Upstream {
     /// Serves each connection with `serve` on a thread of its own.
-    fn start(serve: fn(TcpStream)) -> Result<Self, String> {
+    pub(super) fn start(serve: fn(TcpStream)) -> Result<Self, String> {
         Self::accepting(move |stream| {
             let _ = stream.set_nodelay(true);
             thread::spawn(move || serve(stream));
@@ -76,7 +76,7 @@ impl Drop for Upstream {
     }
 }
 
-fn sink(mut stream: TcpStream) {
+pub(super) fn sink(mut stream: TcpStream) {
     let mut buffer = vec![0; 256 * 1024];
     let mut total: u64 = 0;
     loop {
@@ -89,7 +89,7 @@ fn sink(mut stream: TcpStream) {
     let _ = stream.write_all(&total.to_le_bytes());
 }
 
-fn echo(mut stream: TcpStream) {
+pub(super) fn echo(mut stream: TcpStream) {
     let mut buffer = [0; 4096];
     while let Ok(read) = stream.read(&mut buffer) {
         if read == 0 || stream.write_all(&buffer[..read]).is_err() {
@@ -200,13 +200,13 @@ fn haproxy_program() -> Option<String> {
     find().map(str::to_owned)
 }
 
-fn free_port() -> Result<u16, String> {
+pub(super) fn free_port() -> Result<u16, String> {
     let listener = TcpListener::bind("127.0.0.1:0").map_err(|err| format!("bind: {err}"))?;
     listener.local_addr().map(|addr| addr.port()).map_err(|err| err.to_string())
 }
 
 /// Sends `bytes` to `addr` and waits for the sink's count: the transfer's duration.
-fn bulk(addr: SocketAddr, bytes: u64) -> Result<Duration, String> {
+pub(super) fn bulk(addr: SocketAddr, bytes: u64) -> Result<Duration, String> {
     let fail = |err: std::io::Error| format!("bulk transfer to {addr}: {err}");
     let start = Instant::now();
     let mut stream = TcpStream::connect(addr).map_err(fail)?;
@@ -246,20 +246,20 @@ fn round_trips(addr: SocketAddr, count: usize) -> Result<Vec<Duration>, String> 
     Ok(samples)
 }
 
-fn gib_per_second(took: Duration) -> f64 {
+pub(super) fn gib_per_second(took: Duration) -> f64 {
     #[allow(clippy::cast_precision_loss)]
     let gib = BULK as f64 / f64::from(1_u32 << 30);
     gib / took.as_secs_f64()
 }
 
 /// The median of `values`; zero for none.
-fn median_f64(values: &[f64]) -> f64 {
+pub(super) fn median_f64(values: &[f64]) -> f64 {
     let mut sorted = values.to_vec();
     sorted.sort_by(f64::total_cmp);
     sorted.get(sorted.len() / 2).copied().unwrap_or(0.0)
 }
 
-fn us(duration: Duration) -> String {
+pub(super) fn us(duration: Duration) -> String {
     format!("{:.1} µs", duration.as_secs_f64() * 1e6)
 }
 
