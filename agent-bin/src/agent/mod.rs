@@ -258,6 +258,7 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
     let xds = Xds::new(
         sources.state().clone(),
         crate::templates::local_instances(sources.state().clone(), handle.clone()),
+        crate::xds::MeshSource { connect: connect.clone(), sources: sources.clone(), manager: handle.clone() },
         api_stop.child_token(),
     );
     metrics.register(xds.collector());

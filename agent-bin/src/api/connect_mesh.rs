@@ -10,12 +10,13 @@ use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
-use tether_state::{ListenAddress, ProxyId, ServiceId, ServiceName, SpiffeId};
+use tether_state::{ProxyId, ServiceId, ServiceName, SpiffeId};
 
 use super::connect_ca::{BlockingQuery, block, not_enabled, with_index};
 use super::dto::{IntentionDto, IntentionsDto, MeshInstanceDto, RefusalDto, TOKEN_HEADER, UpstreamDto};
 use super::proxy_config::forbidden;
 use super::{ApiError, ApiState, StreamSlots};
+use crate::catalog::mesh::mesh_instances;
 use crate::catalog::names::authorised;
 
 /// The longest detail of a refusal that is kept.
@@ -80,44 +81,13 @@ pub(crate) async fn get_upstream(
     let connect = section.connect().ok_or_else(not_enabled)?;
     let spiffe_id = SpiffeId::service(&connect.trust_domain, &connect.datacenter, &destination)
         .map_err(|err| ApiError::new(StatusCode::BAD_REQUEST, err.to_string()))?;
-    let instances = state
-        .sources
-        .state()
-        .entries()
-        .iter()
-        .filter(|entry| entry.service.name == destination)
-        .filter(|entry| {
-            entry.proxy.as_ref().is_some_and(|proxy| state.manager.proxy(proxy.id()).is_some_and(|s| s.ready()))
-        })
-        .filter_map(|entry| {
-            let (address, port) = mesh_address(entry)?;
-            Some(MeshInstanceDto { service_id: entry.service.id.to_string(), address, port })
-        })
+    let ready = |id: &ProxyId| state.manager.proxy(id).is_some_and(|status| status.ready());
+    let instances = mesh_instances(state.sources.state(), &destination, ready)
+        .into_iter()
+        .map(|found| MeshInstanceDto { service_id: found.service_id, address: found.address, port: found.port })
         .collect();
     let body = UpstreamDto { destination: destination.to_string(), spiffe_id: spiffe_id.to_string(), instances, index };
     Ok(with_index(body, index))
-}
-
-/// Where an instance's proxy takes mutual TLS: its first TCP listener, when the agent holds
-/// its listeners, else its `config.bind_port` on `config.bind_address` (the service's address
-/// when the proxy listens on every address).
-fn mesh_address(entry: &tether_state::Entry) -> Option<(String, u16)> {
-    let proxy = entry.proxy.as_ref()?;
-    let spec = proxy.spec();
-    for listener in &spec.listeners {
-        if let ListenAddress::Tcp(target) = &listener.address {
-            let (host, port) = target.as_str().rsplit_once(':')?;
-            return Some((host.trim_start_matches('[').trim_end_matches(']').to_owned(), port.parse().ok()?));
-        }
-    }
-    let port = spec.config.get("bind_port").and_then(serde_json::Value::as_u64).and_then(|p| u16::try_from(p).ok())?;
-    let address = spec.config.get("bind_address").and_then(serde_json::Value::as_str).unwrap_or("127.0.0.1");
-    let address = match address {
-        "0.0.0.0" | "::" | "[::]" => entry.service.address.clone(),
-        "localhost" => "127.0.0.1".to_owned(),
-        other => other.to_owned(),
-    };
-    Some((address, port))
 }
 
 pub(crate) async fn put_refused(

@@ -33,15 +33,18 @@ use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use tether_manager::{ManagerHandle, ProxyEvent};
-use tether_state::{Catalog, LocalState, ProxyId};
+use tether_state::{Catalog, LocalState, ProxyId, ServiceName, SpiffeId};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{broadcast, mpsc, watch};
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream, UnixListenerStream};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
+use crate::catalog::mesh::mesh_instances;
+use crate::catalog::sources::Sources;
+use crate::connect::Connect;
 use crate::templates::InstanceSource;
-use resources::{ConfigError, EnvoyConfig, Kind, ProxyResources, Target};
+use resources::{ConfigError, EnvoyConfig, Kind, Mesh, ProxyResources, Target, leaf_secret_name};
 use stream::{Answer, DeltaState, Protocol, StreamState};
 
 /// The gRPC metadata key that carries the proxy's token.
@@ -88,7 +91,7 @@ pub(crate) struct Verdict {
 
 #[derive(Debug, Default)]
 struct ProxyVerdicts {
-    by_kind: [Option<Verdict>; 3],
+    by_kind: [Option<Verdict>; Kind::ALL.len()],
     invalid: Option<Verdict>,
 }
 
@@ -126,9 +129,18 @@ pub(crate) struct XdsEvent {
     pub(crate) detail: String,
 }
 
+/// Where the xDS server finds Connect: the CA and its leaves, the `[connect]` table and the
+/// intentions in force, and the proxies' readiness (for the upstreams' instances).
+pub(crate) struct MeshSource {
+    pub(crate) connect: Arc<Connect>,
+    pub(crate) sources: Arc<Sources>,
+    pub(crate) manager: ManagerHandle,
+}
+
 struct Shared {
     catalog: LocalState,
     instances: Arc<dyn InstanceSource>,
+    mesh: MeshSource,
     /// Bumped on every change that may change what a proxy is served.
     changes: watch::Sender<u64>,
     board: Mutex<Board>,
@@ -150,12 +162,17 @@ impl std::fmt::Debug for Xds {
 }
 
 impl Xds {
-    /// A server of `catalog`'s proxies, with upstream endpoints from `instances`; `stop` ends
-    /// every stream.
-    pub(crate) fn new(catalog: LocalState, instances: Arc<dyn InstanceSource>, stop: CancellationToken) -> Self {
+    /// A server of `catalog`'s proxies, with upstream endpoints from `instances` (or, with a
+    /// CA in force, from `mesh`'s ready proxies); `stop` ends every stream.
+    pub(crate) fn new(
+        catalog: LocalState,
+        instances: Arc<dyn InstanceSource>,
+        mesh: MeshSource,
+        stop: CancellationToken,
+    ) -> Self {
         let (changes, _) = watch::channel(0);
         let (events, _) = broadcast::channel(64);
-        let shared = Shared { catalog, instances, changes, board: Mutex::default(), events, stop };
+        let shared = Shared { catalog, instances, mesh, changes, board: Mutex::default(), events, stop };
         Self { shared: Arc::new(shared) }
     }
 
@@ -184,8 +201,9 @@ impl Xds {
         let _ = self.shared.events.send(XdsEvent { time: SystemTime::now(), proxy: proxy.clone(), event, detail });
     }
 
-    /// Wakes every stream when the catalog changes, or a proxy becomes ready or stops being
-    /// ready (its service's instances change), until the server stops.
+    /// Wakes every stream when the catalog changes, a proxy becomes ready or stops being
+    /// ready (its service's instances change), a leaf or the roots change, the intentions
+    /// change, or a CA comes or goes, until the server stops.
     ///
     /// # Cancel safety
     ///
@@ -196,9 +214,38 @@ impl Xds {
         let mut ready: HashMap<ProxyId, bool> =
             manager.status_unmeasured().into_iter().map(|status| (status.id.clone(), status.ready())).collect();
         let bump = || self.shared.changes.send_modify(|generation| *generation += 1);
+        let connect = &self.shared.mesh.connect;
+        let mut applied = connect.applied();
+        let mut intentions = self.shared.mesh.sources.intentions_index();
+        let mut leaves = connect.leaves().map(|handle| handle.watch());
         loop {
+            let leaf_changed = async {
+                match leaves.as_mut() {
+                    Some(board) => board.changed().await.is_ok(),
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 () = self.shared.stop.cancelled() => return,
+                alive = leaf_changed => {
+                    if !alive {
+                        leaves = None;
+                    }
+                    bump();
+                }
+                changed = applied.changed() => {
+                    if changed.is_err() {
+                        return;
+                    }
+                    leaves = connect.leaves().map(|handle| handle.watch());
+                    bump();
+                }
+                changed = intentions.changed() => {
+                    if changed.is_err() {
+                        return;
+                    }
+                    bump();
+                }
                 changed = catalog.changed() => match changed {
                     Some(_) => {
                         self.forget_gone();
@@ -276,9 +323,22 @@ impl Xds {
         };
         let Some(managed) = entry.proxy.as_ref() else { return Ok(None) };
         let config = EnvoyConfig::read(proxy, &entry.service, &managed.spec().config)?;
+        let mesh = self.mesh(proxy, &entry, &config)?;
         let mut targets: BTreeMap<String, Vec<Target>> = BTreeMap::new();
         for upstream in &config.upstreams {
             if targets.contains_key(&upstream.destination_name) {
+                continue;
+            }
+            if mesh.is_some() {
+                // In the mesh, an upstream reaches its destination's proxies, which take mutual
+                // TLS, not the services behind them.
+                let manager = &self.shared.mesh.manager;
+                let ready = |id: &ProxyId| manager.proxy(id).is_some_and(|status| status.ready());
+                let found = ServiceName::new(upstream.destination_name.as_str())
+                    .map(|name| mesh_instances(&self.shared.catalog, &name, ready))
+                    .unwrap_or_default();
+                let found = found.into_iter().map(|found| Target { address: found.address, port: found.port });
+                targets.insert(upstream.destination_name.clone(), found.collect());
                 continue;
             }
             // The agent's own catalog answers at once; a name not known yet has no target.
@@ -289,7 +349,50 @@ impl Xds {
                 .collect();
             targets.insert(upstream.destination_name.clone(), found);
         }
-        Ok(Some(resources::build_from(&config, &targets)))
+        Ok(Some(resources::build_from(&config, &targets, mesh.as_ref())))
+    }
+
+    /// What `proxy` needs of Connect, when a CA is in force: its service's leaf and identity,
+    /// the roots, the intentions, and the identity of each upstream's destination.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] for an upstream whose destination name cannot be a SPIFFE id.
+    fn mesh(
+        &self,
+        proxy: &ProxyId,
+        entry: &tether_state::Entry,
+        config: &EnvoyConfig,
+    ) -> Result<Option<Mesh>, ConfigError> {
+        let section = self.shared.mesh.sources.connect_section();
+        let (Some(connect), Some(leaves)) = (section.connect(), self.shared.mesh.connect.leaves()) else {
+            return Ok(None);
+        };
+        let mut destinations = BTreeMap::new();
+        for (at, upstream) in config.upstreams.iter().enumerate() {
+            let error = |problem: String| ConfigError {
+                proxy: proxy.clone(),
+                field: format!("upstreams[{at}].destination_name"),
+                problem,
+            };
+            let name = ServiceName::new(upstream.destination_name.as_str()).map_err(|err| error(err.to_string()))?;
+            let id = SpiffeId::service(&connect.trust_domain, &connect.datacenter, &name)
+                .map_err(|err| error(err.to_string()))?;
+            destinations.insert(upstream.destination_name.clone(), id.to_string());
+        }
+        let board = leaves.board();
+        let leaf = board.services.get(&entry.service.id).and_then(|status| status.leaf.clone());
+        let roots = board.roots.clone();
+        drop(board);
+        Ok(Some(Mesh {
+            trust_domain: connect.trust_domain.clone(),
+            service_name: entry.service.name.clone(),
+            leaf_secret: leaf_secret_name(entry.service.id.as_str()),
+            leaf,
+            roots,
+            intentions: Arc::new(section.intentions().clone()),
+            destinations,
+        }))
     }
 
     fn record_answer(&self, proxy: &ProxyId, answer: Answer) {

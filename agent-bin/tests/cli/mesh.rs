@@ -15,13 +15,13 @@ use nix::sys::signal::Signal;
 use crate::connect::{events, leaf, openssl_ca, token};
 use crate::support::{Agent, DEADLINE, Dirs, get, sleeper, wait_for};
 
-const DOMAIN: &str = "mesh.example.org";
+pub(crate) const DOMAIN: &str = "mesh.example.org";
 
-fn dev_mesh(ttl: &str) -> String {
+pub(crate) fn dev_mesh(ttl: &str) -> String {
     format!("[connect]\ntrust_domain = \"{DOMAIN}\"\n[connect.ca]\nprovider = \"dev\"\nleaf_ttl = \"{ttl}\"\n")
 }
 
-fn intention(source: &str, destination: &str, action: &str) -> String {
+pub(crate) fn intention(source: &str, destination: &str, action: &str) -> String {
     format!("[[intention]]\nsource = \"{source}\"\ndestination = \"{destination}\"\naction = \"{action}\"\n")
 }
 
@@ -43,7 +43,7 @@ fn serving(serve: impl Fn(TcpStream) + Copy + Send + 'static) -> u16 {
 }
 
 /// Answers each read with `db: <what was read>`.
-fn echo() -> u16 {
+pub(crate) fn echo() -> u16 {
     echo_as("db")
 }
 
@@ -68,14 +68,14 @@ fn http_ok() -> u16 {
     })
 }
 
-fn builtin(name: &str, port: Option<u16>, config: &str) -> String {
+pub(crate) fn builtin(name: &str, port: Option<u16>, config: &str) -> String {
     let port = port.map(|port| format!("port = {port}\n")).unwrap_or_default();
     format!("[[service]]\nname = \"{name}\"\n{port}[service.proxy]\nkill_timeout = \"2s\"\nconfig = {{ {config} }}\n")
 }
 
 /// Sends `line` on a new connection to `port` and returns the answer; `None` when the
 /// connection is closed without one.
-fn exchange_once(port: u16, line: &str) -> Option<(TcpStream, String)> {
+pub(crate) fn exchange_once(port: u16, line: &str) -> Option<(TcpStream, String)> {
     let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
     stream.set_read_timeout(Some(DEADLINE)).unwrap();
     stream.write_all(line.as_bytes()).ok()?;
@@ -85,7 +85,7 @@ fn exchange_once(port: u16, line: &str) -> Option<(TcpStream, String)> {
 }
 
 /// Whether `stream` was closed by its peer: it reads an end or an error within the deadline.
-fn closed(stream: &mut TcpStream) -> bool {
+pub(crate) fn closed(stream: &mut TcpStream) -> bool {
     let mut buffer = [0u8; 64];
     matches!(stream.read(&mut buffer), Ok(0) | Err(_))
 }

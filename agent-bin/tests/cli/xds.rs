@@ -23,11 +23,11 @@ use nix::unistd::Pid;
 use crate::support::*;
 use crate::templates::{KillOnDrop, events};
 
-fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
-fn root_flags() -> Vec<&'static str> {
+pub(crate) fn root_flags() -> Vec<&'static str> {
     if is_root() { vec!["--allow-root"] } else { vec![] }
 }
 
@@ -91,20 +91,20 @@ fn wait_served(port: u16, greeting: &str) {
 ///
 /// Envoy runs with `--use-dynamic-base-id` (tests run side by side) and writes the base id it
 /// took with `--base-id-path`, so that [`EnvoyGuard`] removes its shared memory.
-struct Setup {
-    dirs: Dirs,
+pub(crate) struct Setup {
+    pub(crate) dirs: Dirs,
     envoy: PathBuf,
     bootstrap: PathBuf,
     base_id_file: PathBuf,
     base_ids: Rc<RefCell<BTreeSet<u64>>>,
-    admin_port: u16,
-    bind_port: u16,
+    pub(crate) admin_port: u16,
+    pub(crate) bind_port: u16,
     /// Incremental ADS (`--delta`) rather than state of the world.
-    delta: bool,
+    pub(crate) delta: bool,
 }
 
 impl Setup {
-    fn new(test: &str) -> Option<Self> {
+    pub(crate) fn new(test: &str) -> Option<Self> {
         let envoy = envoy_or_skip(test)?;
         let dirs = Dirs::new();
         let bootstrap = dirs.temp.path().join("envoy-bootstrap.json");
@@ -123,7 +123,7 @@ impl Setup {
 
     /// Kills, on drop, every Envoy of this setup and removes its shared memory. Declare it
     /// before the [`SweepOnDrop`] and the agent, so that it drops after them.
-    fn guard(&self) -> EnvoyGuard {
+    pub(crate) fn guard(&self) -> EnvoyGuard {
         EnvoyGuard {
             bootstrap: self.bootstrap.clone(),
             base_id_file: self.base_id_file.clone(),
@@ -142,6 +142,12 @@ impl Setup {
     /// The service `web` on `port`, whose proxy is Envoy fed by the agent; `config` is the
     /// proxy's `config` table, inline.
     fn write_web(&self, port: u16, config: &str) {
+        self.write_service("web", port, config);
+    }
+
+    /// The service `name` on `port` (in `<name>.toml`), whose proxy is Envoy fed by the agent;
+    /// `config` is the proxy's `config` table, inline.
+    pub(crate) fn write_service(&self, name: &str, port: u16, config: &str) {
         let script = format!(
             "{tether} envoy bootstrap{delta} --admin-address 127.0.0.1:{admin} --output {bootstrap} && exec {envoy} {args}",
             delta = if self.delta { " --delta" } else { "" },
@@ -153,9 +159,9 @@ impl Setup {
         );
         let command = serde_json::to_string(&["/bin/sh", "-c", &script]).unwrap();
         self.dirs.write_config(
-            "web.toml",
+            &format!("{name}.toml"),
             &format!(
-                "[[service]]\nname = \"web\"\nport = {port}\n[service.proxy]\ncommand = {command}\n\
+                "[[service]]\nname = \"{name}\"\nport = {port}\n[service.proxy]\ncommand = {command}\n\
                  config = {config}\nkill_signal = \"SIGTERM\"\nkill_timeout = \"5s\"\n\
                  [service.proxy.readiness]\nhttp = \"http://127.0.0.1:{admin}/ready\"\ninterval = \"100ms\"\n",
                 admin = self.admin_port,
@@ -165,12 +171,12 @@ impl Setup {
 
     /// `tether reload`: the config dirs again, as SIGHUP.
     #[track_caller]
-    fn reload(&self) {
+    pub(crate) fn reload(&self) {
         let reloaded = tether().arg("reload").arg("--data-dir").arg(&self.dirs.data).output().unwrap();
         assert!(reloaded.status.success(), "{}", String::from_utf8_lossy(&reloaded.stderr));
     }
 
-    fn note_base_id(&self) {
+    pub(crate) fn note_base_id(&self) {
         self.base_ids.borrow_mut().extend(read_base_id(&self.base_id_file));
     }
 }
@@ -193,7 +199,7 @@ fn envoys_running(bootstrap: &Path) -> Vec<i32> {
 
 /// On drop, SIGKILLs every process that names the setup's bootstrap until none is left (or
 /// [`DEADLINE`] passes), then removes the shared memory of the base ids its Envoys used.
-struct EnvoyGuard {
+pub(crate) struct EnvoyGuard {
     bootstrap: PathBuf,
     base_id_file: PathBuf,
     base_ids: Rc<RefCell<BTreeSet<u64>>>,
@@ -232,7 +238,7 @@ fn wait_xds(agent: &Agent, kind: &str, result: &str) -> serde_json::Value {
 
 /// The value of the sample of `metric` whose labels include each of `labels`, as the agent's
 /// `/metrics` shows it; 0 when it has none.
-fn metric(agent: &Agent, metric: &str, labels: &[&str]) -> f64 {
+pub(crate) fn metric(agent: &Agent, metric: &str, labels: &[&str]) -> f64 {
     let response = get(&agent.socket, "/metrics").unwrap();
     assert_eq!(response.status, 200);
     response
