@@ -464,7 +464,8 @@ impl Xds {
             () = responses.closed() => return,
             first = requests.message() => match first {
                 Ok(Some(first)) => first,
-                _ => return,
+                Ok(None) => return,
+                Err(status) => return undecodable(&responses, None, status).await,
             },
         };
         let node = P::node(&first).unwrap_or_default().to_owned();
@@ -518,10 +519,7 @@ impl Xds {
                 request = requests.message() => match request {
                     Ok(Some(request)) => pending = Some(request),
                     Ok(None) => return,
-                    Err(status) => {
-                        tracing::debug!(proxy = %proxy, error = %status, "xDS stream ended");
-                        return;
-                    }
+                    Err(status) => return undecodable(&responses, Some(&proxy), status).await,
                 },
                 changed = changes.changed() => if changed.is_err() {
                     return;
@@ -529,6 +527,14 @@ impl Xds {
             }
         }
     }
+}
+
+/// Ends a stream whose request could not be read (not a gRPC message of its type, or the
+/// stream broke) with `INVALID_ARGUMENT`, which a client still there reads as the reason.
+async fn undecodable<T>(responses: &mpsc::Sender<Result<T, Status>>, proxy: Option<&ProxyId>, status: Status) {
+    tracing::debug!(proxy = proxy.map(tracing::field::display), error = %status, "xDS stream ended: a request could not be read");
+    let message = format!("the request could not be read as a discovery request: {}", status.message());
+    let _ = responses.send(Err(Status::invalid_argument(message))).await;
 }
 
 /// Counts a stream as open while it lives.

@@ -31,4 +31,5 @@ mod support;
 mod templates;
 mod validate;
 mod xds;
+mod xds_garbage;
 mod zero_downtime;

@@ -181,6 +181,20 @@ impl Setup {
     }
 }
 
+/// What `tether envoy bootstrap PROXY` prints for the data dir of `dirs`, with Envoy's admin
+/// on `admin_port`.
+#[track_caller]
+pub(crate) fn printed_bootstrap(dirs: &Dirs, proxy: &str, admin_port: u16) -> serde_json::Value {
+    let printed = tether()
+        .args(["envoy", "bootstrap", proxy, "--admin-address", &format!("127.0.0.1:{admin_port}")])
+        .arg("--data-dir")
+        .arg(&dirs.data)
+        .output()
+        .unwrap();
+    assert!(printed.status.success(), "{}", String::from_utf8_lossy(&printed.stderr));
+    serde_json::from_slice(&printed.stdout).unwrap()
+}
+
 /// The base id that an Envoy wrote to `file` (`--base-id-path`).
 fn read_base_id(file: &Path) -> Option<u64> {
     std::fs::read_to_string(file).ok()?.trim().parse().ok()
@@ -412,14 +426,7 @@ fn an_envoy_without_the_proxys_token_is_refused_and_counted() {
     );
     let agent = Agent::start(&setup.dirs, &root_flags());
     agent.wait_state("web-proxy", "running");
-    let printed = tether()
-        .args(["envoy", "bootstrap", "web", "--admin-address", &format!("127.0.0.1:{}", setup.admin_port)])
-        .arg("--data-dir")
-        .arg(&setup.dirs.data)
-        .output()
-        .unwrap();
-    assert!(printed.status.success(), "{}", String::from_utf8_lossy(&printed.stderr));
-    let mut bootstrap: serde_json::Value = serde_json::from_slice(&printed.stdout).unwrap();
+    let mut bootstrap = printed_bootstrap(&setup.dirs, "web", setup.admin_port);
     let metadata = &mut bootstrap["dynamic_resources"]["ads_config"]["grpc_services"][0]["initial_metadata"][0];
     assert_eq!(metadata["key"], "x-tether-token");
     assert_eq!(metadata["value"].as_str().map(str::len), Some(64), "the proxy's token");
