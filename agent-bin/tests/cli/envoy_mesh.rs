@@ -126,11 +126,27 @@ fn s_client_without_certificate(port: u16, line: &str) -> Option<String> {
 
 #[test]
 fn a_builtin_proxy_reaches_envoy_whose_rbac_follows_the_intentions_and_whose_leaf_renews_on_the_same_stream() {
-    let Some(setup) = Setup::new(
+    builtin_proxy_reaches_envoy(
         "a_builtin_proxy_reaches_envoy_whose_rbac_follows_the_intentions_and_whose_leaf_renews_on_the_same_stream",
-    ) else {
-        return;
-    };
+        false,
+    );
+}
+
+#[test]
+fn over_incremental_ads_envoys_rbac_follows_the_intentions_and_its_leaf_renews_on_the_same_stream() {
+    builtin_proxy_reaches_envoy(
+        "over_incremental_ads_envoys_rbac_follows_the_intentions_and_its_leaf_renews_on_the_same_stream",
+        true,
+    );
+}
+
+/// `web`'s built-in proxy reaches Envoy as `db`'s proxy (fed over state-of-the-world ADS, or
+/// incremental with `delta`): a client without a certificate is refused, a renewed leaf is
+/// taken on the same stream, and the intentions are followed by Envoy's RBAC, all with one
+/// Envoy process and one ADS stream.
+fn builtin_proxy_reaches_envoy(test: &str, delta: bool) {
+    let Some(mut setup) = Setup::new(test) else { return };
+    setup.delta = delta;
     let _envoys = setup.guard();
     let _sweep = SweepOnDrop(setup.dirs.socket());
     let (web_bind, web_upstream) = (free_port(), free_port());
