@@ -17,7 +17,7 @@ fn dev_mesh(ttl: &str) -> String {
     format!("[connect]\ntrust_domain = \"{DOMAIN}\"\n[connect.ca]\nprovider = \"dev\"\nleaf_ttl = \"{ttl}\"\n")
 }
 
-fn file_mesh(cert: &Path, key: &Path, ttl: &str) -> String {
+pub(crate) fn file_mesh(cert: &Path, key: &Path, ttl: &str) -> String {
     format!(
         "[connect]\ntrust_domain = \"{DOMAIN}\"\n[connect.ca]\nprovider = \"file\"\ncert_file = \"{}\"\nkey_file = \"{}\"\nleaf_ttl = \"{ttl}\"\n",
         cert.display(),

@@ -8,6 +8,7 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::process::{Command, Stdio};
 
+use crate::connect::{file_mesh, openssl_ca};
 use crate::mesh::{builtin, dev_mesh, echo, exchange_once, intention};
 use crate::support::{Agent, DEADLINE, SweepOnDrop, alive, wait_for};
 use crate::xds::{Setup, free_port, metric, root_flags};
@@ -23,9 +24,15 @@ fn admin(port: u16, path: &str) -> Result<String, String> {
     answer.split_once("\r\n\r\n").map(|(_, body)| body.to_owned()).ok_or_else(|| format!("no body: {answer}"))
 }
 
-/// The serial numbers of the certificates that Envoy's listeners and clusters hold now, as its
+/// The serial numbers of the leaves that Envoy's listeners and clusters hold now, as its
 /// admin's `/certs` lists them.
 fn envoy_serials(admin_port: u16) -> Result<Vec<String>, String> {
+    envoy_certificates(admin_port, "cert_chain")
+}
+
+/// The serial numbers of the certificates of `kind` (`cert_chain`: the leaves; `ca_cert`: the
+/// roots) that Envoy holds now, as its admin's `/certs` lists them.
+fn envoy_certificates(admin_port: u16, kind: &str) -> Result<Vec<String>, String> {
     let body = admin(admin_port, "/certs")?;
     // The body comes in chunks: the JSON is from the first brace to the last.
     let json = body.find('{').zip(body.rfind('}')).map_or("", |(start, end)| &body[start..=end]);
@@ -34,7 +41,7 @@ fn envoy_serials(admin_port: u16) -> Result<Vec<String>, String> {
         .as_array()
         .into_iter()
         .flatten()
-        .flat_map(|entry| entry["cert_chain"].as_array().into_iter().flatten())
+        .flat_map(|entry| entry[kind].as_array().into_iter().flatten())
         .filter_map(|cert| cert["serial_number"].as_str().map(str::to_owned))
         .collect();
     if serials.is_empty() { Err(format!("no leaf yet: {body}")) } else { Ok(serials) }
@@ -220,4 +227,50 @@ fn builtin_proxy_reaches_envoy(test: &str, delta: bool) {
     assert!(alive(pid));
     assert_eq!(streams_opened(&agent, "db-proxy"), 1, "one ADS stream throughout");
     drop(open);
+}
+
+#[test]
+fn a_new_ca_reaches_envoy_as_new_roots_and_a_new_leaf_on_the_same_stream() {
+    let Some(setup) = Setup::new("a_new_ca_reaches_envoy_as_new_roots_and_a_new_leaf_on_the_same_stream") else {
+        return;
+    };
+    let _envoys = setup.guard();
+    let _sweep = SweepOnDrop(setup.dirs.socket());
+    let (first_ca, second_ca) = (setup.dirs.temp.path().join("first-ca"), setup.dirs.temp.path().join("second-ca"));
+    std::fs::create_dir(&first_ca).unwrap();
+    std::fs::create_dir(&second_ca).unwrap();
+    let Some((cert, key)) = openssl_ca(&first_ca) else { return };
+    let (second_cert, second_key) = openssl_ca(&second_ca).unwrap();
+    let (web_bind, web_upstream) = (free_port(), free_port());
+    setup.dirs.write_config("mesh.toml", &file_mesh(&cert, &key, "72h"));
+    setup.dirs.write_config("intentions.toml", &intention("web", "db", "allow"));
+    setup.write_service("db", echo(), &format!("{{ bind_port = {} }}", setup.bind_port));
+    let web = format!(
+        "bind_port = {web_bind}, upstreams = [{{ destination_name = \"db\", local_bind_port = {web_upstream} }}]"
+    );
+    setup.dirs.write_config("web.toml", &builtin("web", None, &web));
+    let agent = Agent::start(&setup.dirs, &root_flags());
+    agent.wait_state("web-proxy", "running");
+    let pid = agent.wait_state("db-proxy", "running")["pid"].as_i64().unwrap();
+    setup.note_base_id();
+    let (_, answer) = wait_for("web's upstream to reach db's Envoy", || exchange_once(web_upstream, "one"));
+    assert_eq!(answer, "db: one");
+    let (roots, leaves) =
+        (envoy_certificates(setup.admin_port, "ca_cert").unwrap(), envoy_serials(setup.admin_port).unwrap());
+
+    // Another CA: every leaf is issued again, and Envoy gets the new roots and its new leaf as
+    // new versions of its secrets.
+    setup.dirs.write_config("mesh.toml", &file_mesh(&second_cert, &second_key, "72h"));
+    setup.reload();
+    wait_for("Envoy to hold the new roots and a new leaf", || {
+        let now = (envoy_certificates(setup.admin_port, "ca_cert").ok()?, envoy_serials(setup.admin_port).ok()?);
+        (now.0.iter().all(|serial| !roots.contains(serial)) && now.1.iter().all(|serial| !leaves.contains(serial)))
+            .then_some(())
+    });
+    let (_, answer) = wait_for("web to reach db under the new CA", || exchange_once(web_upstream, "two"));
+    assert_eq!(answer, "db: two");
+    let status = agent.proxy("db-proxy").unwrap();
+    assert_eq!(status["pid"].as_i64(), Some(pid), "Envoy was not restarted: {status}");
+    assert!(alive(pid));
+    assert_eq!(streams_opened(&agent, "db-proxy"), 1, "one ADS stream throughout");
 }
