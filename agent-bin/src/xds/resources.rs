@@ -101,9 +101,20 @@ pub(crate) struct Target {
 pub(crate) type Resources = BTreeMap<String, Any>;
 
 /// Everything one proxy is served, by kind.
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Clone, Default, PartialEq)]
 pub(crate) struct ProxyResources {
     by_kind: [Resources; Kind::ALL.len()],
+}
+
+impl fmt::Debug for ProxyResources {
+    /// The names only: a leaf secret's bytes hold its private key.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut map = f.debug_map();
+        for kind in Kind::ALL {
+            map.entry(&kind.as_str(), &self.of(kind).keys().collect::<Vec<_>>());
+        }
+        map.finish()
+    }
 }
 
 impl ProxyResources {

@@ -99,7 +99,10 @@ fn reaches_a_builtin_proxy_over_mutual_tls(test: &str, delta: bool) {
     let serials = envoy_serials(setup.admin_port).unwrap();
     let status = agent.proxy("web-proxy").unwrap();
     assert_eq!(status["pid"].as_i64(), Some(pid), "{status}");
-    assert!(metric(&agent, "tether_xds_responses_total", &["type=\"secret\"", "result=\"applied\""]) >= 1.0);
+    // Envoy uses the secrets as soon as it took them; its ACK follows.
+    wait_for("Envoy's ACK of its secrets", || {
+        (metric(&agent, "tether_xds_responses_total", &["type=\"secret\"", "result=\"applied\""]) >= 1.0).then_some(())
+    });
     assert!(!serials.is_empty());
     // Envoy's own public listener takes mutual TLS only: plaintext gets a TLS alert at most.
     let plain = exchange_once(setup.bind_port, "plain\n").map(|(_, answer)| answer).unwrap_or_default();
@@ -194,7 +197,11 @@ fn builtin_proxy_reaches_envoy(test: &str, delta: bool) {
     let n = open.read(&mut buffer).unwrap();
     assert_eq!(&buffer[..n], b"db: two", "the connection opened before the renewal");
     assert_eq!(streams_opened(&agent, "db-proxy"), 1, "the ADS stream was not opened again: {}", agent.logs());
-    assert!(metric(&agent, "tether_xds_responses_total", &["proxy=\"db-proxy\"", "type=\"secret\""]) >= 2.0);
+    // Envoy shows the new leaf as soon as it took it; its ACK follows.
+    let secrets = ["proxy=\"db-proxy\"", "type=\"secret\"", "result=\"applied\""];
+    wait_for("Envoy's ACK of the renewed leaf", || {
+        (metric(&agent, "tether_xds_responses_total", &secrets) >= 2.0).then_some(())
+    });
 
     // (c) A deny intention: Envoy's RBAC refuses new connections, with no restart.
     let denied_before = envoy_counter(setup.admin_port, "rbac.denied");
