@@ -376,5 +376,27 @@ mod tests {
         assert_eq!(certificate.private_key, Some(inline("KEY")));
         let Some(secret::Type::ValidationContext(roots)) = &secrets[1].1.r#type else { panic!("roots") };
         assert_eq!(roots.trusted_ca, Some(inline("ONE\nTWO")));
+
+        // Served: the secrets, and a public listener with TLS and the RBAC filter first.
+        let config = super::super::EnvoyConfig {
+            bind: "127.0.0.1:21000".parse().unwrap(),
+            local_service: ("127.0.0.1".to_owned(), 8080),
+            upstreams: Vec::new(),
+        };
+        let served = super::super::build_from(&config, &BTreeMap::new(), Some(&mesh));
+        assert_eq!(served.of(super::super::Kind::Secret).keys().collect::<Vec<_>>(), ["leaf:web", ROOTS_SECRET]);
+        assert!(!format!("{served:?}").contains("KEY"), "no key in Debug: {served:?}");
+        let listener = &served.of(super::super::Kind::Listener)["public_listener:127.0.0.1:21000"];
+        let listener = <envoy_types::pb::envoy::config::listener::v3::Listener as prost::Message>::decode(
+            listener.value.as_slice(),
+        )
+        .unwrap();
+        let chain = &listener.filter_chains[0];
+        let names: Vec<&str> = chain.filters.iter().map(|filter| filter.name.as_str()).collect();
+        assert_eq!(names, [RBAC_FILTER, "envoy.filters.network.tcp_proxy"]);
+        assert_eq!(
+            chain.transport_socket.as_ref().map(|socket| socket.name.as_str()),
+            Some("envoy.transport_sockets.tls")
+        );
     }
 }
