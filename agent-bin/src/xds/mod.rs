@@ -1,13 +1,15 @@
 //! The xDS server: Envoy's aggregated discovery service (ADS, state of the world and delta, over
-//! gRPC), which serves each Envoy its listeners, clusters and endpoints from the catalog.
+//! gRPC), which serves each Envoy its listeners, clusters and endpoints from the catalog, and,
+//! with a CA in force, its service's leaf and the roots as secrets (SDS), mutual TLS, and the
+//! intentions as an RBAC filter (`resources/mesh.rs`).
 //!
 //! Both protocols are served: state of the world (`StreamAggregatedResources`) and
 //! incremental (`DeltaAggregatedResources`), with one stream loop over the `Protocol` of
 //! `stream.rs`.
 //! An Envoy names itself by `node.id` (its proxy id) and proves it with the proxy's token in
 //! the `x-tether-token` metadata of the stream; a stream without both is refused and counted.
-//! Each stream follows the catalog and the readiness of the proxies (one watch channel that
-//! [`Xds::follow`] bumps), builds what its proxy is served (`resources.rs`, a pure function),
+//! Each stream follows the catalog, the readiness of the proxies, the leaves, roots and
+//! intentions (one watch channel that [`Xds::follow`] bumps), builds what its proxy is served (`resources.rs`, a pure function),
 //! and sends what changed (`stream.rs`, which keeps the order and the verdicts).
 //! What Envoy says of each response (applied, or refused with its error) is the proxy's
 //! `last_xds` in the status, and `tether_xds_responses_total` counts it.
