@@ -257,8 +257,14 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
     metrics.register(connect::collector(connect.clone()));
     let api_stop = CancellationToken::new();
     // Envoy's config over ADS, from the catalog and its upstreams' ready instances: the
-    // templates' one source (the fleet's, when the agent follows etcd).
-    let xds = Xds::new(sources.state().clone(), templates.instances(), api_stop.child_token());
+    // templates' one source (the fleet's, when the agent follows etcd); in the mesh, with
+    // Connect's leaves, roots and intentions.
+    let xds = Xds::new(
+        sources.state().clone(),
+        templates.instances(),
+        crate::xds::MeshSource { connect: connect.clone(), sources: sources.clone() },
+        api_stop.child_token(),
+    );
     metrics.register(xds.collector());
     let (leave_tx, mut leave_rx) = mpsc::channel::<LeaveRequest>(1);
     let api_state = ApiState {

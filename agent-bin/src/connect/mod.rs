@@ -57,6 +57,9 @@ pub(crate) struct Connect {
     refusals: Mutex<std::collections::BTreeMap<(String, &'static str), u64>>,
     /// Each refusal as its proxy reported it, for the events stream.
     refused: broadcast::Sender<Refusal>,
+    /// Bumped whenever a CA comes into force, changes or goes, so that a reader of
+    /// [`Connect::leaves`] takes the loop that runs now.
+    applied: tokio::sync::watch::Sender<u64>,
 }
 
 /// Why a built-in proxy refused a connection (or closed one), as it reports it.
@@ -90,6 +93,7 @@ impl Connect {
             events: broadcast::channel(EVENT_BACKLOG).0,
             refusals: Mutex::default(),
             refused: broadcast::channel(EVENT_BACKLOG).0,
+            applied: tokio::sync::watch::channel(0).0,
         }
     }
 
@@ -109,6 +113,11 @@ impl Connect {
         lock(&self.running).as_ref().map(|running| running.handle.clone())
     }
 
+    /// A generation bumped whenever a CA comes into force, changes or goes.
+    pub(crate) fn applied(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.applied.subscribe()
+    }
+
     /// The leaf events from now on, of every CA that comes into force.
     pub(crate) fn events(&self) -> broadcast::Receiver<LeafEvent> {
         self.events.subscribe()
@@ -119,6 +128,14 @@ impl Connect {
     /// policy has every leaf issued again; `None` stops issuing and forgets the leaves.
     /// Call it from within the runtime.
     pub(crate) fn apply(&self, prepared: Option<Prepared>) {
+        let changed = prepared.is_some() || lock(&self.running).is_some();
+        self.put_in_force(prepared);
+        if changed {
+            self.applied.send_modify(|generation| *generation += 1);
+        }
+    }
+
+    fn put_in_force(&self, prepared: Option<Prepared>) {
         let mut running = lock(&self.running);
         match (prepared, running.as_mut()) {
             (None, None) => {}

@@ -1,13 +1,15 @@
 //! The xDS server: Envoy's aggregated discovery service (ADS, state of the world and delta, over
-//! gRPC), which serves each Envoy its listeners, clusters and endpoints from the catalog.
+//! gRPC), which serves each Envoy its listeners, clusters and endpoints from the catalog, and,
+//! with a CA in force, its service's leaf and the roots as secrets (SDS), mutual TLS, and the
+//! intentions as an RBAC filter (`resources/mesh.rs`).
 //!
 //! Both protocols are served: state of the world (`StreamAggregatedResources`) and
 //! incremental (`DeltaAggregatedResources`), with one stream loop over the `Protocol` of
 //! `stream.rs`.
 //! An Envoy names itself by `node.id` (its proxy id) and proves it with the proxy's token in
 //! the `x-tether-token` metadata of the stream; a stream without both is refused and counted.
-//! Each stream follows the catalog and the readiness of the proxies (one watch channel that
-//! [`Xds::follow`] bumps), builds what its proxy is served (`resources.rs`, a pure function),
+//! Each stream follows the catalog, the readiness of the proxies, the leaves, roots and
+//! intentions (one watch channel that [`Xds::follow`] bumps), builds what its proxy is served (`resources.rs`, a pure function),
 //! and sends what changed (`stream.rs`, which keeps the order and the verdicts).
 //! What Envoy says of each response (applied, or refused with its error) is the proxy's
 //! `last_xds` in the status, and `tether_xds_responses_total` counts it.
@@ -33,15 +35,17 @@ use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use tether_manager::{ManagerHandle, ProxyEvent};
-use tether_state::{Catalog, LocalState, ProxyId};
+use tether_state::{Catalog, LocalState, ProxyId, ServiceName, SpiffeId};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{broadcast, mpsc, watch};
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream, UnixListenerStream};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
+use crate::catalog::sources::Sources;
+use crate::connect::Connect;
 use crate::templates::InstanceSource;
-use resources::{ConfigError, EnvoyConfig, Kind, ProxyResources, Target};
+use resources::{ConfigError, EnvoyConfig, Kind, Mesh, ProxyResources, Target, leaf_secret_name};
 use stream::{Answer, DeltaState, Protocol, StreamState};
 
 /// The gRPC metadata key that carries the proxy's token.
@@ -88,7 +92,7 @@ pub(crate) struct Verdict {
 
 #[derive(Debug, Default)]
 struct ProxyVerdicts {
-    by_kind: [Option<Verdict>; 3],
+    by_kind: [Option<Verdict>; Kind::ALL.len()],
     invalid: Option<Verdict>,
 }
 
@@ -126,9 +130,17 @@ pub(crate) struct XdsEvent {
     pub(crate) detail: String,
 }
 
+/// Where the xDS server finds Connect: the CA and its leaves, the `[connect]` table and the
+/// intentions in force.
+pub(crate) struct MeshSource {
+    pub(crate) connect: Arc<Connect>,
+    pub(crate) sources: Arc<Sources>,
+}
+
 struct Shared {
     catalog: LocalState,
     instances: Arc<dyn InstanceSource>,
+    mesh: MeshSource,
     /// Bumped on every change that may change what a proxy is served.
     changes: watch::Sender<u64>,
     board: Mutex<Board>,
@@ -150,12 +162,17 @@ impl std::fmt::Debug for Xds {
 }
 
 impl Xds {
-    /// A server of `catalog`'s proxies, with upstream endpoints from `instances`; `stop` ends
-    /// every stream.
-    pub(crate) fn new(catalog: LocalState, instances: Arc<dyn InstanceSource>, stop: CancellationToken) -> Self {
+    /// A server of `catalog`'s proxies, with upstream endpoints from `instances` (or, with a
+    /// CA in force, from `mesh`'s ready proxies); `stop` ends every stream.
+    pub(crate) fn new(
+        catalog: LocalState,
+        instances: Arc<dyn InstanceSource>,
+        mesh: MeshSource,
+        stop: CancellationToken,
+    ) -> Self {
         let (changes, _) = watch::channel(0);
         let (events, _) = broadcast::channel(64);
-        let shared = Shared { catalog, instances, changes, board: Mutex::default(), events, stop };
+        let shared = Shared { catalog, instances, mesh, changes, board: Mutex::default(), events, stop };
         Self { shared: Arc::new(shared) }
     }
 
@@ -185,8 +202,8 @@ impl Xds {
     }
 
     /// Wakes every stream when the catalog changes, a proxy becomes ready or stops being
-    /// ready (its service's instances change), or the fleet's instances change, until the
-    /// server stops.
+    /// ready (its service's instances change), the fleet's instances change, a leaf or the
+    /// roots change, the intentions change, or a CA comes or goes, until the server stops.
     ///
     /// # Cancel safety
     ///
@@ -204,7 +221,17 @@ impl Xds {
             Some(receiver) => receiver.changed().await.is_ok(),
             None => std::future::pending().await,
         };
+        let connect = &self.shared.mesh.connect;
+        let mut applied = connect.applied();
+        let mut intentions = self.shared.mesh.sources.intentions_index();
+        let mut leaves = connect.leaves().map(|handle| handle.watch());
         loop {
+            let leaf_changed = async {
+                match leaves.as_mut() {
+                    Some(board) => board.changed().await.is_ok(),
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 () = self.shared.stop.cancelled() => return,
                 changed = fleet_changed(&mut fleet) => {
@@ -213,6 +240,25 @@ impl Xds {
                     } else {
                         fleet = None;
                     }
+                }
+                alive = leaf_changed => {
+                    if !alive {
+                        leaves = None;
+                    }
+                    bump();
+                }
+                changed = applied.changed() => {
+                    if changed.is_err() {
+                        return;
+                    }
+                    leaves = connect.leaves().map(|handle| handle.watch());
+                    bump();
+                }
+                changed = intentions.changed() => {
+                    if changed.is_err() {
+                        return;
+                    }
+                    bump();
                 }
                 changed = catalog.changed() => match changed {
                     Some(_) => {
@@ -291,6 +337,7 @@ impl Xds {
         };
         let Some(managed) = entry.proxy.as_ref() else { return Ok(None) };
         let config = EnvoyConfig::read(proxy, &entry.service, &managed.spec().config)?;
+        let mesh = self.mesh(proxy, &entry, &config)?;
         let mut targets: BTreeMap<String, Vec<Target>> = BTreeMap::new();
         for upstream in &config.upstreams {
             if targets.contains_key(&upstream.destination_name) {
@@ -299,13 +346,65 @@ impl Xds {
             // The agent's own catalog answers at once; a name the fleet does not know yet has no
             // target until its first answer, which wakes every stream (`follow`).
             let found = self.shared.instances.known(&upstream.destination_name).unwrap_or_default();
-            let found = found
-                .into_iter()
-                .filter_map(|instance| Some(Target { address: instance.address, port: instance.port? }))
-                .collect();
+            let found: Vec<Target> = if mesh.is_some() {
+                // In the mesh, an upstream reaches its destination's proxies, which take mutual
+                // TLS, not the services behind them.
+                found
+                    .into_iter()
+                    .filter_map(|instance| instance.mesh.map(|at| Target { address: at.address, port: at.port }))
+                    .collect()
+            } else {
+                found
+                    .into_iter()
+                    .filter_map(|instance| Some(Target { address: instance.address, port: instance.port? }))
+                    .collect()
+            };
             targets.insert(upstream.destination_name.clone(), found);
         }
-        Ok(Some(resources::build_from(&config, &targets)))
+        Ok(Some(resources::build_from(&config, &targets, mesh.as_ref())))
+    }
+
+    /// What `proxy` needs of Connect, when a CA is in force: its service's leaf and identity,
+    /// the roots, the intentions, and the identity of each upstream's destination.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] for an upstream whose destination name cannot be a SPIFFE id.
+    fn mesh(
+        &self,
+        proxy: &ProxyId,
+        entry: &tether_state::Entry,
+        config: &EnvoyConfig,
+    ) -> Result<Option<Mesh>, ConfigError> {
+        let section = self.shared.mesh.sources.connect_section();
+        let (Some(connect), Some(leaves)) = (section.connect(), self.shared.mesh.connect.leaves()) else {
+            return Ok(None);
+        };
+        let mut destinations = BTreeMap::new();
+        for (at, upstream) in config.upstreams.iter().enumerate() {
+            let error = |problem: String| ConfigError {
+                proxy: proxy.clone(),
+                field: format!("upstreams[{at}].destination_name"),
+                problem,
+            };
+            let name = ServiceName::new(upstream.destination_name.as_str()).map_err(|err| error(err.to_string()))?;
+            let id = SpiffeId::service(&connect.trust_domain, &connect.datacenter, &name)
+                .map_err(|err| error(err.to_string()))?;
+            destinations.insert(upstream.destination_name.clone(), id.to_string());
+        }
+        let board = leaves.board();
+        let leaf = board.services.get(&entry.service.id).and_then(|status| status.leaf.clone());
+        let roots = board.roots.clone();
+        drop(board);
+        Ok(Some(Mesh {
+            trust_domain: connect.trust_domain.clone(),
+            service_name: entry.service.name.clone(),
+            leaf_secret: leaf_secret_name(entry.service.id.as_str()),
+            leaf,
+            roots,
+            intentions: Arc::new(section.intentions().clone()),
+            destinations,
+        }))
     }
 
     fn record_answer(&self, proxy: &ProxyId, answer: Answer) {
@@ -377,7 +476,8 @@ impl Xds {
             () = responses.closed() => return,
             first = requests.message() => match first {
                 Ok(Some(first)) => first,
-                _ => return,
+                Ok(None) => return,
+                Err(status) => return undecodable(&responses, None, status).await,
             },
         };
         let node = P::node(&first).unwrap_or_default().to_owned();
@@ -431,10 +531,7 @@ impl Xds {
                 request = requests.message() => match request {
                     Ok(Some(request)) => pending = Some(request),
                     Ok(None) => return,
-                    Err(status) => {
-                        tracing::debug!(proxy = %proxy, error = %status, "xDS stream ended");
-                        return;
-                    }
+                    Err(status) => return undecodable(&responses, Some(&proxy), status).await,
                 },
                 changed = changes.changed() => if changed.is_err() {
                     return;
@@ -442,6 +539,14 @@ impl Xds {
             }
         }
     }
+}
+
+/// Ends a stream whose request could not be read (not a gRPC message of its type, or the
+/// stream broke) with `INVALID_ARGUMENT`, which a client still there reads as the reason.
+async fn undecodable<T>(responses: &mpsc::Sender<Result<T, Status>>, proxy: Option<&ProxyId>, status: Status) {
+    tracing::debug!(proxy = proxy.map(tracing::field::display), error = %status, "xDS stream ended: a request could not be read");
+    let message = format!("the request could not be read as a discovery request: {}", status.message());
+    let _ = responses.send(Err(Status::invalid_argument(message))).await;
 }
 
 /// Counts a stream as open while it lives.

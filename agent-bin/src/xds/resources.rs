@@ -24,29 +24,42 @@ use envoy_types::pb::envoy::config::listener::v3::filter::ConfigType;
 use envoy_types::pb::envoy::config::listener::v3::{Filter, FilterChain, Listener};
 use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::TcpProxy;
 use envoy_types::pb::envoy::extensions::filters::network::tcp_proxy::v3::tcp_proxy::ClusterSpecifier;
+use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::Secret;
 use envoy_types::pb::google::protobuf::{Any, Duration as ProtoDuration};
 use prost::{Message, Name};
 use serde_json::Value;
 use tether_state::{ProxyId, Service};
 
+pub(crate) use mesh::{Mesh, leaf_secret_name};
+
 /// The resource types the agent serves, in the order it sends them: a cluster exists before
-/// its endpoints, and both before a listener that names the cluster.
+/// its endpoints, and both, with the secrets they name, before a listener that names the
+/// cluster.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub(crate) enum Kind {
     Cluster,
     Endpoint,
+    /// SDS: the leaf and the roots, with `[connect]`.
+    Secret,
     Listener,
 }
 
 impl Kind {
     /// Every kind, in the order of sending.
-    pub(crate) const ALL: [Kind; 3] = [Kind::Cluster, Kind::Endpoint, Kind::Listener];
+    pub(crate) const ALL: [Kind; 4] = [Kind::Cluster, Kind::Endpoint, Kind::Secret, Kind::Listener];
+
+    /// Whether Envoy asks for resources of this kind by name (endpoints, secrets), rather
+    /// than for all of them.
+    pub(crate) fn named(self) -> bool {
+        matches!(self, Kind::Endpoint | Kind::Secret)
+    }
 
     /// The type URL of its resources, as Envoy asks for them.
     pub(crate) fn type_url(self) -> String {
         match self {
             Kind::Cluster => Cluster::type_url(),
             Kind::Endpoint => ClusterLoadAssignment::type_url(),
+            Kind::Secret => Secret::type_url(),
             Kind::Listener => Listener::type_url(),
         }
     }
@@ -56,11 +69,12 @@ impl Kind {
         Kind::ALL.into_iter().find(|kind| kind.type_url() == url)
     }
 
-    /// Its name in metrics and the status: `cluster`, `endpoint`, `listener`.
+    /// Its name in metrics and the status: `cluster`, `endpoint`, `secret`, `listener`.
     pub(crate) fn as_str(self) -> &'static str {
         match self {
             Kind::Cluster => "cluster",
             Kind::Endpoint => "endpoint",
+            Kind::Secret => "secret",
             Kind::Listener => "listener",
         }
     }
@@ -87,9 +101,20 @@ pub(crate) struct Target {
 pub(crate) type Resources = BTreeMap<String, Any>;
 
 /// Everything one proxy is served, by kind.
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Clone, Default, PartialEq)]
 pub(crate) struct ProxyResources {
-    by_kind: [Resources; 3],
+    by_kind: [Resources; Kind::ALL.len()],
+}
+
+impl fmt::Debug for ProxyResources {
+    /// The names only: a leaf secret's bytes hold its private key.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut map = f.debug_map();
+        for kind in Kind::ALL {
+            map.entry(&kind.as_str(), &self.of(kind).keys().collect::<Vec<_>>());
+        }
+        map.finish()
+    }
 }
 
 impl ProxyResources {
@@ -320,13 +345,19 @@ pub(crate) fn build(
     targets: &BTreeMap<String, Vec<Target>>,
 ) -> Result<ProxyResources, ConfigError> {
     let config = EnvoyConfig::read(proxy, service, config)?;
-    Ok(build_from(&config, targets))
+    Ok(build_from(&config, targets, None))
 }
 
 /// What a proxy is served, for its config as [`EnvoyConfig::read`] read it and the ready
 /// `targets` of each upstream's destination (by destination name; a name absent is a
-/// destination with no instance).
-pub(crate) fn build_from(config: &EnvoyConfig, targets: &BTreeMap<String, Vec<Target>>) -> ProxyResources {
+/// destination with no instance). With `mesh` (the agent has a CA), the public listener takes
+/// mutual TLS only and enforces the intentions, the upstream clusters speak mutual TLS to
+/// their destination's identity, and the leaf and roots are served as secrets.
+pub(crate) fn build_from(
+    config: &EnvoyConfig,
+    targets: &BTreeMap<String, Vec<Target>>,
+    mesh: Option<&Mesh>,
+) -> ProxyResources {
     let mut resources = ProxyResources::default();
     let (host, port) = &config.local_service;
     let local_ip = resolve_literal(host);
@@ -344,11 +375,22 @@ pub(crate) fn build_from(config: &EnvoyConfig, targets: &BTreeMap<String, Vec<Ta
     };
     resources.insert(Kind::Cluster, LOCAL_CLUSTER.to_owned(), pack(local_cluster));
     let public = public_listener_name(config.bind);
-    resources.insert(Kind::Listener, public.clone(), pack(tcp_listener(&public, config.bind, LOCAL_CLUSTER)));
+    let mut public_listener = tcp_listener(&public, config.bind, LOCAL_CLUSTER);
+    if let Some(mesh) = mesh {
+        for (name, secret) in mesh.secrets() {
+            resources.insert(Kind::Secret, name, pack(secret));
+        }
+        let chain = &mut public_listener.filter_chains[0];
+        chain.filters.insert(0, mesh.rbac_filter(&public));
+        chain.transport_socket = Some(mesh.downstream_tls());
+    }
+    resources.insert(Kind::Listener, public.clone(), pack(public_listener));
     for upstream in &config.upstreams {
         let cluster = upstream_cluster_name(&upstream.destination_name);
         if !resources.of(Kind::Cluster).contains_key(&cluster) {
-            resources.insert(Kind::Cluster, cluster.clone(), pack(eds_cluster(&cluster)));
+            let mut upstream_cluster = eds_cluster(&cluster);
+            upstream_cluster.transport_socket = mesh.and_then(|mesh| mesh.upstream_tls(&upstream.destination_name));
+            resources.insert(Kind::Cluster, cluster.clone(), pack(upstream_cluster));
             let endpoints: Vec<(String, u16)> = targets
                 .get(&upstream.destination_name)
                 .into_iter()
@@ -465,6 +507,8 @@ impl fmt::Display for Kind {
         f.write_str(self.as_str())
     }
 }
+
+mod mesh;
 
 #[cfg(test)]
 mod tests;

@@ -42,7 +42,7 @@ struct Sent {
 struct TypeState {
     /// Envoy asked for this type on this stream.
     subscribed: bool,
-    /// For endpoints: the names Envoy asked for, sorted, without repeats.
+    /// For endpoints and secrets: the names Envoy asked for, sorted, without repeats.
     names: Vec<String>,
     sent: Option<Sent>,
     /// The last version Envoy applied.
@@ -54,7 +54,7 @@ struct TypeState {
 /// One stream's state.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct StreamState {
-    types: [TypeState; 3],
+    types: [TypeState; Kind::ALL.len()],
     nonces: u64,
 }
 
@@ -66,7 +66,7 @@ impl StreamState {
         let kind = Kind::from_type_url(&request.type_url)?;
         let state = &mut self.types[kind.index()];
         state.subscribed = true;
-        if kind == Kind::Endpoint {
+        if kind.named() {
             let mut names = request.resource_names.clone();
             names.sort_unstable();
             names.dedup();
@@ -104,7 +104,7 @@ impl StreamState {
             }
             let resources = self.to_send(kind, desired);
             let state = &self.types[kind.index()];
-            let asked: &[String] = if kind == Kind::Endpoint { &state.names } else { &[] };
+            let asked: &[String] = if kind.named() { &state.names } else { &[] };
             let version = version(&resources, asked);
             let unchanged = state.sent.as_ref().is_some_and(|sent| sent.version == version);
             if unchanged || state.refused.as_ref() == Some(&version) {
@@ -142,15 +142,15 @@ impl StreamState {
                 }
                 clusters
             }
-            Kind::Endpoint => {
-                // Endpoints are asked for by name: a name the config dropped keeps what was
-                // sent for it, for a cluster that stays until the listeners move on.
+            Kind::Endpoint | Kind::Secret => {
+                // Endpoints and secrets are asked for by name: a name the config dropped keeps
+                // what was sent for it, for a cluster that stays until the listeners move on.
                 let previous = state.sent.as_ref().map(|sent| &sent.resources);
                 state
                     .names
                     .iter()
                     .filter_map(|name| {
-                        let found = desired.of(Kind::Endpoint).get(name).or_else(|| previous?.get(name))?;
+                        let found = desired.of(kind).get(name).or_else(|| previous?.get(name))?;
                         Some((name.clone(), found.clone()))
                     })
                     .collect()
@@ -232,7 +232,8 @@ struct PendingDelta {
 #[derive(Debug, Clone, Default)]
 struct DeltaType {
     subscribed: bool,
-    /// For endpoints: the names Envoy subscribed to. Clusters and listeners are wildcard.
+    /// For endpoints and secrets: the names Envoy subscribed to. Clusters and listeners are
+    /// wildcard.
     names: BTreeSet<String>,
     /// What Envoy has (or will have, once it applies what was sent): name to version.
     known: BTreeMap<String, String>,
@@ -246,7 +247,7 @@ struct DeltaType {
 /// its bytes), and a response carries only what changed, and the names removed.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct DeltaState {
-    types: [DeltaType; 3],
+    types: [DeltaType; Kind::ALL.len()],
     pending: VecDeque<PendingDelta>,
     nonces: u64,
 }
@@ -257,7 +258,7 @@ impl DeltaState {
         let kind = Kind::from_type_url(&request.type_url)?;
         let state = &mut self.types[kind.index()];
         state.subscribed = true;
-        if kind == Kind::Endpoint {
+        if kind.named() {
             state.names.extend(request.resource_names_subscribe.iter().cloned());
             for name in &request.resource_names_unsubscribe {
                 state.names.remove(name);
@@ -328,8 +329,9 @@ impl DeltaState {
                     ..Resource::default()
                 });
             }
-            // Endpoints are not removed: a name Envoy still subscribes to keeps what it has.
-            let removed: Vec<String> = if kind == Kind::Endpoint {
+            // Endpoints and secrets are not removed: a name Envoy still subscribes to keeps
+            // what it has.
+            let removed: Vec<String> = if kind.named() {
                 Vec::new()
             } else {
                 state
@@ -395,9 +397,9 @@ impl DeltaState {
                 };
                 (clusters, kept)
             }
-            Kind::Endpoint => {
+            Kind::Endpoint | Kind::Secret => {
                 let endpoints = desired
-                    .of(Kind::Endpoint)
+                    .of(kind)
                     .iter()
                     .filter(|(name, _)| state.names.contains(*name))
                     .map(|(name, resource)| (name.clone(), resource.clone()))
@@ -478,6 +480,11 @@ mod tests {
                 }
                 Kind::Listener => {
                     envoy_types::pb::envoy::config::listener::v3::Listener::decode(any.value.as_slice()).unwrap().name
+                }
+                Kind::Secret => {
+                    envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::Secret::decode(any.value.as_slice())
+                        .unwrap()
+                        .name
                 }
             })
             .collect()

@@ -15,9 +15,9 @@ use nix::sys::signal::Signal;
 use crate::connect::{events, leaf, openssl_ca, token};
 use crate::support::{Agent, DEADLINE, Dirs, get, sleeper, wait_for};
 
-const DOMAIN: &str = "mesh.example.org";
+pub(crate) const DOMAIN: &str = "mesh.example.org";
 
-fn dev_mesh(ttl: &str) -> String {
+pub(crate) fn dev_mesh(ttl: &str) -> String {
     format!("[connect]\ntrust_domain = \"{DOMAIN}\"\n[connect.ca]\nprovider = \"dev\"\nleaf_ttl = \"{ttl}\"\n")
 }
 

@@ -23,7 +23,7 @@ use nix::unistd::Pid;
 use crate::support::*;
 use crate::templates::{KillOnDrop, events};
 
-fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
@@ -97,10 +97,10 @@ pub(crate) struct Setup {
     bootstrap: PathBuf,
     base_id_file: PathBuf,
     base_ids: Rc<RefCell<BTreeSet<u64>>>,
-    admin_port: u16,
+    pub(crate) admin_port: u16,
     pub(crate) bind_port: u16,
     /// Incremental ADS (`--delta`) rather than state of the world.
-    delta: bool,
+    pub(crate) delta: bool,
 }
 
 impl Setup {
@@ -142,6 +142,12 @@ impl Setup {
     /// The service `web` on `port`, whose proxy is Envoy fed by the agent; `config` is the
     /// proxy's `config` table, inline.
     pub(crate) fn write_web(&self, port: u16, config: &str) {
+        self.write_service("web", port, config);
+    }
+
+    /// The service `name` on `port` (in `<name>.toml`), whose proxy is Envoy fed by the agent;
+    /// `config` is the proxy's `config` table, inline.
+    pub(crate) fn write_service(&self, name: &str, port: u16, config: &str) {
         let script = format!(
             "{tether} envoy bootstrap{delta} --admin-address 127.0.0.1:{admin} --output {bootstrap} && exec {envoy} {args}",
             delta = if self.delta { " --delta" } else { "" },
@@ -153,9 +159,9 @@ impl Setup {
         );
         let command = serde_json::to_string(&["/bin/sh", "-c", &script]).unwrap();
         self.dirs.write_config(
-            "web.toml",
+            &format!("{name}.toml"),
             &format!(
-                "[[service]]\nname = \"web\"\nport = {port}\n[service.proxy]\ncommand = {command}\n\
+                "[[service]]\nname = \"{name}\"\nport = {port}\n[service.proxy]\ncommand = {command}\n\
                  config = {config}\nkill_signal = \"SIGTERM\"\nkill_timeout = \"5s\"\n\
                  [service.proxy.readiness]\nhttp = \"http://127.0.0.1:{admin}/ready\"\ninterval = \"100ms\"\n",
                 admin = self.admin_port,
@@ -165,7 +171,7 @@ impl Setup {
 
     /// `tether reload`: the config dirs again, as SIGHUP.
     #[track_caller]
-    fn reload(&self) {
+    pub(crate) fn reload(&self) {
         let reloaded = tether().arg("reload").arg("--data-dir").arg(&self.dirs.data).output().unwrap();
         assert!(reloaded.status.success(), "{}", String::from_utf8_lossy(&reloaded.stderr));
     }
@@ -173,6 +179,20 @@ impl Setup {
     pub(crate) fn note_base_id(&self) {
         self.base_ids.borrow_mut().extend(read_base_id(&self.base_id_file));
     }
+}
+
+/// What `tether envoy bootstrap PROXY` prints for the data dir of `dirs`, with Envoy's admin
+/// on `admin_port`.
+#[track_caller]
+pub(crate) fn printed_bootstrap(dirs: &Dirs, proxy: &str, admin_port: u16) -> serde_json::Value {
+    let printed = tether()
+        .args(["envoy", "bootstrap", proxy, "--admin-address", &format!("127.0.0.1:{admin_port}")])
+        .arg("--data-dir")
+        .arg(&dirs.data)
+        .output()
+        .unwrap();
+    assert!(printed.status.success(), "{}", String::from_utf8_lossy(&printed.stderr));
+    serde_json::from_slice(&printed.stdout).unwrap()
 }
 
 /// The base id that an Envoy wrote to `file` (`--base-id-path`).
@@ -232,7 +252,7 @@ fn wait_xds(agent: &Agent, kind: &str, result: &str) -> serde_json::Value {
 
 /// The value of the sample of `metric` whose labels include each of `labels`, as the agent's
 /// `/metrics` shows it; 0 when it has none.
-fn metric(agent: &Agent, metric: &str, labels: &[&str]) -> f64 {
+pub(crate) fn metric(agent: &Agent, metric: &str, labels: &[&str]) -> f64 {
     let response = get(&agent.socket, "/metrics").unwrap();
     assert_eq!(response.status, 200);
     response
@@ -406,14 +426,7 @@ fn an_envoy_without_the_proxys_token_is_refused_and_counted() {
     );
     let agent = Agent::start(&setup.dirs, &root_flags());
     agent.wait_state("web-proxy", "running");
-    let printed = tether()
-        .args(["envoy", "bootstrap", "web", "--admin-address", &format!("127.0.0.1:{}", setup.admin_port)])
-        .arg("--data-dir")
-        .arg(&setup.dirs.data)
-        .output()
-        .unwrap();
-    assert!(printed.status.success(), "{}", String::from_utf8_lossy(&printed.stderr));
-    let mut bootstrap: serde_json::Value = serde_json::from_slice(&printed.stdout).unwrap();
+    let mut bootstrap = printed_bootstrap(&setup.dirs, "web", setup.admin_port);
     let metadata = &mut bootstrap["dynamic_resources"]["ads_config"]["grpc_services"][0]["initial_metadata"][0];
     assert_eq!(metadata["key"], "x-tether-token");
     assert_eq!(metadata["value"].as_str().map(str::len), Some(64), "the proxy's token");

