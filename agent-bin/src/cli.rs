@@ -416,6 +416,10 @@ pub(crate) struct AgentArgs {
     /// How log lines are written.
     #[arg(long, value_enum, default_value = "text")]
     pub(crate) log_format: LogFormat,
+    /// The journal's native socket, where the output of proxies with `log_target =
+    /// "journal"` or `"both"` goes.
+    #[arg(long, value_name = "PATH", env = "TETHER_JOURNAL_SOCKET", default_value = tether_proxy_daemon::DEFAULT_JOURNAL_SOCKET)]
+    pub(crate) journal_socket: PathBuf,
     /// Follow this node's services in etcd: its client URLs, comma-separated (needs --node).
     #[arg(long = "etcd", value_name = "ENDPOINTS", value_delimiter = ',', requires = "node")]
     pub(crate) etcd: Vec<String>,

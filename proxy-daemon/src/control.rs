@@ -254,7 +254,7 @@ mod tests {
         let (sender, receiver) = link();
         let kill = KillPolicy { timeout: Duration::from_secs(1), ..KillPolicy::default() };
         assert!(sender.update(ProcessUpdate { kill: Some(kill), ..ProcessUpdate::default() }));
-        let limits = crate::spec::LogPolicy { max_size: 10, keep: 1 };
+        let limits = crate::spec::LogPolicy { max_size: 10, keep: 1, ..crate::spec::LogPolicy::default() };
         assert!(sender.update(ProcessUpdate { log_limits: Some(limits), ..ProcessUpdate::default() }));
         assert!(sender.stop(Stop::Signalled));
         assert!(sender.stop(Stop::Awaited), "a second stop is taken, and the first one's signal kept");

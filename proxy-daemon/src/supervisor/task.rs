@@ -17,6 +17,7 @@ use super::{Shared, lines};
 use crate::cgroup::Cgroups;
 use crate::control::{self, Commands, Stop};
 use crate::error::{DetachError, SpawnError};
+use crate::journal::Handover;
 use crate::proc::{self, Identity, Pidfd};
 use crate::spawn::{self, Spawned};
 use crate::spec::{ProcessSpec, ProcessUpdate, ReloadOutcome, ReloadResult, Reloads};
@@ -36,6 +37,9 @@ pub(super) struct Instance {
     pub(super) notification: Option<std::os::fd::OwnedFd>,
     /// Where its output starts in its log files (readiness `log_line`).
     pub(super) log_offsets: Option<[lines::Start; 2]>,
+    /// The sizes of its log files before it started, where its lines for the journal
+    /// begin; `None` for an adopted instance, or output that does not go there.
+    pub(super) log_sizes: Option<[u64; 2]>,
     /// The name of its cgroup, when it runs in one.
     pub(super) cgroup: Option<Box<str>>,
 }
@@ -64,6 +68,7 @@ impl Instance {
         let slot = spawn::slot().await;
         // Where its output starts, read before it can write any (readiness `log_line`).
         let log_offsets = checks::watches_lines(spec).then(|| lines::offsets(spec));
+        let log_sizes = spec.logs.limits.output.to_journal().then(|| spec.logs.sizes());
         let cgroup = match (cgroups, spare) {
             (Some(cgroups), Some(spare)) => Some(cgroups.reuse(spare, &spec.limits)?),
             (Some(cgroups), None) => Some(cgroups.create(spec.name.as_str(), &spec.limits)?),
@@ -106,7 +111,18 @@ impl Instance {
                 return Err(error);
             }
         };
-        Ok(Self { kind, pidfd, pid, pgid: pid, start_time, started: Instant::now(), notification, log_offsets, cgroup })
+        Ok(Self {
+            kind,
+            pidfd,
+            pid,
+            pgid: pid,
+            start_time,
+            started: Instant::now(),
+            notification,
+            log_offsets,
+            log_sizes,
+            cgroup,
+        })
     }
 
     /// Kills what is left of the instance once its main process has exited or been
@@ -198,6 +214,9 @@ pub(super) struct Task {
     /// since a reload's steps are `Send` but not `Sync`), with its callers (none for a
     /// watched file's change): one reload after it answers them all.
     reload_next: Option<Vec<ReloadReply>>,
+    /// Where the lines of one instance end and the next one's begin, for the journal, and
+    /// the generation of the current instance.
+    handover: (Arc<Handover>, u64),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -232,6 +251,7 @@ impl Task {
         status: watch::Sender<ProcessStatus>,
         commands: control::Receiver,
         last_pid: Option<u32>,
+        handover: Arc<Handover>,
     ) -> Self {
         Task {
             key,
@@ -244,6 +264,7 @@ impl Task {
             health_error: None,
             spare_cgroup: None,
             reload_next: None,
+            handover: (handover, 0),
         }
     }
 
@@ -541,7 +562,8 @@ impl Task {
         }
         if let Some(limits) = update.log_limits {
             self.spec.logs.limits = limits;
-            self.shared.rotator.set_limits(self.key, limits);
+            let journal = self.spec.logs.journal_sink(&self.spec.name);
+            self.shared.rotator.set_limits(self.key, limits, journal, Arc::clone(&self.handover.0));
         }
         tracing::debug!(?update, "applied in-place update");
         if let Some(limits) = update.limits {
@@ -750,6 +772,11 @@ impl Task {
                 }
             }
             self.set_status(|status| status.state = ProcessState::Starting);
+            if self.spec.logs.limits.output.to_journal() {
+                // What is in its log files now is the last instance's: the next one's lines
+                // wait for the rotation thread to know its pid.
+                self.handover.1 = self.handover.0.hold(self.spec.logs.sizes());
+            }
             // Boxed: the making of a process is rare in a supervisor's life, and its state
             // would otherwise be part of every supervising task's future.
             let spawning = Box::pin(Instance::spawn(&self.spec, &self.shared, self.spare_cgroup.take()));
@@ -784,7 +811,9 @@ impl Task {
             self.shared.pid_files.write(pid_file, pid);
         }
         self.last_pid = Some(pid);
-        self.shared.rotator.watch(self.key, &self.spec.logs.stdout, &self.spec.logs.stderr, self.spec.logs.limits);
+        let journal = self.spec.logs.journal_sink(&self.spec.name);
+        let handover = (Arc::clone(&self.handover.0), self.handover.1);
+        self.shared.rotator.watch(self.key, &self.spec.logs, journal, handover, pid, instance.log_sizes);
         tracing::info!(pid, attempt = self.attempt, "process restarted");
         let identity = self.shared.identity(&instance);
         let ready = checks::starts_ready(&self.spec);
