@@ -305,6 +305,10 @@ pub(crate) struct LogsArgs {
     /// Keep showing what the proxy writes, until interrupted.
     #[arg(short = 'f', long)]
     pub(crate) follow: bool,
+    /// One JSON object a line: {"time", "proxy", "stream", "text"}, timed when the agent
+    /// read the line.
+    #[arg(long)]
+    pub(crate) json: bool,
 }
 
 #[derive(Debug, Args)]
