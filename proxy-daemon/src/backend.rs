@@ -224,17 +224,7 @@ impl Shared {
         process.kill = kill_policy(proxy);
         process.restart = spec.restart;
         process.logs.limits = spec.log;
-        if spec.log.output.to_journal() {
-            // Every line says whose it is: the proxy (as journalctl -t finds it) and its service.
-            process.logs.journal = Some(Arc::new(JournalSink {
-                socket: self.environment.journal_socket.clone(),
-                identifier: id.as_str().to_owned(),
-                fields: vec![
-                    ("TETHER_PROXY".to_owned(), id.as_str().to_owned()),
-                    ("TETHER_SERVICE".to_owned(), proxy.service().id.as_str().to_owned()),
-                ],
-            }));
-        }
+        process.logs.journal = self.journal_sink(proxy);
         process.health = health_checks(spec);
         process.reload.clone_from(&spec.reload);
         process.identity_env = identity_env.into();
@@ -244,6 +234,23 @@ impl Shared {
 }
 
 impl Shared {
+    /// Where `proxy`'s lines go in the journal, if its output goes there: every line says
+    /// whose it is, the proxy (as `journalctl -t` finds it) and its service.
+    fn journal_sink(&self, proxy: &ManagedProxy) -> Option<Arc<JournalSink>> {
+        if !proxy.spec().log.output.to_journal() {
+            return None;
+        }
+        let id = proxy.id().as_str();
+        Some(Arc::new(JournalSink {
+            socket: self.environment.journal_socket.clone(),
+            identifier: id.to_owned(),
+            fields: vec![
+                ("TETHER_PROXY".to_owned(), id.to_owned()),
+                ("TETHER_SERVICE".to_owned(), proxy.service().id.as_str().to_owned()),
+            ],
+        }))
+    }
+
     /// The sockets of `proxy`'s listeners, in its order: those its other handles hold, then
     /// those `taken` from an instance an earlier agent started, else bound now.
     fn listeners(&self, proxy: &ManagedProxy, mut taken: Vec<OwnedFd>) -> Result<Vec<InheritedSocket>, ListenError> {
@@ -706,6 +713,7 @@ impl ProxyHandle for OsProxyHandle {
             kill: Some(kill),
             restart: Some(spec.restart),
             log_limits: Some(spec.log),
+            journal: self.shared.journal_sink(&proxy),
             health: Some(health_checks(spec)),
             limits: Some(spec.limits),
             reload: Some(spec.reload.clone()),

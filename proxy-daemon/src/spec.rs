@@ -421,8 +421,10 @@ pub struct ProcessUpdate {
     pub kill: Option<KillPolicy>,
     /// A new restart policy, used from the next exit on.
     pub restart: Option<RestartPolicy>,
-    /// New log limits, used from the next write on.
+    /// New log limits, and where the lines go, used from the next write on.
     pub log_limits: Option<LogPolicy>,
+    /// Where the lines go in the journal from now on ([`LogSpec::journal`]), if given.
+    pub journal: Option<Arc<JournalSink>>,
     /// New checks: a readiness that passed is not asked again; liveness starts over.
     pub health: Option<HealthChecks>,
     /// New cgroup limits, written into the running instance's cgroup.

@@ -370,24 +370,35 @@ fn logs_json_writes_one_object_a_line_and_follows() {
     assert!(numbers.windows(2).all(|pair| pair[1] == pair[0] + 1), "whole lines, in order: {numbers:?}");
 }
 
+/// A journal of the test's: a datagram socket in the test's temp dir.
+fn journal(dirs: &Dirs) -> (std::os::unix::net::UnixDatagram, String) {
+    let path = dirs.temp.path().join("journal.socket");
+    let journal = std::os::unix::net::UnixDatagram::bind(&path).unwrap();
+    journal.set_read_timeout(Some(std::time::Duration::from_millis(100))).unwrap();
+    (journal, path.to_str().unwrap().to_owned())
+}
+
+/// The next entry the journal receives whose fields include `field` (a `KEY=value` line).
+fn entry_with(journal: &std::os::unix::net::UnixDatagram, field: &str) -> String {
+    let mut buffer = vec![0; 1 << 16];
+    wait_for(&format!("an entry with {field:?}"), || {
+        let length = journal.recv(&mut buffer).ok()?;
+        let entry = String::from_utf8_lossy(&buffer[..length]).into_owned();
+        entry.contains(&format!("\n{field}\n")).then_some(entry)
+    })
+}
+
 #[test]
 fn a_proxy_with_log_target_journal_sends_each_line_with_its_proxy_service_and_pid() {
     let dirs = Dirs::new();
     let _sweep = SweepOnDrop(dirs.socket());
-    let socket_path = dirs.temp.path().join("journal.socket");
-    let journal = std::os::unix::net::UnixDatagram::bind(&socket_path).unwrap();
-    journal.set_read_timeout(Some(std::time::Duration::from_millis(100))).unwrap();
+    let (journal, socket_path) = journal(&dirs);
     dirs.write_config("chatty.toml", &format!("{}log_target = \"journal\"\n", chatty("0.05", "64MiB")));
     let mut flags = root_flags();
-    flags.extend(["--journal-socket", socket_path.to_str().unwrap()]);
+    flags.extend(["--journal-socket", &socket_path]);
     let agent = Agent::start(&dirs, &flags);
     let pid = pid_of(&agent.wait_state("chatty-proxy", "running"));
-    let mut buffer = vec![0; 1 << 16];
-    let entry = wait_for("the stderr line in the journal", || {
-        let length = journal.recv(&mut buffer).ok()?;
-        let entry = String::from_utf8_lossy(&buffer[..length]).into_owned();
-        entry.contains("\nMESSAGE=to stderr\n").then_some(entry)
-    });
+    let entry = entry_with(&journal, "MESSAGE=to stderr");
     for field in [
         "SYSLOG_IDENTIFIER=chatty-proxy\n".to_owned(),
         format!("SYSLOG_PID={pid}\n"),
@@ -401,13 +412,32 @@ fn a_proxy_with_log_target_journal_sends_each_line_with_its_proxy_service_and_pi
 }
 
 #[test]
+fn log_target_changes_in_place_and_the_next_lines_go_to_the_journal() {
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    let (journal, socket_path) = journal(&dirs);
+    dirs.write_config("chatty.toml", &chatty("0.05", "64MiB"));
+    let mut flags = root_flags();
+    flags.extend(["--journal-socket", &socket_path]);
+    let agent = Agent::start(&dirs, &flags);
+    let pid = pid_of(&agent.wait_state("chatty-proxy", "running"));
+    dirs.write_config("chatty.toml", &format!("{}log_target = \"both\"\n", chatty("0.05", "64MiB")));
+    agent.signal(nix::sys::signal::Signal::SIGHUP);
+    let entry = entry_with(&journal, "TETHER_STREAM=stdout");
+    assert!(entry.contains("TETHER_SERVICE=chatty\n"), "the agent's socket and fields, not a default: {entry:?}");
+    assert!(entry.contains(&format!("SYSLOG_PID={pid}\n")), "{entry:?}");
+    assert_eq!(pid_of(&agent.proxy("chatty-proxy").unwrap()), pid, "the proxy kept running");
+}
+
+#[test]
 fn a_proxy_whose_journal_does_not_listen_fails_naming_itself_and_the_socket() {
     let dirs = Dirs::new();
     let _sweep = SweepOnDrop(dirs.socket());
     let socket_path = dirs.temp.path().join("no-journal.socket");
+    let socket_path = socket_path.to_str().unwrap();
     dirs.write_config("chatty.toml", &format!("{}log_target = \"both\"\n", chatty("0.05", "64MiB")));
     let mut flags = root_flags();
-    flags.extend(["--journal-socket", socket_path.to_str().unwrap()]);
+    flags.extend(["--journal-socket", socket_path]);
     let agent = Agent::start(&dirs, &flags);
     let status = wait_for("the start refused", || {
         let proxy = agent.proxy("chatty-proxy")?;
@@ -415,8 +445,7 @@ fn a_proxy_whose_journal_does_not_listen_fails_naming_itself_and_the_socket() {
     });
     let error = status["error"].as_str().unwrap();
     assert!(
-        error.contains("chatty-proxy: log_target sends its output to the journal")
-            && error.contains(socket_path.to_str().unwrap()),
+        error.contains("chatty-proxy: log_target sends its output to the journal") && error.contains(socket_path),
         "{error}"
     );
 }

@@ -560,6 +560,9 @@ impl Task {
         if let Some(restart) = update.restart {
             self.spec.restart = restart;
         }
+        if let Some(journal) = &update.journal {
+            self.spec.logs.journal = Some(Arc::clone(journal));
+        }
         if let Some(limits) = update.log_limits {
             self.spec.logs.limits = limits;
             let journal = self.spec.logs.journal_sink(&self.spec.name);
