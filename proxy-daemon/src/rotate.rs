@@ -111,7 +111,7 @@ type FileKey = (u64, u8);
 
 enum Command {
     Watch(Box<Watch>),
-    Limits { process: u64, limits: LogPolicy, journal: Option<Arc<JournalSink>>, handover: Arc<Handover> },
+    Limits { process: u64, limits: LogPolicy, journal: Option<(Arc<JournalSink>, Arc<Handover>)> },
     Forget { process: u64 },
 }
 
@@ -120,10 +120,9 @@ struct Watch {
     process: u64,
     files: [LogFile; 2],
     limits: LogPolicy,
-    /// Where its lines go in the journal, if they do.
-    journal: Option<Arc<JournalSink>>,
-    /// Where the last instance's lines end, and which instance this is.
-    handover: (Arc<Handover>, u64),
+    /// Where its lines go in the journal, if they do, with where the last instance's lines
+    /// end and which instance this is ([`Handover::hold`]; 0 for the first).
+    journal: Option<(Arc<JournalSink>, Arc<Handover>, u64)>,
     pid: u32,
     /// The files' sizes before the instance was started, where its lines begin; `None`
     /// when not known (an adopted instance): from their ends.
@@ -166,20 +165,19 @@ impl Rotator {
 
     /// Watches the two log files of `process`, whose instance `pid` writes them from
     /// `from` on (their sizes before it started, if known), replacing any earlier
-    /// registration; the lines go to `journal` too, if given. `handover` is the process's,
-    /// with the generation of this instance ([`Handover::hold`]; 0 for the first).
+    /// registration; the lines go to `journal` too, if given, with the process's
+    /// [`Handover`] and the generation of this instance ([`Handover::hold`]; 0 for the first).
     pub(crate) fn watch(
         &self,
         process: u64,
         logs: &LogSpec,
-        journal: Option<Arc<JournalSink>>,
-        handover: (Arc<Handover>, u64),
+        journal: Option<(Arc<JournalSink>, Arc<Handover>, u64)>,
         pid: u32,
         from: Option<[u64; 2]>,
     ) {
         let files = [logs.stdout.clone(), logs.stderr.clone()];
         let limits = logs.limits;
-        self.send(Command::Watch(Box::new(Watch { process, files, limits, journal, handover, pid, from })));
+        self.send(Command::Watch(Box::new(Watch { process, files, limits, journal, pid, from })));
     }
 
     /// Changes the limits of `process`'s files, and where their lines go.
@@ -187,10 +185,9 @@ impl Rotator {
         &self,
         process: u64,
         limits: LogPolicy,
-        journal: Option<Arc<JournalSink>>,
-        handover: Arc<Handover>,
+        journal: Option<(Arc<JournalSink>, Arc<Handover>)>,
     ) {
-        self.send(Command::Limits { process, limits, journal, handover });
+        self.send(Command::Limits { process, limits, journal });
     }
 
     /// Stops watching `process`'s files.
@@ -316,7 +313,7 @@ impl State<'_> {
     fn apply(&mut self, command: Command) {
         match command {
             Command::Watch(watch) => {
-                let Watch { process, files, limits, journal, handover: (handover, generation), pid, from } = *watch;
+                let Watch { process, files, limits, journal, pid, from } = *watch;
                 for (stream, file) in (0u8..).zip(files) {
                     let key = (process, stream);
                     let from = from.map(|sizes| sizes[usize::from(stream)]);
@@ -339,22 +336,26 @@ impl State<'_> {
                         pid,
                         tee,
                     };
-                    watched.tee = tee_for(&mut watched, journal.as_ref(), &handover, stream, from);
+                    let sink = journal.as_ref().map(|(sink, handover, _)| (sink, handover));
+                    watched.tee = tee_for(&mut watched, sink, stream, from);
                     self.files.insert(key, watched);
                 }
-                handover.release(generation);
+                if let Some((_, handover, generation)) = &journal {
+                    handover.release(*generation);
+                }
                 for stream in 0..2 {
                     self.arm((process, stream));
                 }
             }
-            Command::Limits { process, limits, journal, handover } => {
+            Command::Limits { process, limits, journal } => {
                 for stream in 0..2 {
                     if let Some(mut file) = self.files.remove(&(process, stream)) {
                         file.limits = limits;
                         if journal.is_none() {
                             self.forward(&mut file, false);
                         }
-                        file.tee = tee_for(&mut file, journal.as_ref(), &handover, stream, None);
+                        let sink = journal.as_ref().map(|(sink, handover)| (sink, handover));
+                        file.tee = tee_for(&mut file, sink, stream, None);
                         self.files.insert((process, stream), file);
                     }
                 }
@@ -526,12 +527,11 @@ impl State<'_> {
 /// when it had none, or one for another journal; none when they do not go there.
 fn tee_for(
     watched: &mut Watched,
-    journal: Option<&Arc<JournalSink>>,
-    handover: &Arc<Handover>,
+    journal: Option<(&Arc<JournalSink>, &Arc<Handover>)>,
     stream: u8,
     from: Option<u64>,
 ) -> Option<Box<Tee>> {
-    let journal = journal?;
+    let (journal, handover) = journal?;
     if let Some(mut tee) = watched.tee.take().filter(|tee| tee.is_for(journal)) {
         tee.set_pid(watched.pid);
         return Some(tee);

@@ -268,16 +268,10 @@ impl Supervisor {
         if let (true, Some(pid_file)) = (write_pid_file, &spec.pid_file) {
             self.shared.pid_files.write(pid_file, instance.pid);
         }
-        let journal = spec.logs.journal_sink(&spec.name);
-        let handover = Arc::new(Handover::default());
-        self.shared.rotator.watch(
-            key,
-            &spec.logs,
-            journal,
-            (Arc::clone(&handover), 0),
-            instance.pid,
-            instance.log_sizes,
-        );
+        // Made only for output that goes to the journal: most processes never need one.
+        let journal = spec.logs.journal_sink(&spec.name).map(|sink| (sink, Arc::new(Handover::default()), 0));
+        let handover = journal.as_ref().map(|(_, handover, _)| Arc::clone(handover));
+        self.shared.rotator.watch(key, &spec.logs, journal, instance.pid, instance.log_sizes);
         let ready = status.ready;
         let (status_sender, status) = watch::channel(status);
         let (commands, receiver) = control::link();

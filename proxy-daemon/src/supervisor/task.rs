@@ -17,7 +17,7 @@ use super::{Shared, lines};
 use crate::cgroup::Cgroups;
 use crate::control::{self, Commands, Stop};
 use crate::error::{DetachError, SpawnError};
-use crate::journal::Handover;
+use crate::journal::{Handover, JournalSink};
 use crate::proc::{self, Identity, Pidfd};
 use crate::spawn::{self, Spawned};
 use crate::spec::{ProcessSpec, ProcessUpdate, ReloadOutcome, ReloadResult, Reloads};
@@ -216,7 +216,8 @@ pub(super) struct Task {
     reload_next: Option<Vec<ReloadReply>>,
     /// Where the lines of one instance end and the next one's begin, for the journal, and
     /// the generation of the current instance.
-    handover: (Arc<Handover>, u64),
+    handover: Option<Arc<Handover>>,
+    generation: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -251,7 +252,7 @@ impl Task {
         status: watch::Sender<ProcessStatus>,
         commands: control::Receiver,
         last_pid: Option<u32>,
-        handover: Arc<Handover>,
+        handover: Option<Arc<Handover>>,
     ) -> Self {
         Task {
             key,
@@ -264,7 +265,8 @@ impl Task {
             health_error: None,
             spare_cgroup: None,
             reload_next: None,
-            handover: (handover, 0),
+            handover,
+            generation: 0,
         }
     }
 
@@ -565,8 +567,8 @@ impl Task {
         }
         if let Some(limits) = update.log_limits {
             self.spec.logs.limits = limits;
-            let journal = self.spec.logs.journal_sink(&self.spec.name);
-            self.shared.rotator.set_limits(self.key, limits, journal, Arc::clone(&self.handover.0));
+            let journal = self.journal().map(|(sink, handover, _)| (sink, handover));
+            self.shared.rotator.set_limits(self.key, limits, journal);
         }
         tracing::debug!(?update, "applied in-place update");
         if let Some(limits) = update.limits {
@@ -775,10 +777,10 @@ impl Task {
                 }
             }
             self.set_status(|status| status.state = ProcessState::Starting);
-            if self.spec.logs.limits.output.to_journal() {
+            if let Some((_, handover, _)) = self.journal() {
                 // What is in its log files now is the last instance's: the next one's lines
                 // wait for the rotation thread to know its pid.
-                self.handover.1 = self.handover.0.hold(self.spec.logs.sizes());
+                self.generation = handover.hold(self.spec.logs.sizes());
             }
             // Boxed: the making of a process is rare in a supervisor's life, and its state
             // would otherwise be part of every supervising task's future.
@@ -807,6 +809,15 @@ impl Task {
         }
     }
 
+    /// Where the lines go in the journal, with the process's [`Handover`] (made now if
+    /// its output did not go there before) and the current instance's generation; `None`
+    /// when they do not go there.
+    fn journal(&mut self) -> Option<(Arc<JournalSink>, Arc<Handover>, u64)> {
+        let sink = self.spec.logs.journal_sink(&self.spec.name)?;
+        let handover = Arc::clone(self.handover.get_or_insert_with(Arc::default));
+        Some((sink, handover, self.generation))
+    }
+
     /// Takes over a freshly restarted instance: pid file, log watch, status.
     fn restarted(&mut self, instance: Instance, cause: Option<String>) -> Instance {
         let pid = instance.pid;
@@ -814,9 +825,8 @@ impl Task {
             self.shared.pid_files.write(pid_file, pid);
         }
         self.last_pid = Some(pid);
-        let journal = self.spec.logs.journal_sink(&self.spec.name);
-        let handover = (Arc::clone(&self.handover.0), self.handover.1);
-        self.shared.rotator.watch(self.key, &self.spec.logs, journal, handover, pid, instance.log_sizes);
+        let journal = self.journal();
+        self.shared.rotator.watch(self.key, &self.spec.logs, journal, pid, instance.log_sizes);
         tracing::info!(pid, attempt = self.attempt, "process restarted");
         let identity = self.shared.identity(&instance);
         let ready = checks::starts_ready(&self.spec);
