@@ -20,6 +20,8 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::spec::LogFile;
+
 /// Where journald listens for native entries.
 pub const DEFAULT_JOURNAL_SOCKET: &str = "/run/systemd/journal/socket";
 
@@ -137,6 +139,8 @@ pub(crate) struct Tee {
     carry: Vec<u8>,
     /// Where the lines of the instance that wrote so far end, once it is gone.
     handover: Arc<Handover>,
+    /// The last send failed: the next failure is not reported again.
+    failing: bool,
 }
 
 /// Where one instance's lines end and the next one's begin, told by the supervising task
@@ -184,7 +188,7 @@ impl Tee {
     /// `offset` of its log file on, within what `handover` allows.
     pub(crate) fn new(sink: Arc<JournalSink>, stream: u8, pid: u32, offset: u64, handover: Arc<Handover>) -> Self {
         let header = header(&sink, stream, pid);
-        Self { sink, stream, header, offset, carry: Vec::new(), handover }
+        Self { sink, stream, header, offset, carry: Vec::new(), handover, failing: false }
     }
 
     /// The lines from here on are of the instance `pid`.
@@ -207,6 +211,23 @@ impl Tee {
         self.offset
     }
 
+    /// [`Tee::forward`], and says in the agent's log when lines of `log` stop reaching the
+    /// journal and when they reach it again (once each, not at every read).
+    pub(crate) fn forward_reported(&mut self, sender: &mut Sender, live: &File, end: u64, log: &LogFile) {
+        match (self.forward(sender, live, end), self.failing) {
+            (Err(error), false) => {
+                tracing::warn!(path = %log.path().display(), journal = %self.sink.socket.display(), %error,
+                    "lines not sent to the journal; they are in the log file");
+                self.failing = true;
+            }
+            (Ok(()), true) => {
+                tracing::info!(path = %log.path().display(), "lines reach the journal again");
+                self.failing = false;
+            }
+            _ => {}
+        }
+    }
+
     /// Sends the whole lines of `live` between the last read and `end`, keeping an
     /// incomplete last line for later (sent as it is once it passes [`MAX_MESSAGE`]). A file
     /// shorter than what was read was truncated by someone else: it is read from its start.
@@ -215,7 +236,7 @@ impl Tee {
     ///
     /// When the file cannot be read, or the journal does not take a line (the lines after
     /// it in this read are dropped: they are in the log file).
-    pub(crate) fn forward(&mut self, sender: &mut Sender, mut live: &File, end: u64) -> io::Result<()> {
+    fn forward(&mut self, sender: &mut Sender, mut live: &File, end: u64) -> io::Result<()> {
         if end < self.offset {
             self.offset = 0;
             self.carry.clear();
@@ -226,7 +247,7 @@ impl Tee {
             return Ok(());
         }
         live.seek(SeekFrom::Start(self.offset))?;
-        let mut chunk = vec![0; 64 * 1024];
+        let mut chunk = vec![0; usize::try_from(end - self.offset).unwrap_or(usize::MAX).min(64 * 1024)];
         let mut result = Ok(());
         while self.offset < end {
             let wanted = usize::try_from(end - self.offset).unwrap_or(usize::MAX).min(chunk.len());
@@ -283,6 +304,37 @@ mod tests {
         expected.extend_from_slice(&9u64.to_le_bytes());
         expected.extend_from_slice(b"two\nlines\n");
         assert_eq!(entry, expected);
+    }
+
+    #[test]
+    fn lines_written_while_the_journal_is_away_are_dropped_and_the_next_ones_reach_it_when_it_is_back() {
+        use std::io::Write;
+
+        let temp = tempfile::tempdir().unwrap();
+        let data = tether_state::persist::DataDir::open(temp.path()).unwrap();
+        let log = LogFile::new(data.logs().clone(), "web-proxy-stdout.log");
+        let socket = temp.path().join("journal.socket");
+        let sink = Arc::new(JournalSink { socket: socket.clone(), ..JournalSink::new("web-proxy") });
+        let mut tee = Tee::new(sink, 0, 42, 0, Arc::default());
+        let mut sender = Sender::new();
+        let mut file = std::fs::OpenOptions::new().create(true).append(true).open(log.path()).unwrap();
+        let live = File::open(log.path()).unwrap();
+        let size = |file: &File| file.metadata().unwrap().len();
+
+        file.write_all(b"while away\n").unwrap();
+        tee.forward_reported(&mut sender, &live, size(&live), &log);
+        assert!(tee.failing, "no journal listens");
+
+        let journal = UnixDatagram::bind(&socket).unwrap();
+        journal.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        file.write_all(b"back\n").unwrap();
+        tee.forward_reported(&mut sender, &live, size(&live), &log);
+        assert!(!tee.failing, "the journal is back");
+        let mut buffer = vec![0; 4096];
+        let length = journal.recv(&mut buffer).unwrap();
+        let entry = String::from_utf8_lossy(&buffer[..length]).into_owned();
+        assert!(entry.ends_with("\nMESSAGE=back\n"), "{entry:?}");
+        assert!(entry.contains("\nSYSLOG_PID=42\n"), "{entry:?}");
     }
 
     #[test]

@@ -430,9 +430,7 @@ impl State<'_> {
         let Some(tee) = &mut watched.tee else { return };
         let log = &watched.file;
         let Ok(Some((live, size))) = open_live(log) else { return };
-        if let Err(error) = tee.forward(&mut self.journal, &live, size) {
-            tracing::warn!(path = %log.path().display(), %error, "lines not sent to the journal");
-        }
+        tee.forward_reported(&mut self.journal, &live, size, log);
         if gone {
             // Not sent (the journal is gone too): the line is in the log file.
             let _not_sent = tee.finish(&mut self.journal);
@@ -452,9 +450,7 @@ impl State<'_> {
         if let (Some(tee), Some(size)) = (&mut watched.tee, seen) {
             if size != tee.offset() {
                 if let Ok(Some((live, size))) = open_live(&log) {
-                    if let Err(error) = tee.forward(&mut self.journal, &live, size) {
-                        tracing::warn!(path = %log.path().display(), %error, "lines not sent to the journal");
-                    }
+                    tee.forward_reported(&mut self.journal, &live, size, &log);
                 }
             }
         }
@@ -497,9 +493,7 @@ impl State<'_> {
             // Up to the end before it is truncated: the lines written while it is copied
             // are lost to the journal as to the copies.
             let end = live.metadata().map_or(size, |metadata| metadata.len());
-            if let Err(error) = tee.forward(&mut self.journal, &live, end) {
-                tracing::warn!(path = %log.path().display(), %error, "lines not sent to the journal");
-            }
+            tee.forward_reported(&mut self.journal, &live, end, &log);
         }
         // The copy blocks this thread, and only this one.
         let started = Instant::now();
