@@ -316,6 +316,10 @@ pub(crate) struct ValidateArgs {
     /// Config dirs to check (every *.toml and *.json file directly in each).
     #[arg(value_name = "DIR", required = true)]
     pub(crate) dirs: Vec<PathBuf>,
+    /// The journal's native socket that the agent will be given, checked for the proxies
+    /// whose output goes to the journal.
+    #[arg(long, value_name = "PATH", env = "TETHER_JOURNAL_SOCKET", default_value = tether_proxy_daemon::DEFAULT_JOURNAL_SOCKET)]
+    pub(crate) journal_socket: PathBuf,
 }
 
 #[derive(Debug, Subcommand)]

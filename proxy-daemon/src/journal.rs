@@ -54,16 +54,28 @@ impl JournalSink {
         Self { socket: PathBuf::from(DEFAULT_JOURNAL_SOCKET), identifier: identifier.into(), fields: Vec::new() }
     }
 
-    /// Whether a journal listens at [`JournalSink::socket`]: a datagram socket connects
-    /// to it (a missing file, or one no journal reads, is refused).
+    /// Whether a journal listens at [`JournalSink::socket`] ([`journal_listens`]).
     ///
     /// # Errors
     ///
     /// The refusal.
     pub(crate) fn reachable(&self) -> io::Result<()> {
-        UnixDatagram::unbound()?.connect(&self.socket)
+        journal_listens(&self.socket)
     }
 }
+
+/// Whether a journal listens at `socket`: a datagram socket connects to it (a missing
+/// file, or one that no journal reads, is refused). What a proxy's start checks when its
+/// output goes to the journal.
+///
+/// # Errors
+///
+/// The refusal.
+pub fn journal_listens(socket: &Path) -> io::Result<()> {
+    UnixDatagram::unbound()?.connect(socket)
+}
+
+impl JournalSink {}
 
 /// The journal's priority of a line of a stream: info for stdout, error for stderr.
 fn priority(stream: u8) -> &'static str {

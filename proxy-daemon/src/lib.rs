@@ -129,7 +129,7 @@ mod supervisor;
 pub use backend::{AgentEnvironment, BeforeStart, MissingProgram, OsProcessBackend, missing_programs};
 pub use cgroup::{CgroupError, CgroupUnavailable, Cgroups, Usage};
 pub use error::{DetachError, InvalidName, ProgramNotFound, SpawnError, SpecError};
-pub use journal::{DEFAULT_JOURNAL_SOCKET, JournalSink, STREAM_FIELD};
+pub use journal::{DEFAULT_JOURNAL_SOCKET, JournalSink, STREAM_FIELD, journal_listens};
 pub use listen::{ListenAddress, ListenError, bind as bind_listener, listens_on};
 pub use proc::Identity;
 pub use program::find_program;
