@@ -305,6 +305,10 @@ pub(crate) struct LogsArgs {
     /// Keep showing what the proxy writes, until interrupted.
     #[arg(short = 'f', long)]
     pub(crate) follow: bool,
+    /// One JSON object a line: {"time", "proxy", "stream", "text"}, timed when the agent
+    /// read the line.
+    #[arg(long)]
+    pub(crate) json: bool,
 }
 
 #[derive(Debug, Args)]
@@ -312,6 +316,10 @@ pub(crate) struct ValidateArgs {
     /// Config dirs to check (every *.toml and *.json file directly in each).
     #[arg(value_name = "DIR", required = true)]
     pub(crate) dirs: Vec<PathBuf>,
+    /// The journal's native socket that the agent will be given, checked for the proxies
+    /// whose output goes to the journal.
+    #[arg(long, value_name = "PATH", env = "TETHER_JOURNAL_SOCKET", default_value = tether_proxy_daemon::DEFAULT_JOURNAL_SOCKET)]
+    pub(crate) journal_socket: PathBuf,
 }
 
 #[derive(Debug, Subcommand)]
@@ -420,6 +428,10 @@ pub(crate) struct AgentArgs {
     /// How log lines are written.
     #[arg(long, value_enum, default_value = "text")]
     pub(crate) log_format: LogFormat,
+    /// The journal's native socket, where the output of proxies with `log_target =
+    /// "journal"` or `"both"` goes.
+    #[arg(long, value_name = "PATH", env = "TETHER_JOURNAL_SOCKET", default_value = tether_proxy_daemon::DEFAULT_JOURNAL_SOCKET)]
+    pub(crate) journal_socket: PathBuf,
     /// Follow this node's services in etcd: its client URLs, comma-separated (needs --node).
     #[arg(long = "etcd", value_name = "ENDPOINTS", value_delimiter = ',', requires = "node")]
     pub(crate) etcd: Vec<String>,

@@ -346,13 +346,17 @@ pub(crate) async fn reload_proxy(socket: &Path, id: &str) -> anyhow::Result<Exit
     anyhow::bail!("reload {id}: {}: {reason}", verdict.result)
 }
 
-/// `tether logs PROXY_ID [--stderr] [-n N] [-f]`: the log's last lines, then, with
-/// `follow`, what the proxy writes until interrupted.
+/// `tether logs PROXY_ID [--stderr] [-n N] [-f] [--json]`: the log's last lines, then,
+/// with `follow`, what the proxy writes until interrupted; with `json`, as JSON lines.
 pub(crate) async fn logs(socket: &Path, args: &crate::cli::LogsArgs) -> anyhow::Result<ExitCode> {
     let id = args.id.as_str();
     crate::catalog::names::proxies_named(id).map_err(|err| UsageError(err.to_string()))?;
     let stream = if args.stderr { "stderr" } else { "stdout" };
-    let path = format!("/v1/agent/proxy/{id}/logs?stream={stream}&lines={}&follow={}", args.lines, args.follow);
+    let format = if args.json { "json" } else { "text" };
+    let path = format!(
+        "/v1/agent/proxy/{id}/logs?stream={stream}&lines={}&follow={}&format={format}",
+        args.lines, args.follow
+    );
     let mut stdout = std::io::stdout().lock();
     let response = client::stream(socket, &path, |chunk| {
         stdout.write_all(chunk)?;

@@ -60,8 +60,15 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             };
             runtime()?.block_on(async move {
                 if args.dev {
-                    agent::dev::run(args.http_addr, args.http_logs, args.sync_quiescent, args.sync_max_delay, cgroups)
-                        .await
+                    agent::dev::run(
+                        args.http_addr,
+                        args.http_logs,
+                        args.sync_quiescent,
+                        args.sync_max_delay,
+                        cgroups,
+                        args.journal_socket,
+                    )
+                    .await
                 } else {
                     agent::run(agent::AgentOptions {
                         config_dirs: args.config_dirs,
@@ -76,6 +83,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         stop_proxies_on_exit: false,
                         fleet,
                         cgroups,
+                        journal_socket: args.journal_socket,
                     })
                     .await
                 }

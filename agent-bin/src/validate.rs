@@ -13,7 +13,8 @@ use tether_state::config::DisplayPath;
 use crate::cli::ValidateArgs;
 
 /// Prints every error (exit 2), or a one-line summary (exit 0) after a warning for each
-/// program that this host does not have.
+/// program that this host does not have, and for each proxy whose output goes to a journal
+/// that does not listen.
 pub(crate) fn run(args: &ValidateArgs) -> anyhow::Result<ExitCode> {
     match tether_state::config::load_dirs(&args.dirs) {
         Ok(loaded) => {
@@ -30,6 +31,7 @@ pub(crate) fn run(args: &ValidateArgs) -> anyhow::Result<ExitCode> {
             // Services come file by file, in each file's order: a service's index is its
             // place in its file's `service` list, as errors name it.
             let mut next_index: HashMap<&Path, usize> = HashMap::new();
+            let journal = tether_proxy_daemon::journal_listens(&args.journal_socket).err();
             for entry in &entries {
                 let index = next_index.entry(&entry.file).or_default();
                 let field = format!("service[{index}].proxy");
@@ -42,6 +44,16 @@ pub(crate) fn run(args: &ValidateArgs) -> anyhow::Result<ExitCode> {
                         DisplayPath(&entry.file),
                         missing.field,
                         missing.error
+                    )?;
+                }
+                if let (Some(error), true) = (&journal, proxy.log.output.to_journal()) {
+                    writeln!(
+                        stderr,
+                        "warning: {}: field `{field}.log_target`: no journal listens at `{}` ({error}); {} cannot \
+                         start until one does",
+                        DisplayPath(&entry.file),
+                        args.journal_socket.display(),
+                        entry.service.id.proxy_id(),
                     )?;
                 }
             }

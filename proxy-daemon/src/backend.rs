@@ -31,6 +31,7 @@ use tether_state::{
 use tokio::sync::watch;
 
 use crate::cgroup::Cgroups;
+use crate::journal::JournalSink;
 use crate::listen::ListenError;
 use crate::spec::{
     HealthChecks, InheritedSocket, KillPolicy, ProcessName, ProcessSpec, ProcessUpdate, ReloadAction, ReloadOutcome,
@@ -54,6 +55,9 @@ pub struct AgentEnvironment {
     /// What must be done before each start of a proxy (the agent renders its templates),
     /// if anything.
     pub before_start: Option<Arc<dyn BeforeStart>>,
+    /// The journal's native socket, for proxies whose output goes there
+    /// ([`DEFAULT_JOURNAL_SOCKET`](crate::DEFAULT_JOURNAL_SOCKET) on a systemd host).
+    pub journal_socket: PathBuf,
 }
 
 /// Work the agent does before each start of a proxy, such as writing the files the proxy
@@ -220,6 +224,7 @@ impl Shared {
         process.kill = kill_policy(proxy);
         process.restart = spec.restart;
         process.logs.limits = spec.log;
+        process.logs.journal = self.journal_sink(proxy);
         process.health = health_checks(spec);
         process.reload.clone_from(&spec.reload);
         process.identity_env = identity_env.into();
@@ -229,6 +234,23 @@ impl Shared {
 }
 
 impl Shared {
+    /// Where `proxy`'s lines go in the journal, if its output goes there: every line says
+    /// whose it is, the proxy (as `journalctl -t` finds it) and its service.
+    fn journal_sink(&self, proxy: &ManagedProxy) -> Option<Arc<JournalSink>> {
+        if !proxy.spec().log.output.to_journal() {
+            return None;
+        }
+        let id = proxy.id().as_str();
+        Some(Arc::new(JournalSink {
+            socket: self.environment.journal_socket.clone(),
+            identifier: id.to_owned(),
+            fields: vec![
+                ("TETHER_PROXY".to_owned(), id.to_owned()),
+                ("TETHER_SERVICE".to_owned(), proxy.service().id.as_str().to_owned()),
+            ],
+        }))
+    }
+
     /// The sockets of `proxy`'s listeners, in its order: those its other handles hold, then
     /// those `taken` from an instance an earlier agent started, else bound now.
     fn listeners(&self, proxy: &ManagedProxy, mut taken: Vec<OwnedFd>) -> Result<Vec<InheritedSocket>, ListenError> {
@@ -691,6 +713,7 @@ impl ProxyHandle for OsProxyHandle {
             kill: Some(kill),
             restart: Some(spec.restart),
             log_limits: Some(spec.log),
+            journal: self.shared.journal_sink(&proxy),
             health: Some(health_checks(spec)),
             limits: Some(spec.limits),
             reload: Some(spec.reload.clone()),
@@ -747,8 +770,13 @@ mod tests {
         let temp = tempfile::tempdir().unwrap();
         let data = DataDir::open(temp.path()).unwrap();
         let built_in = ("/usr/libexec/tether/proxy".into(), Vec::new());
-        let environment =
-            AgentEnvironment { socket: data.socket_path(), http_addr: None, built_in, before_start: None };
+        let environment = AgentEnvironment {
+            socket: data.socket_path(),
+            http_addr: None,
+            built_in,
+            before_start: None,
+            journal_socket: crate::DEFAULT_JOURNAL_SOCKET.into(),
+        };
         let backend = OsProcessBackend::new(data.clone(), environment).unwrap();
         let service =
             parse_service("name = \"web\"\n[proxy]\ncommand = [\"/bin/sleep\", \"30\"]\n", Format::Toml, &Origin::Body)

@@ -165,6 +165,7 @@ impl Sender {
                 kill: update.kill.or(earlier.kill),
                 restart: update.restart.or(earlier.restart),
                 log_limits: update.log_limits.or(earlier.log_limits),
+                journal: update.journal.or(earlier.journal),
                 health: update.health.or(earlier.health),
                 limits: update.limits.or(earlier.limits),
                 reload: update.reload.or(earlier.reload),
@@ -254,7 +255,7 @@ mod tests {
         let (sender, receiver) = link();
         let kill = KillPolicy { timeout: Duration::from_secs(1), ..KillPolicy::default() };
         assert!(sender.update(ProcessUpdate { kill: Some(kill), ..ProcessUpdate::default() }));
-        let limits = crate::spec::LogPolicy { max_size: 10, keep: 1 };
+        let limits = crate::spec::LogPolicy { max_size: 10, keep: 1, ..crate::spec::LogPolicy::default() };
         assert!(sender.update(ProcessUpdate { log_limits: Some(limits), ..ProcessUpdate::default() }));
         assert!(sender.stop(Stop::Signalled));
         assert!(sender.stop(Stop::Awaited), "a second stop is taken, and the first one's signal kept");
@@ -265,6 +266,7 @@ mod tests {
                 kill: Some(kill),
                 restart: None,
                 log_limits: Some(limits),
+                journal: None,
                 health: None,
                 limits: None,
                 reload: None,

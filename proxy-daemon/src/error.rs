@@ -116,6 +116,17 @@ pub enum SpawnError {
         source: io::Error,
     },
 
+    /// The process's output goes to the journal, and no journal listens at its socket.
+    #[error("{name}: log_target sends its output to the journal, which does not listen at `{}`", .socket.display())]
+    Journal {
+        /// The process's name (the proxy id).
+        name: String,
+        /// The journal's socket.
+        socket: PathBuf,
+        /// The cause.
+        #[source]
+        source: io::Error,
+    },
     /// A log file could not be opened or created.
     #[error("failed to open log file `{}`", .path.display())]
     OpenLog {

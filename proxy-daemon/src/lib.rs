@@ -67,7 +67,13 @@
 //! // What every proxy is told about the agent (`TETHER_SOCKET`, `TETHER_HTTP_ADDR`), and
 //! // what runs the built-in proxy: here, another program of the agent's.
 //! let built_in = ("/usr/libexec/my-agent/proxy".into(), Vec::new());
-//! let environment = AgentEnvironment { socket: data.socket_path(), http_addr: None, built_in, before_start: None };
+//! let environment = AgentEnvironment {
+//!     socket: data.socket_path(),
+//!     http_addr: None,
+//!     built_in,
+//!     before_start: None,
+//!     journal_socket: tether_proxy_daemon::DEFAULT_JOURNAL_SOCKET.into(),
+//! };
 //! let backend = Arc::new(OsProcessBackend::new(data.clone(), environment)?);
 //! let store = Arc::new(FileSnapshotStore::in_data_dir(&data));
 //! let catalog = Arc::new(LocalState::new());
@@ -104,6 +110,7 @@ mod backend;
 mod cgroup;
 mod control;
 mod error;
+mod journal;
 pub mod keeper;
 mod listen;
 mod notify;
@@ -122,15 +129,16 @@ mod supervisor;
 pub use backend::{AgentEnvironment, BeforeStart, MissingProgram, OsProcessBackend, missing_programs};
 pub use cgroup::{CgroupError, CgroupUnavailable, Cgroups, Usage};
 pub use error::{DetachError, InvalidName, ProgramNotFound, SpawnError, SpecError};
+pub use journal::{DEFAULT_JOURNAL_SOCKET, JournalSink, STREAM_FIELD, journal_listens};
 pub use listen::{ListenAddress, ListenError, bind as bind_listener, listens_on};
 pub use proc::Identity;
 pub use program::find_program;
 pub use spec::{
     Backoff, CommandLine, CpuLimit, Durability, Environment, HealthChecks, HttpTarget, InheritedSocket, KillPolicy,
-    KillSignal, LinePattern, Liveness, LogFile, LogPolicy, LogSpec, LogTarget, PersistError, PrivateDir, Probe,
-    ProcessName, ProcessSpec, ProcessSpecBuilder, ProcessUpdate, Readiness, ReloadAction, ReloadCounts, ReloadOutcome,
-    ReloadPolicy, ReloadResult, Reloads, ResourceLimits, RestartPolicy, Restarted, TcpTarget, UnsafeEntry,
-    WATCH_DEBOUNCE,
+    KillSignal, LinePattern, Liveness, LogFile, LogOutput, LogPolicy, LogSpec, LogTarget, PersistError, PrivateDir,
+    Probe, ProcessName, ProcessSpec, ProcessSpecBuilder, ProcessUpdate, Readiness, ReloadAction, ReloadCounts,
+    ReloadOutcome, ReloadPolicy, ReloadResult, Reloads, ResourceLimits, RestartPolicy, Restarted, TcpTarget,
+    UnsafeEntry, WATCH_DEBOUNCE,
 };
 pub use status::{ExitReason, ProcessState, ProcessStatus, SupervisedProcess};
 pub use supervisor::{ProcessHandle, Supervisor};

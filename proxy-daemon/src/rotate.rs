@@ -21,6 +21,11 @@
 //! unless the machine keeps the thread from running for tens of milliseconds. An idle agent therefore never
 //! wakes up here. It never opens a log for the process and never deletes a live log file.
 //!
+//! The same thread sends the lines of a process whose output goes to the journal
+//! ([`crate::journal`]): at each check of such a file it reads what was appended since the
+//! last one, and it reads up to the end of a file before it truncates it, so that a
+//! rotation loses no line for the journal but what is written while it copies.
+//!
 //! Every file is reached through the log directory's handle, never by path: a link
 //! planted at a log's name or at a rotated copy's name is never followed, its target never
 //! read, written or truncated. Copies are new 0600 files.
@@ -30,14 +35,15 @@ use std::collections::{BinaryHeap, HashMap};
 use std::fs::File;
 use std::io::{self, Read};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
-use std::sync::mpsc;
+use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify, WatchDescriptor};
 use tether_state::persist::{Durability, PersistError};
 
-use crate::spec::{LogFile, LogPolicy};
+use crate::journal::{Handover, JournalSink, Sender, Tee};
+use crate::spec::{LogFile, LogPolicy, LogSpec};
 
 /// The longest a file that was just written stays unwatched: the rate limit of the checks
 /// of a file that grows slowly.
@@ -108,9 +114,23 @@ fn rotation_threshold(max_size: u64, rate: Option<f64>, rotation_took: Duration)
 type FileKey = (u64, u8);
 
 enum Command {
-    Watch { process: u64, files: [LogFile; 2], limits: LogPolicy },
-    Limits { process: u64, limits: LogPolicy },
+    Watch(Box<Watch>),
+    Limits { process: u64, limits: LogPolicy, journal: Option<(Arc<JournalSink>, Arc<Handover>)> },
     Forget { process: u64 },
+}
+
+/// An instance's log files to watch.
+struct Watch {
+    process: u64,
+    files: [LogFile; 2],
+    limits: LogPolicy,
+    /// Where its lines go in the journal, if they do, with where the last instance's lines
+    /// end and which instance this is ([`Handover::hold`]; 0 for the first).
+    journal: Option<(Arc<JournalSink>, Arc<Handover>, u64)>,
+    pid: u32,
+    /// The files' sizes before the instance was started, where its lines begin; `None`
+    /// when not known (an adopted instance): from their ends.
+    from: Option<[u64; 2]>,
 }
 
 /// The sending side of the rotation thread. Dropping it ends the thread and joins it.
@@ -147,15 +167,31 @@ impl Rotator {
         let _ = nix::unistd::write(&self.wake, &[1]);
     }
 
-    /// Watches the two log files of `process`, replacing any earlier registration.
-    pub(crate) fn watch(&self, process: u64, stdout: &LogFile, stderr: &LogFile, limits: LogPolicy) {
-        let files = [stdout.clone(), stderr.clone()];
-        self.send(Command::Watch { process, files, limits });
+    /// Watches the two log files of `process`, whose instance `pid` writes them from
+    /// `from` on (their sizes before it started, if known), replacing any earlier
+    /// registration; the lines go to `journal` too, if given, with the process's
+    /// [`Handover`] and the generation of this instance ([`Handover::hold`]; 0 for the first).
+    pub(crate) fn watch(
+        &self,
+        process: u64,
+        logs: &LogSpec,
+        journal: Option<(Arc<JournalSink>, Arc<Handover>, u64)>,
+        pid: u32,
+        from: Option<[u64; 2]>,
+    ) {
+        let files = [logs.stdout.clone(), logs.stderr.clone()];
+        let limits = logs.limits;
+        self.send(Command::Watch(Box::new(Watch { process, files, limits, journal, pid, from })));
     }
 
-    /// Changes the limits of `process`'s files.
-    pub(crate) fn set_limits(&self, process: u64, limits: LogPolicy) {
-        self.send(Command::Limits { process, limits });
+    /// Changes the limits of `process`'s files, and where their lines go.
+    pub(crate) fn set_limits(
+        &self,
+        process: u64,
+        limits: LogPolicy,
+        journal: Option<(Arc<JournalSink>, Arc<Handover>)>,
+    ) {
+        self.send(Command::Limits { process, limits, journal });
     }
 
     /// Stops watching `process`'s files.
@@ -201,6 +237,10 @@ struct Watched {
     rotation_took_micros: u32,
     /// The copy of its first bytes made while it nears its threshold ([`Staged`]).
     staged: Option<Box<Staged>>,
+    /// The instance that writes it.
+    pid: u32,
+    /// Its lines on their way to the journal, if they go there.
+    tee: Option<Box<Tee>>,
 }
 
 impl Watched {
@@ -221,6 +261,7 @@ impl Watched {
 
 struct State<'a> {
     inotify: &'a Inotify,
+    journal: Sender,
     files: HashMap<FileKey, Watched>,
     by_watch: HashMap<WatchDescriptor, FileKey>,
     /// Files to watch again, the earliest deadline first.
@@ -230,7 +271,13 @@ struct State<'a> {
 /// The rotation thread: waits for inotify's events, the commands (told by a byte on
 /// `woken`) and the next re-arm deadline, until the commands' channel closes.
 fn run(inotify: &Inotify, woken: &OwnedFd, commands: &mpsc::Receiver<Command>) {
-    let mut state = State { inotify, files: HashMap::new(), by_watch: HashMap::new(), rearm: BinaryHeap::new() };
+    let mut state = State {
+        inotify,
+        journal: Sender::new(),
+        files: HashMap::new(),
+        by_watch: HashMap::new(),
+        rearm: BinaryHeap::new(),
+    };
     loop {
         let next_rearm = state.rearm.peek().map(|Reverse((deadline, _))| *deadline);
         let timeout = match next_rearm {
@@ -281,30 +328,52 @@ fn run(inotify: &Inotify, woken: &OwnedFd, commands: &mpsc::Receiver<Command>) {
 impl State<'_> {
     fn apply(&mut self, command: Command) {
         match command {
-            Command::Watch { process, files, limits } => {
+            Command::Watch(watch) => {
+                let Watch { process, files, limits, journal, pid, from } = *watch;
                 for (stream, file) in (0u8..).zip(files) {
                     let key = (process, stream);
-                    let watch = self.files.remove(&key).and_then(|old| old.watch);
-                    self.files.insert(
-                        key,
-                        Watched {
-                            file,
-                            limits,
-                            watch,
-                            checked: None,
-                            rate: None,
-                            measured_millis: 0,
-                            rotation_took_micros: 0,
-                            staged: None,
-                        },
-                    );
-                    self.arm(key);
+                    let from = from.map(|sizes| sizes[usize::from(stream)]);
+                    // The lines of the instance before, up to where this one's begin.
+                    let (watch, tee) = match self.files.remove(&key) {
+                        Some(mut old) => {
+                            self.forward(&mut old, true);
+                            (old.watch, old.tee)
+                        }
+                        None => (None, None),
+                    };
+                    let mut watched = Watched {
+                        file,
+                        limits,
+                        watch,
+                        checked: None,
+                        rate: None,
+                        measured_millis: 0,
+                        rotation_took_micros: 0,
+                        staged: None,
+                        pid,
+                        tee,
+                    };
+                    let sink = journal.as_ref().map(|(sink, handover, _)| (sink, handover));
+                    watched.tee = tee_for(&mut watched, sink, stream, from);
+                    self.files.insert(key, watched);
+                }
+                if let Some((_, handover, generation)) = &journal {
+                    handover.release(*generation);
+                }
+                for stream in 0..2 {
+                    self.arm((process, stream));
                 }
             }
-            Command::Limits { process, limits } => {
+            Command::Limits { process, limits, journal } => {
                 for stream in 0..2 {
-                    if let Some(file) = self.files.get_mut(&(process, stream)) {
+                    if let Some(mut file) = self.files.remove(&(process, stream)) {
                         file.limits = limits;
+                        if journal.is_none() {
+                            self.forward(&mut file, false);
+                        }
+                        let sink = journal.as_ref().map(|(sink, handover)| (sink, handover));
+                        file.tee = tee_for(&mut file, sink, stream, None);
+                        self.files.insert((process, stream), file);
                     }
                 }
                 for stream in 0..2 {
@@ -313,7 +382,10 @@ impl State<'_> {
             }
             Command::Forget { process } => {
                 for stream in 0..2 {
-                    if let Some(Watched { watch: Some(watch), .. }) = self.files.remove(&(process, stream)) {
+                    let Some(mut watched) = self.files.remove(&(process, stream)) else { continue };
+                    // Its last lines, which an event not yet read may tell of.
+                    self.forward(&mut watched, true);
+                    if let Some(watch) = watched.watch {
                         self.by_watch.remove(&watch);
                         // A one-shot watch that already fired is gone: EINVAL is expected.
                         let _already_removed = self.inotify.rm_watch(watch);
@@ -368,8 +440,23 @@ impl State<'_> {
         self.check(key);
     }
 
+    /// Sends the lines `watched`'s file gained since the last look to the journal (up to
+    /// where its instance's lines end, [`Handover`]); with `gone`, the rest of an incomplete
+    /// line too: its writer is gone. Nothing for a file whose lines do not go there.
+    fn forward(&mut self, watched: &mut Watched, gone: bool) {
+        let Some(tee) = &mut watched.tee else { return };
+        let log = &watched.file;
+        let Ok(Some((live, size))) = open_live(log) else { return };
+        tee.forward_reported(&mut self.journal, &live, size, log);
+        if gone {
+            // Not sent (the journal is gone too): the line is in the log file.
+            let _not_sent = tee.finish(&mut self.journal);
+        }
+    }
+
     /// Rotates `key`'s file if it is past its threshold; returns its size after the check
-    /// (0 after a rotation, or when it cannot be read). Notes the file's growth.
+    /// (0 after a rotation, or when it cannot be read). Notes the file's growth, and sends
+    /// its new lines to the journal if they go there.
     fn check(&mut self, key: FileKey) -> u64 {
         let Some(watched) = self.files.get_mut(&key) else {
             return 0;
@@ -377,6 +464,13 @@ impl State<'_> {
         let (log, limits) = (watched.file.clone(), watched.limits);
         // Most checks find a small file: one stat says so, without opening it.
         let seen = log.dir().regular_size(log.name());
+        if let (Some(tee), Some(size)) = (&mut watched.tee, seen) {
+            if size != tee.offset() {
+                if let Ok(Some((live, size))) = open_live(&log) {
+                    tee.forward_reported(&mut self.journal, &live, size, &log);
+                }
+            }
+        }
         let now = Instant::now();
         if let Some(size) = seen {
             if let Some((then, before)) = watched.checked {
@@ -415,6 +509,12 @@ impl State<'_> {
         if size <= threshold {
             return size;
         }
+        if let Some(tee) = self.files.get_mut(&key).and_then(|watched| watched.tee.as_mut()) {
+            // Up to the end before it is truncated: the lines written while it is copied
+            // are lost to the journal as to the copies.
+            let end = live.metadata().map_or(size, |metadata| metadata.len());
+            tee.forward_reported(&mut self.journal, &live, end, &log);
+        }
         // The copy blocks this thread, and only this one.
         let started = Instant::now();
         let rotated = rotate(&log, &live, limits, staged.map(|staged| *staged));
@@ -422,6 +522,9 @@ impl State<'_> {
         if let Some(watched) = self.files.get_mut(&key) {
             watched.rotation_took_micros = u32::try_from(ended.duration_since(started).as_micros()).unwrap_or(u32::MAX);
             watched.checked = Some((ended, 0));
+            if let (Some(tee), Ok(_)) = (&mut watched.tee, &rotated) {
+                tee.truncated();
+            }
         }
         match rotated {
             Ok(copies) => tracing::info!(path = %log.path().display(), size, copies, "log file rotated"),
@@ -431,6 +534,24 @@ impl State<'_> {
         }
         0
     }
+}
+
+/// The journal's side of a file, taken from `watched`: its own, now for the instance that
+/// writes it, when its lines go to `journal`; a new one from `from` (else the file's end)
+/// when it had none, or one for another journal; none when they do not go there.
+fn tee_for(
+    watched: &mut Watched,
+    journal: Option<(&Arc<JournalSink>, &Arc<Handover>)>,
+    stream: u8,
+    from: Option<u64>,
+) -> Option<Box<Tee>> {
+    let (journal, handover) = journal?;
+    if let Some(mut tee) = watched.tee.take().filter(|tee| tee.is_for(journal)) {
+        tee.set_pid(watched.pid);
+        return Some(tee);
+    }
+    let from = from.or_else(|| watched.file.dir().regular_size(watched.file.name())).unwrap_or(0);
+    Some(Box::new(Tee::new(Arc::clone(journal), stream, watched.pid, from, Arc::clone(handover))))
 }
 
 /// Opens the live log file without following a link, and measures it; `None` if there is
@@ -494,7 +615,7 @@ fn identity(file: &File) -> io::Result<(u64, u64)> {
 /// the file was replaced or truncated since; `None` when the file cannot be copied (the
 /// rotation then copies it whole).
 fn stage(log: &LogFile, limits: LogPolicy, staged: Option<Box<Staged>>) -> Option<Box<Staged>> {
-    if limits.keep == 0 {
+    if limits.copies_kept() == 0 {
         return None; // nothing is kept: a rotation only truncates
     }
     let (live, size) = open_live(log).ok()??;
@@ -545,13 +666,14 @@ fn rotate(log: &LogFile, live: &File, limits: LogPolicy, staged: Option<Staged>)
     let read_error = |source| PersistError::Read { path: log.path(), source };
     let piece = piece_size(limits.max_size);
     let mut pieces = Vec::new();
-    if limits.keep > 0 {
+    let keep = limits.copies_kept();
+    if keep > 0 {
         let size = live.metadata().map_err(read_error)?.len();
         // More than `keep` pieces: the oldest would only be shifted out, so they are skipped.
-        let mut offset = size.saturating_sub(piece.saturating_mul(u64::from(limits.keep)));
+        let mut offset = size.saturating_sub(piece.saturating_mul(u64::from(keep)));
         let of = identity(live).map_err(read_error)?;
         let mut staged = staged.filter(|staged| offset == 0 && staged.of == of && staged.length <= size);
-        while pieces.len() < limits.keep as usize {
+        while pieces.len() < keep as usize {
             let (copy, mut length) = match staged.take() {
                 Some(Staged { copy, length, .. }) => (copy, length),
                 None => (dir.create_temporary(rotated_name(name, 1))?, 0),
@@ -569,7 +691,7 @@ fn rotate(log: &LogFile, live: &File, limits: LogPolicy, staged: Option<Staged>)
     live.set_len(0).map_err(|source| PersistError::Write { path: log.path(), source })?;
     let copies = u32::try_from(pieces.len()).unwrap_or(u32::MAX);
     for copy in pieces {
-        for index in (1..limits.keep).rev() {
+        for index in (1..keep).rev() {
             dir.rename(rotated_name(name, index), rotated_name(name, index + 1))?;
         }
         copy.persist(Durability::Crash)?;
@@ -656,13 +778,15 @@ mod tests {
         let (_temp, log) = log_file();
         let mut watched = Watched {
             file: log,
-            limits: LogPolicy { max_size: 10 << 20, keep: 3 },
+            limits: LogPolicy { max_size: 10 << 20, keep: 3, ..LogPolicy::default() },
             watch: None,
             checked: None,
             rate: Some(11.6e6),
             measured_millis: 6,
             rotation_took_micros: 0,
             staged: None,
+            pid: 0,
+            tee: None,
         };
         assert_eq!(watched.planning_rate(), None, "6 ms of a writer's start say nothing of its pace");
         watched.measured_millis = 999;
@@ -682,7 +806,7 @@ mod tests {
     fn write_and_rotate(log: &LogFile, content: &str, keep: u32) {
         fs::write(log.path(), content).unwrap();
         let (live, _size) = open_live(log).unwrap().unwrap();
-        rotate(log, &live, LogPolicy { max_size: 1 << 20, keep }, None).unwrap();
+        rotate(log, &live, LogPolicy { max_size: 1 << 20, keep, ..LogPolicy::default() }, None).unwrap();
     }
 
     fn copy(log: &LogFile, index: u32) -> std::path::PathBuf {
@@ -729,7 +853,7 @@ mod tests {
         let rotate_now = |content: &str, keep| {
             fs::write(log.path(), content).unwrap();
             let (live, _size) = open_live(&log).unwrap().unwrap();
-            let copies = rotate(&log, &live, LogPolicy { max_size: 40, keep }, None).unwrap();
+            let copies = rotate(&log, &live, LogPolicy { max_size: 40, keep, ..LogPolicy::default() }, None).unwrap();
             assert_eq!(fs::read_to_string(log.path()).unwrap(), "");
             copies
         };
@@ -752,7 +876,7 @@ mod tests {
     #[test]
     fn a_copy_staged_while_the_file_grew_is_completed_by_the_rotation_and_nothing_else_is_left() {
         let (_temp, log) = log_file();
-        let limits = LogPolicy { max_size: 40, keep: 5 };
+        let limits = LogPolicy { max_size: 40, keep: 5, ..LogPolicy::default() };
         let append = |text: &str| {
             let mut file = fs::OpenOptions::new().append(true).create(true).open(log.path()).unwrap();
             io::Write::write_all(&mut file, text.as_bytes()).unwrap();
@@ -778,7 +902,7 @@ mod tests {
     #[test]
     fn a_copy_staged_of_a_file_since_replaced_or_truncated_is_not_used() {
         let (_temp, log) = log_file();
-        let limits = LogPolicy { max_size: 1 << 20, keep: 2 };
+        let limits = LogPolicy { max_size: 1 << 20, keep: 2, ..LogPolicy::default() };
         fs::write(log.path(), "old file").unwrap();
         let staged = stage(&log, limits, None).unwrap();
         fs::remove_file(log.path()).unwrap();

@@ -293,6 +293,13 @@ impl Prepared {
         }
         let stdout = open_log(&spec.logs.stdout)?;
         let stderr = open_log(&spec.logs.stderr)?;
+        if let Some(sink) = spec.logs.journal_sink(&spec.name) {
+            sink.reachable().map_err(|source| SpawnError::Journal {
+                name: spec.name.as_str().to_owned(),
+                socket: sink.socket.clone(),
+                source,
+            })?;
+        }
         // Descriptors the child holds at fixed numbers: the listeners from 3, then the write
         // end of its notification pipe.
         let mut targets: Vec<RawFd> = (3..).take(spec.listeners.len()).collect();

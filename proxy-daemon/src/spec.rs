@@ -15,6 +15,7 @@ use std::sync::Arc;
 use tether_state::persist::DataDir;
 
 use crate::error::InvalidName;
+use crate::journal::JournalSink;
 
 mod builder;
 
@@ -92,7 +93,7 @@ pub use tether_state::{CommandLine, HttpTarget, LinePattern, Liveness, Probe, Re
 /// timeout), [`RestartPolicy`] (when an exited process is started again, with its schedule
 /// in [`RestartPolicy::delay_before`]) and [`LogPolicy`] (the size limits of its log files).
 /// Their defaults are the config file's, written once there.
-pub use tether_state::{KillPolicy, KillSignal, LogPolicy, ResourceLimits, RestartPolicy};
+pub use tether_state::{KillPolicy, KillSignal, LogOutput, LogPolicy, ResourceLimits, RestartPolicy};
 /// How a process reloads in place ([`ReloadPolicy`]: a [`ReloadAction`], a check, watched
 /// files, a timeout) and how a reload went ([`ReloadOutcome`], its [`ReloadResult`]; the
 /// history, [`Reloads`], with its [`ReloadCounts`]), in tether-state's vocabulary.
@@ -155,8 +156,27 @@ pub struct LogSpec {
     pub stdout: LogFile,
     /// The file stderr is appended to (created 0600 if missing).
     pub stderr: LogFile,
-    /// Rotation limits, applied to each file separately.
+    /// Rotation limits, applied to each file separately, and where the lines go.
     pub limits: LogPolicy,
+    /// Where the lines go in the journal when [`LogPolicy::output`] says so (`None`: the
+    /// default socket, with the process's name as the identifier).
+    pub journal: Option<Arc<JournalSink>>,
+}
+
+impl LogSpec {
+    /// The journal the lines of the process `name` go to, if its output goes to one.
+    pub(crate) fn journal_sink(&self, name: &ProcessName) -> Option<Arc<JournalSink>> {
+        if !self.limits.output.to_journal() {
+            return None;
+        }
+        Some(self.journal.clone().unwrap_or_else(|| Arc::new(JournalSink::new(name.as_str()))))
+    }
+
+    /// The sizes of the stdout and stderr files now (0 for a missing one): where the lines
+    /// of an instance started next begin.
+    pub(crate) fn sizes(&self) -> [u64; 2] {
+        [&self.stdout, &self.stderr].map(|log| log.dir().regular_size(log.name()).unwrap_or(0))
+    }
 }
 
 /// Everything needed to start, supervise, stop and recognise one process.
@@ -401,8 +421,10 @@ pub struct ProcessUpdate {
     pub kill: Option<KillPolicy>,
     /// A new restart policy, used from the next exit on.
     pub restart: Option<RestartPolicy>,
-    /// New log limits, used from the next write on.
+    /// New log limits, and where the lines go, used from the next write on.
     pub log_limits: Option<LogPolicy>,
+    /// Where the lines go in the journal from now on ([`LogSpec::journal`]), if given.
+    pub journal: Option<Arc<JournalSink>>,
     /// New checks: a readiness that passed is not asked again; liveness starts over.
     pub health: Option<HealthChecks>,
     /// New cgroup limits, written into the running instance's cgroup.

@@ -18,6 +18,7 @@ use tokio::sync::{oneshot, watch};
 use crate::cgroup::{CgroupError, Cgroups, Usage};
 use crate::control;
 use crate::error::{DetachError, SpawnError};
+use crate::journal::Handover;
 use crate::notify::NotifyHub;
 use crate::pidfile::PidFiles;
 use crate::probe::{ProbeDurations, ProbeStats};
@@ -269,14 +270,17 @@ impl Supervisor {
         if let (true, Some(pid_file)) = (write_pid_file, &spec.pid_file) {
             self.shared.pid_files.write(pid_file, instance.pid);
         }
-        self.shared.rotator.watch(key, &spec.logs.stdout, &spec.logs.stderr, spec.logs.limits);
+        // Made only for output that goes to the journal: most processes never need one.
+        let journal = spec.logs.journal_sink(&spec.name).map(|sink| (sink, Arc::new(Handover::default()), 0));
+        let handover = journal.as_ref().map(|(_, handover, _)| Arc::clone(handover));
+        self.shared.rotator.watch(key, &spec.logs, journal, instance.pid, instance.log_sizes);
         let ready = status.ready;
         let (status_sender, status) = watch::channel(status);
         let (commands, receiver) = control::link();
         let name = spec.name.clone();
         self.shared.lock_processes().insert(key, (name.clone(), status.clone()));
         let last_pid = write_pid_file.then_some(instance.pid);
-        let task = Task::new(key, spec, Arc::clone(&self.shared), status_sender, receiver, last_pid);
+        let task = Task::new(key, spec, Arc::clone(&self.shared), status_sender, receiver, last_pid, handover);
         let task = tokio::spawn(InProxySpan { name: name.clone(), future: task.run(instance, ready) });
         ProcessHandle { name, commands, status, task, cgroups: self.shared.cgroups.clone() }
     }

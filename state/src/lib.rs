@@ -158,8 +158,8 @@ pub use ordering::{Condition, Dependency, DependsOn, cycle_text, dependency_cycl
 pub use reload::{ReloadAction, ReloadCounts, ReloadOutcome, ReloadPolicy, ReloadResult, Reloads, WATCH_DEBOUNCE};
 pub use resources::{CpuLimit, ResourceLimits};
 pub use service::{
-    CommandLine, ExecMode, KillPolicy, KillSignal, LogPolicy, ManagedProxy, NameError, ProxyChange, ProxyCommand,
-    ProxyConfigMap, ProxySpec, RestartPolicy, Service, ServiceName,
+    CommandLine, ExecMode, KillPolicy, KillSignal, LogOutput, LogPolicy, ManagedProxy, NameError, ProxyChange,
+    ProxyCommand, ProxyConfigMap, ProxySpec, RestartPolicy, Service, ServiceName,
 };
 pub use template::{
     DEFAULT_TEMPLATE_MAX_SIZE, DEFAULT_TEMPLATE_MODE, DEFAULT_TEMPLATE_WAIT, OnChange, Template, TemplateSource,

@@ -371,8 +371,8 @@ impl RestartPolicy {
     }
 }
 
-/// How large a proxy's log files may grow: each file (stdout and stderr separately) is
-/// rotated past `max_size`, keeping `keep` rotated copies.
+/// Where a proxy's output goes and how large its log files may grow: each file (stdout
+/// and stderr separately) is rotated past `max_size`, keeping `keep` rotated copies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LogPolicy {
     /// Rotate a log file once it is larger than this many bytes (default 64 MiB).
@@ -380,11 +380,59 @@ pub struct LogPolicy {
     /// Rotated files kept per stream, `<file>.1` (newest) to `<file>.<keep>` (default 5).
     /// With 0, a file past its cap is only truncated.
     pub keep: u32,
+    /// Where each line goes: the log files, the journal, or both (default the files).
+    pub output: LogOutput,
 }
 
 impl Default for LogPolicy {
     fn default() -> Self {
-        Self { max_size: 64 * 1024 * 1024, keep: 5 }
+        Self { max_size: 64 * 1024 * 1024, keep: 5, output: LogOutput::Files }
+    }
+}
+
+impl LogPolicy {
+    /// The rotated copies kept per stream: `keep`, but none when the output goes to the
+    /// journal alone (the live file is then only where lines wait to be sent).
+    ///
+    /// ```
+    /// use tether_state::{LogOutput, LogPolicy};
+    ///
+    /// assert_eq!(LogPolicy { output: LogOutput::Both, ..LogPolicy::default() }.copies_kept(), 5);
+    /// assert_eq!(LogPolicy { output: LogOutput::Journal, ..LogPolicy::default() }.copies_kept(), 0);
+    /// ```
+    pub fn copies_kept(&self) -> u32 {
+        match self.output {
+            LogOutput::Journal => 0,
+            LogOutput::Files | LogOutput::Both => self.keep,
+        }
+    }
+}
+
+/// Where a proxy's output lines go (`log_target`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LogOutput {
+    /// The log files, rotated as the [`LogPolicy`] says.
+    #[default]
+    Files,
+    /// The system journal; the live log file holds only the latest lines, with no copies.
+    Journal,
+    /// Both the log files and the journal.
+    Both,
+}
+
+impl LogOutput {
+    /// Whether lines are sent to the journal.
+    pub fn to_journal(self) -> bool {
+        matches!(self, LogOutput::Journal | LogOutput::Both)
+    }
+
+    /// The name in the config (`files`, `journal` or `both`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LogOutput::Files => "files",
+            LogOutput::Journal => "journal",
+            LogOutput::Both => "both",
+        }
     }
 }
 

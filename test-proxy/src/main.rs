@@ -10,6 +10,7 @@
 //! - `--fork-worker FILE`: fork a worker that sleeps forever, and write its pid to FILE
 //!   (atomically, so a reader never sees half a number).
 //! - `--print TEXT`: print TEXT and a newline to stdout.
+//! - `--eprint TEXT`: print TEXT and a newline to stderr.
 //! - `--print-env`: print the environment, one `KEY=VALUE` per line, to stdout.
 //! - `--print-cwd`: print the working directory to stdout.
 //! - `--write-bytes N`: write N bytes of output (lines of `x`) to stdout.
@@ -42,6 +43,7 @@ fn main() {
                 .unwrap_or_else(|error| fail(&format!("prctl: {error}"))),
             "--fork-worker" => fork_worker(&value()),
             "--print" => println!("{}", value()),
+            "--eprint" => eprintln!("{}", value()),
             "--print-env" => {
                 for (key, val) in std::env::vars_os() {
                     println!("{}={}", key.to_string_lossy(), val.to_string_lossy());

@@ -27,6 +27,7 @@ pub(crate) async fn run(
     sync_quiescent: Duration,
     sync_max_delay: Duration,
     cgroups: super::CgroupChoice,
+    journal_socket: std::path::PathBuf,
 ) -> anyhow::Result<ExitCode> {
     let temp = tempfile::Builder::new().prefix("tether-dev-").tempdir().context("creating the temporary data dir")?;
     let config_dir = temp.path().join("config");
@@ -95,6 +96,7 @@ pub(crate) async fn run(
         stop_proxies_on_exit: true,
         fleet: None,
         cgroups,
+        journal_socket,
     };
     let result = super::run(options).await;
     tasks.abort_all();

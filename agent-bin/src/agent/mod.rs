@@ -58,6 +58,8 @@ pub(crate) struct AgentOptions {
     pub(crate) fleet: Option<FleetOptions>,
     /// Where proxies' cgroups go (`--cgroup-root`, `--no-cgroups`).
     pub(crate) cgroups: CgroupChoice,
+    /// The journal's native socket (`--journal-socket`).
+    pub(crate) journal_socket: PathBuf,
 }
 
 /// Where the agent puts its proxies' cgroups.
@@ -210,6 +212,7 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
         http_addr: options.http_addr.map(|addr| addr.to_string()),
         built_in: built_in_proxy(),
         before_start: Some(Arc::new(templates.clone())),
+        journal_socket: options.journal_socket.clone(),
     };
     let cgroups = open_cgroups(&options.cgroups, &data)?;
     // Whichever way the agent ends from here, a start that failed included, it leaves no

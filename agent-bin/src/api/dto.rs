@@ -284,6 +284,20 @@ pub(crate) struct ServiceDto {
     pub(crate) port: Option<u16>,
 }
 
+/// One line of a proxy's log, as `GET /v1/agent/proxy/{id}/logs?format=json` and
+/// `tether logs --json` write it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct LogLineDto {
+    /// When the agent read the line (the log files carry no times), RFC 3339 with
+    /// milliseconds.
+    pub(crate) time: String,
+    pub(crate) proxy: String,
+    /// `stdout` or `stderr`.
+    pub(crate) stream: String,
+    /// The line, without its newline; bytes that are not UTF-8 become U+FFFD.
+    pub(crate) text: String,
+}
+
 /// One event, as a line of the stream.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub(crate) struct EventDto {

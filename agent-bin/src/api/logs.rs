@@ -4,13 +4,14 @@
 //! Socket only: a proxy's output may hold secrets. This module reads log files through the
 //! data dir's `logs/` handle, never following a link, and never writes or rotates them
 //! (`tether-proxy-daemon` does). File reads run on the blocking pool; a follower wakes on a
-//! short timer only while a client follows.
+//! short timer only while a client follows. With `format=json`, each line is a
+//! [`LogLineDto`], timed when the agent read it.
 
 use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use axum::Extension;
 use axum::body::{Body, Bytes};
@@ -21,6 +22,7 @@ use serde::Deserialize;
 use tether_state::persist::{DataDir, PrivateDir};
 use tokio::sync::mpsc;
 
+use super::dto::LogLineDto;
 use super::{ApiError, ApiState, ChannelBody};
 
 /// Lines shown when the request names no count: 20, as `tether logs` without `-n`.
@@ -41,6 +43,61 @@ pub(crate) struct LogsQuery {
     stream: Option<String>,
     lines: Option<usize>,
     follow: Option<bool>,
+    format: Option<String>,
+}
+
+/// The longest part of a line held while its end is not written yet: past it, the part is
+/// sent as a line of its own.
+const MAX_PARTIAL_LINE: usize = 64 << 10;
+
+/// Turns a log's bytes into JSON lines ([`LogLineDto`]), holding a line whose end has not
+/// come yet.
+struct JsonLines {
+    proxy: String,
+    stream: &'static str,
+    partial: Vec<u8>,
+}
+
+impl JsonLines {
+    /// The whole lines of what `bytes` completes, read at `now`.
+    fn lines(&mut self, bytes: &[u8], now: SystemTime) -> Vec<u8> {
+        let mut out = Vec::new();
+        let mut rest = bytes;
+        while let Some(at) = rest.iter().position(|byte| *byte == b'\n') {
+            self.partial.extend_from_slice(&rest[..at]);
+            rest = &rest[at + 1..];
+            self.line(now, &mut out);
+        }
+        self.partial.extend_from_slice(rest);
+        if self.partial.len() > MAX_PARTIAL_LINE {
+            self.line(now, &mut out);
+        }
+        out
+    }
+
+    /// The last line, if it has no newline yet.
+    fn rest(&mut self, now: SystemTime) -> Vec<u8> {
+        let mut out = Vec::new();
+        if !self.partial.is_empty() {
+            self.line(now, &mut out);
+        }
+        out
+    }
+
+    fn line(&mut self, now: SystemTime, out: &mut Vec<u8>) {
+        let bytes = std::mem::take(&mut self.partial);
+        let text = String::from_utf8_lossy(bytes.strip_suffix(b"\r").unwrap_or(&bytes)).into_owned();
+        let line = LogLineDto {
+            time: humantime::format_rfc3339_millis(now).to_string(),
+            proxy: self.proxy.clone(),
+            stream: self.stream.to_owned(),
+            text,
+        };
+        // A struct of strings always serialises.
+        if serde_json::to_writer(&mut *out, &line).is_ok() {
+            out.push(b'\n');
+        }
+    }
 }
 
 pub(crate) async fn get_logs(
@@ -51,11 +108,19 @@ pub(crate) async fn get_logs(
 ) -> Result<Response, ApiError> {
     let id = super::known_proxy(&state, &id)?;
     let (stdout, stderr) = DataDir::log_file_names(&id);
-    let name = match query.stream.as_deref().unwrap_or("stdout") {
-        "stdout" => stdout,
-        "stderr" => stderr,
+    let (name, stream) = match query.stream.as_deref().unwrap_or("stdout") {
+        "stdout" => (stdout, "stdout"),
+        "stderr" => (stderr, "stderr"),
         other => {
             let message = format!("stream must be `stdout` or `stderr`, not {other:?}");
+            return Err(ApiError::new(StatusCode::BAD_REQUEST, message));
+        }
+    };
+    let mut json = match query.format.as_deref().unwrap_or("text") {
+        "text" => None,
+        "json" => Some(JsonLines { proxy: id.as_str().to_owned(), stream, partial: Vec::new() }),
+        other => {
+            let message = format!("format must be `text` or `json`, not {other:?}");
             return Err(ApiError::new(StatusCode::BAD_REQUEST, message));
         }
     };
@@ -69,18 +134,30 @@ pub(crate) async fn get_logs(
         Some((file, tail, end)) => (Some(Arc::new(file)), tail, end),
         None => (None, Vec::new(), 0),
     };
-    let text = [(header::CONTENT_TYPE, "text/plain; charset=utf-8")];
-    if !query.follow.unwrap_or(false) {
-        return Ok((text, tail).into_response());
+    let follow = query.follow.unwrap_or(false);
+    let (content_type, tail) = match &mut json {
+        None => ("text/plain; charset=utf-8", tail),
+        Some(json) => {
+            let now = SystemTime::now();
+            let mut lines = json.lines(&tail, now);
+            if !follow {
+                lines.extend(json.rest(now));
+            }
+            ("application/x-ndjson", lines)
+        }
+    };
+    let content_type = [(header::CONTENT_TYPE, content_type)];
+    if !follow {
+        return Ok((content_type, tail).into_response());
     }
     let slot = slots.take()?;
     let (chunks, receiver) = mpsc::channel(16);
     if !tail.is_empty() {
         let _unreachable = chunks.try_send(Bytes::from(tail));
     }
-    let follower = Follower { dir, name, file, offset: end, chunks, _slot: slot };
+    let follower = Follower { dir, name, file, offset: end, chunks, json, _slot: slot };
     tokio::spawn(follower.run(state.shutdown.clone()));
-    Ok((text, Body::new(ChannelBody(receiver))).into_response())
+    Ok((content_type, Body::new(ChannelBody(receiver))).into_response())
 }
 
 /// Runs `read` on the blocking pool; an I/O error becomes a 500 naming it.
@@ -145,6 +222,8 @@ struct Follower {
     file: Option<Arc<File>>,
     offset: u64,
     chunks: mpsc::Sender<Bytes>,
+    /// The lines as JSON, when asked for.
+    json: Option<JsonLines>,
     /// Its listener's stream slot, held while it runs.
     _slot: tokio::sync::OwnedSemaphorePermit,
 }
@@ -158,7 +237,14 @@ impl Follower {
                 () = self.chunks.closed() => return,
                 _ = ticker.tick() => {}
             }
-            match self.read_new().await {
+            let read = match (self.read_new().await, &mut self.json) {
+                (Ok(Some(chunk)), Some(json)) => {
+                    let lines = json.lines(&chunk, SystemTime::now());
+                    Ok((!lines.is_empty()).then(|| Bytes::from(lines)))
+                }
+                (read, _) => read,
+            };
+            match read {
                 Ok(Some(chunk)) => {
                     if !super::send_chunk(&self.chunks, chunk).await {
                         return;
@@ -248,5 +334,30 @@ mod tests {
         assert_eq!(tail_of("", 5), "");
         let long: String = (0..20_000).map(|n| format!("line {n}\n")).collect();
         assert_eq!(tail_of(&long, 2), "line 19998\nline 19999\n");
+    }
+
+    #[test]
+    fn json_lines_hold_a_line_until_its_newline_and_keep_its_text_whole() {
+        let now = humantime::parse_rfc3339("2026-01-01T00:00:00.250Z").unwrap();
+        let mut json = JsonLines { proxy: "web-proxy".into(), stream: "stderr", partial: Vec::new() };
+        let parse = |bytes: Vec<u8>| -> Vec<LogLineDto> {
+            String::from_utf8(bytes).unwrap().lines().map(|line| serde_json::from_str(line).unwrap()).collect()
+        };
+        let lines = parse(json.lines(b"first \"quoted\"\r\nsec", now));
+        assert_eq!(
+            lines,
+            [LogLineDto {
+                time: "2026-01-01T00:00:00.250Z".into(),
+                proxy: "web-proxy".into(),
+                stream: "stderr".into(),
+                text: "first \"quoted\"".into(),
+            }]
+        );
+        assert!(json.lines(b"ond", now).is_empty(), "no newline yet");
+        let lines = parse(json.lines(b"\n\xff\n", now));
+        assert_eq!(lines.iter().map(|line| line.text.as_str()).collect::<Vec<_>>(), ["second", "\u{fffd}"]);
+        assert!(json.rest(now).is_empty());
+        assert_eq!(parse(json.lines(b"last", now)).len(), 0);
+        assert_eq!(parse(json.rest(now))[0].text, "last");
     }
 }

@@ -1,4 +1,5 @@
-//! The operator's commands beyond status: `tether logs`.
+//! The operator's commands beyond status: `tether logs`, and a proxy's output in the
+//! journal.
 
 use std::io::{BufRead, BufReader};
 use std::process::Stdio;
@@ -331,4 +332,144 @@ fn a_service_id_names_its_proxy_wherever_a_proxy_id_does_and_a_malformed_id_is_a
             response.headers
         );
     }
+}
+
+#[test]
+fn logs_json_writes_one_object_a_line_and_follows() {
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    dirs.write_config("chatty.toml", &chatty("0.05", "64MiB"));
+    let agent = Agent::start(&dirs, &root_flags());
+    agent.wait_state("chatty-proxy", "running");
+    let parse = |line: &str| -> serde_json::Value {
+        serde_json::from_str(line).unwrap_or_else(|err| panic!("not a JSON line: {line:?}: {err}"))
+    };
+    let output =
+        tether().args(["logs", "chatty", "--stderr", "--json", "--data-dir"]).arg(&dirs.data).output().unwrap();
+    assert_eq!(output.status.code(), Some(0), "{}", String::from_utf8_lossy(&output.stderr));
+    let out = String::from_utf8(output.stdout).unwrap();
+    let lines: Vec<serde_json::Value> = out.lines().map(parse).collect();
+    assert_eq!(lines.len(), 1, "{out}");
+    let line = &lines[0];
+    assert_eq!(line.as_object().unwrap().len(), 4, "time, proxy, stream and text only: {line}");
+    assert_eq!(line["proxy"], "chatty-proxy", "the proxy's id, though a service id was given");
+    assert_eq!(line["stream"], "stderr");
+    assert_eq!(line["text"], "to stderr");
+    humantime::parse_rfc3339(line["time"].as_str().unwrap()).unwrap();
+
+    let (_follow, seen) = streaming(&dirs, &["logs", "chatty-proxy", "-n", "1", "-f", "--json"]);
+    let mut numbers = Vec::new();
+    wait_for("five lines followed", || {
+        while let Ok(line) = seen.try_recv() {
+            let line = parse(&line);
+            assert_eq!((&line["proxy"], &line["stream"]), (&"chatty-proxy".into(), &"stdout".into()), "{line}");
+            numbers.extend(line_number(line["text"].as_str().unwrap()));
+        }
+        (numbers.len() >= 5).then_some(())
+    });
+    assert!(numbers.windows(2).all(|pair| pair[1] == pair[0] + 1), "whole lines, in order: {numbers:?}");
+}
+
+/// A journal of the test's: a datagram socket in the test's temp dir.
+fn journal(dirs: &Dirs) -> (std::os::unix::net::UnixDatagram, String) {
+    let path = dirs.temp.path().join("journal.socket");
+    let journal = std::os::unix::net::UnixDatagram::bind(&path).unwrap();
+    journal.set_read_timeout(Some(std::time::Duration::from_millis(100))).unwrap();
+    (journal, path.to_str().unwrap().to_owned())
+}
+
+/// The next entry the journal receives whose fields include `field` (a `KEY=value` line).
+fn entry_with(journal: &std::os::unix::net::UnixDatagram, field: &str) -> String {
+    let mut buffer = vec![0; 1 << 16];
+    wait_for(&format!("an entry with {field:?}"), || {
+        let length = journal.recv(&mut buffer).ok()?;
+        let entry = String::from_utf8_lossy(&buffer[..length]).into_owned();
+        entry.contains(&format!("\n{field}\n")).then_some(entry)
+    })
+}
+
+#[test]
+fn a_proxy_with_log_target_journal_sends_each_line_with_its_proxy_service_and_pid() {
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    let (journal, socket_path) = journal(&dirs);
+    dirs.write_config("chatty.toml", &format!("{}log_target = \"journal\"\n", chatty("0.05", "64MiB")));
+    let mut flags = root_flags();
+    flags.extend(["--journal-socket", &socket_path]);
+    let agent = Agent::start(&dirs, &flags);
+    let pid = pid_of(&agent.wait_state("chatty-proxy", "running"));
+    let entry = entry_with(&journal, "MESSAGE=to stderr");
+    for field in [
+        "SYSLOG_IDENTIFIER=chatty-proxy\n".to_owned(),
+        format!("SYSLOG_PID={pid}\n"),
+        "TETHER_PROXY=chatty-proxy\n".to_owned(),
+        "TETHER_SERVICE=chatty\n".to_owned(),
+        "TETHER_STREAM=stderr\n".to_owned(),
+        "PRIORITY=3\n".to_owned(),
+    ] {
+        assert!(entry.contains(&field), "{field:?} missing from {entry:?}");
+    }
+}
+
+#[test]
+fn log_target_changes_in_place_and_the_next_lines_go_to_the_journal() {
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    let (journal, socket_path) = journal(&dirs);
+    dirs.write_config("chatty.toml", &chatty("0.05", "64MiB"));
+    let mut flags = root_flags();
+    flags.extend(["--journal-socket", &socket_path]);
+    let agent = Agent::start(&dirs, &flags);
+    let pid = pid_of(&agent.wait_state("chatty-proxy", "running"));
+    dirs.write_config("chatty.toml", &format!("{}log_target = \"both\"\n", chatty("0.05", "64MiB")));
+    agent.signal(nix::sys::signal::Signal::SIGHUP);
+    let entry = entry_with(&journal, "TETHER_STREAM=stdout");
+    assert!(entry.contains("TETHER_SERVICE=chatty\n"), "the agent's socket and fields, not a default: {entry:?}");
+    assert!(entry.contains(&format!("SYSLOG_PID={pid}\n")), "{entry:?}");
+    assert_eq!(pid_of(&agent.proxy("chatty-proxy").unwrap()), pid, "the proxy kept running");
+}
+
+#[test]
+fn a_proxy_whose_journal_does_not_listen_fails_naming_itself_and_the_socket() {
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    let socket_path = dirs.temp.path().join("no-journal.socket");
+    let socket_path = socket_path.to_str().unwrap();
+    dirs.write_config("chatty.toml", &format!("{}log_target = \"both\"\n", chatty("0.05", "64MiB")));
+    let mut flags = root_flags();
+    flags.extend(["--journal-socket", socket_path]);
+    let agent = Agent::start(&dirs, &flags);
+    let status = wait_for("the start refused", || {
+        let proxy = agent.proxy("chatty-proxy")?;
+        proxy["error"].as_str().is_some_and(|error| error.contains("journal")).then_some(proxy)
+    });
+    let error = status["error"].as_str().unwrap();
+    assert!(
+        error.contains("chatty-proxy: log_target sends its output to the journal") && error.contains(socket_path),
+        "{error}"
+    );
+}
+
+#[test]
+fn the_agents_own_log_in_json_is_one_object_a_line_with_the_proxy_in_a_field() {
+    let dirs = Dirs::new();
+    let _sweep = SweepOnDrop(dirs.socket());
+    dirs.write_config("a.toml", &sleeper("web"));
+    // The test kit starts every agent with `--log-format json`.
+    let agent = Agent::start(&dirs, &root_flags());
+    agent.wait_state("web-proxy", "running");
+    let logs = wait_for("a line about web-proxy", || {
+        let logs = agent.logs();
+        logs.contains("web-proxy").then_some(logs)
+    });
+    let lines: Vec<serde_json::Value> = logs
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap_or_else(|err| panic!("not a JSON line: {line:?}: {err}")))
+        .collect();
+    for line in &lines {
+        for key in ["timestamp", "level", "message"] {
+            assert!(line.get(key).is_some(), "no {key} in {line}");
+        }
+    }
+    assert!(lines.iter().any(|line| line["proxy"] == "web-proxy"), "no line names the proxy in a field:\n{logs}");
 }

@@ -224,3 +224,28 @@ fn epoch_keys_and_placeholders_beside_another_update_are_config_errors_naming_fi
     );
     tether().arg("validate").arg(&valid.config).assert().code(0);
 }
+
+#[test]
+fn a_journal_that_does_not_listen_is_a_warning_naming_the_proxy_and_the_socket() {
+    let dirs = Dirs::new();
+    dirs.write_config(
+        "web.toml",
+        "[[service]]\nname = \"web\"\n[service.proxy]\ncommand = [\"/bin/sleep\", \"1\"]\nlog_target = \"both\"\n\
+         [[service]]\nname = \"api\"\n[service.proxy]\ncommand = [\"/bin/sleep\", \"1\"]\n",
+    );
+    let socket = dirs.temp.path().join("journal.socket");
+    let validate = || tether().arg("validate").arg(&dirs.config).arg("--journal-socket").arg(&socket).assert().code(0);
+    let assert = validate();
+    let stderr = String::from_utf8(assert.get_output().stderr.clone()).unwrap();
+    let expected = format!(
+        "warning: {}: field `service[0].proxy.log_target`: no journal listens at `{}`",
+        dirs.config.join("web.toml").display(),
+        socket.display()
+    );
+    assert!(stderr.starts_with(&expected) && stderr.contains("web-proxy cannot start until one does"), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "only the proxy whose output goes to the journal: {stderr}");
+
+    let _journal = std::os::unix::net::UnixDatagram::bind(&socket).unwrap();
+    let assert = validate();
+    assert!(assert.get_output().stderr.is_empty(), "a journal listens: no warning");
+}

@@ -298,7 +298,7 @@ impl ProcessSpecBuilder {
             restart: self.restart,
             restart_on_exit: self.restart_on_exit,
             restarted: None,
-            logs: LogSpec { stdout, stderr, limits: self.log_limits },
+            logs: LogSpec { stdout, stderr, limits: self.log_limits, journal: None },
             health: self.health,
             listeners: self.listeners,
             pid_file: self.pid_file,

@@ -207,6 +207,7 @@ impl Supervisor {
             started: now.checked_sub(age).unwrap_or(now),
             notification: None,
             log_offsets: None,
+            log_sizes: None,
             cgroup,
         };
         if let (Some(cgroups), Some(name)) = (&self.shared.cgroups, &instance.cgroup) {

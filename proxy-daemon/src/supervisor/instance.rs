@@ -28,6 +28,9 @@ pub(super) struct Instance {
     pub(super) notification: Option<std::os::fd::OwnedFd>,
     /// Where its output starts in its log files (readiness `log_line`).
     pub(super) log_offsets: Option<[lines::Start; 2]>,
+    /// The sizes of its log files before it started, where its lines for the journal
+    /// begin; `None` for an adopted instance, or output that does not go there.
+    pub(super) log_sizes: Option<[u64; 2]>,
     /// The name of its cgroup, when it runs in one.
     pub(super) cgroup: Option<Box<str>>,
 }
@@ -56,6 +59,7 @@ impl Instance {
         let slot = spawn::slot().await;
         // Where its output starts, read before it can write any (readiness `log_line`).
         let log_offsets = checks::watches_lines(spec).then(|| lines::offsets(spec));
+        let log_sizes = spec.logs.limits.output.to_journal().then(|| spec.logs.sizes());
         let cgroup = match (cgroups, spare) {
             (Some(cgroups), Some(spare)) => Some(cgroups.reuse(spare, &spec.limits)?),
             (Some(cgroups), None) => Some(cgroups.create(spec.name.as_str(), &spec.limits)?),
@@ -98,7 +102,18 @@ impl Instance {
                 return Err(error);
             }
         };
-        Ok(Self { kind, pidfd, pid, pgid: pid, start_time, started: Instant::now(), notification, log_offsets, cgroup })
+        Ok(Self {
+            kind,
+            pidfd,
+            pid,
+            pgid: pid,
+            start_time,
+            started: Instant::now(),
+            notification,
+            log_offsets,
+            log_sizes,
+            cgroup,
+        })
     }
 
     /// Kills what is left of the instance once its main process has exited or been

@@ -16,6 +16,7 @@ use super::reload::{Reload, ReloadReply, Step};
 use super::watched::Watch;
 use crate::control::{self, Commands, Stop};
 use crate::error::DetachError;
+use crate::journal::{Handover, JournalSink};
 use crate::proc::{self, Identity};
 use crate::spec::{ProcessSpec, ProcessUpdate, ReloadOutcome, ReloadResult, Reloads};
 use crate::status::{ExitReason, ProcessState, ProcessStatus};
@@ -39,6 +40,10 @@ pub(super) struct Task {
     /// since a reload's steps are `Send` but not `Sync`), with its callers (none for a
     /// watched file's change): one reload after it answers them all.
     reload_next: Option<Vec<ReloadReply>>,
+    /// Where the lines of one instance end and the next one's begin, for the journal, and
+    /// the generation of the current instance.
+    handover: Option<Arc<Handover>>,
+    generation: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -73,6 +78,7 @@ impl Task {
         status: watch::Sender<ProcessStatus>,
         commands: control::Receiver,
         last_pid: Option<u32>,
+        handover: Option<Arc<Handover>>,
     ) -> Self {
         Task {
             key,
@@ -85,6 +91,8 @@ impl Task {
             health_error: None,
             spare_cgroup: None,
             reload_next: None,
+            handover,
+            generation: 0,
         }
     }
 
@@ -380,9 +388,13 @@ impl Task {
         if let Some(restart) = update.restart {
             self.spec.restart = restart;
         }
+        if let Some(journal) = &update.journal {
+            self.spec.logs.journal = Some(Arc::clone(journal));
+        }
         if let Some(limits) = update.log_limits {
             self.spec.logs.limits = limits;
-            self.shared.rotator.set_limits(self.key, limits);
+            let journal = self.journal().map(|(sink, handover, _)| (sink, handover));
+            self.shared.rotator.set_limits(self.key, limits, journal);
         }
         tracing::debug!(?update, "applied in-place update");
         if let Some(limits) = update.limits {
@@ -591,6 +603,11 @@ impl Task {
                 }
             }
             self.set_status(|status| status.state = ProcessState::Starting);
+            if let Some((_, handover, _)) = self.journal() {
+                // What is in its log files now is the last instance's: the next one's lines
+                // wait for the rotation thread to know its pid.
+                self.generation = handover.hold(self.spec.logs.sizes());
+            }
             // Boxed: the making of a process is rare in a supervisor's life, and its state
             // would otherwise be part of every supervising task's future.
             let spawning = Box::pin(Instance::spawn(&self.spec, &self.shared, self.spare_cgroup.take()));
@@ -618,6 +635,15 @@ impl Task {
         }
     }
 
+    /// Where the lines go in the journal, with the process's [`Handover`] (made now if
+    /// its output did not go there before) and the current instance's generation; `None`
+    /// when they do not go there.
+    fn journal(&mut self) -> Option<(Arc<JournalSink>, Arc<Handover>, u64)> {
+        let sink = self.spec.logs.journal_sink(&self.spec.name)?;
+        let handover = Arc::clone(self.handover.get_or_insert_with(Arc::default));
+        Some((sink, handover, self.generation))
+    }
+
     /// Takes over a freshly restarted instance: pid file, log watch, status.
     fn restarted(&mut self, instance: Instance, cause: Option<String>) -> Instance {
         let pid = instance.pid;
@@ -625,7 +651,8 @@ impl Task {
             self.shared.pid_files.write(pid_file, pid);
         }
         self.last_pid = Some(pid);
-        self.shared.rotator.watch(self.key, &self.spec.logs.stdout, &self.spec.logs.stderr, self.spec.logs.limits);
+        let journal = self.journal();
+        self.shared.rotator.watch(self.key, &self.spec.logs, journal, pid, instance.log_sizes);
         tracing::info!(pid, attempt = self.attempt, "process restarted");
         let identity = self.shared.identity(&instance);
         let ready = checks::starts_ready(&self.spec);

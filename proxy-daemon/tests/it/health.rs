@@ -283,7 +283,8 @@ async fn a_log_line_instance_is_ready_when_its_line_appears_even_in_a_rotated_lo
         &["--print", "booting", "--delay", "300", "--print", "ready: listening", "--write-bytes", "17000"],
     );
     // Past the cap, and within the tenth past it that one copy holds.
-    spec.logs.limits = tether_proxy_daemon::LogPolicy { max_size: 16384, keep: 1 };
+    spec.logs.limits =
+        tether_proxy_daemon::LogPolicy { max_size: 16384, keep: 1, ..tether_proxy_daemon::LogPolicy::default() };
     let mut readiness = Readiness::new(Probe::LogLine(tether_state::LinePattern::new("^ready: ").unwrap()));
     readiness.interval = Duration::from_millis(1500);
     spec.health = HealthChecks { readiness: Some(readiness), liveness: None };

@@ -42,7 +42,7 @@ async fn logs_are_appended_across_restarts() {
 async fn logs_are_rotated_at_their_cap() {
     let fx = Fixture::new();
     let mut spec = fx.spec("chatty-proxy", &["--write-bytes", "300000"]);
-    spec.logs.limits = LogPolicy { max_size: 64 * 1024, keep: 2 };
+    spec.logs.limits = LogPolicy { max_size: 64 * 1024, keep: 2, ..LogPolicy::default() };
     let stdout = spec.logs.stdout.path();
     let handle = fx.supervisor.spawn(spec).await.unwrap();
 
@@ -73,7 +73,10 @@ async fn log_limit_changes_apply_in_place() {
     assert!(!rotated(&stdout, 1).exists(), "under the default cap nothing rotates");
 
     handle
-        .update(ProcessUpdate { log_limits: Some(LogPolicy { max_size: 4096, keep: 1 }), ..ProcessUpdate::default() })
+        .update(ProcessUpdate {
+            log_limits: Some(LogPolicy { max_size: 4096, keep: 1, ..LogPolicy::default() }),
+            ..ProcessUpdate::default()
+        })
         .unwrap();
     eventually("rotation under the new cap", || rotated(&stdout, 1).exists() && size(&stdout) == 0).await;
     // The newest 4505 bytes: a copy never holds more than the cap and a tenth.
@@ -92,7 +95,7 @@ async fn links_planted_at_a_log_file_and_its_rotated_copy_are_never_followed() {
         std::fs::set_permissions(target, std::fs::Permissions::from_mode(0o644)).unwrap();
     }
     let mut spec = fx.spec("planted-proxy", &["--write-bytes", "300000"]);
-    spec.logs.limits = LogPolicy { max_size: 64 * 1024, keep: 2 };
+    spec.logs.limits = LogPolicy { max_size: 64 * 1024, keep: 2, ..LogPolicy::default() };
     let stdout = spec.logs.stdout.path();
     std::os::unix::fs::symlink(&targets[0], &stdout).unwrap();
     std::os::unix::fs::symlink(&targets[1], rotated(&stdout, 1)).unwrap();
@@ -123,7 +126,7 @@ async fn exclusive_a_log_written_at_50_mb_a_second_never_passes_its_cap_by_a_ten
     const RATE: u64 = 50_000_000;
     let fx = Fixture::new();
     let mut spec = fx.spec("loud-proxy", &["--write-rate", &format!("{RATE}:3"), "--sleep"]);
-    spec.logs.limits = LogPolicy { max_size: CAP, keep: 30 };
+    spec.logs.limits = LogPolicy { max_size: CAP, keep: 30, ..LogPolicy::default() };
     let stdout = spec.logs.stdout.path();
     let handle = fx.supervisor.spawn(spec).await.unwrap();
     let start = std::time::Instant::now();

@@ -7,6 +7,7 @@
 mod adopt;
 mod fixture;
 mod health;
+mod journal;
 mod listen;
 mod logs;
 mod reload;

@@ -48,6 +48,7 @@ pub(super) struct ProxyDef {
     kill_timeout: Option<HumanDuration>,
     log_max_size: Option<ByteSize>,
     log_keep: Option<LogKeep>,
+    log_target: Option<LogTargetDef>,
     config: Option<ConfigDef>,
     restart: Option<RestartDef>,
     readiness: Option<ReadinessDef>,
@@ -448,6 +449,7 @@ impl From<ProxyDef> for ProxySpec {
             log: LogPolicy {
                 max_size: def.log_max_size.map_or(log_default.max_size, |s| s.0),
                 keep: def.log_keep.map_or(log_default.keep, |k| k.0),
+                output: def.log_target.map_or(log_default.output, LogOutput::from),
             },
             config: def.config.map(|c| c.0).unwrap_or_default(),
             readiness: def.readiness.map(|r| r.0),
@@ -718,6 +720,35 @@ impl<'de> Visitor<'de> for ConfigValue {
 }
 
 pub(super) struct LogKeep(u32);
+
+/// `log_target`: where a proxy's output goes.
+#[derive(Deserialize, Serialize, Clone, Copy)]
+#[serde(rename_all = "lowercase")]
+pub(super) enum LogTargetDef {
+    Files,
+    Journal,
+    Both,
+}
+
+impl From<LogTargetDef> for LogOutput {
+    fn from(def: LogTargetDef) -> Self {
+        match def {
+            LogTargetDef::Files => LogOutput::Files,
+            LogTargetDef::Journal => LogOutput::Journal,
+            LogTargetDef::Both => LogOutput::Both,
+        }
+    }
+}
+
+impl From<LogOutput> for LogTargetDef {
+    fn from(output: LogOutput) -> Self {
+        match output {
+            LogOutput::Files => LogTargetDef::Files,
+            LogOutput::Journal => LogTargetDef::Journal,
+            LogOutput::Both => LogTargetDef::Both,
+        }
+    }
+}
 
 impl<'de> Deserialize<'de> for LogKeep {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {

@@ -41,7 +41,7 @@ fn an_empty_proxy_table_gets_every_default() {
     assert_eq!(spec.restart.free_attempts, 3);
     assert_eq!(spec.restart.max_delay, Duration::from_secs(60));
     assert_eq!(spec.restart.healthy_after, Duration::from_secs(10));
-    assert_eq!(spec.log, LogPolicy { max_size: 64 << 20, keep: 5 });
+    assert_eq!(spec.log, LogPolicy { max_size: 64 << 20, keep: 5, output: LogOutput::Files });
     assert!(!spec.inherit_env);
 }
 
@@ -67,6 +67,7 @@ kill_signal = "SIGTERM"
 kill_timeout = "1500ms"
 log_max_size = "1MiB"
 log_keep = 2
+log_target = "both"
 config = { bind_port = 21000, upstreams = [{ name = "db" }] }
 
 [service.proxy.restart]
@@ -89,7 +90,7 @@ healthy_after = "30s"
     assert!(spec.inherit_env);
     assert_eq!(spec.user.as_deref(), Some("nobody"));
     assert_eq!(spec.kill, KillPolicy { signal: KillSignal::Term, timeout: Duration::from_millis(1500) });
-    assert_eq!(spec.log, LogPolicy { max_size: 1 << 20, keep: 2 });
+    assert_eq!(spec.log, LogPolicy { max_size: 1 << 20, keep: 2, output: LogOutput::Both });
     assert_eq!(spec.config["bind_port"], 21000);
     assert_eq!(spec.config["upstreams"][0]["name"], "db");
     assert_eq!(
@@ -220,6 +221,22 @@ fn kill_signal_must_be_a_known_signal() {
     assert_eq!(
         proxy_error("kill_signal = \"SIGSEGV\""),
         "conf.d/web.toml:4:15: field `service[0].proxy.kill_signal`: unknown kill_signal \"SIGSEGV\": expected one of SIGINT, SIGTERM, SIGQUIT, SIGHUP, SIGUSR1, SIGUSR2, SIGKILL"
+    );
+}
+
+#[test]
+fn log_target_names_where_output_goes() {
+    let output = |value: &str| {
+        let service = one(&format!("[[service]]\nname = \"web\"\n[service.proxy]\nlog_target = {value}\n"));
+        service.proxy.unwrap().log.output
+    };
+    assert_eq!(output("\"files\""), LogOutput::Files);
+    assert_eq!(output("\"journal\""), LogOutput::Journal);
+    assert_eq!(output("\"both\""), LogOutput::Both);
+    let error = proxy_error("log_target = \"syslog\"");
+    assert!(
+        error.starts_with("conf.d/web.toml:4:14: field `service[0].proxy.log_target`: unknown variant `syslog`"),
+        "{error}"
     );
 }
 

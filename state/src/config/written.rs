@@ -36,6 +36,7 @@ pub(super) struct ProxyOut<'a> {
     kill_timeout: String,
     log_max_size: u64,
     log_keep: u32,
+    log_target: LogTargetDef,
     config: &'a ProxyConfigMap,
     restart: RestartOut,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -177,6 +178,7 @@ impl<'a> From<&'a ProxySpec> for ProxyOut<'a> {
             kill_timeout: duration(spec.kill.timeout),
             log_max_size: spec.log.max_size,
             log_keep: spec.log.keep,
+            log_target: spec.log.output.into(),
             config: &spec.config,
             restart: RestartOut {
                 free_attempts: spec.restart.free_attempts,
