@@ -316,6 +316,7 @@ fn status_prints_a_table_and_exact_json() {
         keys,
         [
             "certificate",
+            "depends_on",
             "error",
             "generations",
             "id",
@@ -330,6 +331,7 @@ fn status_prints_a_table_and_exact_json() {
             "started_at",
             "state",
             "status_text",
+            "templates",
             "update"
         ]
     );
