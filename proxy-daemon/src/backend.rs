@@ -26,7 +26,8 @@ use tether_state::lock;
 use tether_state::persist::DataDir;
 use tether_state::proxy_env;
 use tether_state::{
-    CommandLine, ListenAddress, Liveness, ManagedProxy, Probe, ProxyCommand, ProxyId, Readiness, UpdateStrategy,
+    CommandLine, ListenAddress, Liveness, ManagedProxy, Probe, ProxyCommand, ProxyId, ProxyKind, Readiness,
+    UpdateStrategy,
 };
 use tokio::sync::watch;
 
@@ -202,6 +203,10 @@ impl Shared {
         let (program, args): (PathBuf, Vec<OsString>) = match &spec.command {
             ProxyCommand::BuiltIn => self.environment.built_in.clone(),
             ProxyCommand::Exec(line) => (line.program().to_owned(), line.args().iter().map(OsString::from).collect()),
+        };
+        let args = match spec.kind {
+            ProxyKind::Envoy { .. } => envoy_args(self.data.envoy_bootstrap_path(id), spec.update.strategy, args),
+            _ => args,
         };
         let mut env = agent_layer(spec);
         let identity_env = vec![
@@ -752,6 +757,26 @@ impl ProxyHandle for OsProxyHandle {
         }
         state.record.as_ref().map_or_else(BackendRecord::none, Record::encode)
     }
+}
+
+/// The arguments of a proxy of `kind = "envoy"`: `-c` and its bootstrap, with
+/// `update = "epoch"` the restart epoch and base id (replaced per generation), then those of
+/// its `command`.
+fn envoy_args(bootstrap: PathBuf, update: UpdateStrategy, given: Vec<OsString>) -> Vec<OsString> {
+    let mut args = vec![OsString::from("-c"), bootstrap.into_os_string()];
+    if update == UpdateStrategy::Epoch {
+        args.extend(
+            [
+                "--restart-epoch",
+                tether_state::RESTART_EPOCH_PLACEHOLDER,
+                "--base-id",
+                tether_state::BASE_ID_PLACEHOLDER,
+            ]
+            .map(OsString::from),
+        );
+    }
+    args.extend(given);
+    args
 }
 
 #[cfg(test)]
