@@ -790,6 +790,25 @@ mod tests {
         parse_service(&text, Format::Toml, &Origin::Body).unwrap().proxy.unwrap()
     }
 
+    #[test]
+    fn an_envoy_of_kind_envoy_gets_its_bootstrap_then_the_epoch_placeholders_then_its_own_words() {
+        let words = |update: UpdateStrategy| {
+            envoy_args(PathBuf::from("/data/envoy/web-proxy.json"), update, vec!["--concurrency".into(), "1".into()])
+        };
+        assert_eq!(
+            words(UpdateStrategy::Epoch),
+            ["-c", "/data/envoy/web-proxy.json", "--restart-epoch", "{restart_epoch}", "--base-id", "{base_id}"]
+                .into_iter()
+                .chain(["--concurrency", "1"])
+                .map(OsString::from)
+                .collect::<Vec<_>>()
+        );
+        assert_eq!(
+            words(UpdateStrategy::Restart),
+            ["-c", "/data/envoy/web-proxy.json", "--concurrency", "1"].map(OsString::from).to_vec()
+        );
+    }
+
     #[tokio::test]
     async fn a_proxy_keeps_its_files_in_the_data_dir() {
         let temp = tempfile::tempdir().unwrap();
