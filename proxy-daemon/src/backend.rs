@@ -26,7 +26,8 @@ use tether_state::lock;
 use tether_state::persist::DataDir;
 use tether_state::proxy_env;
 use tether_state::{
-    CommandLine, ListenAddress, Liveness, ManagedProxy, Probe, ProxyCommand, ProxyId, Readiness, UpdateStrategy,
+    CommandLine, ListenAddress, Liveness, ManagedProxy, Probe, ProxyCommand, ProxyId, ProxyKind, Readiness,
+    UpdateStrategy,
 };
 use tokio::sync::watch;
 
@@ -202,6 +203,10 @@ impl Shared {
         let (program, args): (PathBuf, Vec<OsString>) = match &spec.command {
             ProxyCommand::BuiltIn => self.environment.built_in.clone(),
             ProxyCommand::Exec(line) => (line.program().to_owned(), line.args().iter().map(OsString::from).collect()),
+        };
+        let args = match spec.kind {
+            ProxyKind::Envoy { .. } => envoy_args(self.data.envoy_bootstrap_path(id), spec.update.strategy, args),
+            _ => args,
         };
         let mut env = agent_layer(spec);
         let identity_env = vec![
@@ -754,6 +759,26 @@ impl ProxyHandle for OsProxyHandle {
     }
 }
 
+/// The arguments of a proxy of `kind = "envoy"`: `-c` and its bootstrap, with
+/// `update = "epoch"` the restart epoch and base id (replaced per generation), then those of
+/// its `command`.
+fn envoy_args(bootstrap: PathBuf, update: UpdateStrategy, given: Vec<OsString>) -> Vec<OsString> {
+    let mut args = vec![OsString::from("-c"), bootstrap.into_os_string()];
+    if update == UpdateStrategy::Epoch {
+        args.extend(
+            [
+                "--restart-epoch",
+                tether_state::RESTART_EPOCH_PLACEHOLDER,
+                "--base-id",
+                tether_state::BASE_ID_PLACEHOLDER,
+            ]
+            .map(OsString::from),
+        );
+    }
+    args.extend(given);
+    args
+}
+
 #[cfg(test)]
 mod tests {
     use tether_state::config::{Format, Origin, parse_service};
@@ -763,6 +788,25 @@ mod tests {
     fn proxy(lines: &str) -> tether_state::ProxySpec {
         let text = format!("name = \"web\"\n[proxy]\n{lines}\n");
         parse_service(&text, Format::Toml, &Origin::Body).unwrap().proxy.unwrap()
+    }
+
+    #[test]
+    fn an_envoy_of_kind_envoy_gets_its_bootstrap_then_the_epoch_placeholders_then_its_own_words() {
+        let words = |update: UpdateStrategy| {
+            envoy_args(PathBuf::from("/data/envoy/web-proxy.json"), update, vec!["--concurrency".into(), "1".into()])
+        };
+        assert_eq!(
+            words(UpdateStrategy::Epoch),
+            ["-c", "/data/envoy/web-proxy.json", "--restart-epoch", "{restart_epoch}", "--base-id", "{base_id}"]
+                .into_iter()
+                .chain(["--concurrency", "1"])
+                .map(OsString::from)
+                .collect::<Vec<_>>()
+        );
+        assert_eq!(
+            words(UpdateStrategy::Restart),
+            ["-c", "/data/envoy/web-proxy.json", "--concurrency", "1"].map(OsString::from).to_vec()
+        );
     }
 
     #[tokio::test]

@@ -27,8 +27,8 @@ use crate::ordering::{Condition, Dependency, DependsOn};
 use crate::reload::{ReloadAction, ReloadPolicy};
 use crate::resources::{CpuLimit, ResourceLimits};
 use crate::service::{
-    CommandLine, ExecMode, KillPolicy, KillSignal, LogOutput, LogPolicy, ProxyCommand, ProxyConfigMap, ProxySpec,
-    RestartPolicy, Service, ServiceName,
+    CommandLine, ExecMode, KillPolicy, KillSignal, LogOutput, LogPolicy, ProxyCommand, ProxyConfigMap, ProxyKind,
+    ProxySpec, RestartPolicy, Service, ServiceName,
 };
 
 /// The largest config file read, in bytes. Larger files are refused, not truncated.

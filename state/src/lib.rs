@@ -159,7 +159,7 @@ pub use reload::{ReloadAction, ReloadCounts, ReloadOutcome, ReloadPolicy, Reload
 pub use resources::{CpuLimit, ResourceLimits};
 pub use service::{
     CommandLine, ExecMode, KillPolicy, KillSignal, LogOutput, LogPolicy, ManagedProxy, NameError, ProxyChange,
-    ProxyCommand, ProxyConfigMap, ProxySpec, RestartPolicy, Service, ServiceName,
+    ProxyCommand, ProxyConfigMap, ProxyKind, ProxySpec, RestartPolicy, Service, ServiceName,
 };
 pub use template::{
     DEFAULT_TEMPLATE_MAX_SIZE, DEFAULT_TEMPLATE_MODE, DEFAULT_TEMPLATE_WAIT, OnChange, Template, TemplateSource,

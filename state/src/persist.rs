@@ -78,6 +78,8 @@ const TOKENS: &str = "tokens.json";
 const REGISTRATIONS: &str = "registrations";
 const PIDS: &str = "pids";
 const LOGS: &str = "logs";
+/// Where the bootstraps of the proxies of `kind = "envoy"` are written.
+const ENVOY: &str = "envoy";
 
 /// The agent's data directory and its layout (the table in `docs/reference.md`); cheap to
 /// clone.
@@ -180,6 +182,26 @@ impl DataDir {
     /// `pids/<proxy id>.pid`.
     pub fn pid_file(&self, name: impl AsRef<str>) -> PathBuf {
         self.pids_dir().join(Self::pid_file_name(name))
+    }
+
+    /// `envoy/<proxy id>.json`: the bootstrap that the agent writes before each start of a
+    /// proxy of `kind = "envoy"`, and gives it with `-c`.
+    pub fn envoy_bootstrap_path(&self, id: &crate::ProxyId) -> PathBuf {
+        self.root().join(ENVOY).join(Self::envoy_bootstrap_name(id))
+    }
+
+    /// `<proxy id>.json`: the name of a proxy's bootstrap in [`DataDir::envoy_dir`].
+    pub fn envoy_bootstrap_name(id: &crate::ProxyId) -> String {
+        format!("{}.json", id.as_str())
+    }
+
+    /// `envoy/`, made if it is missing: where the bootstraps are written.
+    ///
+    /// # Errors
+    ///
+    /// [`PersistError::Write`] when it cannot be made or opened.
+    pub fn envoy_dir(&self) -> Result<PrivateDir, PersistError> {
+        self.root.subdir(ENVOY)
     }
 
     /// `logs/`: the proxies' output.

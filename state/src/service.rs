@@ -436,11 +436,29 @@ impl LogOutput {
     }
 }
 
+/// What the agent does for a proxy beyond running its command: `kind` in the config.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum ProxyKind {
+    /// Nothing: the command runs as it is written.
+    #[default]
+    Plain,
+    /// Envoy fed by the agent's xDS server: before each start the agent writes the proxy's
+    /// bootstrap ([`crate::persist::DataDir::envoy_bootstrap_path`]) and the command is
+    /// given `-c` and that file.
+    Envoy {
+        /// Envoy's admin port on 127.0.0.1; `None`: a free port, chosen before each start.
+        admin_port: Option<u16>,
+    },
+}
+
 /// The `[service.proxy]` table: how a service's managed proxy runs.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct ProxySpec {
     /// How the proxy is run.
     pub exec_mode: ExecMode,
+    /// What the agent does for it beyond running its command.
+    pub kind: ProxyKind,
     /// What runs.
     pub command: ProxyCommand,
     /// The working directory (absolute), or the agent's when absent.
@@ -565,6 +583,7 @@ impl ManagedProxy {
         let restart = self.token != new.token
             || old_spec.exec_mode != new_spec.exec_mode
             || old_spec.command != new_spec.command
+            || old_spec.kind != new_spec.kind
             || old_spec.working_dir != new_spec.working_dir
             || old_spec.env != new_spec.env
             || old_spec.inherit_env != new_spec.inherit_env

@@ -38,6 +38,8 @@ use crate::fleet::status::FleetReader;
 use crate::metrics::Metrics;
 use crate::templates::Templates;
 use crate::xds::Xds;
+use crate::xds::bootstrap::XdsTarget;
+use crate::xds::sidecar::{BeforeStarts, EnvoyBootstraps};
 
 /// What `tether agent` runs with, after `--dev` has been resolved.
 pub(crate) struct AgentOptions {
@@ -206,12 +208,16 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
     });
     let fleet_status = follower.as_ref().map(Follower::status);
     let running_as_root = nix::unistd::geteuid().is_root();
+    // The bootstraps of `kind = "envoy"` reach the agent through the xDS socket.
+    let xds_socket =
+        std::path::absolute(data.root().join(crate::xds::SOCKET_NAME)).context("resolving the xDS socket path")?;
+    let envoy_bootstraps = EnvoyBootstraps::new(data.clone(), XdsTarget::Socket(xds_socket.clone()));
     let socket_path = std::path::absolute(data.socket_path()).context("resolving the socket path")?;
     let environment = AgentEnvironment {
         socket: socket_path.clone(),
         http_addr: options.http_addr.map(|addr| addr.to_string()),
         built_in: built_in_proxy(),
-        before_start: Some(Arc::new(templates.clone())),
+        before_start: Some(Arc::new(BeforeStarts(vec![Arc::new(templates.clone()), Arc::new(envoy_bootstraps)]))),
         journal_socket: options.journal_socket.clone(),
     };
     let cgroups = open_cgroups(&options.cgroups, &data)?;
@@ -308,8 +314,6 @@ pub(crate) async fn run(options: AgentOptions) -> anyhow::Result<ExitCode> {
             api_stop.clone(),
         ));
     }
-    let xds_socket =
-        std::path::absolute(data.root().join(crate::xds::SOCKET_NAME)).context("resolving the xDS socket path")?;
     servers.spawn(serve_xds(xds.clone().serve_unix(bind_socket(&xds_socket)?), "socket"));
     if let Some(addr) = options.xds_address {
         let tcp = TcpListener::bind(addr).await.with_context(|| format!("cannot listen on --xds-address {addr}"))?;

@@ -18,6 +18,7 @@
 
 pub(crate) mod bootstrap;
 pub(crate) mod resources;
+pub(crate) mod sidecar;
 mod stream;
 
 use std::collections::{BTreeMap, HashMap};

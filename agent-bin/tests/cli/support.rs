@@ -113,6 +113,19 @@ impl Agent {
         agent
     }
 
+    /// Like [`Agent::start`], with `dir` first in the agent's `PATH` (which its proxies get).
+    pub fn start_with_path_first(dir: &Path, dirs: &Dirs, extra: &[&str]) -> Self {
+        let mut path = std::ffi::OsString::from(dir);
+        path.push(":");
+        path.push(std::env::var_os("PATH").unwrap_or_default());
+        let program = Path::new(env!("CARGO_BIN_EXE_tether"));
+        let agent = Self::spawn_configured(program, dirs, extra, |command| {
+            command.env("PATH", &path);
+        });
+        wait_for("the agent's socket", || get(&agent.socket, "/v1/agent/health").ok().filter(|r| r.status == 200));
+        agent
+    }
+
     /// Starts an agent without waiting for it.
     pub fn spawn(dirs: &Dirs, extra: &[&str]) -> Self {
         Self::spawn_with(Path::new(env!("CARGO_BIN_EXE_tether")), dirs, extra)

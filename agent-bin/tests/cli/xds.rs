@@ -317,6 +317,64 @@ fn gets_its_whole_config_and_a_port_change_without_a_restart(test: &str, delta: 
     assert!(agent.logs().contains(protocol), "a stream with {protocol}: {}", agent.logs());
 }
 
+/// The base id in the environment of process `pid` (`TETHER_BASE_ID`), if it can be read.
+fn base_id_of(pid: i32) -> Option<u64> {
+    let environ = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    environ
+        .split(|byte| *byte == 0)
+        .find_map(|entry| entry.strip_prefix(b"TETHER_BASE_ID="))
+        .and_then(|value| std::str::from_utf8(value).ok()?.parse().ok())
+}
+
+/// `kind = "envoy"`: three lines of config run `envoy` from `PATH` with a bootstrap the agent
+/// writes, traffic flows through it, and a change of the service's port is served by the
+/// same Envoy.
+#[test]
+fn a_proxy_of_kind_envoy_is_three_lines_and_follows_a_port_change_without_a_restart() {
+    let Some(envoy) = envoy_or_skip("a_proxy_of_kind_envoy_is_three_lines_and_follows_a_port_change_without_a_restart")
+    else {
+        return;
+    };
+    let dirs = Dirs::new();
+    // The bootstrap that the agent writes: every process that names it is this test's Envoy.
+    let _envoys = EnvoyGuard {
+        bootstrap: dirs.data.join("envoy").join("front-proxy.json"),
+        base_id_file: dirs.temp.path().join("no-base-id-file"),
+        base_ids: Rc::default(),
+    };
+    let _sweep = SweepOnDrop(dirs.socket());
+    let (first, second) = (Greeter::start("first\n"), Greeter::start("second\n"));
+    let bind_port = free_port();
+    let write = |port: u16| {
+        dirs.write_config(
+            "front.toml",
+            &format!(
+                "[[service]]\nname = \"front\"\nport = {port}\n\
+                 [service.proxy]\nkind = \"envoy\"\nconfig = {{ bind_port = {bind_port} }}\n"
+            ),
+        );
+    };
+    write(first.port);
+    let agent = Agent::start_with_path_first(envoy.parent().unwrap(), &dirs, &root_flags());
+    let running = agent.wait_state("front-proxy", "running");
+    let pid = running["pid"].as_i64().unwrap();
+    _envoys.base_ids.borrow_mut().extend(base_id_of(pid as i32));
+    let words = cmdline(pid as i32);
+    let bootstrap = dirs.data.join("envoy").join("front-proxy.json").display().to_string();
+    assert!(words.windows(2).any(|pair| pair[0] == "-c" && pair[1] == bootstrap), "{words:?}");
+    assert!(words.windows(2).any(|pair| pair[0] == "--restart-epoch" && pair[1] == "0"), "{words:?}");
+    wait_served(bind_port, "first\n");
+
+    write(second.port);
+    let reloaded = tether().arg("reload").arg("--data-dir").arg(&dirs.data).output().unwrap();
+    assert!(reloaded.status.success(), "{}", String::from_utf8_lossy(&reloaded.stderr));
+    wait_served(bind_port, "second\n");
+    let status = agent.proxy("front-proxy").unwrap();
+    assert_eq!(status["pid"].as_i64(), Some(pid), "Envoy was not restarted: {status}");
+    assert_eq!(status["restarts"], 0, "{status}");
+    assert!(alive(pid));
+}
+
 #[test]
 fn a_config_envoy_refuses_shows_its_message_and_the_previous_config_serves_on() {
     refused_config_shows_its_message_and_the_previous_serves_on(

@@ -39,6 +39,8 @@ pub(super) struct ServiceDef {
 #[serde(deny_unknown_fields)]
 pub(super) struct ProxyDef {
     exec_mode: Option<ExecModeDef>,
+    kind: Option<KindDef>,
+    admin_port: Option<u16>,
     command: Option<CommandDef>,
     working_dir: Option<AbsolutePath>,
     env: Option<BTreeMap<EnvKey, NoNul>>,
@@ -333,7 +335,7 @@ pub(super) enum ExecModeDef {
 impl TryFrom<ServiceDef> for Validated {
     type Error = String;
 
-    fn try_from(def: ServiceDef) -> Result<Self, String> {
+    fn try_from(mut def: ServiceDef) -> Result<Self, String> {
         let id = match def.id {
             Some(id) => id,
             None => ServiceId::new(def.name.as_str())
@@ -346,7 +348,8 @@ impl TryFrom<ServiceDef> for Validated {
         service.port = def.port;
         service.tags = def.tags.unwrap_or_default().into_iter().map(|t| t.0).collect();
         service.meta = def.meta.unwrap_or_default().into_iter().map(|(k, v)| (k.0, v.0)).collect();
-        if let Some(proxy) = &def.proxy {
+        if let Some(proxy) = &mut def.proxy {
+            check_kind(proxy)?;
             check_epoch(proxy)?;
         }
         service.proxy = def.proxy.map(ProxySpec::from);
@@ -357,6 +360,79 @@ impl TryFrom<ServiceDef> for Validated {
         Ok(Self(service))
     }
 }
+
+/// `kind` as written: the one kind of proxy the agent does more for than run its command.
+#[derive(Deserialize, Serialize, Clone, Copy, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub(super) enum KindDef {
+    Envoy,
+}
+
+/// The words of `command` that the agent itself gives an Envoy of `kind = "envoy"`.
+const ENVOY_OWN_FLAGS: [&str; 5] = ["-c", "--config-path", "--config-yaml", "--restart-epoch", "--base-id"];
+
+/// `kind = "envoy"`: `command` names Envoy and leaves its config and hot restart to the
+/// agent; `update` defaults to "epoch", and an `admin_port` without a readiness check gets
+/// Envoy's admin `/ready` as one. `admin_port` belongs to `kind = "envoy"` alone.
+fn check_kind(proxy: &mut ProxyDef) -> Result<(), String> {
+    let Some(KindDef::Envoy) = proxy.kind else {
+        if proxy.admin_port.is_some() {
+            return Err(
+                "`proxy.admin_port` applies to kind = \"envoy\" only: remove it, or set kind = \"envoy\"".to_owned()
+            );
+        }
+        return Ok(());
+    };
+    if proxy.user.is_some() {
+        return Err(
+            "`proxy.user` cannot be used with kind = \"envoy\": the bootstrap that the agent writes is readable \
+                    by the agent's user only; run Envoy through `command` and `tether envoy bootstrap` instead"
+                .to_owned(),
+        );
+    }
+    if proxy.admin_port == Some(0) {
+        return Err("`proxy.admin_port` must be a port from 1 to 65535; leave it out for a free port".to_owned());
+    }
+    match &proxy.command {
+        None => {
+            proxy.command = Some(CommandDef(CommandLine::from_words(vec!["envoy".to_owned()])?));
+        }
+        Some(command) => {
+            let program = command.0.program();
+            let name = program.file_name().map(|n| n.to_string_lossy()).unwrap_or_default();
+            if !name.contains("envoy") {
+                return Err(format!(
+                    "`proxy.command` runs {:?}, which is not Envoy, and kind = \"envoy\" runs Envoy: name an Envoy \
+                     binary (its file name contains \"envoy\"), leave `command` out for `envoy` from PATH, or remove \
+                     `kind`",
+                    program.display().to_string()
+                ));
+            }
+            if let Some(own) = command.0.args().iter().find(|arg| {
+                ENVOY_OWN_FLAGS.iter().any(|flag| arg.as_str() == *flag || arg.starts_with(&format!("{flag}=")))
+            }) {
+                return Err(format!(
+                    "`proxy.command` holds {own:?}, which kind = \"envoy\" sets itself (the bootstrap, and the \
+                     restart epoch and base id of update = \"epoch\"): remove it"
+                ));
+            }
+        }
+    }
+    if proxy.update.is_none() {
+        proxy.update = Some(UpdateDef::Epoch);
+    }
+    if let (Some(port), None) = (proxy.admin_port, &proxy.readiness) {
+        let url = format!("http://127.0.0.1:{port}/ready");
+        let mut readiness = Readiness::new(Probe::Http(HttpTarget::parse(&url)?));
+        readiness.interval = ENVOY_READY_INTERVAL;
+        proxy.readiness = Some(ReadinessDef(readiness));
+    }
+    Ok(())
+}
+
+/// How often a `kind = "envoy"` proxy with an `admin_port` and no readiness table is asked
+/// whether it is ready.
+const ENVOY_READY_INTERVAL: Duration = Duration::from_millis(200);
 
 /// `drain_timeout`, `max_generations` and `keep_listening` belong to `update = "epoch"`, which alone replaces
 /// the placeholders `{restart_epoch}` and `{base_id}`: with another `update` they are
@@ -431,6 +507,10 @@ impl From<ProxyDef> for ProxySpec {
         ProxySpec {
             exec_mode: match def.exec_mode {
                 Some(ExecModeDef::Daemon) | None => ExecMode::Daemon,
+            },
+            kind: match def.kind {
+                Some(KindDef::Envoy) => ProxyKind::Envoy { admin_port: def.admin_port },
+                None => ProxyKind::Plain,
             },
             command: def.command.map_or(ProxyCommand::BuiltIn, |c| ProxyCommand::Exec(c.0)),
             working_dir: def.working_dir.map(|p| p.0),

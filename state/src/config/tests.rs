@@ -572,6 +572,39 @@ fn epoch_keys_and_placeholders_are_refused_beside_another_update() {
 }
 
 #[test]
+fn kind_envoy_runs_envoy_from_path_with_epoch_updates_and_an_admin_port_is_its_readiness() {
+    let proxy = |lines: &str| one(&format!("[[service]]\nname = \"web\"\n[service.proxy]\n{lines}\n")).proxy.unwrap();
+    let plain = proxy("kind = \"envoy\"");
+    assert_eq!(plain.kind, ProxyKind::Envoy { admin_port: None });
+    assert_eq!(plain.command, ProxyCommand::Exec(CommandLine::from_words(vec!["envoy".into()]).unwrap()));
+    assert_eq!(plain.update.strategy, UpdateStrategy::Epoch);
+    assert_eq!(plain.readiness, None);
+    let given = proxy(
+        "kind = \"envoy\"\nadmin_port = 19000\ncommand = [\"/opt/envoy/bin/envoy\", \"--concurrency\", \"1\"]\nupdate = \"restart\"",
+    );
+    assert_eq!(given.kind, ProxyKind::Envoy { admin_port: Some(19000) });
+    assert_eq!(given.update.strategy, UpdateStrategy::Restart);
+    let Some(Readiness { probe: Probe::Http(target), .. }) = &given.readiness else { panic!("{:?}", given.readiness) };
+    assert_eq!(target.as_str(), "http://127.0.0.1:19000/ready");
+}
+
+#[test]
+fn kind_envoy_refuses_another_program_its_own_flags_and_unknown_kinds_naming_the_file_and_field() {
+    let error = proxy_error("kind = \"envoy\"\ncommand = [\"/usr/sbin/haproxy\"]");
+    assert!(error.contains("web.toml") && error.contains("`proxy.command` runs \"/usr/sbin/haproxy\""), "{error}");
+    let error = proxy_error("kind = \"envoy\"\ncommand = [\"envoy\", \"-c\", \"/etc/envoy.yaml\"]");
+    assert!(error.contains("web.toml") && error.contains("`proxy.command` holds \"-c\""), "{error}");
+    let error = proxy_error("kind = \"envoy\"\ncommand = [\"envoy\", \"--base-id=3\"]");
+    assert!(error.contains("`proxy.command` holds \"--base-id=3\""), "{error}");
+    let error = proxy_error("kind = \"nginx\"");
+    assert!(error.contains("web.toml") && error.contains("kind") && error.contains("`envoy`"), "{error}");
+    let error = proxy_error("admin_port = 19000");
+    assert!(error.contains("`proxy.admin_port` applies to kind = \"envoy\" only"), "{error}");
+    let error = proxy_error("kind = \"envoy\"\nuser = \"envoy\"");
+    assert!(error.contains("`proxy.user` cannot be used with kind = \"envoy\""), "{error}");
+}
+
+#[test]
 fn bad_listeners_and_updates_name_file_line_and_field() {
     let listener = |lines: &str| proxy_error(&format!("[[service.proxy.listener]]\n{lines}"));
     let error = listener("name = \"a:b\"\naddress = \"127.0.0.1:1\"");

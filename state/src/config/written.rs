@@ -25,6 +25,10 @@ pub(super) struct ServiceOut<'a> {
 pub(super) struct ProxyOut<'a> {
     exec_mode: ExecModeDef,
     #[serde(skip_serializing_if = "Option::is_none")]
+    kind: Option<KindDef>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    admin_port: Option<u16>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     command: Option<Vec<String>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     working_dir: Option<&'a Path>,
@@ -165,6 +169,14 @@ impl<'a> From<&'a ProxySpec> for ProxyOut<'a> {
         Self {
             exec_mode: match spec.exec_mode {
                 ExecMode::Daemon => ExecModeDef::Daemon,
+            },
+            kind: match spec.kind {
+                ProxyKind::Envoy { .. } => Some(KindDef::Envoy),
+                _ => None,
+            },
+            admin_port: match spec.kind {
+                ProxyKind::Envoy { admin_port } => admin_port,
+                _ => None,
             },
             command: match &spec.command {
                 ProxyCommand::BuiltIn => None,

@@ -171,6 +171,7 @@ fn proxy_spec_without_health() -> impl Strategy<Value = ProxySpec> {
             )| {
                 ProxySpec {
                     exec_mode: ExecMode::Daemon,
+                    kind: ProxyKind::Plain,
                     command: command
                         .map(|words| CommandLine::from_words(words).unwrap())
                         .map_or(ProxyCommand::BuiltIn, ProxyCommand::Exec),
