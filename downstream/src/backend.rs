@@ -131,7 +131,7 @@ impl ProxyHandle for SupervisedProxy {
         let last = process.stop().await;
         if last.state == ProcessState::Failed {
             // Supervision ended before the stop could prove the process gone: it may still run.
-            let reason = last.error.unwrap_or_else(|| "supervision failed".to_owned());
+            let reason = last.figures.error.unwrap_or_else(|| "supervision failed".to_owned());
             *self.process.lock().unwrap_or_else(PoisonError::into_inner) = Some(process);
             return Err(BackendError::Stop { id: self.proxy().id().clone(), source: reason.into() });
         }
@@ -210,16 +210,5 @@ fn backend_status(observed: &ProcessStatus) -> BackendStatus {
         // A state added to the supervisor after this was written: never shown as running.
         _ => BackendState::Failed,
     };
-    BackendStatus {
-        state,
-        pid: observed.pid,
-        restarts: observed.restarts,
-        started_at: observed.started_at,
-        last_exit: observed.last_exit,
-        error: observed.error.clone(),
-        status_text: observed.status_text.clone(),
-        probe_failures: observed.probe_failures,
-        reloads: observed.reloads.clone(),
-        generations: Vec::new(),
-    }
+    BackendStatus { state, figures: observed.figures.clone(), generations: Vec::new() }
 }

@@ -36,7 +36,7 @@ impl ProxyHandle for FastHandle {
     async fn start(&self) -> Result<(), BackendError> {
         self.status.send_modify(|s| {
             s.state = BackendState::Running;
-            s.pid = Some(1);
+            s.figures.pid = Some(1);
         });
         self.done.send_modify(|n| *n += 1);
         Ok(())

@@ -9,11 +9,11 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
-use tether_state::{ExitReason, ManagedProxy, ProxyId, ReloadOutcome, Reloads};
+use tether_state::{ManagedProxy, ProcessFigures, ProxyId, ReloadOutcome};
 use tokio::sync::watch;
 
 /// A boxed error from a backend's own layer, kept as the `source` of a [`BackendError`].
@@ -99,7 +99,8 @@ pub enum BackendState {
     Backoff,
     /// Being stopped, or stopped: the engine drops the handle once its stop returns.
     Stopping,
-    /// The backend can no longer run or watch the process; [`BackendStatus::error`] says why.
+    /// The backend can no longer run or watch the process; its figures'
+    /// [`error`](ProcessFigures::error) say why.
     Failed,
 }
 
@@ -127,24 +128,10 @@ impl fmt::Display for BackendState {
 pub struct BackendStatus {
     /// The process's state; [`BackendState::Pending`] until the handle is started.
     pub state: BackendState,
-    /// The process id, while there is a process.
-    pub pid: Option<u32>,
-    /// How many times the backend restarted the process after an exit.
-    pub restarts: u64,
-    /// When the current process started.
-    pub started_at: Option<SystemTime>,
-    /// How the previous process ended.
-    pub last_exit: Option<ExitReason>,
-    /// Why the backend gave up or is backing off, or why the proxy's checks fail, for
-    /// display.
-    pub error: Option<String>,
-    /// The proxy's own account of itself (sd_notify's `STATUS=`), for display.
-    pub status_text: Option<String>,
-    /// Failed readiness and liveness checks, for metrics.
-    pub probe_failures: u64,
-    /// Its reloads ([`ProxyHandle::reload`]): the last one and the counts, once there was one.
-    /// Boxed: most proxies never reload.
-    pub reloads: Option<Box<Reloads>>,
+    /// The process's pid, restarts, start, last exit, error, own account, failed checks and
+    /// reloads ([`ProxyHandle::reload`]), as the supervisor observes them: `error` says why
+    /// the backend gave up or is backing off, or why the proxy's checks fail.
+    pub figures: ProcessFigures,
     /// For a proxy that hands over by itself (`update = "epoch"`): every live generation of
     /// it, this handle's own first, then the others (a new one starting beside it, old ones
     /// draining). Empty for other proxies.
@@ -436,8 +423,8 @@ pub trait ProxyHandle: Send + Sync {
     }
 
     /// Reloads the proxy in place, as its `reload` table says, and returns the verdict; the
-    /// status's [`BackendStatus::reloads`] shows it too. `None` when the proxy cannot be
-    /// reloaded (it has no `reload` table).
+    /// status's figures ([`reloads`](ProcessFigures::reloads)) show it too. `None` when the
+    /// proxy cannot be reloaded (it has no `reload` table).
     ///
     /// Unlike the other calls, a reload may run beside them: it never stops the process,
     /// and the backend runs the reloads of one proxy one after another.

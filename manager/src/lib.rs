@@ -253,7 +253,7 @@ pub(crate) use tether_state::error_chain;
 pub use async_trait::async_trait;
 pub use serde_json;
 pub use tether_state;
-pub use tether_state::ExitReason;
+pub use tether_state::{ExitReason, ProcessFigures};
 pub use tokio::sync::watch;
 pub use tokio_util::sync::CancellationToken;
 

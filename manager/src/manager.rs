@@ -747,8 +747,8 @@ impl Manager {
         let queued = self.in_backlog.contains(id);
         let update = slot.overlap.as_ref().and_then(|(next, _)| next.borrow().clone()).map(|next| UpdateStatus {
             state: next.state.into(),
-            pid: next.pid,
-            started_at: next.started_at,
+            pid: next.figures.pid,
+            started_at: next.figures.started_at,
         });
         let (state, error) = match (&slot.busy, &slot.observed) {
             // The old instance serves while the new one starts beside it.
@@ -758,10 +758,11 @@ impl Manager {
                     next.borrow()
                         .as_ref()
                         .filter(|next| next.state == crate::backend::BackendState::Pending)?
+                        .figures
                         .error
                         .clone()
                 });
-                (process.state.into(), waits.or_else(|| process.error.clone()))
+                (process.state.into(), waits.or_else(|| process.figures.error.clone()))
             }
             (Some(Action::Start), _) => (ProxyState::Starting, None),
             (Some(Action::Stop | Action::Restart), _) => (ProxyState::Stopping, None),
@@ -774,23 +775,23 @@ impl Manager {
             (_, Observed::Idle) if slot.waiting => (ProxyState::Waiting, slot.error.clone()),
             (_, Observed::Idle) => (ProxyState::Pending, None),
             _ if queued && slot.installed.is_none() => (ProxyState::Pending, None),
-            _ => (process.state.into(), process.error.clone()),
+            _ => (process.state.into(), process.figures.error.clone()),
         };
         self.published.set(ProxyStatus {
             id: id.clone(),
             service: id.service_id(),
             state,
-            pid: process.pid,
-            restarts: process.restarts.saturating_add(slot.restarts_base),
-            started_at: process.started_at,
-            last_exit: process.last_exit,
+            pid: process.figures.pid,
+            restarts: process.figures.restarts.saturating_add(slot.restarts_base),
+            started_at: process.figures.started_at,
+            last_exit: process.figures.last_exit,
             error,
-            status_text: process.pid.and(process.status_text),
-            probe_failures: process.probe_failures,
+            status_text: process.figures.pid.and(process.figures.status_text),
+            probe_failures: process.figures.probe_failures,
             update,
             generations: (!process.generations.is_empty()).then(|| process.generations.into_boxed_slice()),
             usage: None,
-            reloads: process.reloads,
+            reloads: process.figures.reloads,
             applied_revision: slot.installed.as_ref().and(slot.applied_revision),
         });
     }

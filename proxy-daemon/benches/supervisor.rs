@@ -149,10 +149,10 @@ async fn exit_to_replacement(supervisor: &Supervisor, data: &DataDir) -> Vec<Dur
     let mut status = handle.subscribe();
     let mut latencies = Vec::with_capacity(KILLS);
     for _ in 0..KILLS {
-        let old = status.borrow().pid.unwrap();
+        let old = status.borrow().figures.pid.unwrap();
         let start = Instant::now();
         nix::sys::signal::kill(nix::unistd::Pid::from_raw(old as i32), Signal::SIGKILL).unwrap();
-        let wait = status.wait_for(|s| s.state == ProcessState::Running && s.pid.is_some_and(|pid| pid != old));
+        let wait = status.wait_for(|s| s.state == ProcessState::Running && s.figures.pid.is_some_and(|pid| pid != old));
         tokio::time::timeout(Duration::from_secs(10), wait).await.expect("replacement in time").unwrap();
         latencies.push(start.elapsed());
     }

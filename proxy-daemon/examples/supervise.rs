@@ -27,10 +27,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let supervisor = Supervisor::new()?;
     let handle = supervisor.spawn(spec).await?;
-    let first = handle.status().pid.ok_or("no pid")?;
+    let first = handle.status().figures.pid.ok_or("no pid")?;
     println!("running as pid {first}");
     for process in supervisor.processes() {
-        println!("supervising {}: {} (pid {:?})", process.name, process.status.state, process.status.pid);
+        println!("supervising {}: {} (pid {:?})", process.name, process.status.state, process.status.figures.pid);
     }
 
     // Killed from outside: the supervisor learns it through a pidfd and restarts it.
@@ -38,11 +38,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut status = handle.subscribe();
     let restarted = tokio::time::timeout(
         Duration::from_secs(10),
-        status.wait_for(|s| s.state == ProcessState::Running && s.pid.is_some_and(|pid| pid != first)),
+        status.wait_for(|s| s.state == ProcessState::Running && s.figures.pid.is_some_and(|pid| pid != first)),
     )
     .await??
     .clone();
-    println!("restarted as pid {:?} after {:?} (restarts: {})", restarted.pid, restarted.last_exit, restarted.restarts);
+    println!(
+        "restarted as pid {:?} after {:?} (restarts: {})",
+        restarted.figures.pid, restarted.figures.last_exit, restarted.figures.restarts
+    );
 
     let last = handle.stop().await;
     println!("stopped: {} (ready: {}); still supervised: {}", last.state, last.ready, supervisor.processes().len());

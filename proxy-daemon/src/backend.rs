@@ -576,14 +576,7 @@ fn translate(status: &ProcessStatus) -> tether_manager::BackendStatus {
             ProcessState::Stopped => BackendState::Stopping,
             _ => BackendState::Failed,
         },
-        pid: status.pid,
-        restarts: status.restarts,
-        started_at: status.started_at,
-        last_exit: status.last_exit,
-        error: status.error.clone(),
-        status_text: status.status_text.clone(),
-        probe_failures: status.probe_failures,
-        reloads: status.reloads.clone(),
+        figures: status.figures.clone(),
         generations: Vec::new(),
     }
 }
@@ -647,7 +640,7 @@ impl ProxyHandle for OsProxyHandle {
         let (Some(key), Some(proxy)) = (key, proxy) else { return self.stop().await };
         let Some(process) = self.take_process() else { return Ok(()) };
         let current = process.status();
-        let Some(identity) = current.identity.clone().filter(|_| current.pid.is_some()) else {
+        let Some(identity) = current.identity.clone().filter(|_| current.figures.pid.is_some()) else {
             // No process (it exited, and waits to start again): nothing drains.
             let last = process.stop().await;
             self.status.send_replace(translate(&last));
@@ -665,7 +658,7 @@ impl ProxyHandle for OsProxyHandle {
             kill: kill_policy(&proxy),
             until: std::time::SystemTime::now() + timeout,
         };
-        tracing::info!(proxy = %self.id, pid = current.pid, epoch = draining.epoch, "the old generation drains");
+        tracing::info!(proxy = %self.id, pid = current.figures.pid, epoch = draining.epoch, "the old generation drains");
         self.shared.generations.drain(&self.id, key, draining);
         self.lock().record = None;
         let cut = self.shared.generations.cut_signal(&self.id);
@@ -678,7 +671,7 @@ impl ProxyHandle for OsProxyHandle {
         let last = process.stop().await;
         self.status.send_replace(translate(&last));
         self.lock().record = None;
-        match (last.state, last.error) {
+        match (last.state, last.figures.error) {
             (ProcessState::Stopped, _) | (ProcessState::Failed, None) => Ok(()),
             (_, Some(error)) => Err(BackendError::Stop { id: self.id.clone(), source: error.into() }),
             (state, None) => {

@@ -140,7 +140,7 @@ pub use spec::{
     ReloadOutcome, ReloadPolicy, ReloadResult, Reloads, ResourceLimits, RestartPolicy, Restarted, TcpTarget,
     UnsafeEntry, WATCH_DEBOUNCE,
 };
-pub use status::{ExitReason, ProcessState, ProcessStatus, SupervisedProcess};
+pub use status::{ExitReason, ProcessFigures, ProcessState, ProcessStatus, SupervisedProcess};
 pub use supervisor::{ProcessHandle, Supervisor};
 
 // The agent's own vocabulary, which signatures above name: the catalog's proxies (read by

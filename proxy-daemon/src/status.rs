@@ -8,7 +8,7 @@ use std::fmt;
 use std::time::SystemTime;
 
 use crate::proc::Identity;
-use crate::spec::{ProcessName, Reloads};
+use crate::spec::ProcessName;
 
 /// The lifecycle state of a supervised process (the proxy states, minus `pending` and
 /// `blocked`, which only the engine knows).
@@ -56,40 +56,24 @@ impl fmt::Display for ProcessState {
     }
 }
 
-pub use tether_state::ExitReason;
+pub use tether_state::{ExitReason, ProcessFigures};
 
 /// The last observed status of a supervised process.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProcessStatus {
     /// The lifecycle state.
     pub state: ProcessState,
-    /// The pid of the current instance, while one exists.
-    pub pid: Option<u32>,
     /// What proves, after a restart of the supervising side, that the current instance is
     /// still this process: what a snapshot records. `None` while no instance exists.
     pub identity: Option<Identity>,
-    /// Restarts since supervision began (not reset by a healthy run).
-    pub restarts: u64,
-    /// When the current (or last) instance started.
-    pub started_at: Option<SystemTime>,
-    /// How the previous instance ended. `None` before the first exit, and for adopted
-    /// processes, whose exit status belongs to their real parent.
-    pub last_exit: Option<ExitReason>,
-    /// The last error, if the latest operation on this process failed, or why its checks
-    /// fail (a readiness probe while it starts, liveness probes that failed or restarted it).
-    pub error: Option<String>,
     /// Whether the current instance counts as ready: it runs, and its readiness check (if
     /// any) passed. `starting` with a pid means "runs, not ready yet". Always `false` while
     /// no instance runs (`backoff`, `stopped`, `failed`) and once a stop has begun
     /// (`stopping`): a process told to exit no longer takes work.
     pub ready: bool,
-    /// The instance's own account of itself (sd_notify's `STATUS=`), if it gives one.
-    pub status_text: Option<String>,
-    /// Failed readiness and liveness checks since supervision began.
-    pub probe_failures: u64,
-    /// Its reloads since supervision began: the last one and the counts, once there was
-    /// one. Boxed: most processes never reload.
-    pub reloads: Option<Box<Reloads>>,
+    /// Its pid, restarts, start, last exit, error, own account, failed checks and reloads:
+    /// what the backend passes on unchanged.
+    pub figures: ProcessFigures,
 }
 
 impl ProcessStatus {
@@ -98,15 +82,8 @@ impl ProcessStatus {
         Self {
             state: if ready { ProcessState::Running } else { ProcessState::Starting },
             ready,
-            status_text: None,
-            probe_failures: 0,
-            reloads: None,
-            pid: Some(pid),
             identity,
-            restarts: 0,
-            started_at: Some(started_at),
-            last_exit: None,
-            error: None,
+            figures: ProcessFigures { pid: Some(pid), started_at: Some(started_at), ..ProcessFigures::default() },
         }
     }
 }

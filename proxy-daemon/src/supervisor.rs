@@ -345,7 +345,7 @@ impl ProcessHandle {
     /// changed).
     /// `false` when nothing runs or `/proc` cannot tell.
     pub fn runs(&self, spec: &ProcessSpec) -> bool {
-        let Some(pid) = self.status.borrow().pid else { return false };
+        let Some(pid) = self.status.borrow().figures.pid else { return false };
         let mut expected = vec![spec.program.clone().into_os_string()];
         expected.extend(spec.args.iter().cloned());
         let same_command = proc::read_cmdline(pid).is_ok_and(|words| words == expected);
@@ -557,20 +557,20 @@ mod tests {
 
         let handle = supervisor.spawn(spec.clone()).await.unwrap();
         let last = tokio::time::timeout(LIMIT, handle.finish_stop()).await.unwrap();
-        assert_eq!((last.state, last.last_exit), (ProcessState::Stopped, Some(ExitReason::Code(0))));
+        assert_eq!((last.state, last.figures.last_exit), (ProcessState::Stopped, Some(ExitReason::Code(0))));
         assert!(!signalled.exists(), "no kill signal was sent");
 
         // For contrast: a stop signals it.
         let handle = supervisor.spawn(spec).await.unwrap();
         // Its trap is set once its first line ran: wait for the shell to reach `wait`.
-        let pid = handle.status().pid.unwrap();
+        let pid = handle.status().figures.pid.unwrap();
         let started = Instant::now();
         while !std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).is_ok_and(|c| !c.is_empty()) {
             assert!(started.elapsed() < LIMIT, "the shell never started its work");
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         let last = tokio::time::timeout(LIMIT, handle.stop()).await.unwrap();
-        assert_eq!((last.state, last.last_exit), (ProcessState::Stopped, Some(ExitReason::Code(1))));
+        assert_eq!((last.state, last.figures.last_exit), (ProcessState::Stopped, Some(ExitReason::Code(1))));
         assert!(signalled.exists(), "a stop sends the kill signal");
     }
 
@@ -584,6 +584,6 @@ mod tests {
         let started = Instant::now();
         let last = tokio::time::timeout(LIMIT, handle.finish_stop()).await.unwrap();
         assert!(started.elapsed() >= Duration::from_millis(200), "killed after {:?}", started.elapsed());
-        assert_eq!((last.state, last.last_exit), (ProcessState::Stopped, Some(ExitReason::Signal(9))));
+        assert_eq!((last.state, last.figures.last_exit), (ProcessState::Stopped, Some(ExitReason::Signal(9))));
     }
 }

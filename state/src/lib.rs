@@ -118,6 +118,7 @@ mod catalog;
 pub mod config;
 mod connect;
 mod exit;
+mod figures;
 mod health;
 mod id;
 mod listener;
@@ -145,6 +146,7 @@ pub use connect::{
     SpiffeNameError, TrustDomain, WILDCARD,
 };
 pub use exit::ExitReason;
+pub use figures::ProcessFigures;
 pub use health::{HttpTarget, LinePattern, Liveness, Probe, Readiness, TcpTarget};
 pub use id::{
     IdError, MAX_PROXY_ID_LEN, MAX_SERVICE_ID_LEN, PROXY_SUFFIX, ProxyId, SERVICE_ID_RULE, ServiceId,

@@ -27,12 +27,12 @@ async fn a_stopped_process_is_gone() {
     let processes = Processes::new();
     let supervisor = Supervisor::new().unwrap();
     let handle = within("the spawn", supervisor.spawn(sleeper(&processes))).await.unwrap();
-    let pid = handle.status().pid.expect("a spawned process has a pid");
+    let pid = handle.status().figures.pid.expect("a spawned process has a pid");
     processes.wait_until_running(&[pid]).await;
 
     let last = within("the stop", handle.stop()).await;
     assert_eq!(last.state, ProcessState::Stopped);
-    assert_eq!(last.last_exit, Some(ExitReason::Signal(15)), "ended by its kill signal, SIGTERM");
+    assert_eq!(last.figures.last_exit, Some(ExitReason::Signal(15)), "ended by its kill signal, SIGTERM");
     assert!(is_gone(pid), "the stop reaps the process");
     assert!(processes.running().is_empty(), "{:?}", processes.running());
 }
@@ -42,7 +42,7 @@ async fn a_detached_process_keeps_running() {
     let processes = Processes::new();
     let supervisor = Supervisor::new().unwrap();
     let handle = within("the spawn", supervisor.spawn(sleeper(&processes))).await.unwrap();
-    let pid = handle.status().pid.expect("a spawned process has a pid");
+    let pid = handle.status().figures.pid.expect("a spawned process has a pid");
 
     let identity = within("the detach", handle.detach()).await.unwrap();
     assert_eq!(identity.pid, pid);

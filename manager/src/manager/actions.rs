@@ -7,7 +7,7 @@
 use std::cmp::Reverse;
 use std::sync::Arc;
 
-use tether_state::{ManagedProxy, ProxyId, ReloadOutcome, RestartPolicy, UpdateStrategy};
+use tether_state::{ManagedProxy, ProcessFigures, ProxyId, ReloadOutcome, RestartPolicy, UpdateStrategy};
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinError;
 use tokio::time::Instant;
@@ -416,8 +416,9 @@ async fn epoch_update(
         if live < max {
             break;
         }
+        let error = format!("waiting for an old generation to exit: {live} run, and max_generations is {max}");
         let waiting = BackendStatus {
-            error: Some(format!("waiting for an old generation to exit: {live} run, and max_generations is {max}")),
+            figures: ProcessFigures { error: Some(error), ..ProcessFigures::default() },
             ..BackendStatus::default()
         };
         progress.send_replace(Some(waiting));
@@ -537,10 +538,10 @@ async fn replace_beside(
 /// Why a new instance that left `starting` is not ready, from what the backend saw.
 fn not_ready(what: &str, status: &BackendStatus) -> String {
     let mut reason = format!("the new {what} is {} before it was ready", status.state);
-    if let Some(exit) = status.last_exit {
+    if let Some(exit) = status.figures.last_exit {
         reason.push_str(&format!(" (it exited: {exit})"));
     }
-    if let Some(error) = &status.error {
+    if let Some(error) = &status.figures.error {
         reason.push_str(&format!(": {error}"));
     }
     reason

@@ -125,7 +125,7 @@ impl Fake {
     fn handle(self: &Arc<Self>, id: ProxyId, proxy: Option<Arc<ManagedProxy>>, pid: Option<u32>) -> FakeHandle {
         let status = BackendStatus {
             state: if pid.is_some() { BackendState::Running } else { BackendState::Pending },
-            pid,
+            figures: tether_state::ProcessFigures { pid, ..Default::default() },
             ..BackendStatus::default()
         };
         let adopted = self.state().adopted.get(&id).copied().unwrap_or_default();
@@ -185,7 +185,7 @@ impl FakeHandle {
             drop(state);
             self.status.send_modify(|s| {
                 s.state = if ready { BackendState::Running } else { BackendState::Starting };
-                s.pid = Some(pid);
+                s.figures.pid = Some(pid);
                 s.generations =
                     (0..generations).map(|n| crate::Generation { epoch: 0, pid: Some(pid), draining: n > 0 }).collect();
             });
@@ -195,7 +195,7 @@ impl FakeHandle {
                 tokio::spawn(async move {
                     tokio::time::sleep(after).await;
                     status.send_if_modified(|s| {
-                        let same = s.pid == Some(pid) && s.state == BackendState::Starting;
+                        let same = s.figures.pid == Some(pid) && s.state == BackendState::Starting;
                         if same {
                             s.state = BackendState::Running;
                         }
@@ -218,7 +218,7 @@ impl FakeHandle {
             Err(BackendError::Stop { id: self.id.clone(), source: failure("stop") })
         } else {
             let mut state = self.fake.state();
-            let own = self.status.borrow().pid;
+            let own = self.status.borrow().figures.pid;
             // Not another instance's: restored handles of tests have no recorded pid.
             if state.previous.get(&self.id).is_some_and(|(pid, _)| Some(*pid) == own) {
                 state.previous.remove(&self.id);
@@ -234,7 +234,7 @@ impl FakeHandle {
             drop(state);
             self.status.send_modify(|s| {
                 s.state = BackendState::Stopping;
-                s.pid = None;
+                s.figures.pid = None;
             });
             Ok(())
         };
@@ -295,7 +295,7 @@ impl ProxyHandle for FakeHandle {
     }
 
     fn record(&self) -> BackendRecord {
-        let pid = self.status.borrow().pid;
+        let pid = self.status.borrow().figures.pid;
         BackendRecord::new(&FakeRecord { proof: self.id.as_str().to_owned(), pid }).expect("a fake record encodes")
     }
 }

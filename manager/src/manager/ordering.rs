@@ -112,7 +112,7 @@ impl Manager {
         match condition {
             Condition::Ready => status.state == BackendState::Running,
             Condition::Started => {
-                matches!(status.state, BackendState::Starting | BackendState::Running) && status.pid.is_some()
+                matches!(status.state, BackendState::Starting | BackendState::Running) && status.figures.pid.is_some()
             }
         }
     }

@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use tether_state::{LocalState, ProxySpec, Service, ServiceId, ServiceName, Source};
+use tether_state::{LocalState, ProcessFigures, ProxySpec, Service, ServiceId, ServiceName, Source};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -396,8 +396,11 @@ async fn actions_beyond_the_bound_wait_for_a_free_slot() {
 
 fn mock_handle(start: Result<(), ()>) -> MockProxyHandle {
     let mut handle = MockProxyHandle::new();
-    let (status, receiver) =
-        watch::channel(BackendStatus { state: BackendState::Running, pid: Some(7), ..Default::default() });
+    let (status, receiver) = watch::channel(BackendStatus {
+        state: BackendState::Running,
+        figures: ProcessFigures { pid: Some(7), ..ProcessFigures::default() },
+        ..Default::default()
+    });
     let status = Arc::new(status);
     handle.expect_start().times(1).returning(move || match start {
         Ok(()) => Ok(()),

@@ -345,10 +345,10 @@ impl Instance {
         self.set_life(Life::Running { pid, since: Instant::now(), attempt });
         self.status.send_modify(|status| {
             status.state = BackendState::Running;
-            status.pid = Some(pid);
-            status.started_at = Some(SystemTime::now());
+            status.figures.pid = Some(pid);
+            status.figures.started_at = Some(SystemTime::now());
             if attempt > 0 {
-                status.restarts += 1;
+                status.figures.restarts += 1;
             }
         });
     }
@@ -365,9 +365,9 @@ impl Instance {
         self.set_life(Life::Exited { attempt });
         self.status.send_modify(|status| {
             status.state = if delay.is_zero() { BackendState::Starting } else { BackendState::Backoff };
-            status.pid = None;
-            status.started_at = None;
-            status.last_exit = Some(reason);
+            status.figures.pid = None;
+            status.figures.started_at = None;
+            status.figures.last_exit = Some(reason);
         });
         let (instance, shared) = (self.clone(), shared.clone());
         let restart = tokio::spawn(async move {
@@ -442,7 +442,7 @@ impl ProxyHandle for RecordedHandle {
         drop(record);
         instance.status.send_modify(|status| {
             status.state = BackendState::Stopping;
-            status.pid = None;
+            status.figures.pid = None;
         });
         Ok(())
     }

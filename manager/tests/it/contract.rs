@@ -4,7 +4,7 @@
 
 use tether_manager::testing::{CallKind, RecordingBackend, RunningManager, mock_backend, mock_handle, wait_for_proxy};
 use tether_manager::tether_state::{Source, UpdatePolicy, UpdateStrategy};
-use tether_manager::{BackendState, BackendStatus, ProxyState, watch};
+use tether_manager::{BackendState, BackendStatus, ProcessFigures, ProxyState, watch};
 
 use crate::support::{LIMIT, catalog, id, manager, service, with_proxy};
 
@@ -119,8 +119,11 @@ async fn what_a_meter_measures_is_in_the_status_read_and_not_in_events() {
         probe_durations: Some(Histogram { bounds: &[0.1, 1.0], counts: vec![2, 1, 0], sum_seconds: 0.7 }),
         foreign_notifications: 5,
     };
-    let (status, observed) =
-        watch::channel(BackendStatus { state: BackendState::Running, pid: Some(42), ..BackendStatus::default() });
+    let (status, observed) = watch::channel(BackendStatus {
+        state: BackendState::Running,
+        figures: ProcessFigures { pid: Some(42), ..ProcessFigures::default() },
+        ..BackendStatus::default()
+    });
     // The backend's mock needs no word about measuring: the meter is a trait of its own.
     let backend = mock_backend(move |backend| {
         let handle = mock_handle(|handle| {
@@ -148,7 +151,7 @@ async fn what_a_meter_measures_is_in_the_status_read_and_not_in_events() {
     // No process: nothing measured (the meter would fail the test if asked).
     status.send_modify(|status| {
         status.state = BackendState::Backoff;
-        status.pid = None;
+        status.figures.pid = None;
     });
     let gone =
         wait_for_proxy(running.handle(), &id("web"), "has no process", |s| s.pid.is_none(), LIMIT).await.unwrap();

@@ -7,7 +7,7 @@ use std::time::Duration;
 use tether_manager::tether_state::{LocalState, ProxyId, ProxySpec, Service, ServiceId, ServiceName, Source};
 use tether_manager::{
     BackendRecord, BackendState, BackendStatus, CancellationToken, Manager, ManagerConfig, MemorySnapshotStore,
-    MockProxyBackend, MockProxyHandle, watch,
+    MockProxyBackend, MockProxyHandle, ProcessFigures, watch,
 };
 
 const LIMIT: Duration = Duration::from_secs(30);
@@ -32,8 +32,11 @@ fn backend(handle: MockProxyHandle) -> MockProxyBackend {
 
 /// A handle that starts and runs as pid 42; `detach` and `stop` are the test's to expect.
 fn running_handle() -> MockProxyHandle {
-    let (status, running) =
-        watch::channel(BackendStatus { state: BackendState::Running, pid: Some(42), ..Default::default() });
+    let (status, running) = watch::channel(BackendStatus {
+        state: BackendState::Running,
+        figures: ProcessFigures { pid: Some(42), ..ProcessFigures::default() },
+        ..Default::default()
+    });
     // Kept alive with the handle, so that the status never closes.
     let status = Arc::new(status);
     let mut handle = MockProxyHandle::new();

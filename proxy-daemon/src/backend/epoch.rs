@@ -179,13 +179,13 @@ impl Generations {
                 }
                 proxy.release_when_gone(id);
             } else if let Some(live) = proxy.live.iter_mut().find(|live| live.key == key) {
-                let restarted = current.restarts > live.restarts;
+                let restarted = current.figures.restarts > live.restarts;
                 if restarted {
                     live.epoch = 0;
-                    live.restarts = current.restarts;
+                    live.restarts = current.figures.restarts;
                 }
-                if live.pid != current.pid || restarted {
-                    live.pid = current.pid;
+                if live.pid != current.figures.pid || restarted {
+                    live.pid = current.figures.pid;
                     proxy.changed.send_replace(());
                 }
                 // A generation that serves, ready, from a process not yet kept: its sockets
@@ -456,7 +456,7 @@ pub(super) fn told_to(pid: u32) -> (Option<u32>, Option<u32>) {
 /// start of its proxy waits for it: [`Generations::alone`]).
 pub(super) async fn await_drain(id: ProxyId, process: ProcessHandle, timeout: Duration, mut cut: watch::Receiver<()>) {
     let mut status = process.subscribe();
-    let pid = status.borrow().pid;
+    let pid = status.borrow().figures.pid;
     let exited = tokio::time::timeout(timeout, async {
         let _ended = status.wait_for(|status| status.state.is_final()).await.is_ok();
     });
@@ -474,7 +474,7 @@ pub(super) async fn await_drain(id: ProxyId, process: ProcessHandle, timeout: Du
         None => {
             tracing::info!(proxy = %id, pid, "stopping the old generation now: the generation it handed over to is gone");
             let last = process.stop().await;
-            tracing::info!(proxy = %id, pid, last_exit = ?last.last_exit, "the old generation stopped");
+            tracing::info!(proxy = %id, pid, last_exit = ?last.figures.last_exit, "the old generation stopped");
         }
         Some(Err(_elapsed)) => {
             tracing::warn!(
@@ -484,7 +484,7 @@ pub(super) async fn await_drain(id: ProxyId, process: ProcessHandle, timeout: Du
                 "the old generation did not exit within drain_timeout; stopping it"
             );
             let last = process.stop().await;
-            tracing::info!(proxy = %id, pid, last_exit = ?last.last_exit, "the old generation stopped");
+            tracing::info!(proxy = %id, pid, last_exit = ?last.figures.last_exit, "the old generation stopped");
         }
     }
 }

@@ -372,7 +372,7 @@ impl OsProcessBackend {
             proxy = %id,
             pid = seen.pid,
             served = seen.serves,
-            last_exit = ?last.last_exit,
+            last_exit = ?last.figures.last_exit,
             "another instance of the proxy was running; stopped it"
         );
     }

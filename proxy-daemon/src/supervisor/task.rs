@@ -145,7 +145,7 @@ impl Task {
                 match event {
                     Event::Checked(checked) => {
                         if matches!(checked, Checked::NotReady(_) | Checked::Unhealthy { .. } | Checked::Dead(_)) {
-                            self.set_status(|status| status.probe_failures += 1);
+                            self.set_status(|status| status.figures.probe_failures += 1);
                         }
                         if let Checked::Dead(message) = checked {
                             // Stopped as on a stop (its kill signal, then SIGKILL after the
@@ -288,7 +288,7 @@ impl Task {
             tracing::warn!(result = %result, error = outcome.error.as_deref(), "reload failed");
         }
         self.set_status(|status| {
-            status.reloads = Some(Box::new(Reloads::after(status.reloads.as_deref(), outcome.clone())))
+            status.figures.reloads = Some(Box::new(Reloads::after(status.figures.reloads.as_deref(), outcome.clone())))
         });
         ended.answer(&outcome);
         if let Some(asked) = self.reload_next.take() {
@@ -339,7 +339,7 @@ impl Task {
                     status.state = ProcessState::Running;
                     status.ready = true;
                     if clear {
-                        status.error = None;
+                        status.figures.error = None;
                     }
                 });
             }
@@ -352,7 +352,7 @@ impl Task {
                     tracing::info!("process answers its liveness probe again");
                 }
                 if self.health_error.take().is_some() {
-                    self.set_status(|status| status.error = None);
+                    self.set_status(|status| status.figures.error = None);
                 }
             }
             Checked::Unhealthy { failures, message } => {
@@ -364,8 +364,8 @@ impl Task {
             Checked::Reload(_) => {}
             Checked::StatusText(text) => {
                 self.set_status_if(|status| {
-                    let changed = status.status_text.as_deref() != Some(text.as_str());
-                    status.status_text = Some(text);
+                    let changed = status.figures.status_text.as_deref() != Some(text.as_str());
+                    status.figures.status_text = Some(text);
                     changed
                 });
             }
@@ -375,8 +375,8 @@ impl Task {
     fn show_health_error(&mut self, from: HealthError, message: String) {
         self.health_error = Some(from);
         self.set_status_if(|status| {
-            let changed = status.error.as_deref() != Some(message.as_str());
-            status.error = Some(message);
+            let changed = status.figures.error.as_deref() != Some(message.as_str());
+            status.figures.error = Some(message);
             changed
         });
     }
@@ -511,14 +511,14 @@ impl Task {
         self.spec.listeners = Vec::new();
         self.set_status(|status| {
             status.state = state;
-            status.pid = None;
+            status.figures.pid = None;
             status.identity = None;
             status.ready = false;
             if last_exit.is_some() {
-                status.last_exit = last_exit;
+                status.figures.last_exit = last_exit;
             }
             if error.is_some() {
-                status.error = error;
+                status.figures.error = error;
             }
         });
     }
@@ -545,11 +545,11 @@ impl Task {
             // Started again as it says (a cold start), once what it waits for is over.
             self.set_status(|status| {
                 status.state = ProcessState::Backoff;
-                status.pid = None;
+                status.figures.pid = None;
                 status.identity = None;
-                status.last_exit = last_exit;
+                status.figures.last_exit = last_exit;
                 status.ready = false;
-                status.status_text = None;
+                status.figures.status_text = None;
             });
             if let (Some(pid), Some(pid_file)) = (self.last_pid, &self.spec.pid_file) {
                 self.shared.pid_files.forget(pid_file, pid);
@@ -580,13 +580,13 @@ impl Task {
         self.health_error = cause.is_some().then_some(HealthError::Liveness);
         self.set_status(|status| {
             status.state = state;
-            status.pid = None;
+            status.figures.pid = None;
             status.identity = None;
-            status.last_exit = last_exit;
+            status.figures.last_exit = last_exit;
             status.ready = false;
-            status.status_text = None;
+            status.figures.status_text = None;
             if cause.is_some() {
-                status.error.clone_from(&cause);
+                status.figures.error.clone_from(&cause);
             }
         });
 
@@ -628,7 +628,8 @@ impl Task {
                     failed_attempts += 1;
                     self.set_status(|status| {
                         status.state = ProcessState::Backoff;
-                        status.error = Some(format!("cannot restart (failed attempts: {failed_attempts}): {message}"));
+                        status.figures.error =
+                            Some(format!("cannot restart (failed attempts: {failed_attempts}): {message}"));
                     });
                 }
             }
@@ -660,12 +661,12 @@ impl Task {
         self.set_status(|status| {
             status.state = if ready { ProcessState::Running } else { ProcessState::Starting };
             status.ready = ready;
-            status.pid = Some(pid);
+            status.figures.pid = Some(pid);
             status.identity = identity;
             // Restarts that ran: the exits they followed are counted from this.
-            status.restarts += 1;
-            status.started_at = Some(SystemTime::now());
-            status.error = cause;
+            status.figures.restarts += 1;
+            status.figures.started_at = Some(SystemTime::now());
+            status.figures.error = cause;
         });
         instance
     }

@@ -11,7 +11,7 @@ async fn detached_process_keeps_running_and_is_adopted_back() {
     let spec = fx.spec("adopt-proxy", &["--sleep"]);
     let pid_file = pid_file_of(&spec);
     let handle = fx.supervisor.spawn(spec.clone()).await.unwrap();
-    let pid = handle.status().pid.unwrap();
+    let pid = handle.status().figures.pid.unwrap();
     pid_in_file(&pid_file).await;
 
     let identity = within("detach", handle.detach()).await.unwrap();
@@ -24,14 +24,14 @@ async fn detached_process_keeps_running_and_is_adopted_back() {
     let next = Supervisor::new().unwrap();
     let adopted = next.adopt(spec, &identity).expect("the same process is adopted");
     let status = adopted.status();
-    assert_eq!((status.state, status.pid, status.restarts), (ProcessState::Running, Some(pid), 0));
-    let started_at = status.started_at.unwrap();
+    assert_eq!((status.state, status.figures.pid, status.figures.restarts), (ProcessState::Running, Some(pid), 0));
+    let started_at = status.figures.started_at.unwrap();
     assert!(started_at <= std::time::SystemTime::now());
     assert!(started_at.elapsed().unwrap() < std::time::Duration::from_secs(60), "start time comes from /proc");
 
     let stopped = within("stop", adopted.stop()).await;
     assert_eq!(stopped.state, ProcessState::Stopped);
-    assert_eq!(stopped.last_exit, None, "an adopted process's exit status belongs to its parent");
+    assert_eq!(stopped.figures.last_exit, None, "an adopted process's exit status belongs to its parent");
     eventually("the adopted process to die", || is_dead(pid)).await;
     assert!(!pid_file.exists());
 }
@@ -50,7 +50,7 @@ async fn adopted_process_exit_is_noticed_through_the_pidfd_and_restarted() {
 
     send(identity.pid, Signal::SIGKILL);
     let replacement = restarted(&adopted, identity.pid).await;
-    assert_eq!(adopted.status().restarts, 1);
+    assert_eq!(adopted.status().figures.restarts, 1);
     eventually("the pid file to name the replacement", || read_pid_file(&pid_file) == Some(replacement)).await;
     within("stop", adopted.stop()).await;
     assert!(!exists(replacement));
@@ -97,7 +97,7 @@ async fn pid_file_adoption_needs_the_identity_in_the_environment() {
     let fx = Fixture::new();
     let spec = fx.spec("pidfile-proxy", &["--sleep"]);
     let handle = fx.supervisor.spawn(spec.clone()).await.unwrap();
-    let pid = handle.status().pid.unwrap();
+    let pid = handle.status().figures.pid.unwrap();
     pid_in_file(&pid_file_of(&spec)).await;
     within("detach", handle.detach()).await.unwrap();
     let next = Supervisor::new().unwrap();
@@ -111,7 +111,7 @@ async fn pid_file_adoption_needs_the_identity_in_the_environment() {
     assert!(!is_dead(pid), "the process was not signalled");
 
     let adopted = next.adopt_from_pid_file(spec).expect("the proven process is adopted");
-    assert_eq!(adopted.status().pid, Some(pid));
+    assert_eq!(adopted.status().figures.pid, Some(pid));
     within("stop", adopted.stop()).await;
     eventually("the adopted process to die", || is_dead(pid)).await;
 }
@@ -135,7 +135,7 @@ async fn instances_are_found_by_their_environment_and_a_second_one_is_stopped_wi
     // Two instances of one spec, as two agents that crashed during start-up leave them.
     let first = fx.supervisor.spawn(spec.clone()).await.unwrap();
     let second = fx.supervisor.spawn(spec.clone()).await.unwrap();
-    let (first_pid, second_pid) = (first.status().pid.unwrap(), second.status().pid.unwrap());
+    let (first_pid, second_pid) = (first.status().figures.pid.unwrap(), second.status().figures.pid.unwrap());
     eventually("the pid file to name the second", || read_pid_file(&pid_file_of(&spec)) == Some(second_pid)).await;
     drop((first, second)); // supervision ends, the processes run on
 
@@ -169,7 +169,7 @@ async fn a_worker_that_leads_its_own_group_is_not_taken_for_an_instance() {
     // The worker makes itself the leader of a group of its own, in the same session.
     spec.args = vec!["-c".into(), "perl -e 'setpgrp(0, 0); sleep 30' & wait".into()];
     let handle = fx.supervisor.spawn(spec.clone()).await.unwrap();
-    let pid = handle.status().pid.unwrap();
+    let pid = handle.status().figures.pid.unwrap();
     let leads_its_group = |pid: u32| {
         let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
         let pgid = stat.rsplit_once(") ").and_then(|(_, rest)| rest.split(' ').nth(2)?.parse::<u32>().ok());
@@ -198,7 +198,7 @@ async fn a_daemonised_helper_is_not_taken_for_an_instance() {
     // The helper calls setsid(): it leads a session, which no spawned instance does.
     spec.args = vec!["-c".into(), "setsid sleep 30 & exec sleep 30".into()];
     let handle = fx.supervisor.spawn(spec.clone()).await.unwrap();
-    let pid = handle.status().pid.unwrap();
+    let pid = handle.status().figures.pid.unwrap();
     // Both have exec'd `sleep`: the shell's own exec is not caught half-way.
     let sleeping =
         |pid: u32| std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|line| line.starts_with(b"sleep\0"));

@@ -31,18 +31,18 @@ async fn an_instance_is_starting_until_its_readiness_probe_passes() {
     spec.health = HealthChecks { readiness: Some(readiness), liveness: None };
     let handle = fx.supervisor.spawn(spec).await.unwrap();
     let first = handle.status();
-    assert_eq!((first.state, first.ready, first.pid.is_some()), (ProcessState::Starting, false, true));
+    assert_eq!((first.state, first.ready, first.figures.pid.is_some()), (ProcessState::Starting, false, true));
 
-    let refused = status_where(&handle, "a failed readiness probe", |status| status.error.is_some()).await;
+    let refused = status_where(&handle, "a failed readiness probe", |status| status.figures.error.is_some()).await;
     assert_eq!(refused.state, ProcessState::Starting);
-    let error = refused.error.unwrap();
+    let error = refused.figures.error.unwrap();
     assert!(error.starts_with(&format!("readiness probe tcp {address}: connect: ")), "{error}");
     assert!(std::net::TcpStream::connect(&address).is_err(), "it does not listen yet, so it cannot be ready");
 
     let ready = status_where(&handle, "readiness", |status| status.state == ProcessState::Running).await;
     assert!(ready.ready);
-    assert_eq!(ready.error, None, "a passed readiness clears its probe's error");
-    assert_eq!(ready.pid, first.pid);
+    assert_eq!(ready.figures.error, None, "a passed readiness clears its probe's error");
+    assert_eq!(ready.figures.pid, first.figures.pid);
     std::net::TcpStream::connect(&address).expect("ready means it listens");
     within("stop", handle.stop()).await;
 }
@@ -60,20 +60,24 @@ async fn an_instance_that_stops_answering_is_restarted_after_its_liveness_failur
     spec.health = HealthChecks { readiness: Some(readiness), liveness: Some(liveness) };
     spec.kill.timeout = Duration::from_millis(300);
     let handle = fx.supervisor.spawn(spec).await.unwrap();
-    let first = status_where(&handle, "running", |status| status.state == ProcessState::Running).await.pid.unwrap();
+    let first =
+        status_where(&handle, "running", |status| status.state == ProcessState::Running).await.figures.pid.unwrap();
 
     // Stopped, it keeps its socket (connects succeed) but answers nothing. The restart
     // shows its cause until a probe of the new instance passes, an interval later:
     // watched from before the stop, so that a slow test thread does not miss it.
     let mut watched = handle.subscribe();
     send(first, Signal::SIGSTOP);
-    let status = within("the restart with its cause", watched.wait_for(|s| s.pid != Some(first) && s.pid.is_some()))
-        .await
-        .map(|status| status.clone())
-        .expect("supervision goes on");
-    let second = status.pid.unwrap();
-    assert_eq!(status.restarts, 1);
-    let error = status.error.expect("the restart says why");
+    let status = within(
+        "the restart with its cause",
+        watched.wait_for(|s| s.figures.pid != Some(first) && s.figures.pid.is_some()),
+    )
+    .await
+    .map(|status| status.clone())
+    .expect("supervision goes on");
+    let second = status.figures.pid.unwrap();
+    assert_eq!(status.figures.restarts, 1);
+    let error = status.figures.error.expect("the restart says why");
     assert_eq!(
         error,
         format!("liveness probe http http://{address}/health failed 2 times in a row: no answer within 200ms")
@@ -81,8 +85,8 @@ async fn an_instance_that_stops_answering_is_restarted_after_its_liveness_failur
     eventually("the stuck instance to be gone", || is_dead(first)).await;
 
     // The new instance answers: its first passing probe clears the error.
-    let healthy = status_where(&handle, "a passing liveness probe", |status| status.error.is_none()).await;
-    assert_eq!((healthy.pid, healthy.state), (Some(second), ProcessState::Running));
+    let healthy = status_where(&handle, "a passing liveness probe", |status| status.figures.error.is_none()).await;
+    assert_eq!((healthy.figures.pid, healthy.state), (Some(second), ProcessState::Running));
     within("stop", handle.stop()).await;
 }
 
@@ -95,7 +99,7 @@ async fn an_exec_probe_that_hangs_is_killed_at_its_timeout() {
     (readiness.interval, readiness.timeout) = (Duration::from_millis(400), Duration::from_millis(300));
     spec.health = HealthChecks { readiness: Some(readiness), liveness: None };
     let handle = fx.supervisor.spawn(spec).await.unwrap();
-    let proxy = handle.status().pid.unwrap();
+    let proxy = handle.status().figures.pid.unwrap();
 
     let mut probe_pid = None;
     eventually("a probe process", || {
@@ -104,8 +108,8 @@ async fn an_exec_probe_that_hangs_is_killed_at_its_timeout() {
         probe_pid.is_some()
     })
     .await;
-    let status = status_where(&handle, "the probe's timeout", |status| status.error.is_some()).await;
-    assert_eq!(status.error.as_deref(), Some("readiness probe exec /bin/sleep: no answer within 300ms"));
+    let status = status_where(&handle, "the probe's timeout", |status| status.figures.error.is_some()).await;
+    assert_eq!(status.figures.error.as_deref(), Some("readiness probe exec /bin/sleep: no answer within 300ms"));
     assert_eq!(status.state, ProcessState::Starting);
     eventually("the hung probe to be killed", || is_dead(probe_pid.unwrap())).await;
 
@@ -131,7 +135,7 @@ async fn an_exec_probe_runs_like_the_proxy_and_passes_on_exit_zero() {
     spec.health = HealthChecks { readiness: Some(readiness), liveness: None };
     let handle = fx.supervisor.spawn(spec).await.unwrap();
     let ready = status_where(&handle, "readiness", |status| status.ready).await;
-    assert_eq!((ready.state, ready.error), (ProcessState::Running, None));
+    assert_eq!((ready.state, ready.figures.error), (ProcessState::Running, None));
     within("stop", handle.stop()).await;
 }
 
@@ -156,16 +160,16 @@ async fn an_exec_probe_finds_a_bare_name_in_the_path_of_the_proxys_environment()
     spec.health = readiness("tether-check");
     let handle = fx.supervisor.spawn(spec).await.unwrap();
     let ready = status_where(&handle, "readiness", |status| status.ready).await;
-    assert_eq!((ready.state, ready.error), (ProcessState::Running, None));
+    assert_eq!((ready.state, ready.figures.error), (ProcessState::Running, None));
     within("stop", handle.stop()).await;
 
     let mut spec = fx.spec("missing-check-proxy", &["--sleep"]);
     spec.env.push(("PATH".into(), path.clone().into()));
     spec.health = readiness("tether-no-such-check");
     let handle = fx.supervisor.spawn(spec).await.unwrap();
-    let failing = status_where(&handle, "a failed probe", |status| status.error.is_some()).await;
+    let failing = status_where(&handle, "a failed probe", |status| status.figures.error.is_some()).await;
     assert_eq!(
-        failing.error.unwrap(),
+        failing.figures.error.unwrap(),
         format!(
             "readiness probe exec tether-no-such-check: cannot start: program `tether-no-such-check` not found in PATH `{path}`"
         )
@@ -197,7 +201,7 @@ async fn a_notify_instance_is_ready_on_ready_1_and_shows_its_status_text() {
     let handle = fx.supervisor.spawn(spec).await.unwrap();
     assert_eq!(handle.status().state, ProcessState::Starting);
     let ready = status_where(&handle, "READY=1", |status| status.ready).await;
-    assert_eq!((ready.state, ready.status_text.as_deref()), (ProcessState::Running, Some("serving")));
+    assert_eq!((ready.state, ready.figures.status_text.as_deref()), (ProcessState::Running, Some("serving")));
     let environment = std::fs::read_to_string(stdout).unwrap();
     assert!(environment.contains(&format!("NOTIFY_SOCKET={}\n", fx.supervisor.notify_socket())), "{environment}");
     assert!(!environment.contains("WATCHDOG_USEC="), "no watchdog without a notify liveness check");
@@ -213,11 +217,11 @@ async fn a_notify_instance_whose_watchdog_pings_stop_is_restarted() {
     spec.kill.timeout = Duration::from_millis(500);
     let stdout = spec.logs.stdout.path();
     let handle = fx.supervisor.spawn(spec).await.unwrap();
-    let first = handle.status().pid.unwrap();
+    let first = handle.status().figures.pid.unwrap();
     let second = restarted(&handle, first).await;
     let status = handle.status();
     assert_eq!(
-        status.error.as_deref(),
+        status.figures.error.as_deref(),
         Some("liveness probe notify failed 2 times in a row: no WATCHDOG=1 within 400ms")
     );
     assert_ne!(second, first);
@@ -254,7 +258,7 @@ async fn an_fd_instance_is_ready_when_it_writes_a_newline_to_its_descriptor() {
     let handle = fx.supervisor.spawn(spec).await.unwrap();
     assert_eq!(handle.status().state, ProcessState::Starting);
     let ready = status_where(&handle, "the newline", |status| status.ready).await;
-    assert_eq!((ready.state, ready.error), (ProcessState::Running, None));
+    assert_eq!((ready.state, ready.figures.error), (ProcessState::Running, None));
     within("stop", handle.stop()).await;
 }
 
@@ -268,7 +272,8 @@ async fn an_fd_instance_that_closes_its_descriptor_without_a_newline_is_not_read
     spec.health = HealthChecks { readiness: Some(Readiness::new(Probe::Fd(4))), liveness: None };
     let handle = fx.supervisor.spawn(spec).await.unwrap();
     let closed = Some("readiness fd 4: closed without writing a newline");
-    let status = status_where(&handle, "the closed descriptor", |status| status.error.as_deref() == closed).await;
+    let status =
+        status_where(&handle, "the closed descriptor", |status| status.figures.error.as_deref() == closed).await;
     assert!(!status.ready, "{status:?}");
     within("stop", handle.stop()).await;
 }
@@ -290,15 +295,15 @@ async fn a_log_line_instance_is_ready_when_its_line_appears_even_in_a_rotated_lo
     spec.health = HealthChecks { readiness: Some(readiness), liveness: None };
     let rotated = fx.data_dir().join("logs/log-proxy-stdout.log.1");
     let handle = fx.supervisor.spawn(spec).await.unwrap();
-    let not_yet = status_where(&handle, "a look without the line", |status| status.error.is_some()).await;
+    let not_yet = status_where(&handle, "a look without the line", |status| status.figures.error.is_some()).await;
     assert_eq!(not_yet.state, ProcessState::Starting);
     assert_eq!(
-        not_yet.error.as_deref(),
+        not_yet.figures.error.as_deref(),
         Some("readiness probe log_line \"^ready: \": no line of its output matches yet")
     );
     eventually("the log rotated", || rotated.exists()).await;
     let ready = status_where(&handle, "the ready line", |status| status.ready).await;
-    assert_eq!((ready.state, ready.error), (ProcessState::Running, None));
+    assert_eq!((ready.state, ready.figures.error), (ProcessState::Running, None));
     within("stop", handle.stop()).await;
 }
 
@@ -315,7 +320,7 @@ async fn an_adopted_instance_is_not_asked_for_readiness_again_and_its_liveness_r
     spec.health = HealthChecks { readiness: Some(readiness), liveness: Some(liveness) };
     spec.kill.timeout = Duration::from_millis(300);
     let handle = fx.supervisor.spawn(spec.clone()).await.unwrap();
-    let pid = status_where(&handle, "ready", |status| status.ready).await.pid.unwrap();
+    let pid = status_where(&handle, "ready", |status| status.ready).await.figures.pid.unwrap();
     pid_in_file(&pid_file_of(&spec)).await;
     let identity = within("detach", handle.detach()).await.unwrap();
 
@@ -323,13 +328,13 @@ async fn an_adopted_instance_is_not_asked_for_readiness_again_and_its_liveness_r
     let next = tether_proxy_daemon::Supervisor::new().unwrap();
     let adopted = next.adopt(spec, &identity).expect("adopted");
     let status = adopted.status();
-    assert_eq!((status.state, status.ready, status.pid), (ProcessState::Running, true, Some(pid)));
+    assert_eq!((status.state, status.ready, status.figures.pid), (ProcessState::Running, true, Some(pid)));
     // Its liveness is probed again: stopped, it is restarted.
     send(pid, Signal::SIGSTOP);
     // The error shows from the failed probes until a probe of the next instance passes,
     // which may be before a look at the restarted instance: it is looked for first.
     status_where(&adopted, "the liveness error", |status| {
-        status.error.as_deref().is_some_and(|error| error.starts_with("liveness probe http"))
+        status.figures.error.as_deref().is_some_and(|error| error.starts_with("liveness probe http"))
     })
     .await;
     let second = restarted(&adopted, pid).await;
@@ -347,10 +352,10 @@ async fn a_restarted_log_line_instance_is_ready_again_when_its_line_appears() {
     spec.health = HealthChecks { readiness: Some(readiness), liveness: None };
     let handle = fx.supervisor.spawn(spec).await.unwrap();
     let again = status_where(&handle, "a restarted instance that is ready", |status| {
-        status.restarts >= 1 && status.state == ProcessState::Running
+        status.figures.restarts >= 1 && status.state == ProcessState::Running
     })
     .await;
-    assert!(again.ready && again.error.is_none(), "{again:?}");
+    assert!(again.ready && again.figures.error.is_none(), "{again:?}");
     within("stop", handle.stop()).await;
 }
 
@@ -360,7 +365,7 @@ async fn a_liveness_check_given_by_an_update_to_an_instance_without_checks_appli
     let handle = fx.supervisor.spawn(fx.spec("unchecked-proxy", &["--sleep"])).await.unwrap();
     let first = handle.status();
     assert_eq!((first.state, first.ready), (ProcessState::Running, true));
-    let first = first.pid.unwrap();
+    let first = first.figures.pid.unwrap();
 
     // A probe that always fails, given to the running instance: it is restarted, with
     // the probe's reason, without a new spawn of the supervisor.
@@ -370,12 +375,13 @@ async fn a_liveness_check_given_by_an_update_to_an_instance_without_checks_appli
     let health = HealthChecks { readiness: None, liveness: Some(liveness) };
     handle.update(ProcessUpdate { health: Some(health), ..ProcessUpdate::default() }).unwrap();
     let mut watched = handle.subscribe();
-    let status = within("the restart by the new check", watched.wait_for(|s| s.pid.is_some_and(|pid| pid != first)))
-        .await
-        .map(|status| status.clone())
-        .expect("supervision goes on");
-    assert!(status.restarts >= 1);
-    let error = status.error.expect("the restart says why");
+    let status =
+        within("the restart by the new check", watched.wait_for(|s| s.figures.pid.is_some_and(|pid| pid != first)))
+            .await
+            .map(|status| status.clone())
+            .expect("supervision goes on");
+    assert!(status.figures.restarts >= 1);
+    let error = status.figures.error.expect("the restart says why");
     assert!(error.starts_with("liveness probe exec /bin/false failed 1 times in a row"), "{error}");
 
     within("stop", handle.stop()).await;

@@ -75,7 +75,7 @@ async fn each_line_reaches_the_journal_with_its_identifier_stream_pid_and_fields
     }));
     let stdout = spec.logs.stdout.path();
     let handle = fx.supervisor.spawn(spec).await.unwrap();
-    let pid = handle.status().pid.unwrap();
+    let pid = handle.status().figures.pid.unwrap();
 
     let line = journal.entry("hello");
     assert_eq!(line["SYSLOG_IDENTIFIER"], "journal-proxy");

@@ -35,7 +35,7 @@ async fn every_instance_inherits_the_same_listeners_by_socket_activation() {
     spec.listeners = vec![public, admin];
     let stdout = spec.logs.stdout.path();
     let handle = fx.supervisor.spawn(spec).await.unwrap();
-    let mut pid = handle.status().pid.unwrap();
+    let mut pid = handle.status().figures.pid.unwrap();
     for round in 1..=2 {
         eventually("the instance's report", || {
             std::fs::read_to_string(&stdout).is_ok_and(|log| log.lines().count() == round)

@@ -27,7 +27,7 @@ async fn logs_are_appended_across_restarts() {
     let count = || std::fs::read_to_string(&stdout).unwrap_or_default().matches("hello\n").count();
     eventually("the first greeting", || count() == 1).await;
     for _ in 0..2 {
-        let pid = handle.status().pid.unwrap();
+        let pid = handle.status().figures.pid.unwrap();
         let before = count();
         send(pid, Signal::SIGKILL);
         restarted(&handle, pid).await;
@@ -58,7 +58,7 @@ async fn logs_are_rotated_at_their_cap() {
     }
 
     // The process keeps its fd: new output lands in the truncated file, from offset 0.
-    let pid = handle.status().pid.unwrap();
+    let pid = handle.status().figures.pid.unwrap();
     assert!(!is_dead(pid));
     within("stop", handle.stop()).await;
 }

@@ -61,8 +61,8 @@ async fn a_reload_is_applied_by_the_instances_own_reloading_then_ready() {
     assert_eq!((outcome.result, outcome.error.as_deref()), (ReloadResult::Applied, None));
     assert!(started.elapsed() >= Duration::from_millis(200), "the stale notices did not decide it");
     let status = handle.status();
-    assert_eq!((status.pid, status.restarts), (ready.pid, 0));
-    let reloads = status.reloads.unwrap();
+    assert_eq!((status.figures.pid, status.figures.restarts), (ready.figures.pid, 0));
+    let reloads = status.figures.reloads.unwrap();
     assert_eq!((reloads.last, reloads.counts.get(ReloadResult::Applied)), (outcome.clone(), 1));
     assert_eq!(reloads.last_success, Some(outcome.at));
     within("stop", handle.stop()).await;
@@ -93,8 +93,12 @@ async fn a_reload_without_a_verdict_times_out_and_the_proxy_keeps_running() {
     assert_eq!(outcome.result, ReloadResult::TimedOut);
     assert_eq!(outcome.error.as_deref(), Some("the proxy sent no RELOADING=1 then READY=1 within 500ms"));
     let status = handle.status();
-    assert_eq!((status.state, status.pid, status.restarts), (ProcessState::Running, ready.pid, 0), "not restarted");
-    assert!(status.ready && exists(ready.pid.unwrap()));
+    assert_eq!(
+        (status.state, status.figures.pid, status.figures.restarts),
+        (ProcessState::Running, ready.figures.pid, 0),
+        "not restarted"
+    );
+    assert!(status.ready && exists(ready.figures.pid.unwrap()));
     within("stop", handle.stop()).await;
 }
 
@@ -106,13 +110,13 @@ async fn an_exit_during_a_reload_fails_it_and_the_proxy_is_restarted() {
     spec.health = notify_ready();
     spec.reload = Some(by_signal(Duration::from_secs(5)));
     let handle = fx.supervisor.spawn(spec).await.unwrap();
-    let first = status_where(&handle, "ready", |status| status.ready).await.pid.unwrap();
+    let first = status_where(&handle, "ready", |status| status.ready).await.figures.pid.unwrap();
     let outcome = within("the verdict", handle.reload()).await.unwrap();
     assert_eq!(outcome.result, ReloadResult::Failed);
     assert!(outcome.error.as_deref().unwrap().contains("exited during the reload"), "{outcome:?}");
     let second = restarted(&handle, first).await;
     assert_ne!(first, second);
-    assert_eq!(handle.status().reloads.unwrap().counts.get(ReloadResult::Failed), 1);
+    assert_eq!(handle.status().figures.reloads.unwrap().counts.get(ReloadResult::Failed), 1);
     within("stop", handle.stop()).await;
 }
 
@@ -125,12 +129,12 @@ async fn a_failed_check_refuses_the_reload_with_its_output_and_signals_nothing()
     policy.check = Some(words(&["/bin/sh", "-c", "echo line 3: unknown keyword >&2; exit 2"]));
     spec.reload = Some(policy);
     let handle = fx.supervisor.spawn(spec).await.unwrap();
-    let pid = handle.status().pid;
+    let pid = handle.status().figures.pid;
     let outcome = within("the verdict", handle.reload()).await.unwrap();
     assert_eq!(outcome.result, ReloadResult::Refused);
     assert_eq!(outcome.error.as_deref(), Some("check failed (exit code 2): line 3: unknown keyword"));
     let status = handle.status();
-    assert_eq!((status.state, status.pid, status.restarts), (ProcessState::Running, pid, 0));
+    assert_eq!((status.state, status.figures.pid, status.figures.restarts), (ProcessState::Running, pid, 0));
     within("stop", handle.stop()).await;
 }
 
@@ -156,7 +160,7 @@ async fn reloads_of_one_process_never_overlap_and_one_asked_meanwhile_runs_after
     assert!(second.at > first.at);
     let trace = std::fs::read_to_string(&trace).unwrap();
     assert_eq!(trace, "start\nend\nstart\nend\n", "two checks, one after the other");
-    assert_eq!(handle.status().reloads.unwrap().counts.get(ReloadResult::Signalled), 2);
+    assert_eq!(handle.status().figures.reloads.unwrap().counts.get(ReloadResult::Signalled), 2);
     within("stop", handle.stop()).await;
 }
 

@@ -15,20 +15,20 @@ async fn exited_process_is_restarted_and_the_pid_file_follows() {
     let spec = fx.spec("restart-proxy", &["--sleep"]);
     let pid_file = pid_file_of(&spec);
     let handle = fx.supervisor.spawn(spec).await.unwrap();
-    let first = handle.status().pid.unwrap();
+    let first = handle.status().figures.pid.unwrap();
     assert_eq!(pid_in_file(&pid_file).await, first);
 
     send(first, Signal::SIGKILL);
     let second = restarted(&handle, first).await;
     let status = handle.status();
-    assert_eq!(status.restarts, 1);
-    assert_eq!(status.last_exit, Some(ExitReason::Signal(libc::SIGKILL)));
+    assert_eq!(status.figures.restarts, 1);
+    assert_eq!(status.figures.last_exit, Some(ExitReason::Signal(libc::SIGKILL)));
     eventually("the pid file to follow the restart", || read_pid_file(&pid_file) == Some(second)).await;
 
     send(second, Signal::SIGTERM);
     let third = restarted(&handle, second).await;
-    assert_eq!(handle.status().restarts, 2);
-    assert_eq!(handle.status().last_exit, Some(ExitReason::Signal(libc::SIGTERM)));
+    assert_eq!(handle.status().figures.restarts, 2);
+    assert_eq!(handle.status().figures.last_exit, Some(ExitReason::Signal(libc::SIGTERM)));
     eventually("the pid file to follow again", || read_pid_file(&pid_file) == Some(third)).await;
     within("stop", handle.stop()).await;
 }
@@ -39,7 +39,7 @@ async fn killed_main_process_has_its_surviving_worker_swept_before_the_restart()
     let worker_file = fx.data_dir().join("worker.pid");
     let spec = fx.spec("master-proxy", &["--fork-worker", worker_file.to_str().unwrap()]);
     let handle = fx.supervisor.spawn(spec).await.unwrap();
-    let master = handle.status().pid.unwrap();
+    let master = handle.status().figures.pid.unwrap();
     let worker = pid_in_file(&worker_file).await;
     std::fs::remove_file(&worker_file).unwrap();
 
@@ -67,13 +67,16 @@ async fn crash_loop_backs_off_after_the_free_attempts() {
     // Two free restarts, then the third exit waits 1 s in backoff.
     let status =
         status_where(&handle, "backoff after two free restarts", |status| status.state == ProcessState::Backoff).await;
-    assert_eq!(status.restarts, 2);
-    assert_eq!(status.last_exit, Some(ExitReason::Code(7)));
+    assert_eq!(status.figures.restarts, 2);
+    assert_eq!(status.figures.last_exit, Some(ExitReason::Code(7)));
     // After the 1 s delay it restarts, exits again, and waits 2 s.
-    let status = status_where(&handle, "the restart after the first delay", |status| status.restarts == 3).await;
-    assert_eq!(status.last_exit, Some(ExitReason::Code(7)));
-    status_where(&handle, "the second backoff", |status| status.state == ProcessState::Backoff && status.restarts == 3)
-        .await;
+    let status =
+        status_where(&handle, "the restart after the first delay", |status| status.figures.restarts == 3).await;
+    assert_eq!(status.figures.last_exit, Some(ExitReason::Code(7)));
+    status_where(&handle, "the second backoff", |status| {
+        status.state == ProcessState::Backoff && status.figures.restarts == 3
+    })
+    .await;
     within("stop", handle.stop()).await;
 }
 
@@ -84,18 +87,18 @@ async fn restart_policy_changes_apply_in_place() {
     spec.restart.free_attempts = 0;
     spec.restart.max_delay = Duration::from_secs(3600);
     let handle = fx.supervisor.spawn(spec).await.unwrap();
-    let pid = handle.status().pid.unwrap();
+    let pid = handle.status().figures.pid.unwrap();
     handle
         .update(ProcessUpdate {
             restart: Some(RestartPolicy { free_attempts: 5, ..RestartPolicy::default() }),
             ..ProcessUpdate::default()
         })
         .unwrap();
-    assert_eq!(handle.status().pid, Some(pid), "the update did not restart the process");
+    assert_eq!(handle.status().figures.pid, Some(pid), "the update did not restart the process");
     send(pid, Signal::SIGKILL);
     // With the old policy this would wait an hour; the new one restarts at once.
     restarted(&handle, pid).await;
-    assert_eq!(handle.status().restarts, 1);
+    assert_eq!(handle.status().figures.restarts, 1);
     within("stop", handle.stop()).await;
 }
 
@@ -103,7 +106,7 @@ async fn restart_policy_changes_apply_in_place() {
 async fn dropping_the_handle_leaves_the_process_running() {
     let fx = Fixture::new();
     let handle = fx.supervisor.spawn(fx.spec("drop-proxy", &["--sleep"])).await.unwrap();
-    let pid = handle.status().pid.unwrap();
+    let pid = handle.status().figures.pid.unwrap();
     let mut status = handle.subscribe();
     drop(handle);
     within("the supervising task to end", status.changed()).await.unwrap_err();
@@ -121,21 +124,21 @@ async fn a_restart_that_cannot_exec_waits_on_the_backoff_with_the_reason_and_run
     spec.restart = RestartPolicy { free_attempts: 1, max_delay: Duration::from_secs(1), ..RestartPolicy::default() };
     let pid_file = pid_file_of(&spec);
     let handle = fx.supervisor.spawn(spec).await.unwrap();
-    let pid = handle.status().pid.unwrap();
+    let pid = handle.status().figures.pid.unwrap();
     pid_in_file(&pid_file).await;
 
     std::fs::remove_file(&program).unwrap();
     send(pid, Signal::SIGKILL);
     let status = status_where(&handle, "the failed restart", |status| {
-        status.state == ProcessState::Backoff && status.error.is_some()
+        status.state == ProcessState::Backoff && status.figures.error.is_some()
     })
     .await;
-    let error = status.error.clone().expect("the reason");
+    let error = status.figures.error.clone().expect("the reason");
     assert!(error.starts_with("cannot restart (failed attempts: 1): "), "{error}");
     assert!(error.contains(&format!("failed to execute `{}`", program.display())), "{error}");
-    assert_eq!(status.pid, None);
-    assert_eq!(status.last_exit, Some(ExitReason::Signal(libc::SIGKILL)));
-    assert_eq!(status.restarts, 0, "a restart that did not run is not counted: {status:?}");
+    assert_eq!(status.figures.pid, None);
+    assert_eq!(status.figures.last_exit, Some(ExitReason::Signal(libc::SIGKILL)));
+    assert_eq!(status.figures.restarts, 0, "a restart that did not run is not counted: {status:?}");
     eventually("no pid file names a process that does not exist", || !pid_file.exists()).await;
 
     // The program comes back: the next attempt on the backoff runs it, with no change made.
@@ -143,9 +146,9 @@ async fn a_restart_that_cannot_exec_waits_on_the_backoff_with_the_reason_and_run
     let status =
         status_where(&handle, "the restart once the program is back", |status| status.state == ProcessState::Running)
             .await;
-    assert_eq!(status.error, None);
-    assert_eq!(status.restarts, 1);
-    let new_pid = status.pid.unwrap();
+    assert_eq!(status.figures.error, None);
+    assert_eq!(status.figures.restarts, 1);
+    let new_pid = status.figures.pid.unwrap();
     assert_ne!(new_pid, pid);
     eventually("the pid file to name the new instance", || read_pid_file(&pid_file) == Some(new_pid)).await;
     assert_eq!(within("stop", handle.stop()).await.state, ProcessState::Stopped);
@@ -161,8 +164,8 @@ async fn a_healthy_run_resets_the_backoff() {
     let handle = fx.supervisor.spawn(spec).await.unwrap();
     for round in 1..=3 {
         let status = handle.status();
-        let pid = status.pid.unwrap();
-        let started_at = status.started_at.unwrap();
+        let pid = status.figures.pid.unwrap();
+        let started_at = status.figures.started_at.unwrap();
         // The condition is the passing of time itself: the run must reach `healthy_after`.
         eventually("a healthy run", || started_at.elapsed().unwrap_or_default() > healthy_after).await;
         let killed_at = Instant::now();
@@ -173,7 +176,7 @@ async fn a_healthy_run_resets_the_backoff() {
             killed_at.elapsed() < Duration::from_millis(900),
             "round {round}: restarted at once after a healthy run"
         );
-        assert_eq!(handle.status().restarts, round);
+        assert_eq!(handle.status().figures.restarts, round);
     }
     within("stop", handle.stop()).await;
 }
@@ -184,18 +187,24 @@ async fn an_observer_is_told_the_current_status_and_then_every_change_in_order()
 
     let fx = Fixture::new();
     let handle = fx.supervisor.spawn(fx.spec("observed-proxy", &["--sleep"])).await.unwrap();
-    let first = handle.status().pid.unwrap();
+    let first = handle.status().figures.pid.unwrap();
     type Seen = Vec<(ProcessState, Option<u32>, u64)>;
     let seen: Arc<Mutex<Seen>> = Arc::default();
     let record = Arc::clone(&seen);
-    handle.observe(move |status| record.lock().unwrap().push((status.state, status.pid, status.restarts)));
+    handle.observe(move |status| {
+        record.lock().unwrap().push((status.state, status.figures.pid, status.figures.restarts))
+    });
     assert_eq!(seen.lock().unwrap().as_slice(), [(ProcessState::Running, Some(first), 0)], "told at once");
 
     send(first, Signal::SIGKILL);
     let second = restarted(&handle, first).await;
     let stopped = handle.stop().await;
     let seen = seen.lock().unwrap().clone();
-    assert_eq!(seen.last(), Some(&(stopped.state, stopped.pid, stopped.restarts)), "told of the last change: {seen:?}");
+    assert_eq!(
+        seen.last(),
+        Some(&(stopped.state, stopped.figures.pid, stopped.figures.restarts)),
+        "told of the last change: {seen:?}"
+    );
     assert!(seen.contains(&(ProcessState::Running, Some(second), 1)), "told of the restart: {seen:?}");
     let restarts: Vec<u64> = seen.iter().map(|(_, _, restarts)| *restarts).collect();
     assert!(restarts.is_sorted(), "in order: {seen:?}");
@@ -229,12 +238,12 @@ async fn a_process_started_again_waits_for_its_condition_and_runs_its_restarted_
     let (open, asked, cold) = gate();
     spec.restarted = Some(cold);
     let handle = fx.supervisor.spawn(spec).await.unwrap();
-    let first = handle.status().pid.unwrap();
+    let first = handle.status().figures.pid.unwrap();
 
     send(first, Signal::SIGKILL);
     eventually("the supervisor to wait for the condition", || asked.load(Ordering::SeqCst) == 1).await;
     let waiting = handle.status();
-    assert_eq!((waiting.state, waiting.pid), (ProcessState::Backoff, None), "not started before it holds");
+    assert_eq!((waiting.state, waiting.figures.pid), (ProcessState::Backoff, None), "not started before it holds");
 
     open.send_replace(true);
     let second = restarted(&handle, first).await;
@@ -243,7 +252,7 @@ async fn a_process_started_again_waits_for_its_condition_and_runs_its_restarted_
     let environ = std::fs::read(format!("/proc/{second}/environ")).unwrap();
     let entries: Vec<&[u8]> = environ.split(|b| *b == 0).filter(|e| e.starts_with(b"GENERATION=")).collect();
     assert_eq!(entries, [b"GENERATION=cold".as_slice()], "replaced, not added");
-    assert_eq!(handle.status().restarts, 1);
+    assert_eq!(handle.status().figures.restarts, 1);
     within("stop", handle.stop()).await;
 }
 
@@ -254,10 +263,10 @@ async fn restarts_turned_off_while_it_waits_to_start_again_end_supervision() {
     let (_open, asked, cold) = gate();
     spec.restarted = Some(cold);
     let handle = fx.supervisor.spawn(spec).await.unwrap();
-    let first = handle.status().pid.unwrap();
+    let first = handle.status().figures.pid.unwrap();
     send(first, Signal::SIGKILL);
     eventually("the supervisor to wait for the condition", || asked.load(Ordering::SeqCst) == 1).await;
     handle.update(ProcessUpdate { restart_on_exit: Some(false), ..ProcessUpdate::default() }).unwrap();
     let last = status_where(&handle, "supervision to end", |status| status.state.is_final()).await;
-    assert_eq!((last.state, last.pid), (ProcessState::Stopped, None));
+    assert_eq!((last.state, last.figures.pid), (ProcessState::Stopped, None));
 }

@@ -111,7 +111,7 @@ async fn user_switch_sets_uid_gid_and_supplementary_groups() {
     spec.program = program;
     let stdout = spec.logs.stdout.path();
     let handle = fx.supervisor.spawn(spec).await.unwrap();
-    let pid = handle.status().pid.unwrap();
+    let pid = handle.status().figures.pid.unwrap();
     eventually("output written through the agent's fd", || {
         std::fs::read_to_string(&stdout).is_ok_and(|log| log == "as nobody\n")
     })

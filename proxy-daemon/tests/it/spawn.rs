@@ -37,8 +37,8 @@ async fn start_and_stop_with_the_token_in_the_environment() {
     let handle = fx.supervisor.spawn(spec).await.unwrap();
     let status = handle.status();
     assert_eq!(status.state, ProcessState::Running);
-    let pid = status.pid.unwrap();
-    assert!(status.started_at.is_some());
+    let pid = status.figures.pid.unwrap();
+    assert!(status.figures.started_at.is_some());
 
     // `posix_spawn` returns once the child's exec has switched address spaces, which is
     // a moment before the kernel records where the new environment lives: poll for it.
@@ -57,8 +57,8 @@ async fn start_and_stop_with_the_token_in_the_environment() {
 
     let stopped = within("stop", handle.stop()).await;
     assert_eq!(stopped.state, ProcessState::Stopped);
-    assert_eq!(stopped.pid, None);
-    assert_eq!(stopped.last_exit, Some(tether_proxy_daemon::ExitReason::Signal(libc::SIGINT)));
+    assert_eq!(stopped.figures.pid, None);
+    assert_eq!(stopped.figures.last_exit, Some(tether_proxy_daemon::ExitReason::Signal(libc::SIGINT)));
     assert!(!exists(pid), "the leader is reaped, not a zombie");
     assert!(!pid_file.exists(), "the pid file is removed on stop");
 }
@@ -69,7 +69,7 @@ async fn a_spec_without_a_pid_file_writes_none_across_restarts() {
     let mut spec = fx.spec("unfiled-proxy", &["--sleep"]);
     spec.pid_file = None;
     let handle = fx.supervisor.spawn(spec).await.unwrap();
-    let first = handle.status().pid.unwrap();
+    let first = handle.status().figures.pid.unwrap();
     send(first, nix::sys::signal::Signal::SIGKILL);
     let second = restarted(&handle, first).await;
 
@@ -84,7 +84,11 @@ async fn a_spec_without_a_pid_file_writes_none_across_restarts() {
     assert_eq!(names, ["witness-proxy.pid"]);
 
     let stopped = within("stop", handle.stop()).await;
-    assert_eq!((stopped.state, stopped.error), (ProcessState::Stopped, None), "no pid file to remove, no error");
+    assert_eq!(
+        (stopped.state, stopped.figures.error),
+        (ProcessState::Stopped, None),
+        "no pid file to remove, no error"
+    );
     assert!(!exists(second));
     within("stop", witness.stop()).await;
 }

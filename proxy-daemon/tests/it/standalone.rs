@@ -53,7 +53,7 @@ async fn a_process_is_supervised_with_its_logs_in_a_directory_and_no_data_dir() 
     let handle = within("spawn", supervisor.spawn(spec)).await.unwrap();
     let status = handle.status();
     assert_eq!((status.state, status.ready), (ProcessState::Running, true));
-    let pid = status.pid.unwrap();
+    let pid = status.figures.pid.unwrap();
 
     assert_eq!(tree(dir.path()), ["logs", "logs/sleeper-stderr.log", "logs/sleeper-stdout.log"], "no pid file");
     assert_eq!(mode(&logs), 0o700);
@@ -63,10 +63,10 @@ async fn a_process_is_supervised_with_its_logs_in_a_directory_and_no_data_dir() 
     let listed = supervisor.processes();
     assert_eq!(listed.len(), 1, "{listed:?}");
     assert_eq!(listed[0].name.as_str(), "sleeper");
-    assert_eq!((listed[0].status.state, listed[0].status.pid), (ProcessState::Running, Some(pid)));
+    assert_eq!((listed[0].status.state, listed[0].status.figures.pid), (ProcessState::Running, Some(pid)));
 
     let stopped = within("stop", handle.stop()).await;
-    assert_eq!((stopped.state, stopped.ready, stopped.pid), (ProcessState::Stopped, false, None));
+    assert_eq!((stopped.state, stopped.ready, stopped.figures.pid), (ProcessState::Stopped, false, None));
     assert!(!handle.status().ready);
     assert!(!exists(pid), "the process is gone, and reaped");
     assert_eq!(supervisor.processes(), [], "a stopped process is not listed");
@@ -85,7 +85,7 @@ async fn a_pid_file_is_written_only_when_asked_and_removed_on_stop() {
     let without = within("spawn", supervisor.spawn(without)).await.unwrap();
     let with = sleeper(&marked, "with-file", &logs).pid_file(&pid_file).build().unwrap();
     let with = within("spawn", supervisor.spawn(with)).await.unwrap();
-    let pid = with.status().pid.unwrap();
+    let pid = with.status().figures.pid.unwrap();
 
     assert_eq!(pid_in_file(&pid_file).await, pid);
     assert_eq!(mode(&pid_file), 0o600);
@@ -125,9 +125,11 @@ async fn the_supervisor_lists_what_it_supervises_until_supervision_ends() {
         .clone()
         .processes()
         .into_iter()
-        .map(|process| (process.name.to_string(), process.status.state, process.status.pid, process.status.ready))
+        .map(|process| {
+            (process.name.to_string(), process.status.state, process.status.figures.pid, process.status.ready)
+        })
         .collect();
-    let pid = sleeping.status().pid.unwrap();
+    let pid = sleeping.status().figures.pid.unwrap();
     assert_eq!(
         listed,
         [

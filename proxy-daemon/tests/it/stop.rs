@@ -13,7 +13,7 @@ async fn process_ignoring_sigint_is_killed_after_kill_timeout_with_its_grandchil
     let mut spec = fx.spec("stubborn-proxy", &["--ignore-sigint", "--fork-worker", worker_file.to_str().unwrap()]);
     spec.kill.timeout = Duration::from_millis(300);
     let handle = fx.supervisor.spawn(spec).await.unwrap();
-    let pid = handle.status().pid.unwrap();
+    let pid = handle.status().figures.pid.unwrap();
     let worker = pid_in_file(&worker_file).await;
     assert!(!is_dead(worker));
 
@@ -30,7 +30,7 @@ async fn process_ignoring_sigint_is_killed_after_kill_timeout_with_its_grandchil
         start.elapsed()
     );
     assert_eq!(stopped.state, ProcessState::Stopped);
-    assert_eq!(stopped.last_exit, Some(ExitReason::Signal(libc::SIGKILL)));
+    assert_eq!(stopped.figures.last_exit, Some(ExitReason::Signal(libc::SIGKILL)));
     assert!(!exists(pid), "the leader is reaped");
     eventually("the grandchild to die", || is_dead(worker)).await;
 }
@@ -51,7 +51,7 @@ async fn stop_is_idempotent_and_the_process_never_comes_back() {
 async fn kill_policy_changes_apply_in_place() {
     let fx = Fixture::new();
     let handle = fx.supervisor.spawn(fx.spec("term-proxy", &["--ignore-sigint"])).await.unwrap();
-    let pid = handle.status().pid.unwrap();
+    let pid = handle.status().figures.pid.unwrap();
     handle
         .update(ProcessUpdate {
             kill: Some(KillPolicy { signal: KillSignal::Term, timeout: Duration::from_secs(5) }),
@@ -60,9 +60,9 @@ async fn kill_policy_changes_apply_in_place() {
         .unwrap();
     let start = Instant::now();
     let stopped = within("stop", handle.stop()).await;
-    assert_eq!(stopped.last_exit, Some(ExitReason::Signal(libc::SIGTERM)), "the new signal was used");
+    assert_eq!(stopped.figures.last_exit, Some(ExitReason::Signal(libc::SIGTERM)), "the new signal was used");
     assert!(start.elapsed() < Duration::from_secs(5), "no escalation was needed");
-    assert_eq!(stopped.restarts, 0, "the update did not restart the process");
+    assert_eq!(stopped.figures.restarts, 0, "the update did not restart the process");
     assert!(!exists(pid));
 }
 
@@ -75,14 +75,14 @@ async fn stop_during_backoff_ends_supervision_without_a_restart() {
     let pid_file = pid_file_of(&spec);
     let handle = fx.supervisor.spawn(spec).await.unwrap();
     let status = status_where(&handle, "backoff", |status| status.state == ProcessState::Backoff).await;
-    assert_eq!(status.last_exit, Some(ExitReason::Code(3)));
-    assert_eq!(status.pid, None);
-    assert_eq!(status.restarts, 0);
+    assert_eq!(status.figures.last_exit, Some(ExitReason::Code(3)));
+    assert_eq!(status.figures.pid, None);
+    assert_eq!(status.figures.restarts, 0);
 
     let stopped = within("stop", handle.stop()).await;
     assert_eq!(stopped.state, ProcessState::Stopped);
-    assert_eq!(stopped.last_exit, Some(ExitReason::Code(3)));
-    assert_eq!(stopped.restarts, 0);
+    assert_eq!(stopped.figures.last_exit, Some(ExitReason::Code(3)));
+    assert_eq!(stopped.figures.restarts, 0);
     assert!(!pid_file.exists());
 }
 
@@ -92,14 +92,14 @@ async fn a_process_is_not_ready_from_the_moment_its_stop_begins() {
     let handle = fx.supervisor.spawn(fx.spec("ready-proxy", &["--sleep"])).await.unwrap();
     let running = status_where(&handle, "ready", |status| status.ready).await;
     assert_eq!(running.state, ProcessState::Running);
-    let pid = running.pid.unwrap();
+    let pid = running.figures.pid.unwrap();
 
     let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let record = std::sync::Arc::clone(&seen);
     handle.observe(move |status| record.lock().unwrap().push((status.state, status.ready)));
     let stopped = within("stop", handle.stop()).await;
 
-    assert_eq!((stopped.state, stopped.ready, stopped.pid), (ProcessState::Stopped, false, None));
+    assert_eq!((stopped.state, stopped.ready, stopped.figures.pid), (ProcessState::Stopped, false, None));
     assert!(!handle.status().ready, "the last status stays not ready");
     let seen = seen.lock().unwrap().clone();
     let stopping = seen.iter().position(|(state, _)| *state == ProcessState::Stopping).expect("a `stopping` status");

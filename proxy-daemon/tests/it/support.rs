@@ -56,10 +56,10 @@ pub async fn status_where(
 /// Waits for a running instance other than `old_pid`; returns its pid.
 pub async fn restarted(handle: &ProcessHandle, old_pid: u32) -> u32 {
     let status = status_where(handle, "a restarted instance", |status| {
-        status.state == ProcessState::Running && status.pid.is_some_and(|pid| pid != old_pid)
+        status.state == ProcessState::Running && status.figures.pid.is_some_and(|pid| pid != old_pid)
     })
     .await;
-    status.pid.unwrap()
+    status.figures.pid.unwrap()
 }
 
 /// The state letter of `/proc/<pid>/stat`, or `None` when there is no such process.

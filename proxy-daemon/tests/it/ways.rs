@@ -250,7 +250,7 @@ async fn a_bare_name_is_found_in_the_path_that_env_sets_on_every_way() {
             .unwrap_or_else(|e| panic!("{way:?}: {}", tether_state::error_chain(&e)));
         let status = handle.status();
         assert_eq!(status.state, ProcessState::Running, "{way:?}");
-        let pid = status.pid.unwrap();
+        let pid = status.figures.pid.unwrap();
         assert!(!is_dead(pid), "{way:?}");
         let (exe, arg0) = running_program(pid, name).await;
         assert_eq!(exe, program, "{way:?}: the first place where the program may be executed");
@@ -309,7 +309,7 @@ async fn a_child_that_switches_user_looks_for_its_program_as_that_user() {
         let handle = within("spawn", setup.supervisor.spawn(spec))
             .await
             .unwrap_or_else(|e| panic!("{way:?}: {}", tether_state::error_chain(&e)));
-        let pid = handle.status().pid.unwrap();
+        let pid = handle.status().figures.pid.unwrap();
         let (exe, _) = running_program(pid, name).await;
         assert_eq!(exe, program, "{way:?}: the place `nobody` may reach");
         within("stop", handle.stop()).await;
@@ -344,16 +344,16 @@ async fn a_restart_whose_program_is_gone_is_retried_until_it_is_back() {
     spec.env.push(pair("PATH", &bin.to_string_lossy()));
     spec.restart.max_delay = std::time::Duration::from_millis(200);
     let handle = within("spawn", fx.supervisor.spawn(spec)).await.unwrap();
-    let first = handle.status().pid.unwrap();
+    let first = handle.status().figures.pid.unwrap();
 
     std::fs::remove_file(&program).unwrap();
     send(first, nix::sys::signal::Signal::SIGKILL);
     let waiting = status_where(&handle, "a failed restart", |status| {
         status.state == ProcessState::Backoff
-            && status.error.as_deref().is_some_and(|e| e.contains("not found in PATH"))
+            && status.figures.error.as_deref().is_some_and(|e| e.contains("not found in PATH"))
     })
     .await;
-    let error = waiting.error.unwrap();
+    let error = waiting.figures.error.unwrap();
     assert!(error.contains(&format!("program `{name}` not found in PATH `{}`", bin.display())), "{error}");
 
     public.helper_at(&bin, name);
@@ -386,7 +386,7 @@ async fn each_variable_appears_once_and_the_last_entry_wins_on_every_way() {
             .await
             .unwrap_or_else(|e| panic!("{way:?}: {}", tether_state::error_chain(&e)));
         assert_eq!(handle.status().state, ProcessState::Running, "{way:?}");
-        let pid = handle.status().pid.unwrap();
+        let pid = handle.status().figures.pid.unwrap();
         if setup.cgroups.is_some() {
             assert!(setup.cgroup_of(pid).is_some_and(|c| !c.as_os_str().is_empty()), "{way:?}: in its own cgroup");
         }

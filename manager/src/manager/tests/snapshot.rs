@@ -78,14 +78,17 @@ async fn snapshot_is_written_only_when_its_content_changes() {
 #[tokio::test(start_paused = true)]
 async fn a_backend_restart_rewrites_the_snapshot_with_the_new_pid() {
     // The mock handle's status sender lets the test play the backend's supervisor.
-    let (status, receiver) =
-        watch::channel(BackendStatus { state: BackendState::Running, pid: Some(10), ..Default::default() });
+    let (status, receiver) = watch::channel(BackendStatus {
+        state: BackendState::Running,
+        figures: ProcessFigures { pid: Some(10), ..ProcessFigures::default() },
+        ..Default::default()
+    });
     let status = Arc::new(status);
     let mut handle = MockProxyHandle::new();
     handle.expect_start().returning(|| Ok(()));
     handle.expect_status().returning(move || receiver.clone());
     let reader = status.clone();
-    handle.expect_record().returning(move || record_of(serde_json::json!({ "pid": reader.borrow().pid })));
+    handle.expect_record().returning(move || record_of(serde_json::json!({ "pid": reader.borrow().figures.pid })));
     handle.expect_detach().returning(|| ());
     let mut handle = Some(handle);
     let mut backend = MockProxyBackend::new();
@@ -101,9 +104,9 @@ async fn a_backend_restart_rewrites_the_snapshot_with_the_new_pid() {
     tokio::time::timeout(LIMIT, saves.wait_for(|n| *n == 1)).await.unwrap().unwrap();
     status.send_modify(|s| {
         s.state = BackendState::Running;
-        s.pid = Some(11);
-        s.restarts = 1;
-        s.last_exit = Some(crate::ExitReason::Code(3));
+        s.figures.pid = Some(11);
+        s.figures.restarts = 1;
+        s.figures.last_exit = Some(crate::ExitReason::Code(3));
     });
     tokio::time::timeout(LIMIT, saves.wait_for(|n| *n == 2)).await.unwrap().unwrap();
     assert_eq!(store.snapshot().unwrap().proxies[0].backend, record_of(serde_json::json!({ "pid": 11 })));
