@@ -33,12 +33,12 @@
 //!
 //! let supervisor = Supervisor::new()?;
 //! let handle = supervisor.spawn(spec).await?;
-//! println!("running as pid {:?}", handle.status().pid);
+//! println!("running as pid {:?}", handle.status().figures.pid);
 //! for process in supervisor.processes() {
 //!     println!("{}: {}", process.name, process.status.state);
 //! }
 //! let last = handle.stop().await;
-//! println!("stopped: {:?}, ready: {}", last.last_exit, last.ready);
+//! println!("stopped: {:?}, ready: {}", last.figures.last_exit, last.ready);
 //! # Ok(())
 //! # }
 //! ```
