@@ -150,18 +150,12 @@ fn over_incremental_ads_envoys_rbac_follows_the_intentions_and_its_leaf_renews_o
     );
 }
 
-/// `web`'s built-in proxy reaches Envoy as `db`'s proxy (fed over state-of-the-world ADS, or
-/// incremental with `delta`): a client without a certificate is refused, a renewed leaf is
-/// taken on the same stream, and the intentions are followed by Envoy's RBAC, all with one
-/// Envoy process and one ADS stream.
-fn builtin_proxy_reaches_envoy(test: &str, delta: bool) {
-    let Some(mut setup) = Setup::new(test) else { return };
-    setup.delta = delta;
-    let _envoys = setup.guard();
-    let _sweep = SweepOnDrop(setup.dirs.socket());
+/// Starts an agent with `mesh` (its `[connect]` table), an intention that lets web reach db,
+/// db's proxy an Envoy before an echo service, and web's built-in proxy whose upstream reaches
+/// db; returns the agent once both run, Envoy's pid, and web's upstream port.
+fn web_to_envoys_db(setup: &Setup, mesh: &str) -> (Agent, i64, u16) {
     let (web_bind, web_upstream) = (free_port(), free_port());
-    // Leaves of seconds: Envoy's renews every 6 to 8 s while the test runs.
-    setup.dirs.write_config("mesh.toml", &dev_mesh("10s"));
+    setup.dirs.write_config("mesh.toml", mesh);
     setup.dirs.write_config("intentions.toml", &intention("web", "db", "allow"));
     setup.write_service("db", echo(), &format!("{{ bind_port = {} }}", setup.bind_port));
     let web = format!(
@@ -172,6 +166,20 @@ fn builtin_proxy_reaches_envoy(test: &str, delta: bool) {
     agent.wait_state("web-proxy", "running");
     let pid = agent.wait_state("db-proxy", "running")["pid"].as_i64().unwrap();
     setup.note_base_id();
+    (agent, pid, web_upstream)
+}
+
+/// `web`'s built-in proxy reaches Envoy as `db`'s proxy (fed over state-of-the-world ADS, or
+/// incremental with `delta`): a client without a certificate is refused, a renewed leaf is
+/// taken on the same stream, and the intentions are followed by Envoy's RBAC, all with one
+/// Envoy process and one ADS stream.
+fn builtin_proxy_reaches_envoy(test: &str, delta: bool) {
+    let Some(mut setup) = Setup::new(test) else { return };
+    setup.delta = delta;
+    let _envoys = setup.guard();
+    let _sweep = SweepOnDrop(setup.dirs.socket());
+    // Leaves of seconds: Envoy's renews every 6 to 8 s while the test runs.
+    let (agent, pid, web_upstream) = web_to_envoys_db(&setup, &dev_mesh("10s"));
 
     let (mut open, answer) = wait_for("web's upstream to reach db's Envoy", || exchange_once(web_upstream, "one"));
     assert_eq!(answer, "db: one");
@@ -248,18 +256,7 @@ fn a_new_ca_reaches_envoy_as_new_roots_and_a_new_leaf_on_the_same_stream() {
     std::fs::create_dir(&second_ca).unwrap();
     let Some((cert, key)) = openssl_ca(&first_ca) else { return };
     let (second_cert, second_key) = openssl_ca(&second_ca).unwrap();
-    let (web_bind, web_upstream) = (free_port(), free_port());
-    setup.dirs.write_config("mesh.toml", &file_mesh(&cert, &key, "72h"));
-    setup.dirs.write_config("intentions.toml", &intention("web", "db", "allow"));
-    setup.write_service("db", echo(), &format!("{{ bind_port = {} }}", setup.bind_port));
-    let web = format!(
-        "bind_port = {web_bind}, upstreams = [{{ destination_name = \"db\", local_bind_port = {web_upstream} }}]"
-    );
-    setup.dirs.write_config("web.toml", &builtin("web", None, &web));
-    let agent = Agent::start(&setup.dirs, &root_flags());
-    agent.wait_state("web-proxy", "running");
-    let pid = agent.wait_state("db-proxy", "running")["pid"].as_i64().unwrap();
-    setup.note_base_id();
+    let (agent, pid, web_upstream) = web_to_envoys_db(&setup, &file_mesh(&cert, &key, "72h"));
     let (_, answer) = wait_for("web's upstream to reach db's Envoy", || exchange_once(web_upstream, "one"));
     assert_eq!(answer, "db: one");
     let (roots, leaves) =
