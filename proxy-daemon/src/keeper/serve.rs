@@ -114,6 +114,7 @@ pub(crate) fn serve(listener: OwnedFd, first: Option<OwnedFd>) -> io::Result<()>
         unheard: VecDeque::new(),
         retired: false,
         buffer: vec![0; MAX_MESSAGE],
+        exited_unregistered: false,
     };
     if let Some(first) = first {
         keeper.add_peer(first);
@@ -132,7 +133,7 @@ pub(crate) fn serve(listener: OwnedFd, first: Option<OwnedFd>) -> io::Result<()>
         if created {
             keeper.answer_spawns();
         }
-        if signalled || created {
+        if signalled || (created && keeper.exited_unregistered) {
             keeper.reap();
         }
         if accept {
@@ -306,6 +307,11 @@ struct Keeper {
     unheard: VecDeque<Exit>,
     retired: bool,
     buffer: Vec<u8>,
+    /// A child exited before its creator registered it: reaped once a creation is told.
+    /// Without such a child, a creation reaps nothing, and no `waitid` is spent on it
+    /// (each one walks every child: at 10 000 children, once per creation made bring-up
+    /// quadratic).
+    exited_unregistered: bool,
 }
 
 impl Keeper {
@@ -435,6 +441,7 @@ impl Keeper {
     /// Reaps every child that exited: first its process group is swept (SIGKILL), while the
     /// unreaped leader holds the group's id, then it is reaped and its exit told.
     fn reap(&mut self) {
+        self.exited_unregistered = false;
         loop {
             let mut info = std::mem::MaybeUninit::<libc::siginfo_t>::zeroed();
             #[allow(unsafe_code)]
@@ -455,6 +462,7 @@ impl Keeper {
             }
             if !lock(&self.children).contains_key(&pid) {
                 // Its creator has not registered it yet: reaped once it has told of it.
+                self.exited_unregistered = true;
                 return;
             }
             let _empty = proc::signal_group(pid, Signal::SIGKILL);
