@@ -7,7 +7,8 @@
 //! has exec'd, not when its supervisor says it runs. The peers are a raw spawn loop of this
 //! process, s6 (`s6-svscan` on a scan dir of N services, installed when missing as the
 //! `peers` section does, a row saying so when it is still missing) and `tether agent`; they
-//! take turns round by round, and the figures are medians.
+//! take turns round by round, and the figures are medians: three rounds at N = 1 000, one at
+//! N = 10 000.
 //!
 //! The existing figure (agent start until the API lists every proxy `running`) counts
 //! differently: it ends when the agent has recorded each start, which may come before or
@@ -27,9 +28,8 @@ use super::lab::{Flock, Lab};
 use super::report::{Met, Row, median, met, ratio, secs};
 use super::sys;
 
-const SIZE: usize = 1_000;
-/// Bring-ups per peer, the peers taking turns.
-const ROUNDS: usize = 3;
+/// The sizes, each with its number of bring-ups per peer (the peers taking turns).
+const SIZES: [(usize, usize); 2] = [(1_000, 3), (10_000, 1)];
 /// How often the scanner looks at `/proc`.
 const SCAN: Duration = Duration::from_millis(2);
 const LIMIT: Duration = Duration::from_secs(120);
@@ -101,12 +101,12 @@ fn wait_gone(argument: &str) -> Result<(), String> {
     Ok(())
 }
 
-fn raw(lab: &Lab, argument: &str) -> Result<Duration, String> {
+fn raw(lab: &Lab, size: usize, argument: &str) -> Result<Duration, String> {
     let logs = lab.subdir(&format!("bring-up-raw-{argument}"))?;
-    let watch = Watch::start(argument.to_owned(), SIZE);
+    let watch = Watch::start(argument.to_owned(), size);
     let start = Instant::now();
     let mut flock = Flock::default();
-    for index in 0..SIZE {
+    for index in 0..size {
         flock.spawn(&["/bin/sleep", argument], &logs, &format!("s{index:05}"))?;
     }
     let took = watch.wait(start);
@@ -130,10 +130,10 @@ impl Drop for S6 {
     }
 }
 
-fn s6(lab: &Lab, program: &Path, argument: &str) -> Result<Duration, String> {
+fn s6(lab: &Lab, program: &Path, size: usize, argument: &str) -> Result<Duration, String> {
     let dir = lab.subdir(&format!("bring-up-s6-{argument}"))?;
     let scan = dir.join("scan");
-    for index in 0..SIZE {
+    for index in 0..size {
         let service = scan.join(format!("s{index:05}"));
         fs::create_dir_all(&service).map_err(|err| format!("{}: {err}", service.display()))?;
         let run = service.join("run");
@@ -141,11 +141,11 @@ fn s6(lab: &Lab, program: &Path, argument: &str) -> Result<Duration, String> {
         fs::set_permissions(&run, fs::Permissions::from_mode(0o755)).map_err(|err| err.to_string())?;
     }
     let log = fs::File::create(dir.join("supervisor.log")).map_err(|err| err.to_string())?;
-    let watch = Watch::start(argument.to_owned(), SIZE);
+    let watch = Watch::start(argument.to_owned(), size);
     let start = Instant::now();
     let child = Command::new(program)
         // Its default is 500 services; room for every one, as an operator would give.
-        .args(["-c", &(SIZE * 2).to_string()])
+        .args(["-c", &(size * 2).to_string()])
         .arg(&scan)
         .current_dir(&dir)
         .stdin(Stdio::null())
@@ -164,20 +164,20 @@ fn s6(lab: &Lab, program: &Path, argument: &str) -> Result<Duration, String> {
 }
 
 /// tether: (until every child exec'd, until the API lists every proxy running).
-fn tether(lab: &Lab, argument: &str) -> Result<(Duration, Duration), String> {
+fn tether(lab: &Lab, size: usize, argument: &str) -> Result<(Duration, Duration), String> {
     let dir = lab.subdir(&format!("bring-up-tether-{argument}"))?;
     let mut text = String::new();
-    for index in 0..SIZE {
+    for index in 0..size {
         text.push_str(&format!(
             "[[service]]\nname = \"s{index:05}\"\n\n[service.proxy]\ncommand = [\"/bin/sleep\", \"{argument}\"]\n\
              kill_timeout = \"1s\"\n\n"
         ));
     }
     fs::write(dir.join("services.toml"), text).map_err(|err| err.to_string())?;
-    let watch = Watch::start(argument.to_owned(), SIZE);
+    let watch = Watch::start(argument.to_owned(), size);
     let start = Instant::now();
     let mut agent = lab.agent(&format!("bring-up-{argument}"), &dir, &dir.join("data"), &[])?;
-    let (_, listed) = agent.wait_running(SIZE, LIMIT)?;
+    let (_, listed) = agent.wait_running(size, LIMIT)?;
     let exec = watch.wait(start);
     let left = agent.leave(LIMIT);
     kill_sleeps(argument);
@@ -189,19 +189,33 @@ fn tether(lab: &Lab, argument: &str) -> Result<(Duration, Duration), String> {
 pub(crate) fn run(lab: &Lab, rows: &mut Vec<Row>) -> Result<(), String> {
     super::peers::install_missing();
     let s6_program = super::peers::which("s6-svscan");
+    for (size, rounds) in SIZES {
+        size_rows(lab, s6_program.as_deref(), size, rounds, rows)?;
+    }
+    Ok(())
+}
+
+/// The rows of one size: `rounds` bring-ups of each peer, taking turns.
+fn size_rows(
+    lab: &Lab,
+    s6_program: Option<&Path>,
+    size: usize,
+    rounds: usize,
+    rows: &mut Vec<Row>,
+) -> Result<(), String> {
     let (mut raws, mut s6s, mut execs, mut listed) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let tag = std::process::id();
-    for round in 0..ROUNDS {
-        let argument = |peer: usize| format!("3600.{tag}{round}{peer}");
-        raws.push(raw(lab, &argument(1))?);
-        if let Some(program) = &s6_program {
-            s6s.push(s6(lab, program, &argument(2))?);
+    for round in 0..rounds {
+        let argument = |peer: usize| format!("3600.{tag}{size}{round}{peer}");
+        raws.push(raw(lab, size, &argument(1))?);
+        if let Some(program) = s6_program {
+            s6s.push(s6(lab, program, size, &argument(2))?);
         }
-        let (exec, api) = tether(lab, &argument(3))?;
+        let (exec, api) = tether(lab, size, &argument(3))?;
         execs.push(exec);
         listed.push(api);
         eprintln!(
-            "xtask: bench: bring-up round {round}: raw {}, s6 {}, tether {} (API {})",
+            "xtask: bench: bring-up of {size}, round {round}: raw {}, s6 {}, tether {} (API {})",
             secs(raws[round]),
             s6s.get(round).map_or_else(|| "—".to_owned(), |took| secs(*took)),
             secs(exec),
@@ -209,10 +223,9 @@ pub(crate) fn run(lab: &Lab, rows: &mut Vec<Row>) -> Result<(), String> {
         );
     }
     let (raw, exec, api) = (median(&raws), median(&execs), median(&listed));
+    let of = if rounds == 1 { "one round".to_owned() } else { format!("median of {rounds}") };
     let figure = |who: &str| {
-        format!(
-            "bring-up seen from outside: start until {SIZE} children exec'd ({who}, /proc every 2 ms, median of {ROUNDS})"
-        )
+        format!("bring-up seen from outside: start until {size} children exec'd ({who}, /proc every 2 ms, {of})")
     };
     let baseline = format!("raw spawn loop: {}", secs(raw));
     let s6 = (!s6s.is_empty()).then(|| median(&s6s));
@@ -236,7 +249,7 @@ pub(crate) fn run(lab: &Lab, rows: &mut Vec<Row>) -> Result<(), String> {
         met(exec.as_secs_f64() <= 1.5 * raw.as_secs_f64() && s6.is_none_or(|s6| exec < s6)),
     ));
     rows.push(Row::new(
-        &format!("bring-up as the agent counts it: start until the API lists {SIZE} running (same rounds)"),
+        &format!("bring-up as the agent counts it: start until the API lists {size} running (same rounds)"),
         format!("children exec'd: {}", secs(exec)),
         secs(api),
         ratio(api.as_secs_f64(), exec.as_secs_f64()),
