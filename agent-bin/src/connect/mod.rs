@@ -9,12 +9,12 @@
 
 pub(crate) mod ca;
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use tether_manager::{CertificateAuthority, LeafEvent, LeafPolicy, Leaves, LeavesHandle};
 use tether_state::config::ConnectSection;
 use tether_state::persist::DataDir;
-use tether_state::{CaRoot, LocalState};
+use tether_state::{CaRoot, LocalState, lock};
 use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 
@@ -79,10 +79,6 @@ pub(crate) struct Refusal {
 
 /// How many leaf events a slow reader may fall behind by.
 const EVENT_BACKLOG: usize = 1024;
-
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
 
 impl Connect {
     /// Connect for `catalog`, with no CA yet.
