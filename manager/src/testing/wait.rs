@@ -71,8 +71,11 @@ pub enum WaitError {
 ///     &handle,
 ///     "two proxies are running",
 ///     |statuses| {
-///         let running: Vec<u32> =
-///             statuses.iter().filter(|status| status.state == ProxyState::Running).filter_map(|status| status.pid).collect();
+///         let running: Vec<u32> = statuses
+///             .iter()
+///             .filter(|status| status.state == ProxyState::Running)
+///             .filter_map(|status| status.figures.pid)
+///             .collect();
 ///         (running.len() == 2).then_some(running)
 ///     },
 ///     Duration::from_secs(10),
