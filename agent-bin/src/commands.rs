@@ -100,19 +100,18 @@ pub(crate) fn table(proxies: &[ProxyStatusDto], now: SystemTime) -> String {
         .iter()
         .map(|p| {
             let uptime = p
+                .figures
                 .started_at
-                .as_deref()
                 .filter(|_| p.state == "running")
-                .and_then(|t| humantime::parse_rfc3339(t).ok())
                 .and_then(|t| now.duration_since(t).ok())
                 .map(|d| humantime::format_duration(Duration::from_secs(d.as_secs())).to_string());
-            let last_exit = match p.last_exit {
+            let last_exit = match p.figures.last_exit {
                 Some(ExitReason::Code(code)) => format!("code {code}"),
                 Some(ExitReason::Signal(signal)) => format!("signal {signal}"),
                 None => "-".to_owned(),
             };
             let mut state = p.state.clone();
-            let mut pid = p.pid.map_or_else(|| "-".to_owned(), |pid| pid.to_string());
+            let mut pid = p.figures.pid.map_or_else(|| "-".to_owned(), |pid| pid.to_string());
             // An overlapping update: the new instance beside the one that serves.
             if let Some(update) = &p.update {
                 state.push_str(&format!(" (new: {})", update.state));
@@ -134,12 +133,12 @@ pub(crate) fn table(proxies: &[ProxyStatusDto], now: SystemTime) -> String {
                 state,
                 if p.ready { "yes" } else { "no" }.to_owned(),
                 pid,
-                p.restarts.to_string(),
+                p.figures.restarts.to_string(),
                 uptime.unwrap_or_else(|| "-".to_owned()),
                 p.resources.as_ref().map_or_else(|| "-".to_owned(), |r| format!("{:.2}s", r.cpu_seconds)),
                 p.resources.as_ref().and_then(|r| r.memory_bytes).map_or_else(|| "-".to_owned(), binary_size),
                 last_exit,
-                p.error.clone().unwrap_or_else(|| "-".to_owned()),
+                p.figures.error.clone().unwrap_or_else(|| "-".to_owned()),
             ]
         })
         .collect();
@@ -259,8 +258,8 @@ pub(crate) async fn restart(socket: &Path, id: &str) -> anyhow::Result<ExitCode>
     }
     let status: ProxyStatusDto =
         serde_json::from_slice(&response.body).context("the agent sent a status this version cannot read")?;
-    let pid = status.pid.map_or_else(|| "-".to_owned(), |pid| pid.to_string());
-    writeln!(std::io::stdout(), "restarted {id}: pid {pid}, {} restarts", status.restarts)?;
+    let pid = status.figures.pid.map_or_else(|| "-".to_owned(), |pid| pid.to_string());
+    writeln!(std::io::stdout(), "restarted {id}: pid {pid}, {} restarts", status.figures.restarts)?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -371,6 +370,8 @@ pub(crate) async fn logs(socket: &Path, args: &crate::cli::LogsArgs) -> anyhow::
 
 #[cfg(test)]
 mod tests {
+    use tether_state::ProcessFigures;
+
     use super::*;
 
     #[test]
@@ -414,11 +415,13 @@ mod tests {
                 id: "web-proxy".into(),
                 service: "web".into(),
                 state: "running".into(),
-                pid: Some(4242),
-                restarts: 2,
-                started_at: Some("2026-01-01T00:00:00Z".into()),
-                last_exit: Some(ExitReason::Code(3)),
-                error: None,
+                figures: ProcessFigures {
+                    pid: Some(4242),
+                    restarts: 2,
+                    started_at: Some(started),
+                    last_exit: Some(ExitReason::Code(3)),
+                    ..ProcessFigures::default()
+                },
                 ready: true,
                 status_text: None,
                 resources: Some(crate::api::dto::ResourcesDto {
@@ -438,11 +441,7 @@ mod tests {
                 id: "db-proxy".into(),
                 service: "db".into(),
                 state: "blocked".into(),
-                pid: None,
-                restarts: 0,
-                started_at: None,
-                last_exit: None,
-                error: Some("refusing to run as root".into()),
+                figures: ProcessFigures { error: Some("refusing to run as root".into()), ..ProcessFigures::default() },
                 ready: false,
                 status_text: None,
                 resources: None,

@@ -151,7 +151,7 @@ impl Collector for ManagerCollector {
         )?;
         for status in &statuses {
             let labels = [("proxy", status.id.as_str()), ("service", status.service.as_str())];
-            ConstCounter::new(status.restarts).encode(family.encode_family(&labels)?)?;
+            ConstCounter::new(status.figures.restarts).encode(family.encode_family(&labels)?)?;
         }
 
         let mut family = encoder.encode_descriptor(
@@ -162,7 +162,7 @@ impl Collector for ManagerCollector {
         )?;
         for status in &statuses {
             let labels = [("proxy", status.id.as_str()), ("service", status.service.as_str())];
-            ConstCounter::new(status.probe_failures).encode(family.encode_family(&labels)?)?;
+            ConstCounter::new(status.figures.probe_failures).encode(family.encode_family(&labels)?)?;
         }
 
         // Reloads in place, of the proxies that had one since the agent started.
@@ -173,7 +173,7 @@ impl Collector for ManagerCollector {
             counter.metric_type(),
         )?;
         for status in &statuses {
-            let Some(reloads) = &status.reloads else { continue };
+            let Some(reloads) = &status.figures.reloads else { continue };
             for result in ReloadResult::ALL {
                 let labels = [("proxy", status.id.as_str()), ("result", result.as_str())];
                 ConstCounter::new(reloads.counts.get(result)).encode(family.encode_family(&labels)?)?;
@@ -187,7 +187,7 @@ impl Collector for ManagerCollector {
             seconds.metric_type(),
         )?;
         for status in &statuses {
-            let Some(at) = status.reloads.as_ref().and_then(|reloads| reloads.last_success) else { continue };
+            let Some(at) = status.figures.reloads.as_ref().and_then(|reloads| reloads.last_success) else { continue };
             let unix = at.duration_since(std::time::UNIX_EPOCH).map_or(0.0, |since| since.as_secs_f64());
             ConstGauge::new(unix).encode(family.encode_family(&[("proxy", status.id.as_str())])?)?;
         }

@@ -20,6 +20,11 @@ use tokio::sync::watch;
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
 /// The state of a proxy, as `tether status`, the API and the metrics name it.
+///
+/// The engine's own states beside those a backend observes ([`BackendState`], converted by
+/// `From`): `waiting` (for its `depends_on`), `stopped` (held down by the operator) and
+/// `blocked` (refused by policy) are decisions of the engine, and it shows `pending`,
+/// `starting` and `stopping` by itself while its actions run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 #[non_exhaustive]
@@ -72,6 +77,10 @@ impl fmt::Display for ProxyState {
 /// The state of one proxy's process as its backend observes it: the part of [`ProxyState`]
 /// that a backend reports.
 ///
+/// Its own type so that a backend (the process supervisor's adapter, the built-in proxy's,
+/// a test's mock, another project's) cannot report a decision of the engine. A supervisor's
+/// own states map to it in that backend's adapter (for tether's process backend, one
+/// `From` in `tether-proxy-daemon`): a supervisor's `stopped` is reported as `stopping`.
 /// The other states are the engine's own: `blocked` (refused by policy), `stopped` (held
 /// down by the operator) and `waiting` (for its dependencies) are decisions, not
 /// observations, and the engine shows `pending`,

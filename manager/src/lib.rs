@@ -139,12 +139,12 @@
 //! let limit = Duration::from_secs(10);
 //!
 //! let web = wait_until_state(running.handle(), &id, ProxyState::Running, limit).await.unwrap();
-//! assert_eq!(web.pid, Some(1001));
+//! assert_eq!(web.figures.pid, Some(1001));
 //!
 //! // Its process exits; the backend restarts it, and counts the restart.
 //! backend.exit(&id, ExitReason::Code(1));
-//! let web = wait_for_proxy(running.handle(), &id, "has restarted", |web| web.restarts == 1, limit).await.unwrap();
-//! assert_eq!((web.state, web.pid), (ProxyState::Running, Some(1002)));
+//! let web = wait_for_proxy(running.handle(), &id, "has restarted", |web| web.figures.restarts == 1, limit).await.unwrap();
+//! assert_eq!((web.state, web.figures.pid), (ProxyState::Running, Some(1002)));
 //!
 //! // Closing detaches the proxy: it keeps running, for the next engine.
 //! running.close().await.unwrap();

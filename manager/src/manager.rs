@@ -12,7 +12,9 @@ use std::collections::{BTreeSet, BinaryHeap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tether_state::{Catalog, DesiredProxy, ManagedProxy, ProxyId, Revision, Subscription, TokenFingerprint};
+use tether_state::{
+    Catalog, DesiredProxy, ManagedProxy, ProcessFigures, ProxyId, Revision, Subscription, TokenFingerprint,
+};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -781,17 +783,15 @@ impl Manager {
             id: id.clone(),
             service: id.service_id(),
             state,
-            pid: process.figures.pid,
-            restarts: process.figures.restarts.saturating_add(slot.restarts_base),
-            started_at: process.figures.started_at,
-            last_exit: process.figures.last_exit,
-            error,
-            status_text: process.figures.pid.and(process.figures.status_text),
-            probe_failures: process.figures.probe_failures,
+            figures: ProcessFigures {
+                restarts: process.figures.restarts.saturating_add(slot.restarts_base),
+                error,
+                status_text: process.figures.pid.and(process.figures.status_text),
+                ..process.figures
+            },
             update,
             generations: (!process.generations.is_empty()).then(|| process.generations.into_boxed_slice()),
             usage: None,
-            reloads: process.figures.reloads,
             applied_revision: slot.installed.as_ref().and(slot.applied_revision),
         });
     }

@@ -8,12 +8,33 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, SystemTime};
 
-use tether_state::{ExitReason, ProxyId, ReloadOutcome, Reloads, Revision, ServiceId};
+use tether_state::{ExitReason, ProcessFigures, ProxyId, ReloadOutcome, Revision, ServiceId};
 use tokio::sync::{broadcast, mpsc, oneshot};
 
 use crate::backend::{BackendStats, Generation, Meter, ProxyState, ResourceUsage};
 
-/// One proxy's status, as `tether status --json` shows it.
+/// One proxy's status, as the engine publishes it: what its backend observed of its process,
+/// and the engine's own view of it (its state, its update, what it uses, the revision it
+/// runs). `tether status --json` and the API show it.
+///
+/// ```
+/// use tether_manager::{ProxyState, ProxyStatus};
+/// use tether_state::{ProcessFigures, ServiceId};
+///
+/// let service = ServiceId::new("web").unwrap();
+/// let status = ProxyStatus {
+///     id: service.proxy_id(),
+///     service,
+///     state: ProxyState::Running,
+///     figures: ProcessFigures { pid: Some(42), ..ProcessFigures::default() },
+///     update: None,
+///     generations: None,
+///     usage: None,
+///     applied_revision: None,
+/// };
+/// assert!(status.ready());
+/// assert_eq!(status.figures.pid, Some(42));
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProxyStatus {
     /// The proxy.
@@ -22,20 +43,14 @@ pub struct ProxyStatus {
     pub service: ServiceId,
     /// Its state.
     pub state: ProxyState,
-    /// The pid of its process, while there is one.
-    pub pid: Option<u32>,
-    /// Restarts after exits.
-    pub restarts: u64,
-    /// When its current process started.
-    pub started_at: Option<SystemTime>,
-    /// How its previous process ended.
-    pub last_exit: Option<ExitReason>,
-    /// Why it is blocked, failed or backing off, or why its checks fail.
-    pub error: Option<String>,
-    /// Its own account of itself (sd_notify's `STATUS=`), while it runs.
-    pub status_text: Option<String>,
-    /// Failed readiness and liveness checks.
-    pub probe_failures: u64,
+    /// Its process's pid, restarts, start, last exit, error, own account, failed checks and
+    /// reloads, as its backend observed them ([`BackendStatus::figures`]), with the engine's
+    /// own part: `restarts` counts those of the instances it replaced too, `error` says why
+    /// it is blocked, failed or waiting when the engine decided it, and `status_text` is
+    /// shown while a process runs only.
+    ///
+    /// [`BackendStatus::figures`]: crate::BackendStatus::figures
+    pub figures: ProcessFigures,
     /// The new instance of an overlapping update (`update = "overlap"`), or the new
     /// generation of a hot restart (`update = "epoch"`), while it starts beside the instance
     /// described above, which serves until it is ready.
@@ -50,8 +65,6 @@ pub struct ProxyStatus {
     /// runs.
     /// Boxed: most statuses (every event's) have none, and the board keeps one per proxy.
     pub usage: Option<Box<ResourceUsage>>,
-    /// Its reloads: the last one and the counts by result, once there was one.
-    pub reloads: Option<Box<Reloads>>,
     /// The catalog revision of the service definition that its instance runs: the one it
     /// was started from or last updated in place to (a change of the service that touches
     /// nothing of the proxy counts as applied at once). `None` while no instance runs.
@@ -281,9 +294,10 @@ impl Published {
         // Exits seen so far: one per restart, and one more while the last process is gone.
         // Counting the growth of that number catches an exit even when the restart that
         // followed it is already shown.
-        let exits_seen = |s: &ProxyStatus| s.restarts + u64::from(s.pid.is_none() && s.last_exit.is_some());
+        let exits_seen =
+            |s: &ProxyStatus| s.figures.restarts + u64::from(s.figures.pid.is_none() && s.figures.last_exit.is_some());
         let grown = exits_seen(&status).saturating_sub(shown.map_or(0, exits_seen));
-        if let (true, Some(exit)) = (grown > 0, status.last_exit) {
+        if let (true, Some(exit)) = (grown > 0, status.figures.last_exit) {
             *board.stats.exits.entry(exit).or_default() += grown;
         }
         board.proxies.insert(status.id.clone(), status.clone());
@@ -337,7 +351,7 @@ impl ManagerHandle {
 
     fn measure(&self, status: &mut ProxyStatus) {
         let Some(meter) = self.published.meter.get() else { return };
-        status.usage = status.pid.and_then(|pid| meter.usage(&status.id, pid)).map(Box::new);
+        status.usage = status.figures.pid.and_then(|pid| meter.usage(&status.id, pid)).map(Box::new);
     }
 
     /// The backend's own counters ([`Meter::stats`]); none without a meter.
@@ -419,15 +433,8 @@ mod tests {
             id: ServiceId::new("web").unwrap().proxy_id(),
             service: ServiceId::new("web").unwrap(),
             state: ProxyState::Running,
-            pid,
-            restarts: 0,
-            started_at: None,
-            last_exit,
-            error: None,
-            status_text: None,
-            probe_failures: 0,
+            figures: ProcessFigures { pid, last_exit, ..ProcessFigures::default() },
             usage: None,
-            reloads: None,
             applied_revision: None,
         }
     }
@@ -435,7 +442,10 @@ mod tests {
     #[test]
     fn an_exit_is_counted_once_when_a_process_goes_away() {
         let published = Published::new();
-        let restarted = |restarts, pid, exit| ProxyStatus { restarts, ..status(pid, exit) };
+        let restarted = |restarts, pid, exit| {
+            let status = status(pid, exit);
+            ProxyStatus { figures: ProcessFigures { restarts, ..status.figures }, ..status }
+        };
         published.set(status(Some(1), None));
         published.set(status(None, Some(ExitReason::Code(3))));
         // The same status again, and the restart of that exit, count nothing.

@@ -565,19 +565,28 @@ impl OsProxyHandle {
     }
 }
 
+/// What the engine is shown of what the supervisor observed: the state mapped (the one
+/// place a supervisor's state becomes the seam's), the figures handed on whole.
 fn translate(status: &ProcessStatus) -> tether_manager::BackendStatus {
     tether_manager::BackendStatus {
-        state: match status.state {
-            ProcessState::Starting => BackendState::Starting,
-            ProcessState::Running => BackendState::Running,
-            ProcessState::Backoff => BackendState::Backoff,
-            ProcessState::Stopping => BackendState::Stopping,
-            // A stopped process is no longer wanted; the engine removes it from the list.
-            ProcessState::Stopped => BackendState::Stopping,
-            _ => BackendState::Failed,
-        },
+        state: status.state.into(),
         figures: status.figures.clone(),
         generations: Vec::new(),
+    }
+}
+
+/// A supervisor's state as the engine's backend seam reports it. `stopped` (supervision
+/// ended) is shown as `stopping`: the engine drops a handle once its stop returns, and a
+/// proxy it shows `stopped` is one it holds down, its own decision.
+impl From<ProcessState> for BackendState {
+    fn from(state: ProcessState) -> Self {
+        match state {
+            ProcessState::Starting => Self::Starting,
+            ProcessState::Running => Self::Running,
+            ProcessState::Backoff => Self::Backoff,
+            ProcessState::Stopping | ProcessState::Stopped => Self::Stopping,
+            ProcessState::Failed => Self::Failed,
+        }
     }
 }
 
@@ -774,6 +783,7 @@ fn envoy_args(bootstrap: PathBuf, update: UpdateStrategy, given: Vec<OsString>) 
 
 #[cfg(test)]
 mod tests {
+    use tether_manager::ProxyState;
     use tether_state::config::{Format, Origin, parse_service};
 
     use super::*;
@@ -781,6 +791,18 @@ mod tests {
     fn proxy(lines: &str) -> tether_state::ProxySpec {
         let text = format!("name = \"web\"\n[proxy]\n{lines}\n");
         parse_service(&text, Format::Toml, &Origin::Body).unwrap().proxy.unwrap()
+    }
+
+    #[test]
+    fn a_supervisor_state_is_named_as_the_engine_shows_it() {
+        use ProcessState::{Backoff, Failed, Running, Starting, Stopped, Stopping};
+        for state in [Starting, Running, Backoff, Stopping, Failed] {
+            assert_eq!(state.as_str(), ProxyState::from(BackendState::from(state)).as_str());
+        }
+        // Supervision ended: the engine is told `stopping` and drops the handle; the name
+        // is the engine's own `stopped`.
+        assert_eq!(BackendState::from(Stopped), BackendState::Stopping);
+        assert_eq!(Stopped.as_str(), ProxyState::Stopped.as_str());
     }
 
     #[test]

@@ -10,8 +10,17 @@ use std::time::SystemTime;
 use crate::proc::Identity;
 use crate::spec::ProcessName;
 
-/// The lifecycle state of a supervised process (the proxy states, minus `pending` and
-/// `blocked`, which only the engine knows).
+/// The lifecycle state of a supervised process.
+///
+/// Its own type, not the engine's, because it says what a supervisor alone knows: this
+/// crate's [`Supervisor`](crate::Supervisor) is used without the engine (default features
+/// off), and a process it supervises has no `pending` (it exists from its spawn) but ends in
+/// `stopped` or `failed`, after which nothing restarts it ([`is_final`](Self::is_final)).
+/// The engine's states `pending`, `waiting`, `blocked` and a `stopped` held down by the
+/// operator are decisions no supervisor makes. With the `manager` feature, one `From` maps
+/// it to the backend seam's `BackendState` (`stopped` becomes `stopping`: the engine drops
+/// the handle once its stop returns); its names are those of the engine's states, which a
+/// test of that mapping pins.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum ProcessState {

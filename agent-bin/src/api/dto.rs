@@ -2,13 +2,14 @@
 //! format never forces a change in a library crate.
 //!
 //! `ProxyStatusDto` is exactly the `status --json` object that `docs/reference.md`
-//! documents; `ProxyConfigDto` is what a proxy reads about itself (and what the built-in
+//! documents; the figures of a proxy's process in it are `ProcessFigures`' own serde form,
+//! so that a figure the supervisor adds is shown without a change here; `ProxyConfigDto` is what a proxy reads about itself (and what the built-in
 //! proxy parses); `EventDto` is a line of the events stream; `FleetDto` the etcd follower's
 //! status. Nothing here holds a secret but `LeafDto`, which only a proxy's own token reads: a
 //! proxy's token travels only in its own header.
 
 use serde::{Deserialize, Serialize};
-use tether_state::{ExitReason, ProxyConfigMap};
+use tether_state::{ProcessFigures, ProxyConfigMap};
 
 /// One proxy, as `GET /v1/agent/proxies` and `tether status --json` show it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -16,14 +17,11 @@ pub(crate) struct ProxyStatusDto {
     pub(crate) id: String,
     pub(crate) service: String,
     pub(crate) state: String,
-    pub(crate) pid: Option<u32>,
-    pub(crate) restarts: u64,
-    /// RFC 3339, UTC, seconds.
-    pub(crate) started_at: Option<String>,
-    /// `{"code": n}` or `{"signal": n}`: tether-state's one exit vocabulary, whose wire
-    /// form the tests below pin.
-    pub(crate) last_exit: Option<ExitReason>,
-    pub(crate) error: Option<String>,
+    /// `pid`, `restarts`, `started_at` (RFC 3339, UTC, seconds), `last_exit` (`{"code": n}`
+    /// or `{"signal": n}`) and `error`, then any figure added to `ProcessFigures`: its serde
+    /// form, which the test below pins, so that a new figure shows without a change here.
+    #[serde(flatten)]
+    pub(crate) figures: ProcessFigures,
     /// Whether it is ready (`running`); older agents did not send it.
     #[serde(default)]
     pub(crate) ready: bool,
@@ -375,6 +373,8 @@ impl From<crate::fleet::status::FleetReport> for FleetNodesDto {
 mod tests {
     use std::time::SystemTime;
 
+    use tether_state::{ExitReason, ReloadOutcome, ReloadResult, Reloads};
+
     use super::*;
 
     #[test]
@@ -383,11 +383,17 @@ mod tests {
             id: "web-proxy".into(),
             service: "web".into(),
             state: "running".into(),
-            pid: Some(42),
-            restarts: 1,
-            started_at: Some(rfc3339(SystemTime::UNIX_EPOCH)),
-            last_exit: Some(ExitReason::Signal(9)),
-            error: None,
+            figures: ProcessFigures {
+                pid: Some(42),
+                restarts: 1,
+                started_at: Some(SystemTime::UNIX_EPOCH),
+                last_exit: Some(ExitReason::Signal(9)),
+                // Shown at places of their own, or not at all: never twice.
+                status_text: Some("not shown here".into()),
+                probe_failures: 3,
+                reloads: Some(Box::new(Reloads::after(None, ReloadOutcome::now(ReloadResult::Applied, None)))),
+                ..ProcessFigures::default()
+            },
             ready: true,
             status_text: Some("serving".into()),
             resources: None,
@@ -432,5 +438,27 @@ mod tests {
             r#"{"id":"web-proxy","service":"web","state":"running","pid":42,"restarts":1,"started_at":"1970-01-01T00:00:00Z","last_exit":{"signal":9},"error":null,"ready":true,"status_text":"serving","resources":null,"update":{"state":"starting","pid":43,"started_at":null},"last_reload":{"at":"1970-01-01T00:00:00Z","result":"timed out","error":"no READY=1"},"generations":[{"epoch":1,"pid":42,"role":"current"},{"epoch":0,"pid":41,"role":"draining"}],"certificate":{"serial":"3a:01","spiffe_id":"spiffe://example.org/ns/default/dc/dc1/svc/web","not_after":"1970-01-01T00:00:00Z","next_renewal":null,"error":null},"last_xds":{"at":"1970-01-01T00:00:00Z","type":"listener","version":"00ff","result":"refused","error":"cannot bind"},"depends_on":[{"dependency":"db","condition":"ready","proxy":"db-proxy"}],"templates":[{"destination":"/etc/web.conf","at":"1970-01-01T00:00:00Z","result":"failed","error":"line 1: unknown filter"}]}"#
         );
         assert_eq!(serde_json::to_string(&ExitReason::Code(3)).unwrap(), r#"{"code":3}"#);
+    }
+
+    #[test]
+    fn status_reads_back_what_it_wrote() {
+        let figures = ProcessFigures {
+            pid: Some(7),
+            restarts: 2,
+            started_at: Some(SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1_767_225_600)),
+            last_exit: Some(ExitReason::Code(3)),
+            error: Some("exited".into()),
+            ..ProcessFigures::default()
+        };
+        let text = format!(
+            r#"{{"id":"web-proxy","service":"web","state":"backoff",{},"ready":false,"status_text":null,"resources":null,"update":null}}"#,
+            serde_json::to_string(&figures).unwrap().trim_matches(['{', '}'])
+        );
+        let dto: ProxyStatusDto = serde_json::from_str(&text).unwrap();
+        assert_eq!(dto.figures, figures);
+        assert_eq!(dto.state, "backoff");
+        let bad = text.replace("2026-01-01T00:00:00Z", "yesterday");
+        let error = serde_json::from_str::<ProxyStatusDto>(&bad).unwrap_err().to_string();
+        assert!(error.contains("started_at \"yesterday\""), "{error}");
     }
 }

@@ -162,7 +162,7 @@ impl Events {
                 diff(before.as_ref(), status, now)
             }
             ProxyEvent::Removed(id) => match self.seen.remove(id) {
-                Some(before) => vec![event(now, id, "removed", before.pid, None)],
+                Some(before) => vec![event(now, id, "removed", before.figures.pid, None)],
                 None => Vec::new(),
             },
             _ => Vec::new(),
@@ -175,7 +175,7 @@ impl Events {
             now_statuses.into_iter().map(|status| (status.id.clone(), status)).collect();
         for (id, before) in &self.seen {
             if !current.contains_key(id) {
-                found.push(event(now, id, "removed", before.pid, None));
+                found.push(event(now, id, "removed", before.figures.pid, None));
             }
         }
         for status in current.values() {
@@ -243,39 +243,42 @@ pub(crate) fn diff(before: Option<&ProxyStatus>, after: &ProxyStatus, now: Syste
     let id = &after.id;
     let mut found = Vec::new();
     let (was_pid, was_state, was_restarts) = match before {
-        Some(before) => (before.pid, Some(before.state), before.restarts),
-        None => (None, None, after.restarts),
+        Some(before) => (before.figures.pid, Some(before.state), before.figures.restarts),
+        None => (None, None, after.figures.restarts),
     };
-    if let Some(old) = was_pid.filter(|old| after.pid != Some(*old)) {
+    if let Some(old) = was_pid.filter(|old| after.figures.pid != Some(*old)) {
         if was_state == Some(ProxyState::Stopping) || after.state == ProxyState::Stopping {
-            found.push(event(now, id, "stopped", Some(old), after.last_exit.map(|exit| exit_text(Some(exit)))));
+            found.push(event(now, id, "stopped", Some(old), after.figures.last_exit.map(|exit| exit_text(Some(exit)))));
         } else {
-            found.push(event(now, id, "exited", Some(old), Some(exit_text(after.last_exit))));
+            found.push(event(now, id, "exited", Some(old), Some(exit_text(after.figures.last_exit))));
         }
     }
-    if let Some(new) = after.pid.filter(|new| was_pid != Some(*new)) {
-        let name = if before.is_some() && after.restarts > was_restarts { "restarted" } else { "started" };
+    if let Some(new) = after.figures.pid.filter(|new| was_pid != Some(*new)) {
+        let name = if before.is_some() && after.figures.restarts > was_restarts { "restarted" } else { "started" };
         found.push(event(now, id, name, Some(new), None));
     }
-    let same_instance = after.pid.is_some() && was_pid == after.pid;
+    let same_instance = after.figures.pid.is_some() && was_pid == after.figures.pid;
     if same_instance && was_state == Some(ProxyState::Starting) && after.state == ProxyState::Running {
         // Its readiness check passed (without one, a proxy is running once it runs).
-        found.push(event(now, id, "ready", after.pid, None));
+        found.push(event(now, id, "ready", after.figures.pid, None));
     }
-    let was_error = before.and_then(|before| before.error.as_ref());
-    if after.state == ProxyState::Running && after.error.is_some() && after.error.as_ref() != was_error {
+    let was_error = before.and_then(|before| before.figures.error.as_ref());
+    if after.state == ProxyState::Running && after.figures.error.is_some() && after.figures.error.as_ref() != was_error
+    {
         // A running proxy shows an error only when its liveness check fails.
-        found.push(event(now, id, "unhealthy", after.pid, after.error.clone()));
+        found.push(event(now, id, "unhealthy", after.figures.pid, after.figures.error.clone()));
     }
-    let was_reload = before.and_then(|before| before.reloads.as_ref()).map(|reloads| &reloads.last);
-    if let Some(reload) = after.reloads.as_ref().map(|reloads| &reloads.last).filter(|last| Some(*last) != was_reload) {
+    let was_reload = before.and_then(|before| before.figures.reloads.as_ref()).map(|reloads| &reloads.last);
+    if let Some(reload) =
+        after.figures.reloads.as_ref().map(|reloads| &reloads.last).filter(|last| Some(*last) != was_reload)
+    {
         let (name, detail) = if reload.result.succeeded() {
             ("reloaded", Some(reload.result.to_string()))
         } else {
             let why = reload.error.as_deref().unwrap_or("no reason given");
             ("reload-failed", Some(format!("{}: {why}", reload.result)))
         };
-        found.push(event(now, id, name, after.pid, detail));
+        found.push(event(now, id, name, after.figures.pid, detail));
     }
     if was_state != Some(after.state) {
         let name = match after.state {
@@ -287,7 +290,7 @@ pub(crate) fn diff(before: Option<&ProxyStatus>, after: &ProxyStatus, now: Syste
             _ => None,
         };
         if let Some(name) = name {
-            found.push(event(now, id, name, after.pid, after.error.clone()));
+            found.push(event(now, id, name, after.figures.pid, after.figures.error.clone()));
         }
     }
     found
@@ -295,6 +298,8 @@ pub(crate) fn diff(before: Option<&ProxyStatus>, after: &ProxyStatus, now: Syste
 
 #[cfg(test)]
 mod tests {
+    use tether_state::ProcessFigures;
+
     use super::*;
 
     fn status(state: ProxyState, pid: Option<u32>, restarts: u64) -> ProxyStatus {
@@ -305,15 +310,8 @@ mod tests {
             service: id.service_id(),
             id,
             state,
-            pid,
-            restarts,
-            started_at: None,
-            last_exit: None,
-            error: None,
-            status_text: None,
-            probe_failures: 0,
+            figures: ProcessFigures { pid, restarts, ..ProcessFigures::default() },
             usage: None,
-            reloads: None,
             applied_revision: None,
         }
     }
@@ -327,7 +325,7 @@ mod tests {
         let running = status(ProxyState::Running, Some(10), 0);
         assert_eq!(names(None, &running), [("started", Some(10))]);
         let mut exited = status(ProxyState::Starting, None, 0);
-        exited.last_exit = Some(ExitReason::Signal(9));
+        exited.figures.last_exit = Some(ExitReason::Signal(9));
         let events = diff(Some(&running), &exited, SystemTime::UNIX_EPOCH);
         assert_eq!(events.len(), 1);
         assert_eq!((events[0].event, events[0].pid), ("exited", Some(10)));
@@ -356,10 +354,10 @@ mod tests {
     fn waiting_for_dependencies_is_named_with_what_it_waits_for() {
         let pending = status(ProxyState::Pending, None, 0);
         let mut waiting = status(ProxyState::Waiting, None, 0);
-        waiting.error = Some("waiting for db-proxy to be ready (it is starting)".into());
+        waiting.figures.error = Some("waiting for db-proxy to be ready (it is starting)".into());
         let events = diff(Some(&pending), &waiting, SystemTime::UNIX_EPOCH);
         assert_eq!((events.len(), events[0].event), (1, "waiting"));
-        assert_eq!(events[0].detail, waiting.error);
+        assert_eq!(events[0].detail, waiting.figures.error);
         assert_eq!(names(Some(&waiting), &waiting), []);
         let started = status(ProxyState::Starting, Some(10), 0);
         assert_eq!(names(Some(&waiting), &started), [("started", Some(10))]);
@@ -372,10 +370,10 @@ mod tests {
         let running = status(ProxyState::Running, Some(10), 0);
         assert_eq!(names(Some(&starting), &running), [("ready", Some(10))]);
         let mut unhealthy = running.clone();
-        unhealthy.error = Some("liveness probe tcp 127.0.0.1:1: connect: refused".into());
+        unhealthy.figures.error = Some("liveness probe tcp 127.0.0.1:1: connect: refused".into());
         let events = diff(Some(&running), &unhealthy, SystemTime::UNIX_EPOCH);
         assert_eq!((events.len(), events[0].event), (1, "unhealthy"));
-        assert_eq!(events[0].detail, unhealthy.error);
+        assert_eq!(events[0].detail, unhealthy.figures.error);
         assert_eq!(names(Some(&unhealthy), &unhealthy), []);
         // Without a readiness check a proxy is running once it runs: started, not ready.
         assert_eq!(names(Some(&status(ProxyState::Starting, None, 0)), &running), [("started", Some(10))]);
@@ -386,12 +384,16 @@ mod tests {
         use tether_state::{ReloadOutcome, ReloadResult, Reloads};
         let running = status(ProxyState::Running, Some(10), 0);
         let applied = Reloads::after(None, ReloadOutcome::now(ReloadResult::Applied, None));
-        let reloaded = ProxyStatus { reloads: Some(Box::new(applied.clone())), ..running.clone() };
+        let with = |reloads| ProxyStatus {
+            figures: ProcessFigures { reloads: Some(Box::new(reloads)), ..running.figures.clone() },
+            ..running.clone()
+        };
+        let reloaded = with(applied.clone());
         assert_eq!(names(Some(&running), &reloaded), [("reloaded", Some(10))]);
         assert_eq!(names(Some(&reloaded), &reloaded.clone()), [], "the same reload is told once");
         let refused =
             Reloads::after(Some(&applied), ReloadOutcome::now(ReloadResult::Refused, Some("bad line 3".into())));
-        let failed = ProxyStatus { reloads: Some(Box::new(refused)), ..running };
+        let failed = with(refused);
         let events = diff(Some(&reloaded), &failed, SystemTime::UNIX_EPOCH);
         assert_eq!((events.len(), events[0].event), (1, "reload-failed"));
         assert_eq!(events[0].detail.as_deref(), Some("refused: bad line 3"));

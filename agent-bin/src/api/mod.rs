@@ -281,13 +281,9 @@ pub(crate) fn status_dto(status: &ProxyStatus) -> ProxyStatusDto {
         id: status.id.to_string(),
         service: status.service.to_string(),
         state: status.state.as_str().to_owned(),
-        pid: status.pid,
-        restarts: status.restarts,
-        started_at: status.started_at.map(dto::rfc3339),
-        last_exit: status.last_exit,
-        error: status.error.clone(),
+        figures: status.figures.clone(),
         ready: status.ready(),
-        status_text: status.status_text.clone(),
+        status_text: status.figures.status_text.clone(),
         resources: status.usage.as_deref().map(|usage| dto::ResourcesDto {
             cpu_seconds: usage.cpu.as_secs_f64(),
             memory_bytes: usage.memory_bytes,
@@ -298,7 +294,7 @@ pub(crate) fn status_dto(status: &ProxyStatus) -> ProxyStatusDto {
             pid: update.pid,
             started_at: update.started_at.map(dto::rfc3339),
         }),
-        last_reload: status.reloads.as_ref().map(|reloads| dto::ReloadDto::from(&reloads.last)),
+        last_reload: status.figures.reloads.as_ref().map(|reloads| dto::ReloadDto::from(&reloads.last)),
         generations: status
             .generations
             .iter()
@@ -363,12 +359,12 @@ async fn proxies(State(state): State<ApiState>) -> Json<Vec<ProxyStatusDto>> {
 /// wrong: a leaf that cannot be renewed shows before it expires.
 fn status_with_templates(state: &ApiState, status: &tether_manager::ProxyStatus) -> ProxyStatusDto {
     let mut dto = status_dto(status);
-    if dto.error.is_none() {
-        dto.error = state.templates.error(&status.id);
+    if dto.figures.error.is_none() {
+        dto.figures.error = state.templates.error(&status.id);
     }
     dto.certificate = connect_ca::certificate_of(state, &status.service);
-    if dto.error.is_none() {
-        dto.error = dto.certificate.as_ref().and_then(|certificate| certificate.error.clone());
+    if dto.figures.error.is_none() {
+        dto.figures.error = dto.certificate.as_ref().and_then(|certificate| certificate.error.clone());
     }
     dto.last_xds = state.xds.last(&status.id).map(|verdict| dto::XdsDto::from(&verdict));
     dto.templates = state

@@ -457,7 +457,7 @@ impl Templates {
         if changed.is_empty() {
             return;
         }
-        let running = manager.proxy(proxy_id).is_some_and(|status| status.pid.is_some());
+        let running = manager.proxy(proxy_id).is_some_and(|status| status.figures.pid.is_some());
         if !running {
             return;
         }

@@ -627,16 +627,17 @@ fn the_first_change_after_a_quiet_period_applies_at_once_from_etcd() {
 /// agent's node shows `down` soon.
 const TTL_SECONDS: u64 = 2;
 
-/// Starts an agent that follows `node` and publishes its status under a short lease.
-fn publishing_agent(dirs: &Dirs, etcd: &Etcd, node: &str) -> Agent {
+/// Starts an agent that follows `node` in `etcd` and publishes its status under the store's
+/// short lease.
+fn publishing_agent(dirs: &Dirs, etcd: &impl Store, node: &str) -> Agent {
     publishing_agent_with(dirs, etcd, node, &[])
 }
 
 /// [`publishing_agent`], with `extra` flags.
-fn publishing_agent_with(dirs: &Dirs, etcd: &Etcd, node: &str, extra: &[&str]) -> Agent {
-    let url = etcd.url();
-    let ttl = format!("{TTL_SECONDS}s");
-    let mut flags = vec!["--etcd", url.as_str(), "--node", node, "--fleet-ttl", ttl.as_str()];
+fn publishing_agent_with<S: Store>(dirs: &Dirs, etcd: &S, node: &str, extra: &[&str]) -> Agent {
+    let urls = etcd.urls();
+    let ttl = format!("{}s", S::TTL_SECONDS);
+    let mut flags = vec!["--etcd", urls.as_str(), "--node", node, "--fleet-ttl", ttl.as_str()];
     if is_root() {
         flags.push("--allow-root");
     }
@@ -661,30 +662,66 @@ fn node_of<'a>(view: &'a serde_json::Value, node: &str) -> &'a serde_json::Value
         .unwrap_or(&serde_json::Value::Null)
 }
 
-/// Three agents on one machine as three nodes, each running `web` from etcd.
-struct ThreeNodes {
+/// What the agents of [`Nodes`] follow: one etcd, or a cluster of three members
+/// (`cluster::Cluster`).
+trait Store: Sized {
+    /// The status lease's TTL of the agents that follow it.
+    const TTL_SECONDS: u64;
+
+    /// Starts it, or returns `None` (and says why) when there is no etcd binary.
+    fn up(test: &str) -> Option<Self>;
+
+    /// Every client URL, comma-separated, as `--etcd` takes them.
+    fn urls(&self) -> String;
+
+    /// `tether fleet status --json` through [`Store::urls`]: its exit code and its document.
+    fn view(&self) -> (Option<i32>, serde_json::Value);
+}
+
+impl Store for Etcd {
+    const TTL_SECONDS: u64 = TTL_SECONDS;
+
+    fn up(test: &str) -> Option<Self> {
+        Etcd::start(test)
+    }
+
+    fn urls(&self) -> String {
+        self.url()
+    }
+
+    fn view(&self) -> (Option<i32>, serde_json::Value) {
+        fleet_view(self)
+    }
+}
+
+/// Three agents on one machine as three nodes, [`Nodes::NODES`], that follow `etcd` and
+/// publish their status, and their dirs.
+struct Nodes<S: Store> {
     // Agents first: they go before etcd and their dirs.
     agents: Vec<Agent>,
     dirs: Vec<Dirs>,
-    etcd: Etcd,
+    etcd: S,
 }
 
-impl ThreeNodes {
+/// Three nodes that follow one etcd.
+type ThreeNodes = Nodes<Etcd>;
+
+impl<S: Store> Nodes<S> {
     const NODES: [&'static str; 3] = ["n1", "n2", "n3"];
 
     fn start(test: &str) -> Option<Self> {
-        let etcd = Etcd::start(test)?;
+        let etcd = S::up(test)?;
         let dirs: Vec<Dirs> = Self::NODES.iter().map(|_| Dirs::new()).collect();
         let agents = Self::NODES.iter().zip(&dirs).map(|(node, dirs)| publishing_agent(dirs, &etcd, node)).collect();
         Some(Self { agents, dirs, etcd })
     }
 
     /// Waits until `fleet status` exits 0 with every node up and `proxies` proxies ready on
-    /// each; returns the document.
+    /// each, on its desired revision; returns the document.
     #[track_caller]
     fn wait_all_ready(&self, proxies: usize) -> serde_json::Value {
         wait_until("every node up with every proxy ready on its desired revision", || {
-            let (code, view) = fleet_view(&self.etcd);
+            let (code, view) = self.etcd.view();
             let ready = Self::NODES.iter().all(|node| {
                 let node = node_of(&view, node);
                 node["state"] == "up"
@@ -695,6 +732,11 @@ impl ThreeNodes {
             });
             (code == Some(0) && ready).then(|| view.clone()).ok_or(view.to_string())
         })
+    }
+
+    /// The pid of `proxy` on each node, in [`Nodes::NODES`]' order.
+    fn pids(&self, proxy: &str) -> Vec<i64> {
+        self.agents.iter().map(|agent| pid_of(agent, proxy)).collect()
     }
 }
 
@@ -878,7 +920,7 @@ struct RolloutCli {
 }
 
 impl RolloutCli {
-    fn spawn(etcd: &Etcd, dirs: &Dirs, args: &[&str]) -> Self {
+    fn spawn(etcd: &impl Store, dirs: &Dirs, args: &[&str]) -> Self {
         static STARTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
         let n = STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let out = dirs.temp.path().join(format!("rollout-{n}.out"));
@@ -887,7 +929,7 @@ impl RolloutCli {
             .arg("fleet")
             .arg("rollout")
             .args(args)
-            .args(["--etcd", &etcd.url()])
+            .args(["--etcd", &etcd.urls()])
             .stdin(Stdio::null())
             .stdout(file.try_clone().unwrap())
             .stderr(file)

@@ -458,6 +458,13 @@ fn a_proxy_that_keeps_changing_holds_back_only_its_own_change() {
         let response = put(&dirs.socket(), "/v1/agent/service/register", Some(&body)).unwrap();
         assert_eq!(response.status, 200, "{}", response.body);
     };
+    // web's first registration must be a change, not part of the engine's first read (which
+    // nothing holds back, and which holds nothing back): registered after the first pass.
+    wait_for("the engine's first reconcile pass", || {
+        let metrics = get(&dirs.socket(), "/metrics").ok()?.body;
+        let passes = metrics.lines().find_map(|line| line.strip_prefix("tether_reconcile_passes_total "))?;
+        (passes.parse::<f64>().ok()? >= 1.0).then_some(())
+    });
     register("web", 1);
     let web = pid_of(&agent.wait_state("web-proxy", "running"));
     // A second change of web within the window is held (for an hour)...

@@ -18,15 +18,15 @@ async fn a_crashed_proxy_is_restarted_and_a_kill_leaves_no_process() {
     let running = RunningManager::spawn(engine(&catalog, Arc::new(backend)));
 
     let first = wait_until_state(running.handle(), &id("sleeper"), ProxyState::Running, LIMIT).await.unwrap();
-    let first = first.pid.expect("a running proxy has a pid");
+    let first = first.figures.pid.expect("a running proxy has a pid");
     processes.wait_until_running(&[first]).await;
 
     crash(first);
     let restarted =
-        wait_for_proxy(running.handle(), &id("sleeper"), "has restarted", |proxy| proxy.restarts == 1, LIMIT)
+        wait_for_proxy(running.handle(), &id("sleeper"), "has restarted", |proxy| proxy.figures.restarts == 1, LIMIT)
             .await
             .unwrap();
-    let second = restarted.pid.expect("a restarted proxy has a pid");
+    let second = restarted.figures.pid.expect("a restarted proxy has a pid");
     assert_ne!(second, first);
     assert!(is_gone(first), "the crashed process was reaped");
 
@@ -45,7 +45,7 @@ async fn closing_the_engine_leaves_the_process_running() {
 
     within("the engine's close", running.close()).await.unwrap();
     // Detached, for the next agent; the guard ends it with the test.
-    processes.wait_until_running(&[sleeper.pid.unwrap()]).await;
+    processes.wait_until_running(&[sleeper.figures.pid.unwrap()]).await;
 }
 
 #[tokio::test]
@@ -56,7 +56,7 @@ async fn a_proxy_without_a_command_fails_with_the_reason() {
     let running = RunningManager::spawn(engine(&catalog, Arc::new(backend)));
 
     let web = wait_until_state(running.handle(), &id("web"), ProxyState::Failed, LIMIT).await.unwrap();
-    let error = web.error.unwrap_or_default();
+    let error = web.figures.error.unwrap_or_default();
     assert!(error.contains("the built-in proxy is not available here"), "{error}");
     within("the engine's kill", running.kill()).await.unwrap();
 }

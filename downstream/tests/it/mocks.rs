@@ -67,7 +67,7 @@ async fn a_failed_start_is_retried_with_a_new_handle() {
     let running = RunningManager::spawn(engine(&catalog(&[service("web")]), Arc::new(backend)));
 
     let failed = wait_until_state(running.handle(), &id("web"), ProxyState::Failed, PAUSED_LIMIT).await.unwrap();
-    let error = failed.error.unwrap_or_default();
+    let error = failed.figures.error.unwrap_or_default();
     assert!(error.contains("no such program"), "{error}");
     wait_until_state(running.handle(), &id("web"), ProxyState::Running, PAUSED_LIMIT).await.unwrap();
     running.close().await.unwrap();

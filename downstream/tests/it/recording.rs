@@ -21,19 +21,19 @@ async fn an_exited_proxy_is_restarted_after_its_backoff() {
     let running = RunningManager::spawn(engine(&catalog(&[web]), Arc::new(backend.clone())));
 
     let started = wait_until_state(running.handle(), &id("web"), ProxyState::Running, PAUSED_LIMIT).await.unwrap();
-    assert_eq!(started.pid, Some(1001));
+    assert_eq!(started.figures.pid, Some(1001));
 
     let exited_at = Instant::now();
     backend.exit(&id("web"), ExitReason::Code(1));
     let waiting = wait_until_state(running.handle(), &id("web"), ProxyState::Backoff, PAUSED_LIMIT).await.unwrap();
-    assert_eq!(waiting.last_exit, Some(ExitReason::Code(1)));
+    assert_eq!(waiting.figures.last_exit, Some(ExitReason::Code(1)));
 
     let restarted =
-        wait_for_proxy(running.handle(), &id("web"), "has restarted", |web| web.restarts == 1, PAUSED_LIMIT)
+        wait_for_proxy(running.handle(), &id("web"), "has restarted", |web| web.figures.restarts == 1, PAUSED_LIMIT)
             .await
             .unwrap();
     assert_eq!(exited_at.elapsed(), Duration::from_secs(1), "the restart waits out the backoff");
-    assert_eq!((restarted.state, restarted.pid), (ProxyState::Running, Some(1002)));
+    assert_eq!((restarted.state, restarted.figures.pid), (ProxyState::Running, Some(1002)));
 
     // The restart was the backend's; killing the engine stops the one handle it started.
     running.kill().await.unwrap();

@@ -264,7 +264,7 @@ impl Manager {
                     let _caller_gone = done.send(Err(refused));
                     return;
                 }
-                let restarts = self.published.lock().proxies.get(&id).map_or(0, |status| status.restarts);
+                let restarts = self.published.lock().proxies.get(&id).map_or(0, |status| status.figures.restarts);
                 if let Some(slot) = self.slots.get_mut(&id) {
                     slot.requested = Some((done, restarts));
                 }

@@ -127,7 +127,7 @@ async fn initial_sync_starts_every_wanted_proxy_at_once() {
     running.until_state(&pid("web"), ProxyState::Running).await;
     let db = running.until_state(&pid("db"), ProxyState::Running).await;
     assert_eq!(db.service.as_str(), "db");
-    assert!(db.pid.is_some());
+    assert!(db.figures.pid.is_some());
     assert_eq!(running.fake.live_ids(), ["db-proxy", "web-proxy"]);
     assert_eq!(running.handle.stats().passes, 1);
     running.stop().await;
@@ -311,7 +311,7 @@ async fn restart_relevant_change_stops_then_starts() {
     assert_eq!(stops.len(), 1);
     assert!(stops[0].0 <= starts[1].0);
     let second = running.until_state(&pid("web"), ProxyState::Running).await;
-    assert_ne!(first.pid, second.pid);
+    assert_ne!(first.figures.pid, second.figures.pid);
     assert_eq!(running.fake.state().live[&pid("web")].spec().env["LOG_LEVEL"], "debug");
     assert!(running.fake.calls_of(Call::Update).is_empty());
     running.stop().await;
@@ -339,7 +339,7 @@ async fn the_applied_revision_is_the_definition_the_instance_runs() {
     let restart_revision = running.state.upsert(tagged, Source::Api).unwrap();
     running.fake.wait_calls(Call::Start, 2).await;
     let second = running.until_state(&pid("web"), ProxyState::Running).await;
-    assert_ne!(first.pid, second.pid);
+    assert_ne!(first.figures.pid, second.figures.pid);
     assert_eq!(second.applied_revision, Some(restart_revision));
     running.stop().await;
 }
@@ -454,11 +454,11 @@ async fn failed_start_leaves_the_proxy_failed_and_it_is_retried_on_the_backoff()
     let mut events = handle.subscribe();
     let failed = next_in_state(&mut events, ProxyState::Failed).await;
     let failed_at = Instant::now();
-    assert_eq!(failed.error.as_deref(), Some("cannot start proxy web-proxy: exec failed: no such file"));
+    assert_eq!(failed.figures.error.as_deref(), Some("cannot start proxy web-proxy: exec failed: no such file"));
     assert_eq!(handle.stats().failures, 1);
     // No change is made: the start is tried again after the first backoff step, 1 s.
     let running = next_in_state(&mut events, ProxyState::Running).await;
-    assert_eq!((running.pid, running.error), (Some(7), None));
+    assert_eq!((running.figures.pid, running.figures.error), (Some(7), None));
     let waited = failed_at.elapsed();
     assert!(waited >= Duration::from_secs(1) && waited < Duration::from_millis(1100), "{waited:?}");
     let stats = handle.stats();
@@ -482,7 +482,7 @@ async fn a_change_retries_a_failed_start_at_once() {
     web.port = Some(1);
     state.upsert(web, Source::Api).unwrap();
     let running = next_in_state(&mut events, ProxyState::Running).await;
-    assert_eq!((running.pid, running.error), (Some(7), None));
+    assert_eq!((running.figures.pid, running.figures.error), (Some(7), None));
     // After the quiescent period (500 ms), not after the backoff (1 s).
     let waited = changed_at.elapsed();
     assert!(waited < Duration::from_secs(1), "{waited:?}");
@@ -499,7 +499,7 @@ async fn proxy_without_user_is_blocked_when_running_as_root() {
     let state = catalog(&[service("web"), with_user("db")]);
     let running = run_with(&state, &Fake::new(), &Arc::new(MemorySnapshotStore::new()), config.clone());
     let web = running.until_state(&pid("web"), ProxyState::Blocked).await;
-    assert!(web.error.as_deref().is_some_and(|e| e.contains("root")), "{web:?}");
+    assert!(web.figures.error.as_deref().is_some_and(|e| e.contains("root")), "{web:?}");
     running.until_state(&pid("db"), ProxyState::Running).await;
     assert_eq!(running.fake.live_ids(), ["db-proxy"]);
     // Giving it a user lifts the block.
@@ -529,7 +529,7 @@ async fn proxy_whose_user_is_uid_0_is_blocked_and_its_user_is_looked_up_again_wh
     let state = catalog(&[run_as("web", "toor"), run_as("db", "svc")]);
     let running = run_with(&state, &Fake::new(), &Arc::new(MemorySnapshotStore::new()), config.clone());
     let web = running.until_state(&pid("web"), ProxyState::Blocked).await;
-    let error = web.error.unwrap_or_default();
+    let error = web.figures.error.unwrap_or_default();
     assert!(error.contains("`user` \"toor\" is uid 0") && error.contains("--allow-root"), "{error}");
     running.until_state(&pid("db"), ProxyState::Running).await;
     assert_eq!(running.fake.live_ids(), ["db-proxy"]);
@@ -540,7 +540,7 @@ async fn proxy_whose_user_is_uid_0_is_blocked_and_its_user_is_looked_up_again_wh
     moved.port = Some(1);
     state.upsert(moved, Source::Api).unwrap();
     let db = running.until_state(&pid("db"), ProxyState::Blocked).await;
-    assert!(db.error.as_deref().is_some_and(|e| e.contains("\"svc\" is uid 0")), "{db:?}");
+    assert!(db.figures.error.as_deref().is_some_and(|e| e.contains("\"svc\" is uid 0")), "{db:?}");
     // toor is given up, and web runs as a user that does not resolve: its start, not the
     // policy, has the last word.
     state.upsert(run_as("web", "ghost"), Source::Api).unwrap();
@@ -739,8 +739,8 @@ async fn a_restart_asked_through_the_handle_stops_and_starts_and_keeps_the_count
     tokio::time::timeout(LIMIT, running.handle.restart(&pid("web"))).await.unwrap().unwrap();
     let after = running.handle.proxy(&pid("web")).unwrap();
     assert_eq!(after.state, ProxyState::Running);
-    assert_ne!(after.pid, before.pid, "a new process");
-    assert_eq!(after.restarts, before.restarts);
+    assert_ne!(after.figures.pid, before.figures.pid, "a new process");
+    assert_eq!(after.figures.restarts, before.figures.restarts);
     assert_eq!(running.fake.calls_of(Call::Stop).len(), 1);
     assert_eq!(running.fake.calls_of(Call::Start).len(), 3);
 
@@ -763,7 +763,7 @@ async fn a_reload_asked_through_the_handle_reaches_only_a_running_proxy_with_a_r
     assert_eq!((outcome.result, outcome.error), (ReloadResult::Applied, None));
     assert_eq!(running.fake.calls_of(Call::Reload).len(), 1);
     assert_eq!(running.fake.calls_of(Call::Start).len(), 2, "a reload starts nothing");
-    assert_eq!(running.handle.proxy(&pid("web")).unwrap().pid, before.pid);
+    assert_eq!(running.handle.proxy(&pid("web")).unwrap().figures.pid, before.figures.pid);
 
     assert_eq!(running.handle.reload(&pid("db")).await, Err(RequestError::NoReload(pid("db"))));
     let unknown = ServiceId::new("nothing").unwrap().proxy_id();
@@ -783,7 +783,7 @@ async fn a_held_proxy_is_stopped_stays_stopped_through_changes_and_starts_when_r
     running.until_state(&pid("web"), ProxyState::Running).await;
     running.handle.hold(&pid("web"), true).await.unwrap();
     let stopped = running.until_state(&pid("web"), ProxyState::Stopped).await;
-    assert_eq!(stopped.pid, None);
+    assert_eq!(stopped.figures.pid, None);
     assert_eq!(running.fake.calls_of(Call::Stop).len(), 1);
     // A change to the service does not start it.
     let mut web = service("web");

@@ -69,7 +69,7 @@ const FIRST_PID: u32 = 1000;
 ///
 /// // The first start fails, the engine retries it with a new handle.
 /// let web = wait_until_state(running.handle(), &id, ProxyState::Running, Duration::from_secs(10)).await.unwrap();
-/// assert_eq!(web.pid, Some(1001));
+/// assert_eq!(web.figures.pid, Some(1001));
 /// use CallKind::{Create, Start};
 /// assert_eq!(backend.calls_of(&id), [(Create, 1), (Start, 1), (Create, 2), (Start, 2)]);
 /// running.close().await.unwrap();

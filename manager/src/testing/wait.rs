@@ -71,8 +71,11 @@ pub enum WaitError {
 ///     &handle,
 ///     "two proxies are running",
 ///     |statuses| {
-///         let running: Vec<u32> =
-///             statuses.iter().filter(|status| status.state == ProxyState::Running).filter_map(|status| status.pid).collect();
+///         let running: Vec<u32> = statuses
+///             .iter()
+///             .filter(|status| status.state == ProxyState::Running)
+///             .filter_map(|status| status.figures.pid)
+///             .collect();
 ///         (running.len() == 2).then_some(running)
 ///     },
 ///     Duration::from_secs(10),
@@ -225,16 +228,16 @@ impl fmt::Display for Seen<'_> {
 fn describe(f: &mut fmt::Formatter<'_>, status: &ProxyStatus) -> fmt::Result {
     write!(f, "{} {}", status.id, status.state)?;
     let mut details = Vec::new();
-    if let Some(pid) = status.pid {
+    if let Some(pid) = status.figures.pid {
         details.push(format!("pid {pid}"));
     }
-    if status.restarts > 0 {
-        details.push(format!("{} restarts", status.restarts));
+    if status.figures.restarts > 0 {
+        details.push(format!("{} restarts", status.figures.restarts));
     }
-    if let Some(exit) = status.last_exit {
+    if let Some(exit) = status.figures.last_exit {
         details.push(format!("last exit: {exit}"));
     }
-    if let Some(error) = &status.error {
+    if let Some(error) = &status.figures.error {
         details.push(format!("error: {error}"));
     }
     if !details.is_empty() {

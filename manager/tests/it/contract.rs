@@ -16,7 +16,9 @@ async fn a_restart_creates_the_new_handle_before_it_stops_the_old_one() {
     let backend = RecordingBackend::new();
     let running = RunningManager::spawn(manager(&catalog, backend.clone()));
     let runs = |pid| {
-        move |status: &tether_manager::ProxyStatus| status.state == ProxyState::Running && status.pid == Some(pid)
+        move |status: &tether_manager::ProxyStatus| {
+            status.state == ProxyState::Running && status.figures.pid == Some(pid)
+        }
     };
     wait_for_proxy(running.handle(), &id("web"), "runs as pid 1001", runs(1001), LIMIT).await.unwrap();
 
@@ -52,9 +54,16 @@ async fn an_overlapping_update_runs_the_new_handle_beside_the_old_one_until_it_i
         spec.env.insert("LOG_LEVEL".into(), "debug".into());
     });
     catalog.upsert(changed, Source::Api).unwrap();
-    let second =
-        wait_for_proxy(running.handle(), &id("web"), "has a new process", |s| s.pid != first.pid, LIMIT).await.unwrap();
-    assert_eq!(second.pid, Some(1002));
+    let second = wait_for_proxy(
+        running.handle(),
+        &id("web"),
+        "has a new process",
+        |s| s.figures.pid != first.figures.pid,
+        LIMIT,
+    )
+    .await
+    .unwrap();
+    assert_eq!(second.figures.pid, Some(1002));
     // Both handles started, and the old one stopped only after the new one ran.
     assert_eq!(backend.calls_of(&id("web")), [(Create, 1), (Start, 1), (Create, 2), (Start, 2), (Stop, 1)]);
     assert_eq!(backend.running(&id("web")), [1002]);
@@ -135,8 +144,9 @@ async fn what_a_meter_measures_is_in_the_status_read_and_not_in_events() {
     let meter = Arc::new(FixedMeter { usage, stats: stats.clone() });
     let running = RunningManager::spawn(manager(&catalog(&[service("web")]), backend).with_meter(meter));
     let mut events = running.handle().subscribe();
-    let shown =
-        wait_for_proxy(running.handle(), &id("web"), "runs as pid 42", |s| s.pid == Some(42), LIMIT).await.unwrap();
+    let shown = wait_for_proxy(running.handle(), &id("web"), "runs as pid 42", |s| s.figures.pid == Some(42), LIMIT)
+        .await
+        .unwrap();
     assert_eq!(shown.usage.as_deref(), Some(&usage));
     assert_eq!(running.handle().proxy(&id("web")).unwrap().usage.as_deref(), Some(&usage));
     assert_eq!(running.handle().backend_stats(), stats);
@@ -146,15 +156,16 @@ async fn what_a_meter_measures_is_in_the_status_read_and_not_in_events() {
     assert_eq!(changed.usage, None);
     // Nor a read that asks for none.
     let unmeasured = running.handle().status_unmeasured();
-    assert_eq!((unmeasured.len(), unmeasured[0].pid, unmeasured[0].usage.as_deref()), (1, Some(42), None));
+    assert_eq!((unmeasured.len(), unmeasured[0].figures.pid, unmeasured[0].usage.as_deref()), (1, Some(42), None));
 
     // No process: nothing measured (the meter would fail the test if asked).
     status.send_modify(|status| {
         status.state = BackendState::Backoff;
         status.figures.pid = None;
     });
-    let gone =
-        wait_for_proxy(running.handle(), &id("web"), "has no process", |s| s.pid.is_none(), LIMIT).await.unwrap();
+    let gone = wait_for_proxy(running.handle(), &id("web"), "has no process", |s| s.figures.pid.is_none(), LIMIT)
+        .await
+        .unwrap();
     assert_eq!(gone.usage, None);
     running.close().await.unwrap();
 }
@@ -166,7 +177,7 @@ async fn without_a_meter_a_status_has_no_usage_and_the_backend_counts_nothing() 
     let shown = tether_manager::testing::wait_until_state(running.handle(), &id("web"), ProxyState::Running, LIMIT)
         .await
         .unwrap();
-    assert!(shown.pid.is_some());
+    assert!(shown.figures.pid.is_some());
     assert_eq!(shown.usage, None);
     assert_eq!(running.handle().backend_stats(), tether_manager::BackendStats::default());
     running.close().await.unwrap();

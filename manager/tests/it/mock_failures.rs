@@ -59,7 +59,7 @@ async fn run_until_running(backend: MockProxyBackend) -> Manager {
     let stop = shutdown.clone();
     let watcher = tokio::spawn(async move {
         let web = ProxyId::parse("web-proxy").unwrap();
-        while view.proxy(&web).is_none_or(|status| status.pid != Some(42)) {
+        while view.proxy(&web).is_none_or(|status| status.figures.pid != Some(42)) {
             if events.recv().await.is_err() {
                 return;
             }

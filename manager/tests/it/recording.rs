@@ -17,24 +17,27 @@ async fn a_proxy_that_exits_is_restarted_by_the_backend_on_its_backoff() {
     let backend = RecordingBackend::new();
     let running = RunningManager::spawn(manager(&catalog(&[web]), backend.clone()));
     let started = wait_until_state(running.handle(), &id("web"), ProxyState::Running, LIMIT).await.unwrap();
-    assert_eq!(started.pid, Some(1001));
+    assert_eq!(started.figures.pid, Some(1001));
     assert_eq!(backend.running(&id("web")), [1001]);
 
     let exited_at = Instant::now();
     assert_eq!(backend.exit(&id("web"), ExitReason::Code(3)), 1001);
     let backoff = wait_until_state(running.handle(), &id("web"), ProxyState::Backoff, LIMIT).await.unwrap();
-    assert_eq!((backoff.pid, backoff.last_exit), (None, Some(ExitReason::Code(3))));
+    assert_eq!((backoff.figures.pid, backoff.figures.last_exit), (None, Some(ExitReason::Code(3))));
     assert!(backend.running(&id("web")).is_empty());
 
-    let restarted =
-        wait_for_proxy(running.handle(), &id("web"), "has restarted", |s| s.restarts == 1, LIMIT).await.unwrap();
+    let restarted = wait_for_proxy(running.handle(), &id("web"), "has restarted", |s| s.figures.restarts == 1, LIMIT)
+        .await
+        .unwrap();
     assert_eq!(exited_at.elapsed(), Duration::from_secs(1), "the first restart waits out its backoff");
-    assert_eq!((restarted.state, restarted.pid), (ProxyState::Running, Some(1002)));
+    assert_eq!((restarted.state, restarted.figures.pid), (ProxyState::Running, Some(1002)));
 
     // Exited again at once: the second attempt in a row waits twice as long.
     let exited_at = Instant::now();
     backend.exit(&id("web"), ExitReason::Signal(9));
-    wait_for_proxy(running.handle(), &id("web"), "has restarted twice", |s| s.restarts == 2, LIMIT).await.unwrap();
+    wait_for_proxy(running.handle(), &id("web"), "has restarted twice", |s| s.figures.restarts == 2, LIMIT)
+        .await
+        .unwrap();
     assert_eq!(exited_at.elapsed(), Duration::from_secs(2));
 
     // Restarting after an exit is the backend's job: the engine started the proxy once.
@@ -52,10 +55,10 @@ async fn a_failed_start_is_retried_with_a_new_handle_on_the_backoff() {
     let running = RunningManager::spawn(manager(&catalog(&[web]), backend.clone()));
 
     let failed = wait_until_state(running.handle(), &id("web"), ProxyState::Failed, LIMIT).await.unwrap();
-    let error = failed.error.unwrap_or_default();
+    let error = failed.figures.error.unwrap_or_default();
     assert!(error.contains("told to fail this start"), "{error}");
     let web = wait_until_state(running.handle(), &id("web"), ProxyState::Running, LIMIT).await.unwrap();
-    assert_eq!(web.pid, Some(1001), "a failed start runs nothing");
+    assert_eq!(web.figures.pid, Some(1001), "a failed start runs nothing");
 
     let starts: Vec<(u64, Duration)> = backend
         .calls()

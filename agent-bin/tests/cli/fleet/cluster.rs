@@ -59,11 +59,6 @@ impl Cluster {
         Some(cluster)
     }
 
-    /// Every member's client URL, comma-separated, as `--etcd` takes them.
-    fn urls(&self) -> String {
-        self.members.iter().map(Member::url).collect::<Vec<_>>().join(",")
-    }
-
     /// Every member's client URL at `address`, comma-separated.
     fn urls_at(&self, address: &str) -> String {
         let urls: Vec<String> = self.members.iter().map(|m| format!("http://{address}:{}", m.client_port)).collect();
@@ -370,105 +365,25 @@ fn with_quorum_lost_every_proxy_runs_on_the_store_shows_unreachable_and_changes_
 /// second here) and a keep-alive's move to another member, as a production TTL is.
 const CLUSTER_TTL_SECONDS: u64 = 6;
 
-/// Three agents that follow the cluster and publish their status, their dirs, and the
-/// cluster; agents go first on drop.
-struct ClusterNodes {
-    agents: Vec<Agent>,
-    dirs: Vec<Dirs>,
-    cluster: Cluster,
-}
+/// Three agents that follow a cluster.
+type ClusterNodes = Nodes<Cluster>;
 
-impl ClusterNodes {
-    const NODES: [&'static str; 3] = ["n1", "n2", "n3"];
+impl Store for Cluster {
+    const TTL_SECONDS: u64 = CLUSTER_TTL_SECONDS;
 
-    fn start(test: &str) -> Option<Self> {
-        let cluster = Cluster::start(test)?;
-        let dirs: Vec<Dirs> = Self::NODES.iter().map(|_| Dirs::new()).collect();
-        let urls = cluster.urls();
-        let ttl = format!("{CLUSTER_TTL_SECONDS}s");
-        let agents = Self::NODES
-            .iter()
-            .zip(&dirs)
-            .map(|(node, dirs)| {
-                let mut flags = vec!["--etcd", urls.as_str(), "--node", node, "--fleet-ttl", ttl.as_str()];
-                if is_root() {
-                    flags.push("--allow-root");
-                }
-                Agent::start(dirs, &flags)
-            })
-            .collect();
-        Some(Self { agents, dirs, cluster })
+    fn up(test: &str) -> Option<Self> {
+        Cluster::start(test)
     }
 
-    /// `tether fleet status --json` through every endpoint: its exit code and document.
+    fn urls(&self) -> String {
+        self.members.iter().map(Member::url).collect::<Vec<_>>().join(",")
+    }
+
+    /// A document that does not parse (no member answers) reads as null: the caller waits on.
     fn view(&self) -> (Option<i32>, serde_json::Value) {
-        let output = fleet(&self.cluster.urls(), &["status", "--json"]);
+        let output = fleet(&self.urls(), &["status", "--json"]);
         let text = String::from_utf8_lossy(&output.stdout);
         (output.status.code(), serde_json::from_str(&text).unwrap_or(serde_json::Value::Null))
-    }
-
-    /// Waits until every node is up with `proxies` proxies, each ready on its desired
-    /// revision; returns the document.
-    #[track_caller]
-    fn wait_all_ready(&self, proxies: usize) -> serde_json::Value {
-        wait_until("every node up with every proxy ready on its desired revision", || {
-            let (code, view) = self.view();
-            let ready = Self::NODES.iter().all(|node| {
-                let node = node_of(&view, node);
-                node["state"] == "up"
-                    && node["proxies"].as_array().is_some_and(|p| {
-                        p.len() == proxies
-                            && p.iter().all(|p| p["ready"] == true && p["running_revision"] == p["desired_revision"])
-                    })
-            });
-            (code == Some(0) && ready).then(|| view.clone()).ok_or(view.to_string())
-        })
-    }
-
-    /// The pid of `proxy` on each node, in [`ClusterNodes::NODES`]'s order.
-    fn pids(&self, proxy: &str) -> Vec<i64> {
-        self.agents.iter().map(|agent| pid_of(agent, proxy)).collect()
-    }
-
-    /// `tether fleet rollout ARGS...` through every endpoint, run to its end: its exit code
-    /// and output.
-    fn rollout_in_background(&self, args: &[&str]) -> (Child, PathBuf) {
-        static STARTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-        let n = STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let out = self.dirs[0].temp.path().join(format!("rollout-{n}.out"));
-        let file = std::fs::File::create(&out).unwrap();
-        let child = support::tether()
-            .args(["fleet", "rollout"])
-            .args(args)
-            .args(["--etcd", &self.cluster.urls()])
-            .stdin(Stdio::null())
-            .stdout(file.try_clone().unwrap())
-            .stderr(file)
-            .spawn()
-            .unwrap();
-        (child, out)
-    }
-}
-
-/// Kills a child on drop, and reaps it.
-struct KillOnDrop(Option<Child>);
-
-impl KillOnDrop {
-    #[track_caller]
-    fn wait(&mut self) -> Option<i32> {
-        let child = self.0.as_mut().unwrap();
-        let status = wait_for("the command to end", || child.try_wait().unwrap());
-        self.0 = None;
-        status.code()
-    }
-}
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.0.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
     }
 }
 
@@ -483,8 +398,8 @@ fn a_leader_killed_mid_rollout_neither_skips_nor_repeats_a_node_and_restarts_not
     let v1 = web_version(&nodes.dirs[0], 3600, &["/bin/true"]);
     let other = sleeper_file(&nodes.dirs[0], "other", 3600);
     for node in ClusterNodes::NODES {
-        put(&nodes.cluster, node, v1.to_str().unwrap());
-        put(&nodes.cluster, node, &other);
+        put(&nodes.etcd, node, v1.to_str().unwrap());
+        put(&nodes.etcd, node, &other);
     }
     nodes.wait_all_ready(2);
     let (web_before, others) = (nodes.pids("web-proxy"), nodes.pids("other-proxy"));
@@ -492,24 +407,23 @@ fn a_leader_killed_mid_rollout_neither_skips_nor_repeats_a_node_and_restarts_not
     // Each node's new version gets ready a second after it starts: the rollout takes a
     // few seconds, and the leader dies in the middle.
     let v2 = web_version(&nodes.dirs[0], 3601, &["/bin/sleep", "1"]);
-    let (child, out) =
-        nodes.rollout_in_background(&[v2.to_str().unwrap(), "--nodes", "n1,n2,n3", "--max-parallel", "1"]);
-    let mut rollout = KillOnDrop(Some(child));
-    let output = || std::fs::read_to_string(&out).unwrap_or_default();
-    wait_until("n1 to be done", || output().contains("n1: running and ready").then_some(()).ok_or_else(output));
-    let leader = nodes.cluster.wait_leader();
-    nodes.cluster.kill(leader);
+    let args = [v2.to_str().unwrap(), "--nodes", "n1,n2,n3", "--max-parallel", "1"];
+    let mut rollout = RolloutCli::spawn(&nodes.etcd, &nodes.dirs[0], &args);
+    wait_until("n1 to be done", || {
+        rollout.output().contains("n1: running and ready").then_some(()).ok_or_else(|| rollout.output())
+    });
+    let leader = nodes.etcd.wait_leader();
+    nodes.etcd.kill(leader);
     let mut outputs = vec![];
     let code = rollout.wait();
-    outputs.push(output());
+    outputs.push(rollout.output());
     if code != Some(0) {
         // Stopped by the failure: it says why, and how to go on.
         assert_eq!(code, Some(1), "{}", outputs[0]);
         assert!(outputs[0].contains("etcd") && outputs[0].contains("--resume web"), "{}", outputs[0]);
-        let (child, out) = nodes.rollout_in_background(&["--resume", "web"]);
-        let mut resumed = KillOnDrop(Some(child));
+        let mut resumed = RolloutCli::spawn(&nodes.etcd, &nodes.dirs[0], &["--resume", "web"]);
         let code = resumed.wait();
-        let text = std::fs::read_to_string(&out).unwrap_or_default();
+        let text = resumed.output();
         assert_eq!(code, Some(0), "{text}");
         outputs.push(text);
     }
@@ -519,7 +433,7 @@ fn a_leader_killed_mid_rollout_neither_skips_nor_repeats_a_node_and_restarts_not
         .filter_map(|line| line.strip_suffix(": wrote").or_else(|| line.split_once(": wrote").map(|(node, _)| node)))
         .collect();
     assert_eq!(wrote, ["n1", "n2", "n3"], "each node written once, in order:\n{all}");
-    nodes.cluster.spawn(leader);
+    nodes.etcd.spawn(leader);
     let view = nodes.wait_all_ready(2);
     let web_after = nodes.pids("web-proxy");
     for (i, node) in ClusterNodes::NODES.iter().enumerate() {

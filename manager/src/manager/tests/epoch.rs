@@ -43,8 +43,10 @@ async fn a_hot_restart_lets_the_old_generation_drain_instead_of_stopping_it() {
     running.fake.wait_calls(Call::Drain, 1).await;
     let calls: Vec<Call> = running.fake.state().calls.iter().map(|(_, _, call)| *call).collect();
     assert_eq!(calls, [Call::Start, Call::Start, Call::Drain], "the old generation is never stopped");
-    let second = status_where(&running, &pid("web"), |s| s.pid != first.pid && s.state == ProxyState::Running).await;
-    assert!(second.error.is_none() && second.update.is_none(), "{second:?}");
+    let second =
+        status_where(&running, &pid("web"), |s| s.figures.pid != first.figures.pid && s.state == ProxyState::Running)
+            .await;
+    assert!(second.figures.error.is_none() && second.update.is_none(), "{second:?}");
     assert_eq!(running.fake.state().live[&pid("web")].spec().env["LOG_LEVEL"], "debug");
 
     // `tether restart` is a hot restart too.
@@ -62,9 +64,13 @@ async fn a_new_generation_that_never_gets_ready_is_stopped_and_the_old_one_stays
     running.fake.state().never_ready.insert(pid("web"));
     running.state.upsert(changed(web, "debug"), Source::Api).unwrap();
     running.fake.wait_calls(Call::Stop, 1).await;
-    let after = status_where(&running, &pid("web"), |s| s.error.is_some()).await;
-    assert_eq!((after.state, after.pid), (ProxyState::Running, first.pid), "the old generation serves on");
-    let error = after.error.unwrap();
+    let after = status_where(&running, &pid("web"), |s| s.figures.error.is_some()).await;
+    assert_eq!(
+        (after.state, after.figures.pid),
+        (ProxyState::Running, first.figures.pid),
+        "the old generation serves on"
+    );
+    let error = after.figures.error.unwrap();
     assert!(
         error.contains("hot restart abandoned, the old generation serves on")
             && error.contains("the new generation was not ready within update_timeout (5s)"),
@@ -81,9 +87,9 @@ async fn a_change_waits_while_max_generations_live() {
     running.fake.state().generations.insert(pid("web"), 2);
     running.until_state(&pid("web"), ProxyState::Running).await;
     running.state.upsert(changed(web, "debug"), Source::Api).unwrap();
-    let waiting = status_where(&running, &pid("web"), |s| s.error.is_some()).await;
+    let waiting = status_where(&running, &pid("web"), |s| s.figures.error.is_some()).await;
     assert_eq!(waiting.state, ProxyState::Running, "{waiting:?}");
-    let error = waiting.error.unwrap();
+    let error = waiting.figures.error.unwrap();
     assert!(error.contains("waiting for an old generation to exit: 2 run, and max_generations is 2"), "{error}");
     assert_eq!(waiting.generations.map_or(0, |live| live.len()), 2);
     tokio::time::sleep(Duration::from_secs(60)).await;
@@ -104,13 +110,16 @@ async fn a_change_that_waits_for_max_generations_gives_way_to_a_newer_one_or_a_r
     running.fake.state().generations.insert(pid("web"), 2);
     running.until_state(&pid("web"), ProxyState::Running).await;
     running.state.upsert(changed(web.clone(), "debug"), Source::Api).unwrap();
-    status_where(&running, &pid("web"), |s| s.error.as_deref().is_some_and(|e| e.contains("waiting"))).await;
+    status_where(&running, &pid("web"), |s| s.figures.error.as_deref().is_some_and(|e| e.contains("waiting"))).await;
 
     // A newer change replaces the waiting one, which still waits for room.
     running.state.upsert(changed(web, "info"), Source::Api).unwrap();
     tokio::time::sleep(Duration::from_secs(5)).await;
     let waiting = running.handle.proxy(&pid("web")).unwrap();
-    assert!(waiting.error.as_deref().is_some_and(|e| e.contains("waiting for an old generation")), "{waiting:?}");
+    assert!(
+        waiting.figures.error.as_deref().is_some_and(|e| e.contains("waiting for an old generation")),
+        "{waiting:?}"
+    );
     assert_eq!(running.fake.calls_of(Call::Start).len(), 1);
 
     // Deregistered while it waits: stopped at once, not after the old generations.

@@ -35,11 +35,11 @@ async fn a_dependent_waits_until_its_dependency_is_ready_and_says_for_what() {
     let state = catalog(&[service("a"), depending("b", &[("a", Condition::Ready)])]);
     let running = run_with(&state, &fake, &Arc::new(MemorySnapshotStore::new()), ManagerConfig::default());
     let waiting = running.until_state(&pid("b"), ProxyState::Waiting).await;
-    assert_eq!(waiting.error.as_deref(), Some("waiting for a-proxy to be ready (it is starting)"));
+    assert_eq!(waiting.figures.error.as_deref(), Some("waiting for a-proxy to be ready (it is starting)"));
     running.until_state(&pid("b"), ProxyState::Running).await;
     assert_eq!(first_call(&fake, Call::Start, &pid("a")), t0);
     assert_eq!(first_call(&fake, Call::Start, &pid("b")), t0 + 2 * SECOND, "b starts once a is ready");
-    assert_eq!(running.handle.proxy(&pid("b")).unwrap().error, None);
+    assert_eq!(running.handle.proxy(&pid("b")).unwrap().figures.error, None);
     running.stop().await;
 }
 
@@ -76,7 +76,7 @@ async fn a_missing_dependency_keeps_its_dependent_waiting_until_it_is_registered
     let running = run(&[depending("b", &[("a", Condition::Ready), ("c", Condition::Started)]), service("c")]);
     running.until_state(&pid("c"), ProxyState::Running).await;
     let waiting = running.until_state(&pid("b"), ProxyState::Waiting).await;
-    assert_eq!(waiting.error.as_deref(), Some("waiting for a (not in the catalog)"));
+    assert_eq!(waiting.figures.error.as_deref(), Some("waiting for a (not in the catalog)"));
     assert!(running.fake.calls_of(Call::Start).iter().all(|(_, id)| *id != pid("b")));
     running.state.upsert(service("a"), Source::Api).unwrap();
     running.until_state(&pid("b"), ProxyState::Running).await;
@@ -91,7 +91,7 @@ async fn a_dependency_that_restarts_does_not_restart_its_dependents() {
     running.until_state(&pid("a"), ProxyState::Running).await;
     let stops = order_of(&running.fake, Call::Stop);
     assert_eq!(stops, [pid("a")], "only a was stopped, by its restart");
-    assert_eq!(running.handle.proxy(&pid("b")).unwrap().pid, b.pid);
+    assert_eq!(running.handle.proxy(&pid("b")).unwrap().figures.pid, b.figures.pid);
     running.stop().await;
 }
 
@@ -114,9 +114,9 @@ async fn holding_a_dependency_stops_its_dependents_first_and_releasing_it_starts
     assert_eq!(first_call(&fake, Call::Stop, &pid("b")), t0 + SECOND, "b stops once c is down");
     assert_eq!(first_call(&fake, Call::Stop, &pid("a")), t0 + 2 * SECOND, "a stops once b is down");
     let b = running.until_state(&pid("b"), ProxyState::Waiting).await;
-    assert_eq!(b.error.as_deref(), Some("waiting for a-proxy to be ready (it is stopped by the operator)"));
+    assert_eq!(b.figures.error.as_deref(), Some("waiting for a-proxy to be ready (it is stopped by the operator)"));
     assert_eq!(
-        running.until_state(&pid("c"), ProxyState::Waiting).await.error.as_deref(),
+        running.until_state(&pid("c"), ProxyState::Waiting).await.figures.error.as_deref(),
         Some("waiting for b-proxy to be started (it is waiting)")
     );
 
@@ -151,7 +151,7 @@ async fn deregistering_a_dependency_alone_stops_its_dependent_which_then_waits_f
     running.until_gone(&pid("a")).await;
     assert_eq!(order_of(&running.fake, Call::Stop), [pid("b"), pid("a")]);
     let b = running.until_state(&pid("b"), ProxyState::Waiting).await;
-    assert_eq!(b.error.as_deref(), Some("waiting for a (not in the catalog)"));
+    assert_eq!(b.figures.error.as_deref(), Some("waiting for a (not in the catalog)"));
     running.state.upsert(service("a"), Source::Api).unwrap();
     running.until_state(&pid("b"), ProxyState::Running).await;
     running.stop().await;
@@ -202,7 +202,7 @@ async fn an_agent_restart_adopts_dependents_without_stopping_or_reordering_them(
 async fn a_cycle_made_through_the_api_waits_named_and_never_starts() {
     let running = run(&[depending("a", &[("b", Condition::Ready)]), depending("b", &[("a", Condition::Started)])]);
     let a = running.until_state(&pid("a"), ProxyState::Waiting).await;
-    assert_eq!(a.error.as_deref(), Some("waiting for b-proxy to be ready (it is waiting)"));
+    assert_eq!(a.figures.error.as_deref(), Some("waiting for b-proxy to be ready (it is waiting)"));
     running.until_state(&pid("b"), ProxyState::Waiting).await;
     assert!(running.fake.calls_of(Call::Start).is_empty());
     let refused = running.handle.restart(&pid("a")).await;

@@ -28,9 +28,9 @@ async fn a_restart_requiring_change_starts_the_new_instance_before_stopping_the_
     let calls: Vec<Call> = running.fake.state().calls.iter().map(|(_, _, call)| *call).collect();
     assert_eq!(calls, [Call::Start, Call::Start, Call::Stop], "the new instance starts first");
     let second = running.until_state(&pid("web"), ProxyState::Running).await;
-    assert_ne!(first.pid, second.pid);
+    assert_ne!(first.figures.pid, second.figures.pid);
     assert_eq!(running.fake.state().live[&pid("web")].spec().env["LOG_LEVEL"], "debug");
-    assert!(second.update.is_none() && second.error.is_none(), "{second:?}");
+    assert!(second.update.is_none() && second.figures.error.is_none(), "{second:?}");
     running.stop().await;
 }
 
@@ -54,10 +54,10 @@ async fn the_old_instance_serves_while_the_new_one_starts_and_status_shows_both(
     .await
     .unwrap();
     assert_eq!(during.state, ProxyState::Running, "the old instance serves: {during:?}");
-    assert_eq!(during.pid, first.pid);
+    assert_eq!(during.figures.pid, first.figures.pid);
     let update = during.update.unwrap();
     assert_eq!(update.state, ProxyState::Starting);
-    assert!(update.pid.is_some() && update.pid != first.pid);
+    assert!(update.pid.is_some() && update.pid != first.figures.pid);
     running.stop().await;
 }
 
@@ -74,7 +74,7 @@ async fn a_new_instance_that_never_gets_ready_is_abandoned_and_the_old_one_serve
     let mut events = running.handle.subscribe();
     let after = tokio::time::timeout(LIMIT, async {
         loop {
-            if let Some(status) = running.handle.proxy(&pid("web")).filter(|s| s.error.is_some()) {
+            if let Some(status) = running.handle.proxy(&pid("web")).filter(|s| s.figures.error.is_some()) {
                 return status;
             }
             let _ = events.recv().await;
@@ -83,9 +83,9 @@ async fn a_new_instance_that_never_gets_ready_is_abandoned_and_the_old_one_serve
     .await
     .unwrap();
     assert_eq!(after.state, ProxyState::Running);
-    assert_eq!(after.pid, first.pid, "the old instance serves on");
+    assert_eq!(after.figures.pid, first.figures.pid, "the old instance serves on");
     assert!(after.update.is_none());
-    let error = after.error.unwrap();
+    let error = after.figures.error.unwrap();
     assert!(
         error.contains("not ready within update_timeout (5s)") && error.contains("old instance serves on"),
         "{error}"
@@ -100,7 +100,7 @@ async fn a_new_instance_that_never_gets_ready_is_abandoned_and_the_old_one_serve
     running.fake.wait_calls(Call::Stop, 2).await;
     let last = running.until_state(&pid("web"), ProxyState::Running).await;
     assert_eq!(running.fake.state().live[&pid("web")].spec().env["LOG_LEVEL"], "info");
-    assert!(last.error.is_none(), "{last:?}");
+    assert!(last.figures.error.is_none(), "{last:?}");
     running.stop().await;
 }
 
@@ -113,7 +113,7 @@ async fn a_restart_asked_through_the_handle_overlaps_too() {
     assert_eq!(calls, [Call::Start, Call::Start, Call::Stop]);
     let after = running.handle.proxy(&pid("web")).unwrap();
     assert_eq!(after.state, ProxyState::Running);
-    assert_ne!(after.pid, before.pid);
+    assert_ne!(after.figures.pid, before.figures.pid);
     assert_eq!(running.fake.live_ids(), ["web-proxy"]);
     running.stop().await;
 }
@@ -138,7 +138,7 @@ async fn a_shutdown_does_not_wait_for_an_overlap_and_keeps_the_old_instance() {
         "the new one stopped, the old one left running"
     );
     assert_eq!(fake.state().live[&pid("web")].spec().env.get("LOG_LEVEL"), None, "the old instance runs on");
-    assert!(first.pid.is_some());
+    assert!(first.figures.pid.is_some());
 }
 
 #[tokio::test(start_paused = true)]
@@ -159,7 +159,7 @@ async fn a_restored_process_whose_spec_is_not_known_is_replaced_by_an_overlap() 
     assert_eq!(calls, [Call::Restore, Call::Start, Call::Stop], "the new instance starts first");
     assert_eq!(fake.state().live[&pid("web")].spec().env["LOG_LEVEL"], "debug");
     let after = running.until_state(&pid("web"), ProxyState::Running).await;
-    assert!(after.update.is_none() && after.error.is_none(), "{after:?}");
+    assert!(after.update.is_none() && after.figures.error.is_none(), "{after:?}");
     running.stop().await;
 }
 

@@ -111,7 +111,10 @@ async fn a_backend_restart_rewrites_the_snapshot_with_the_new_pid() {
     tokio::time::timeout(LIMIT, saves.wait_for(|n| *n == 2)).await.unwrap().unwrap();
     assert_eq!(store.snapshot().unwrap().proxies[0].backend, record_of(serde_json::json!({ "pid": 11 })));
     let shown = view.proxy(&pid("web")).unwrap();
-    assert_eq!((shown.pid, shown.restarts, shown.last_exit), (Some(11), 1, Some(crate::ExitReason::Code(3))));
+    assert_eq!(
+        (shown.figures.pid, shown.figures.restarts, shown.figures.last_exit),
+        (Some(11), 1, Some(crate::ExitReason::Code(3)))
+    );
     shutdown.cancel();
     let manager = tokio::time::timeout(LIMIT, task).await.unwrap().unwrap();
     tokio::time::timeout(LIMIT, manager.close()).await.unwrap().unwrap();
@@ -127,7 +130,7 @@ async fn restore_adopts_a_proven_proxy_without_restarting_it() {
     let second = run_with(&state, &fake, &store, ManagerConfig::default());
     fake.wait_calls(Call::Update, 1).await;
     let adopted = second.until_state(&pid("web"), ProxyState::Running).await;
-    assert_eq!(adopted.pid, web.pid);
+    assert_eq!(adopted.figures.pid, web.figures.pid);
     assert_eq!(fake.calls_of(Call::Restore).len(), 1);
     assert_eq!((second.handle.stats().adopted, second.handle.stats().dropped), (1, 0));
     assert_eq!(fake.calls_of(Call::Start).len(), 1, "only the first agent started it");
