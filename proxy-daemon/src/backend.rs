@@ -613,10 +613,11 @@ impl ProxyHandle for OsProxyHandle {
                 .map_err(|error| BackendError::Start { id: self.id.clone(), source: Box::new(error) })?,
         };
         // A generation of its own, with its epoch, for a proxy that hands over by itself. A
-        // start beside generations that drain only (none is current) is a cold start, once
-        // they have exited: the new generation could not take over from them.
+        // start with no current generation whose process runs (only generations that drain,
+        // or a current one that exited and waits on its backoff) is a cold start, once those
+        // that drain have exited: the new generation could not take over from them.
         let hands_over = proxy.spec().update.strategy == UpdateStrategy::Epoch;
-        if hands_over && self.shared.generations.only_draining(&self.id) {
+        if hands_over && self.shared.generations.without_parent(&self.id) {
             tracing::info!(proxy = %self.id, "waiting for the old generations to exit before a cold start");
             Arc::clone(&self.shared.generations).alone(self.id.clone(), u64::MAX).await;
         }

@@ -30,6 +30,7 @@ mod sys;
 mod templates;
 mod updates;
 mod xds;
+mod xds_scale;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};

@@ -5,7 +5,7 @@
 //!
 //! Both protocols are served: state of the world (`StreamAggregatedResources`) and
 //! incremental (`DeltaAggregatedResources`), with one stream loop over the `Protocol` of
-//! `stream.rs`.
+//! `stream.rs`, behind the gRPC service of `service.rs` (small buffers per stream).
 //! An Envoy names itself by `node.id` (its proxy id) and proves it with the proxy's token in
 //! the `x-tether-token` metadata of the stream; a stream without both is refused and counted.
 //! Each stream follows the catalog, the readiness of the proxies, the leaves, roots and
@@ -18,6 +18,7 @@
 
 pub(crate) mod bootstrap;
 pub(crate) mod resources;
+mod service;
 pub(crate) mod sidecar;
 mod stream;
 
@@ -25,12 +26,6 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::SystemTime;
 
-use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_server::{
-    AggregatedDiscoveryService, AggregatedDiscoveryServiceServer,
-};
-use envoy_types::pb::envoy::service::discovery::v3::{
-    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
-};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
@@ -39,15 +34,16 @@ use tether_manager::{ManagerHandle, ProxyEvent};
 use tether_state::{Catalog, LocalState, ProxyId, ServiceName, SpiffeId};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{broadcast, mpsc, watch};
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream, UnixListenerStream};
+use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
 use tokio_util::sync::CancellationToken;
-use tonic::{Request, Response, Status, Streaming};
+use tonic::{Status, Streaming};
 
 use crate::catalog::sources::Sources;
 use crate::connect::Connect;
 use crate::templates::InstanceSource;
 use resources::{ConfigError, EnvoyConfig, Kind, Mesh, ProxyResources, Target, leaf_secret_name};
-use stream::{Answer, DeltaState, Protocol, StreamState};
+use service::{Ads, Queued};
+use stream::{Answer, Protocol};
 
 /// The gRPC metadata key that carries the proxy's token.
 pub(crate) const TOKEN_METADATA: &str = "x-tether-token";
@@ -301,7 +297,7 @@ impl Xds {
     pub(crate) async fn serve_unix(self, listener: UnixListener) -> Result<(), tonic::transport::Error> {
         let stop = self.shared.stop.clone();
         tonic::transport::Server::builder()
-            .add_service(AggregatedDiscoveryServiceServer::new(Ads(self)))
+            .add_service(Ads(self))
             .serve_with_incoming_shutdown(UnixListenerStream::new(listener), stop.cancelled_owned())
             .await
     }
@@ -314,7 +310,7 @@ impl Xds {
     pub(crate) async fn serve_tcp(self, listener: TcpListener) -> Result<(), tonic::transport::Error> {
         let stop = self.shared.stop.clone();
         tonic::transport::Server::builder()
-            .add_service(AggregatedDiscoveryServiceServer::new(Ads(self)))
+            .add_service(Ads(self))
             .serve_with_incoming_shutdown(TcpListenerStream::new(listener), stop.cancelled_owned())
             .await
     }
@@ -469,7 +465,7 @@ impl Xds {
         self,
         token: Option<String>,
         mut requests: Streaming<P::Request>,
-        responses: mpsc::Sender<Result<P::Response, Status>>,
+        responses: mpsc::Sender<Queued<P::Response>>,
     ) {
         let stop = self.shared.stop.clone();
         let first = tokio::select! {
@@ -493,7 +489,7 @@ impl Xds {
                 tracing::warn!(node = %node, "xDS stream refused: node {node:?} came with {why}");
                 let message =
                     format!("node.id {node:?} is no proxy of this agent, or {TOKEN_METADATA} is not its token");
-                let _ = responses.send(Err(Status::permission_denied(message))).await;
+                let _ = responses.send(Box::new(Err(Status::permission_denied(message)))).await;
                 return;
             }
         };
@@ -513,7 +509,7 @@ impl Xds {
                 Ok(Some(desired)) => {
                     self.record_invalid(&proxy, None);
                     for response in state.responses(&desired) {
-                        if responses.send(Ok(response)).await.is_err() {
+                        if responses.send(Box::new(Ok(response))).await.is_err() {
                             return;
                         }
                     }
@@ -521,7 +517,7 @@ impl Xds {
                 Ok(None) => {
                     tracing::info!(proxy = %proxy, "xDS stream closed: the proxy left the catalog or has a new token");
                     let message = format!("proxy {proxy} is no longer in the catalog with this token");
-                    let _ = responses.send(Err(Status::permission_denied(message))).await;
+                    let _ = responses.send(Box::new(Err(Status::permission_denied(message)))).await;
                     return;
                 }
                 Err(error) => self.record_invalid(&proxy, Some(&error)),
@@ -544,10 +540,10 @@ impl Xds {
 
 /// Ends a stream whose request could not be read (not a gRPC message of its type, or the
 /// stream broke) with `INVALID_ARGUMENT`, which a client still there reads as the reason.
-async fn undecodable<T>(responses: &mpsc::Sender<Result<T, Status>>, proxy: Option<&ProxyId>, status: Status) {
+async fn undecodable<T>(responses: &mpsc::Sender<Queued<T>>, proxy: Option<&ProxyId>, status: Status) {
     tracing::debug!(proxy = proxy.map(tracing::field::display), error = %status, "xDS stream ended: a request could not be read");
     let message = format!("the request could not be read as a discovery request: {}", status.message());
-    let _ = responses.send(Err(Status::invalid_argument(message))).await;
+    let _ = responses.send(Box::new(Err(Status::invalid_argument(message)))).await;
 }
 
 /// Counts a stream as open while it lives.
@@ -563,38 +559,6 @@ impl OpenStream {
 impl Drop for OpenStream {
     fn drop(&mut self) {
         self.0.board().streams -= 1;
-    }
-}
-
-/// The gRPC service.
-struct Ads(Xds);
-
-#[tonic::async_trait]
-impl AggregatedDiscoveryService for Ads {
-    type StreamAggregatedResourcesStream = ReceiverStream<Result<DiscoveryResponse, Status>>;
-
-    async fn stream_aggregated_resources(
-        &self,
-        request: Request<Streaming<DiscoveryRequest>>,
-    ) -> Result<Response<Self::StreamAggregatedResourcesStream>, Status> {
-        let token = request.metadata().get(TOKEN_METADATA).and_then(|value| value.to_str().ok()).map(str::to_owned);
-        let (responses, outgoing) = mpsc::channel(QUEUED_RESPONSES);
-        // The stream's task ends with the stream: when Envoy goes away (the channel closes),
-        // when its requests end, or when the server stops.
-        tokio::spawn(self.0.clone().stream::<StreamState>(token, request.into_inner(), responses));
-        Ok(Response::new(ReceiverStream::new(outgoing)))
-    }
-
-    type DeltaAggregatedResourcesStream = ReceiverStream<Result<DeltaDiscoveryResponse, Status>>;
-
-    async fn delta_aggregated_resources(
-        &self,
-        request: Request<Streaming<DeltaDiscoveryRequest>>,
-    ) -> Result<Response<Self::DeltaAggregatedResourcesStream>, Status> {
-        let token = request.metadata().get(TOKEN_METADATA).and_then(|value| value.to_str().ok()).map(str::to_owned);
-        let (responses, outgoing) = mpsc::channel(QUEUED_RESPONSES);
-        tokio::spawn(self.0.clone().stream::<DeltaState>(token, request.into_inner(), responses));
-        Ok(Response::new(ReceiverStream::new(outgoing)))
     }
 }
 

@@ -422,7 +422,7 @@ impl Drop for EnvoyGuard {
 }
 
 /// A proxy's generations as its status lists them: (epoch, role, pid), current first.
-fn generations(status: &serde_json::Value) -> Vec<(u64, String, i64)> {
+pub(crate) fn generations(status: &serde_json::Value) -> Vec<(u64, String, i64)> {
     status["generations"]
         .as_array()
         .map(|all| {
@@ -438,7 +438,7 @@ fn generations(status: &serde_json::Value) -> Vec<(u64, String, i64)> {
 
 /// Waits until `id` runs and its generations, as (epoch, role), are `expected`; its status.
 #[track_caller]
-fn wait_generations(agent: &Agent, id: &str, expected: &[(u64, &str)]) -> serde_json::Value {
+pub(crate) fn wait_generations(agent: &Agent, id: &str, expected: &[(u64, &str)]) -> serde_json::Value {
     wait_until(&format!("{id}'s generations to be {expected:?}"), || {
         let status = agent.proxy(id).ok_or_else(|| "not listed".to_owned())?;
         let listed = generations(&status);

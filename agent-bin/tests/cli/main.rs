@@ -9,6 +9,7 @@ mod cgroups;
 mod connect;
 mod datadir;
 mod envoy;
+mod envoy_hot;
 mod envoy_mesh;
 mod epoch;
 mod faults;

@@ -219,6 +219,21 @@ pub(crate) struct EnvoyGuard {
     base_ids: Rc<RefCell<BTreeSet<u64>>>,
 }
 
+impl EnvoyGuard {
+    /// A guard of the Envoys that name `bootstrap` (the one the agent writes for a proxy of
+    /// `kind = "envoy"`), and of the shared memory of the base ids noted with
+    /// [`EnvoyGuard::note`].
+    pub(crate) fn of_bootstrap(bootstrap: PathBuf) -> Self {
+        let base_id_file = bootstrap.with_extension("no-base-id-file");
+        Self { bootstrap, base_id_file, base_ids: Rc::default() }
+    }
+
+    /// Notes the base id of the Envoy `pid`, whose shared memory goes on drop.
+    pub(crate) fn note(&self, pid: i64) {
+        self.base_ids.borrow_mut().extend(base_id_of(pid as i32));
+    }
+}
+
 impl Drop for EnvoyGuard {
     fn drop(&mut self) {
         let start = Instant::now();
@@ -318,7 +333,7 @@ fn gets_its_whole_config_and_a_port_change_without_a_restart(test: &str, delta: 
 }
 
 /// The base id in the environment of process `pid` (`TETHER_BASE_ID`), if it can be read.
-fn base_id_of(pid: i32) -> Option<u64> {
+pub(crate) fn base_id_of(pid: i32) -> Option<u64> {
     let environ = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
     environ
         .split(|byte| *byte == 0)

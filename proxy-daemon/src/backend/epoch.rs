@@ -80,6 +80,14 @@ struct Live {
     kept_from: Option<u32>,
 }
 
+impl Live {
+    /// Whether a hot restart may take over from it: it is current, and its process runs (one
+    /// that exited and waits on its restart backoff has no sockets to hand over).
+    fn is_parent(&self) -> bool {
+        self.draining.is_none() && self.pid.is_some()
+    }
+}
+
 /// A generation that drains: its process, how to stop it, and until when it may take.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct Draining {
@@ -115,8 +123,9 @@ impl Generations {
     }
 
     /// Begins a generation of `id` whose handle reports through `status`: at `epoch` when
-    /// given (an adopted process), else one more than the current generation (a hot
-    /// restart), or 0 when no generation but those that drain lives (a cold start).
+    /// given (an adopted process), else one more than the current generation whose process
+    /// runs (a hot restart, from that live parent), or 0 when there is none (a cold start):
+    /// only generations that drain live, or the current one exited and waits to start again.
     pub(super) fn begin(
         &self,
         id: &ProxyId,
@@ -127,8 +136,8 @@ impl Generations {
         let key = self.next_key.fetch_add(1, Ordering::Relaxed);
         let mut inner = self.lock();
         let proxy = inner.proxy(id);
-        let current = proxy.live.iter().filter(|live| live.draining.is_none());
-        let epoch = epoch.unwrap_or_else(|| current.map(|live| live.epoch + 1).max().unwrap_or(0));
+        let parents = proxy.live.iter().filter(|live| live.is_parent());
+        let epoch = epoch.unwrap_or_else(|| parents.map(|live| live.epoch + 1).max().unwrap_or(0));
         let pid = draining.as_ref().map(|draining| draining.identity.pid);
         proxy.live.push(Live { key, epoch, pid, restarts: 0, draining, status, kept_from: None });
         let base_id = proxy.base_id;
@@ -269,14 +278,15 @@ impl Generations {
         self.lock().proxy(id).base_id
     }
 
-    /// Whether every live generation of `id` drains (and one does): a start is then a cold
-    /// start, which waits for them to exit ([`Generations::alone`]).
-    pub(super) fn only_draining(&self, id: &ProxyId) -> bool {
+    /// Whether a start of `id` has no parent to take over from (no current generation whose
+    /// process runs) while generations that drain still run: it is then a cold start, which
+    /// waits for them to exit ([`Generations::alone`]).
+    pub(super) fn without_parent(&self, id: &ProxyId) -> bool {
         let inner = self.lock();
-        inner
-            .proxies
-            .get(id)
-            .is_some_and(|proxy| !proxy.live.is_empty() && proxy.live.iter().all(|live| live.draining.is_some()))
+        inner.proxies.get(id).is_some_and(|proxy| {
+            let running = proxy.live.iter().any(|live| live.pid.is_some());
+            running && !proxy.live.iter().any(Live::is_parent)
+        })
     }
 
     /// Resolves once no generation of `id` but `key` has a process: when a crashed
@@ -554,9 +564,11 @@ mod tests {
         let (first, _) = watch::channel(BackendStatus::default());
         let zero = registry.begin(&web, Some(first.clone()), None, None);
         assert_eq!(zero.epoch, 0);
+        runs(&registry, &web, zero.key, Some(10));
         let (second, _) = watch::channel(BackendStatus::default());
         let one = registry.begin(&web, Some(second.clone()), None, None);
         assert_eq!(one.epoch, 1);
+        runs(&registry, &web, one.key, Some(11));
         assert_eq!(first.borrow().generations.iter().map(|g| g.epoch).collect::<Vec<_>>(), [0, 1]);
         assert_eq!(second.borrow().generations.iter().map(|g| g.epoch).collect::<Vec<_>>(), [1, 0]);
 
@@ -566,14 +578,38 @@ mod tests {
         let listed = second.borrow().generations.clone();
         assert_eq!(listed.iter().map(|g| (g.epoch, g.draining)).collect::<Vec<_>>(), [(1, false), (0, true)]);
         assert_eq!(registry.recorded(&web, one.key), Some((1, one.base_id, vec![draining])));
-        assert!(!registry.only_draining(&web));
+        assert!(!registry.without_parent(&web));
         let two = registry.begin(&web, None, None, None);
         assert_eq!(two.epoch, 2);
 
         // With only generations that drain, the next is a cold start.
         registry.end(&web, one.key);
         registry.end(&web, two.key);
-        assert!(registry.only_draining(&web));
+        assert!(registry.without_parent(&web));
         assert_eq!(registry.begin(&web, None, None, None).epoch, 0);
+    }
+
+    #[test]
+    fn a_current_generation_whose_process_exited_is_no_parent_and_the_next_starts_cold() {
+        let registry = Generations::default();
+        let web = id("web");
+        let zero = registry.begin(&web, None, None, None);
+        runs(&registry, &web, zero.key, Some(10));
+        let one = registry.begin(&web, None, None, None);
+        assert_eq!(one.epoch, 1, "a hot restart from the live epoch 0");
+        registry.end(&web, zero.key);
+        runs(&registry, &web, one.key, Some(11));
+        // Epoch 1 is killed, and waits on its restart backoff: a change now has nothing to
+        // take over from, and nothing that runs to wait for.
+        runs(&registry, &web, one.key, None);
+        assert!(!registry.without_parent(&web));
+        assert_eq!(registry.begin(&web, None, None, None).epoch, 0);
+    }
+
+    /// Sets the process of generation `key` of `id`, as the supervisor's status would.
+    fn runs(registry: &Generations, id: &ProxyId, key: u64, pid: Option<u32>) {
+        let mut inner = registry.lock();
+        let live = inner.proxy(id).live.iter_mut().find(|live| live.key == key).unwrap();
+        live.pid = pid;
     }
 }
