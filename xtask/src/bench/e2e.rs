@@ -491,7 +491,7 @@ fn change_to_running(agent: &Agent<'_>, config: &Path, raw_spawn: Duration, rows
     }
     // The register API's target is the tighter: its change is one service, and durable
     // before the proxy may start.
-    let figures: [(&str, &Vec<Duration>, &str, fn(Duration) -> bool); 2] = [
+    let figures: [Figure<'_>; 2] = [
         ("`PUT /v1/agent/service/register`", &registered, "≤ 3 ms", |value| value <= Duration::from_millis(3)),
         ("new config file + SIGHUP (1 000 services reloaded)", &reloaded, "< 5 ms", |value| {
             value < Duration::from_millis(5)
@@ -513,6 +513,9 @@ fn change_to_running(agent: &Agent<'_>, config: &Path, raw_spawn: Duration, rows
     }
     Ok(())
 }
+
+/// A change-to-running figure: how, its samples, its target, and whether a median meets it.
+type Figure<'a> = (&'a str, &'a Vec<Duration>, &'a str, fn(Duration) -> bool);
 
 /// Whether every pid runs `sleep` (so a `DEAF` shell has set its trap and exec'd).
 fn all_sleeping(pids: &[u32]) -> bool {
