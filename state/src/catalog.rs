@@ -499,7 +499,8 @@ impl LocalState {
 
     /// The managed proxies that `wanted` picks, ordered by service id: a reader that needs a
     /// few proxies of every change (those with templates, say) pays for those, not for a
-    /// copy of every entry.
+    /// copy of every entry. `wanted` runs under the catalog's lock: it must be short and
+    /// must not call the catalog.
     pub fn proxies_where(&self, wanted: impl Fn(&ManagedProxy) -> bool) -> Vec<Arc<ManagedProxy>> {
         self.lock()
             .entries
