@@ -497,6 +497,29 @@ impl LocalState {
         self.lock().entries.values().cloned().collect()
     }
 
+    /// The managed proxies that `wanted` picks, ordered by service id: a reader that needs a
+    /// few proxies of every change (those with templates, say) pays for those, not for a
+    /// copy of every entry. `wanted` runs under the catalog's lock: it must be short and
+    /// must not call the catalog.
+    pub fn proxies_where(&self, wanted: impl Fn(&ManagedProxy) -> bool) -> Vec<Arc<ManagedProxy>> {
+        self.lock()
+            .entries
+            .values()
+            .filter_map(|entry| entry.proxy.as_ref())
+            .filter(|proxy| wanted(proxy))
+            .cloned()
+            .collect()
+    }
+
+    /// Whether the catalog has proxy `id`.
+    pub fn has_proxy(&self, id: &ProxyId) -> bool {
+        self.lock()
+            .entries
+            .get(&id.service_id())
+            .and_then(|entry| entry.proxy.as_ref())
+            .is_some_and(|proxy| proxy.id() == id)
+    }
+
     /// The number of services.
     pub fn len(&self) -> usize {
         self.lock().entries.len()

@@ -11,8 +11,9 @@
 //! closed, `connection-refused` (the detail starts with the reason); the templates' and the xDS server's own events
 //! (`template-*`, `xds-refused`, `xds-invalid`) pass through. With `--etcd`, the fleet
 //! follower's `store-unreachable` and `store-reachable` pass through too, as the agent's own
-//! events (no proxy). This module keeps one map of statuses per reader and nothing else; it
-//! never decides or changes anything. `history.rs` keeps what one such reader told during the
+//! events (no proxy). This module keeps one map per reader, of what the events are told
+//! from in the last status seen of each proxy ([`Seen`]), and nothing else; it never decides
+//! or changes anything. `history.rs` keeps what one such reader told during the
 //! last hour.
 
 use std::collections::HashMap;
@@ -24,7 +25,7 @@ use axum::extract::State;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use tether_manager::{ExitReason, LeafEvent, ProxyEvent, ProxyState, ProxyStatus};
-use tether_state::ProxyId;
+use tether_state::{ProxyId, ReloadOutcome};
 use tokio::sync::{OwnedSemaphorePermit, broadcast, mpsc};
 
 use super::dto::EventDto;
@@ -92,8 +93,12 @@ impl Follower {
         let xds = state.xds.subscribe();
         let store = state.fleet.as_ref().map(crate::fleet::follow::SharedStatus::subscribe);
         let refusals = state.connect.refusals();
-        let seen: HashMap<ProxyId, ProxyStatus> =
-            state.manager.status_unmeasured().into_iter().map(|status| (status.id.clone(), status)).collect();
+        let seen: HashMap<ProxyId, Seen> = state
+            .manager
+            .status_unmeasured()
+            .into_iter()
+            .map(|status| (status.id.clone(), Seen::of(&status)))
+            .collect();
         Self { events: Events { seen }, changes, templates, leaves, xds, store, refusals }
     }
 
@@ -151,18 +156,43 @@ impl Follower {
 
 /// The last status seen of each proxy, and the events that a new status makes.
 pub(crate) struct Events {
-    seen: HashMap<ProxyId, ProxyStatus>,
+    seen: HashMap<ProxyId, Seen>,
+}
+
+/// Of the last status seen of a proxy, what [`diff`] compares the next one with. Every reader
+/// (the history's always) keeps one per proxy: the whole status would be a second copy of
+/// the engine's board.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Seen {
+    state: ProxyState,
+    pid: Option<u32>,
+    restarts: u64,
+    error: Option<Box<str>>,
+    /// Boxed: most proxies never reload.
+    last_reload: Option<Box<ReloadOutcome>>,
+}
+
+impl Seen {
+    pub(crate) fn of(status: &ProxyStatus) -> Self {
+        Self {
+            state: status.state,
+            pid: status.figures.pid,
+            restarts: status.figures.restarts,
+            error: status.figures.error.as_deref().map(Box::from),
+            last_reload: status.figures.reloads.as_ref().map(|reloads| Box::new(reloads.last.clone())),
+        }
+    }
 }
 
 impl Events {
     fn on(&mut self, change: &ProxyEvent, now: SystemTime) -> Vec<EventDto> {
         match change {
             ProxyEvent::Changed(status) => {
-                let before = self.seen.insert(status.id.clone(), status.clone());
+                let before = self.seen.insert(status.id.clone(), Seen::of(status));
                 diff(before.as_ref(), status, now)
             }
             ProxyEvent::Removed(id) => match self.seen.remove(id) {
-                Some(before) => vec![event(now, id, "removed", before.figures.pid, None)],
+                Some(before) => vec![event(now, id, "removed", before.pid, None)],
                 None => Vec::new(),
             },
             _ => Vec::new(),
@@ -171,17 +201,16 @@ impl Events {
 
     fn resync(&mut self, now_statuses: Vec<ProxyStatus>, now: SystemTime) -> Vec<EventDto> {
         let mut found = Vec::new();
-        let current: HashMap<ProxyId, ProxyStatus> =
-            now_statuses.into_iter().map(|status| (status.id.clone(), status)).collect();
+        let current: HashMap<&ProxyId, &ProxyStatus> = now_statuses.iter().map(|status| (&status.id, status)).collect();
         for (id, before) in &self.seen {
             if !current.contains_key(id) {
-                found.push(event(now, id, "removed", before.figures.pid, None));
+                found.push(event(now, id, "removed", before.pid, None));
             }
         }
         for status in current.values() {
             found.extend(diff(self.seen.get(&status.id), status, now));
         }
-        self.seen = current;
+        self.seen = now_statuses.iter().map(|status| (status.id.clone(), Seen::of(status))).collect();
         found
     }
 }
@@ -239,11 +268,11 @@ fn exit_text(exit: Option<ExitReason>) -> String {
 }
 
 /// The events between two statuses of one proxy.
-pub(crate) fn diff(before: Option<&ProxyStatus>, after: &ProxyStatus, now: SystemTime) -> Vec<EventDto> {
+pub(crate) fn diff(before: Option<&Seen>, after: &ProxyStatus, now: SystemTime) -> Vec<EventDto> {
     let id = &after.id;
     let mut found = Vec::new();
     let (was_pid, was_state, was_restarts) = match before {
-        Some(before) => (before.figures.pid, Some(before.state), before.figures.restarts),
+        Some(before) => (before.pid, Some(before.state), before.restarts),
         None => (None, None, after.figures.restarts),
     };
     if let Some(old) = was_pid.filter(|old| after.figures.pid != Some(*old)) {
@@ -262,13 +291,15 @@ pub(crate) fn diff(before: Option<&ProxyStatus>, after: &ProxyStatus, now: Syste
         // Its readiness check passed (without one, a proxy is running once it runs).
         found.push(event(now, id, "ready", after.figures.pid, None));
     }
-    let was_error = before.and_then(|before| before.figures.error.as_ref());
-    if after.state == ProxyState::Running && after.figures.error.is_some() && after.figures.error.as_ref() != was_error
+    let was_error = before.and_then(|before| before.error.as_deref());
+    if after.state == ProxyState::Running
+        && after.figures.error.is_some()
+        && after.figures.error.as_deref() != was_error
     {
         // A running proxy shows an error only when its liveness check fails.
         found.push(event(now, id, "unhealthy", after.figures.pid, after.figures.error.clone()));
     }
-    let was_reload = before.and_then(|before| before.figures.reloads.as_ref()).map(|reloads| &reloads.last);
+    let was_reload = before.and_then(|before| before.last_reload.as_deref());
     if let Some(reload) =
         after.figures.reloads.as_ref().map(|reloads| &reloads.last).filter(|last| Some(*last) != was_reload)
     {
@@ -317,7 +348,32 @@ mod tests {
     }
 
     fn names(before: Option<&ProxyStatus>, after: &ProxyStatus) -> Vec<(&'static str, Option<u32>)> {
-        diff(before, after, SystemTime::UNIX_EPOCH).into_iter().map(|event| (event.event, event.pid)).collect()
+        diff(before.map(Seen::of).as_ref(), after, SystemTime::UNIX_EPOCH)
+            .into_iter()
+            .map(|event| (event.event, event.pid))
+            .collect()
+    }
+
+    #[test]
+    fn a_reader_compares_with_what_it_kept_of_each_proxy() {
+        let mut events = Events { seen: HashMap::new() };
+        let running = status(ProxyState::Running, Some(10), 0);
+        let told = |events: Vec<EventDto>| events.into_iter().map(|event| (event.event, event.pid)).collect::<Vec<_>>();
+        let now = SystemTime::UNIX_EPOCH;
+        assert_eq!(told(events.on(&ProxyEvent::Changed(running.clone()), now)), [("started", Some(10))]);
+        assert_eq!(events.seen[&running.id], Seen::of(&running));
+        assert_eq!(told(events.on(&ProxyEvent::Changed(running.clone()), now)), []);
+        // A reader that fell behind compares with the statuses as they are now.
+        let restarted = status(ProxyState::Running, Some(11), 1);
+        let mut other = status(ProxyState::Failed, None, 0);
+        other.id = ProxyId::parse("db-proxy").unwrap();
+        let found = told(events.resync(vec![restarted.clone(), other.clone()], now));
+        assert_eq!(found.len(), 3);
+        assert!(found.contains(&("exited", Some(10))) && found.contains(&("restarted", Some(11))));
+        assert!(found.contains(&("failed", None)));
+        assert_eq!(told(events.resync(vec![other.clone()], now)), [("removed", Some(11))]);
+        assert_eq!(told(events.on(&ProxyEvent::Removed(other.id.clone()), now)), [("removed", None)]);
+        assert!(events.seen.is_empty());
     }
 
     #[test]
@@ -326,7 +382,7 @@ mod tests {
         assert_eq!(names(None, &running), [("started", Some(10))]);
         let mut exited = status(ProxyState::Starting, None, 0);
         exited.figures.last_exit = Some(ExitReason::Signal(9));
-        let events = diff(Some(&running), &exited, SystemTime::UNIX_EPOCH);
+        let events = diff(Some(&Seen::of(&running)), &exited, SystemTime::UNIX_EPOCH);
         assert_eq!(events.len(), 1);
         assert_eq!((events[0].event, events[0].pid), ("exited", Some(10)));
         assert_eq!(events[0].detail.as_deref(), Some("killed by signal 9"));
@@ -355,7 +411,7 @@ mod tests {
         let pending = status(ProxyState::Pending, None, 0);
         let mut waiting = status(ProxyState::Waiting, None, 0);
         waiting.figures.error = Some("waiting for db-proxy to be ready (it is starting)".into());
-        let events = diff(Some(&pending), &waiting, SystemTime::UNIX_EPOCH);
+        let events = diff(Some(&Seen::of(&pending)), &waiting, SystemTime::UNIX_EPOCH);
         assert_eq!((events.len(), events[0].event), (1, "waiting"));
         assert_eq!(events[0].detail, waiting.figures.error);
         assert_eq!(names(Some(&waiting), &waiting), []);
@@ -371,7 +427,7 @@ mod tests {
         assert_eq!(names(Some(&starting), &running), [("ready", Some(10))]);
         let mut unhealthy = running.clone();
         unhealthy.figures.error = Some("liveness probe tcp 127.0.0.1:1: connect: refused".into());
-        let events = diff(Some(&running), &unhealthy, SystemTime::UNIX_EPOCH);
+        let events = diff(Some(&Seen::of(&running)), &unhealthy, SystemTime::UNIX_EPOCH);
         assert_eq!((events.len(), events[0].event), (1, "unhealthy"));
         assert_eq!(events[0].detail, unhealthy.figures.error);
         assert_eq!(names(Some(&unhealthy), &unhealthy), []);
@@ -394,7 +450,7 @@ mod tests {
         let refused =
             Reloads::after(Some(&applied), ReloadOutcome::now(ReloadResult::Refused, Some("bad line 3".into())));
         let failed = with(refused);
-        let events = diff(Some(&reloaded), &failed, SystemTime::UNIX_EPOCH);
+        let events = diff(Some(&Seen::of(&reloaded)), &failed, SystemTime::UNIX_EPOCH);
         assert_eq!((events.len(), events[0].event), (1, "reload-failed"));
         assert_eq!(events[0].detail.as_deref(), Some("refused: bad line 3"));
     }

@@ -443,7 +443,7 @@ impl Sources {
             registration.and(tokens_saved)
         });
         // Written or not, the tokens file's content is known only when it was written.
-        *saved_tokens = saved.is_ok().then(|| tokens.clone());
+        *saved_tokens = saved.is_ok().then_some(tokens);
         drop(saved_tokens);
         if let Err(source) = saved {
             // The tokens file lists what the catalog holds, not the token kept for a retry.

@@ -263,12 +263,13 @@ impl Templates {
 
     /// Forgets the errors and names kept of proxies that left the catalog.
     fn forget_gone(&self) {
-        let wanted: BTreeSet<ProxyId> =
-            self.shared.catalog.entries().iter().filter_map(|entry| Some(entry.proxy.as_ref()?.id().clone())).collect();
+        // Asked of the catalog for each proxy the board knows (those with templates), not by a
+        // copy of the catalog: this runs on every change of it.
+        let catalog = &self.shared.catalog;
         let mut board = lock(&self.shared.board);
-        board.last.retain(|id, _| wanted.contains(id));
-        board.instances_of.retain(|(id, _), _| wanted.contains(id));
-        board.writers.retain(|_, id| wanted.contains(id));
+        board.last.retain(|id, _| catalog.has_proxy(id));
+        board.instances_of.retain(|(id, _), _| catalog.has_proxy(id));
+        board.writers.retain(|_, id| catalog.has_proxy(id));
     }
 
     /// Makes `proxy` the writer of `destination`, unless another proxy that still has a
@@ -413,8 +414,9 @@ impl Templates {
     /// yet: changes within the window render once.
     fn mark_all(&self, due: &mut HashMap<(ProxyId, PathBuf), Instant>) {
         let now = Instant::now();
-        for entry in self.shared.catalog.entries() {
-            let Some(proxy) = &entry.proxy else { continue };
+        // Only the proxies with templates are copied out of the catalog: this runs on every
+        // change of it, and most proxies have none.
+        for proxy in self.shared.catalog.proxies_where(|proxy| !proxy.spec().templates.is_empty()) {
             for template in &proxy.spec().templates {
                 due.entry((proxy.id().clone(), template.destination.clone())).or_insert(now + template.wait);
             }

@@ -77,6 +77,26 @@ fn a_service_that_loses_its_proxy_removes_the_proxy() {
 }
 
 #[test]
+fn proxies_are_picked_and_found_without_a_copy_of_the_catalog() {
+    let state = LocalState::new();
+    for id in ["a", "b", "c"] {
+        state.upsert(service(id), Source::Api).unwrap();
+    }
+    state.upsert(bare("d"), Source::Api).unwrap();
+    let picked: Vec<String> =
+        state.proxies_where(|proxy| proxy.id().as_str() != "b-proxy").iter().map(|p| p.id().to_string()).collect();
+    assert_eq!(picked, ["a-proxy", "c-proxy"]);
+    assert!(state.proxies_where(|_| false).is_empty());
+    let proxy = |id: &str| ProxyId::parse(id).unwrap();
+    assert!(state.has_proxy(&proxy("a-proxy")));
+    // A service without a proxy, and a proxy of no service, are not there.
+    assert!(!state.has_proxy(&proxy("d-proxy")));
+    assert!(!state.has_proxy(&proxy("e-proxy")));
+    state.upsert(bare("a"), Source::Api).unwrap();
+    assert!(!state.has_proxy(&proxy("a-proxy")));
+}
+
+#[test]
 fn tokens_survive_updates_and_are_new_after_removal() {
     let state = LocalState::new();
     state.upsert(service("a"), Source::Api).unwrap();

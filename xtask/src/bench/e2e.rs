@@ -489,10 +489,15 @@ fn change_to_running(agent: &Agent<'_>, config: &Path, raw_spawn: Duration, rows
         reloaded.push(wait_started(&format!("{name}0000-proxy"), &mut watch, start)?);
         thread::sleep(QUIESCENT * 2);
     }
-    for (how, samples) in [
-        ("`PUT /v1/agent/service/register`", &registered),
-        ("new config file + SIGHUP (1 000 services reloaded)", &reloaded),
-    ] {
+    // The register API's target is the tighter: its change is one service, and durable
+    // before the proxy may start.
+    let figures: [Figure<'_>; 2] = [
+        ("`PUT /v1/agent/service/register`", &registered, "≤ 3 ms", |value| value <= Duration::from_millis(3)),
+        ("new config file + SIGHUP (1 000 services reloaded)", &reloaded, "< 5 ms", |value| {
+            value < Duration::from_millis(5)
+        }),
+    ];
+    for (how, samples, target, within) in figures {
         let value = median(samples);
         push(
             rows,
@@ -501,13 +506,16 @@ fn change_to_running(agent: &Agent<'_>, config: &Path, raw_spawn: Duration, rows
                 format!("raw spawn of one: {}", ms(raw_spawn)),
                 format!("{} (p99 {})", ms(value), ms(percentile(samples, 99.0))),
                 ratio(value.as_secs_f64(), raw_spawn.as_secs_f64()),
-                "< 5 ms",
-                met(value < Duration::from_millis(5)),
+                target,
+                met(within(value)),
             ),
         );
     }
     Ok(())
 }
+
+/// A change-to-running figure: how, its samples, its target, and whether a median meets it.
+type Figure<'a> = (&'a str, &'a Vec<Duration>, &'a str, fn(Duration) -> bool);
 
 /// Whether every pid runs `sleep` (so a `DEAF` shell has set its trap and exec'd).
 fn all_sleeping(pids: &[u32]) -> bool {

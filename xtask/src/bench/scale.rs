@@ -72,8 +72,8 @@ pub(crate) fn run(lab: &Lab, empty_rss: u64, rows: &mut Vec<Row>) -> Result<(), 
                 format!("agent with 0 proxies (no keeper yet): {empty_rss} KiB"),
                 format!("{per_proxy:.1} KiB (agent and keeper: {} MiB)", rss / 1024),
                 "—".into(),
-                "≤ 10 KiB",
-                met(per_proxy <= 10.0),
+                "≤ 8 KiB",
+                met(per_proxy <= 8.0),
             ));
         }
         agent.leave(Duration::from_secs(300))?;
