@@ -141,7 +141,7 @@ fn splice_pump(from: &TcpStream, to: &TcpStream) {
         .ok()
         .and_then(|size| usize::try_from(size).ok())
         .unwrap_or(1 << 16);
-    let flags = SpliceFFlags::SPLICE_F_MOVE | SpliceFFlags::SPLICE_F_MORE;
+    let flags = SpliceFFlags::SPLICE_F_MOVE;
     'transfer: loop {
         let mut in_pipe = match splice(from, None, &write_end, None, capacity, flags) {
             Ok(0) | Err(_) => break,
