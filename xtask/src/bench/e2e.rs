@@ -468,14 +468,7 @@ fn change_to_running(agent: &Agent<'_>, config: &Path, raw_spawn: Duration, rows
         let body = format!(r#"{{"name":"{name}","proxy":{{"command":{command},"kill_timeout":"1s"}}}}"#);
         let mut watch = sys::NewProcesses::since_now()?;
         let start = Instant::now();
-        let response = request(&agent.socket, "PUT", "/v1/agent/service/register", &[], Some(body.as_bytes()))?;
-        if response.status != 200 {
-            return Err(agent.error(&format!(
-                "register: {} {}",
-                response.status,
-                String::from_utf8_lossy(&response.body)
-            )));
-        }
+        agent.register(&body)?;
         registered.push(wait_started(&format!("{name}-proxy"), &mut watch, start)?);
         thread::sleep(QUIESCENT * 2);
     }

@@ -231,6 +231,19 @@ impl Agent<'_> {
         fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    /// Registers a service through the API (`body`: its JSON), refusing any answer but 200.
+    pub(crate) fn register(&self, body: &str) -> Result<(), String> {
+        let response = request(&self.socket, "PUT", "/v1/agent/service/register", &[], Some(body.as_bytes()))?;
+        if response.status != 200 {
+            return Err(self.error(&format!(
+                "register {body}: {} {}",
+                response.status,
+                String::from_utf8_lossy(&response.body)
+            )));
+        }
+        Ok(())
+    }
+
     /// An error about this agent, pointing at its log.
     pub(crate) fn error(&self, what: &str) -> String {
         self.lab.keep();

@@ -57,16 +57,7 @@ fn percentile(durations: &[Duration], at: f64) -> Duration {
 }
 
 fn register(agent: &Agent<'_>, name: &str) -> Result<(), String> {
-    let body = format!(r#"{{"name":"{name}","port":8080}}"#);
-    let response = request(&agent.socket, "PUT", "/v1/agent/service/register", &[], Some(body.as_bytes()))?;
-    if response.status != 200 {
-        return Err(agent.error(&format!(
-            "register {name}: {} {}",
-            response.status,
-            String::from_utf8_lossy(&response.body)
-        )));
-    }
-    Ok(())
+    agent.register(&format!(r#"{{"name":"{name}","port":8080}}"#))
 }
 
 /// The `last_reload.at` of `id`, if it was ever reloaded.

@@ -182,7 +182,7 @@ fn change_to_ack(lab: &Lab, envoy: &Path, delta: bool, change: Change) -> Result
         write("mesh.toml", "[connect]\ntrust_domain = \"bench.example.org\"\n[connect.ca]\nprovider = \"dev\"\n")?;
     }
     let mut agent = lab.agent(name, &config, &lab.dir.join(format!("{name}-data")), &[])?;
-    let measured = (|| {
+    let measured = (|| -> Result<Vec<Duration>, String> {
         agent.wait_running(1, Duration::from_secs(60))?;
         wait_applied(&agent, None, Duration::from_secs(30))?;
         let mut latencies = Vec::with_capacity(TIMED);
@@ -193,15 +193,7 @@ fn change_to_ack(lab: &Lab, envoy: &Path, delta: bool, change: Change) -> Result
                 Change::Register => {
                     let body = format!(r#"{{"name":"db","id":"db-{index:03}","port":{}}}"#, 20_000 + index);
                     start = Instant::now();
-                    let response =
-                        request(&agent.socket, "PUT", "/v1/agent/service/register", &[], Some(body.as_bytes()))?;
-                    if response.status != 200 {
-                        return Err(agent.error(&format!(
-                            "register: {} {}",
-                            response.status,
-                            String::from_utf8_lossy(&response.body)
-                        )));
-                    }
+                    agent.register(&body)?;
                 }
                 Change::Reload { mesh } => {
                     if mesh {
@@ -385,14 +377,7 @@ fn change_to_hot_restart(lab: &Lab, envoy: &Path) -> Result<Vec<Duration>, Strin
         for (index, greeter) in greeters.iter().enumerate().skip(1) {
             let body = format!(r#"{{"name":"db","id":"db-{index:03}","port":{}}}"#, greeter.port);
             let start = Instant::now();
-            let response = request(&agent.socket, "PUT", "/v1/agent/service/register", &[], Some(body.as_bytes()))?;
-            if response.status != 200 {
-                return Err(agent.error(&format!(
-                    "register: {} {}",
-                    response.status,
-                    String::from_utf8_lossy(&response.body)
-                )));
-            }
+            agent.register(&body)?;
             serves(&format!("db-{index:03}\n"), Duration::from_secs(30))?;
             latencies.push(start.elapsed());
             // The old generation drains and exits before the next change.

@@ -32,7 +32,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Channel, Endpoint};
 
-use super::lab::{Agent, Lab, request};
+use super::lab::{Agent, Lab};
 use super::report::{Row, median, met, ms, ratio};
 use super::sys;
 
@@ -204,14 +204,7 @@ fn measure(agent: &mut Agent<'_>, xds: &str, rows: &mut Vec<Row>) -> Result<(), 
         for change in 0..CHANGES {
             let body = format!(r#"{{"name":"db","id":"db-{change:03}","port":{}}}"#, 20_000 + change);
             let start = Instant::now();
-            let response = request(&agent.socket, "PUT", "/v1/agent/service/register", &[], Some(body.as_bytes()))?;
-            if response.status != 200 {
-                return Err(agent.error(&format!(
-                    "register: {} {}",
-                    response.status,
-                    String::from_utf8_lossy(&response.body)
-                )));
-            }
+            agent.register(&body)?;
             // The base instance and one per change so far.
             let expected = change + 2;
             let deadline = start + Duration::from_secs(30);
