@@ -33,16 +33,16 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use tether_manager::{ManagerHandle, ProxyEvent};
 use tether_state::{Catalog, LocalState, ProxyId, ServiceName, SpiffeId};
 use tokio::net::{TcpListener, UnixListener};
-use tokio::sync::{broadcast, mpsc, watch};
+use tokio::sync::{broadcast, watch};
 use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
 use tokio_util::sync::CancellationToken;
-use tonic::{Status, Streaming};
+use tonic::Status;
 
 use crate::catalog::sources::Sources;
 use crate::connect::Connect;
 use crate::templates::InstanceSource;
 use resources::{ConfigError, EnvoyConfig, Kind, Mesh, ProxyResources, Target, leaf_secret_name};
-use service::{Ads, Queued};
+use service::{Ads, Requests, Responses};
 use stream::{Answer, Protocol};
 
 /// The gRPC metadata key that carries the proxy's token.
@@ -87,10 +87,14 @@ pub(crate) struct Verdict {
     pub(crate) error: Option<String>,
 }
 
+/// What the board keeps of one proxy whose Envoy connected: its last verdict per type, why
+/// nothing is sent (if so), and Envoy's answers per type, counted.
 #[derive(Debug, Default)]
 struct ProxyVerdicts {
     by_kind: [Option<Verdict>; Kind::ALL.len()],
     invalid: Option<Verdict>,
+    /// Per type: responses applied, responses refused.
+    answers: [[u64; 2]; Kind::ALL.len()],
 }
 
 impl ProxyVerdicts {
@@ -108,9 +112,8 @@ impl ProxyVerdicts {
 
 #[derive(Debug, Default)]
 struct Board {
-    verdicts: HashMap<ProxyId, ProxyVerdicts>,
-    /// Envoy's answers, by proxy, type and result.
-    responses: BTreeMap<(ProxyId, Kind, &'static str), u64>,
+    /// Boxed, so that the map's nodes stay small: one per proxy whose Envoy connected.
+    verdicts: BTreeMap<ProxyId, Box<ProxyVerdicts>>,
     /// Streams refused for a missing or wrong token, or an unknown node id.
     refused_streams: u64,
     /// Streams open now.
@@ -186,7 +189,7 @@ impl Xds {
 
     /// The last verdict of `proxy`'s Envoy, if one ever connected since the agent started.
     pub(crate) fn last(&self, proxy: &ProxyId) -> Option<Verdict> {
-        self.board().verdicts.get(proxy).and_then(ProxyVerdicts::last)
+        self.board().verdicts.get(proxy).and_then(|verdicts| verdicts.last())
     }
 
     /// xDS events from now on.
@@ -286,7 +289,11 @@ impl Xds {
         let known = |id: &ProxyId| catalog.get(&id.service_id()).is_some_and(|entry| entry.proxy.is_some());
         let mut board = self.board();
         board.verdicts.retain(|id, _| known(id));
-        board.responses.retain(|(id, _, _), _| known(id));
+    }
+
+    /// The gRPC server of ADS.
+    fn server(self) -> tonic::transport::server::Router {
+        tonic::transport::Server::builder().add_service(Ads(self))
     }
 
     /// Serves ADS on `listener` (the data dir's socket) until the server stops.
@@ -296,10 +303,7 @@ impl Xds {
     /// The transport's error, when serving fails.
     pub(crate) async fn serve_unix(self, listener: UnixListener) -> Result<(), tonic::transport::Error> {
         let stop = self.shared.stop.clone();
-        tonic::transport::Server::builder()
-            .add_service(Ads(self))
-            .serve_with_incoming_shutdown(UnixListenerStream::new(listener), stop.cancelled_owned())
-            .await
+        self.server().serve_with_incoming_shutdown(UnixListenerStream::new(listener), stop.cancelled_owned()).await
     }
 
     /// Serves ADS on `listener` (`--xds-address`) until the server stops.
@@ -309,10 +313,7 @@ impl Xds {
     /// The transport's error, when serving fails.
     pub(crate) async fn serve_tcp(self, listener: TcpListener) -> Result<(), tonic::transport::Error> {
         let stop = self.shared.stop.clone();
-        tonic::transport::Server::builder()
-            .add_service(Ads(self))
-            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), stop.cancelled_owned())
-            .await
+        self.server().serve_with_incoming_shutdown(TcpListenerStream::new(listener), stop.cancelled_owned()).await
     }
 
     /// The metrics of the xDS server.
@@ -431,67 +432,64 @@ impl Xds {
             }
         };
         let mut board = self.board();
-        *board.responses.entry((proxy.clone(), kind, verdict.result.as_str())).or_default() += 1;
-        board.verdicts.entry(proxy.clone()).or_default().by_kind[kind.index()] = Some(verdict);
+        let verdicts = board.verdicts.entry(proxy.clone()).or_default();
+        verdicts.answers[kind.index()][usize::from(verdict.result == XdsResult::Refused)] += 1;
+        verdicts.by_kind[kind.index()] = Some(verdict);
     }
 
     /// Records that `proxy`'s config cannot be served (once per distinct error), or, with
     /// `None`, that it can again.
     fn record_invalid(&self, proxy: &ProxyId, error: Option<&ConfigError>) {
         let mut board = self.board();
-        let verdicts = board.verdicts.entry(proxy.clone()).or_default();
-        match error {
-            None => verdicts.invalid = None,
-            Some(error) => {
-                let text = error.to_string();
-                if verdicts.invalid.as_ref().and_then(|v| v.error.as_deref()) != Some(text.as_str()) {
-                    tracing::warn!(proxy = %proxy, error = %text, "the proxy's config cannot be served over xDS");
-                    self.tell(proxy, "xds-invalid", text.clone());
-                    verdicts.invalid = Some(Verdict {
-                        at: SystemTime::now(),
-                        kind: None,
-                        version: None,
-                        result: XdsResult::Invalid,
-                        error: Some(text),
-                    });
-                }
+        let Some(error) = error else {
+            if let Some(verdicts) = board.verdicts.get_mut(proxy) {
+                verdicts.invalid = None;
             }
+            return;
+        };
+        let verdicts = board.verdicts.entry(proxy.clone()).or_default();
+        let text = error.to_string();
+        if verdicts.invalid.as_ref().and_then(|v| v.error.as_deref()) != Some(text.as_str()) {
+            tracing::warn!(proxy = %proxy, error = %text, "the proxy's config cannot be served over xDS");
+            self.tell(proxy, "xds-invalid", text.clone());
+            verdicts.invalid = Some(Verdict {
+                at: SystemTime::now(),
+                kind: None,
+                version: None,
+                result: XdsResult::Invalid,
+                error: Some(text),
+            });
         }
     }
 
     /// Runs one ADS stream: authorises it on its first request, then answers requests and
     /// changes until Envoy goes away, the proxy leaves the catalog, or the server stops.
+    ///
+    /// An agent holds one such task per Envoy, idle most of the time, so what it holds across
+    /// an `await` is kept small: requests wait boxed, responses are encoded before they are
+    /// queued, and the cold paths (a refusal, an unreadable request) build their status
+    /// outside the task's state.
     async fn stream<P: Protocol>(
         self,
         token: Option<String>,
-        mut requests: Streaming<P::Request>,
-        responses: mpsc::Sender<Queued<P::Response>>,
+        mut requests: Requests<P::Request>,
+        responses: Responses,
     ) {
         let stop = self.shared.stop.clone();
         let first = tokio::select! {
             () = stop.cancelled() => return,
             () = responses.closed() => return,
-            first = requests.message() => match first {
-                Ok(Some(first)) => first,
-                Ok(None) => return,
-                Err(status) => return undecodable(&responses, None, status).await,
-            },
+            first = requests.message() => boxed(first),
         };
-        let node = P::node(&first).unwrap_or_default().to_owned();
-        let (proxy, token) = match (self.authorise(&node, token.as_deref()), token) {
-            (Some(entry), Some(token)) => match entry.proxy.as_ref() {
-                Some(managed) => (managed.id().clone(), token),
-                None => return,
-            },
-            (_, token) => {
-                self.board().refused_streams += 1;
-                let why = if token.is_none() { "no x-tether-token" } else { "a token that is not its own" };
-                tracing::warn!(node = %node, "xDS stream refused: node {node:?} came with {why}");
-                let message =
-                    format!("node.id {node:?} is no proxy of this agent, or {TOKEN_METADATA} is not its token");
-                let _ = responses.send(Box::new(Err(Status::permission_denied(message)))).await;
-                return;
-            }
+        let first = match first {
+            Ok(Some(first)) => first,
+            Ok(None) => return,
+            Err(status) => return responses.end(undecodable(None, &status)).await,
+        };
+        let (proxy, token) = match self.admit(P::node(&first).unwrap_or_default(), token) {
+            Ok(admitted) => admitted,
+            Err(Some(status)) => return responses.end(status).await,
+            Err(None) => return,
         };
         tracing::info!(proxy = %proxy, protocol = P::NAME, "xDS stream opened");
         let _open = OpenStream::new(&self);
@@ -505,45 +503,73 @@ impl Xds {
                     self.record_answer(&proxy, answer);
                 }
             }
-            match self.desired(&proxy, &token) {
+            let batch = match self.desired(&proxy, &token) {
                 Ok(Some(desired)) => {
                     self.record_invalid(&proxy, None);
-                    for response in state.responses(&desired) {
-                        if responses.send(Box::new(Ok(response))).await.is_err() {
-                            return;
-                        }
-                    }
+                    state.responses(&desired)
                 }
                 Ok(None) => {
                     tracing::info!(proxy = %proxy, "xDS stream closed: the proxy left the catalog or has a new token");
                     let message = format!("proxy {proxy} is no longer in the catalog with this token");
-                    let _ = responses.send(Box::new(Err(Status::permission_denied(message)))).await;
-                    return;
+                    return responses.end(Status::permission_denied(message)).await;
                 }
-                Err(error) => self.record_invalid(&proxy, Some(&error)),
+                Err(error) => {
+                    self.record_invalid(&proxy, Some(&error));
+                    Vec::new()
+                }
+            };
+            if responses.send_all(batch).await.is_err() {
+                return;
             }
-            tokio::select! {
+            let request = tokio::select! {
                 () = stop.cancelled() => return,
                 () = responses.closed() => return,
-                request = requests.message() => match request {
-                    Ok(Some(request)) => pending = Some(request),
-                    Ok(None) => return,
-                    Err(status) => return undecodable(&responses, Some(&proxy), status).await,
+                request = requests.message() => boxed(request),
+                changed = changes.changed() => match changed {
+                    Ok(()) => continue,
+                    Err(_) => return,
                 },
-                changed = changes.changed() => if changed.is_err() {
-                    return;
-                },
+            };
+            match request {
+                Ok(Some(request)) => pending = Some(request),
+                Ok(None) => return,
+                Err(status) => return responses.end(undecodable(Some(&proxy), &status)).await,
+            }
+        }
+    }
+
+    /// Whether a stream whose first request names `node` and which came with `token` may go on:
+    /// the proxy and its token if so; if not, the status that ends it (none for a service
+    /// that has no proxy any more, whose stream just ends).
+    fn admit(&self, node: &str, token: Option<String>) -> Result<(ProxyId, String), Option<Status>> {
+        match (self.authorise(node, token.as_deref()), token) {
+            (Some(entry), Some(token)) => match entry.proxy.as_ref() {
+                Some(managed) => Ok((managed.id().clone(), token)),
+                None => Err(None),
+            },
+            (_, token) => {
+                self.board().refused_streams += 1;
+                let why = if token.is_none() { "no x-tether-token" } else { "a token that is not its own" };
+                tracing::warn!(node = %node, "xDS stream refused: node {node:?} came with {why}");
+                let message =
+                    format!("node.id {node:?} is no proxy of this agent, or {TOKEN_METADATA} is not its token");
+                Err(Some(Status::permission_denied(message)))
             }
         }
     }
 }
 
-/// Ends a stream whose request could not be read (not a gRPC message of its type, or the
-/// stream broke) with `INVALID_ARGUMENT`, which a client still there reads as the reason.
-async fn undecodable<T>(responses: &mpsc::Sender<Queued<T>>, proxy: Option<&ProxyId>, status: Status) {
+/// A request as the stream waits with it: boxed, since it is large and rare.
+fn boxed<T>(request: Result<Option<T>, Status>) -> Result<Option<Box<T>>, Status> {
+    request.map(|request| request.map(Box::new))
+}
+
+/// The status that ends a stream whose request could not be read (not a gRPC message of its
+/// type, or the stream broke): `INVALID_ARGUMENT`, which a client still there reads as the
+/// reason.
+fn undecodable(proxy: Option<&ProxyId>, status: &Status) -> Status {
     tracing::debug!(proxy = proxy.map(tracing::field::display), error = %status, "xDS stream ended: a request could not be read");
-    let message = format!("the request could not be read as a discovery request: {}", status.message());
-    let _ = responses.send(Box::new(Err(Status::invalid_argument(message)))).await;
+    Status::invalid_argument(format!("the request could not be read as a discovery request: {}", status.message()))
 }
 
 /// Counts a stream as open while it lives.
@@ -571,7 +597,18 @@ impl Collector for XdsCollector {
     fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
         let (responses, refused, streams) = {
             let board = self.0.board();
-            (board.responses.clone(), board.refused_streams, board.streams)
+            let mut responses = Vec::new();
+            for (proxy, verdicts) in &board.verdicts {
+                for kind in Kind::ALL {
+                    let [applied, refused] = verdicts.answers[kind.index()];
+                    for (result, count) in [(XdsResult::Applied, applied), (XdsResult::Refused, refused)] {
+                        if count > 0 {
+                            responses.push((proxy.clone(), kind, result.as_str(), count));
+                        }
+                    }
+                }
+            }
+            (responses, board.refused_streams, board.streams)
         };
         let counter = ConstCounter::new(0u64);
         let mut family = encoder.encode_descriptor(
@@ -580,7 +617,7 @@ impl Collector for XdsCollector {
             None,
             counter.metric_type(),
         )?;
-        for ((proxy, kind, result), count) in &responses {
+        for (proxy, kind, result, count) in &responses {
             let labels = [("proxy", proxy.as_str()), ("type", kind.as_str()), ("result", *result)];
             ConstCounter::new(*count).encode(family.encode_family(&labels)?)?;
         }

@@ -165,7 +165,7 @@ pub(crate) trait Protocol: Default + Send + 'static {
     /// Its name in logs: `sotw` or `delta`.
     const NAME: &'static str;
     type Request: prost::Message + Default + Send + 'static;
-    type Response: Send + 'static;
+    type Response: prost::Message + Send + 'static;
 
     /// The `node.id` of a request, if it has one.
     fn node(request: &Self::Request) -> Option<&str>;
