@@ -453,6 +453,13 @@ impl RegistrationStore {
         Ok(kept)
     }
 
+    /// The token that the registration of `id` holds for its proxy, if it has one.
+    pub fn token(&self, id: &ServiceId) -> Option<ProxyToken> {
+        let name = Self::name(id);
+        let file = self.dir.open_read(&name).ok()??;
+        read_token(&file, &self.dir.path().join(&name))
+    }
+
     fn text(&self, service: &Service, name: &str) -> Result<String, PersistError> {
         config::to_service_text(service, Format::Json)
             .map_err(|err| PersistError::Encode { path: self.dir.path().join(name), message: err.to_string() })

@@ -387,7 +387,9 @@ impl Sources {
     }
 
     /// Registers (or replaces) a service through the API and persists it. Returns once the
-    /// registration is durable.
+    /// registration is durable; a new proxy's token is then durable in the registration's
+    /// file, and `tokens.json`, with every proxy's token, follows with
+    /// [`Sources::save_tokens`], which the caller runs once it has answered.
     ///
     /// # Errors
     ///
@@ -434,8 +436,8 @@ impl Sources {
     /// engine, which acts on a change at once, never starts a proxy that was not registered
     /// or whose token a crash could lose; then into the catalog. The token is written in
     /// the registration's own file, one fsync for both, and `tokens.json`, which holds every
-    /// proxy's token, is written once the proxy is in the catalog, off the way to its start;
-    /// where the file system keeps no token in a file, `tokens.json` is written first.
+    /// proxy's token, is written after, off the way to its start and to the answer; where
+    /// the file system keeps no token in a file, `tokens.json` is written first.
     fn add_registration(&self, service: Service) -> Result<(), RegisterError> {
         let registrations = self.data.registrations();
         let id = service.id.clone();
@@ -464,7 +466,6 @@ impl Sources {
             }
             return Err(err.into());
         }
-        self.save_tokens();
         Ok(())
     }
 
@@ -620,6 +621,8 @@ mod tests {
         let root = tempfile::tempdir().unwrap();
         let (sources, data) = open(root.path());
         sources.register(service("db", 5432)).unwrap();
+        // As the API does once it has answered.
+        sources.save_tokens();
         block_registration(&data, "web");
         let revision = sources.state().revision();
 
@@ -642,6 +645,7 @@ mod tests {
         sources.register(service("web", 8080)).unwrap();
         assert!(sources.state().get(&id).is_some());
         assert!(data.registrations_dir().join("web.json").is_file());
+        sources.save_tokens();
         assert_eq!(saved_tokens(&data).len(), 2);
     }
 
@@ -726,6 +730,8 @@ mod tests {
         let root = tempfile::tempdir().unwrap();
         let (sources, data) = open(root.path());
         sources.register(service("web", 8080)).unwrap();
+        // As the API does once it has answered.
+        sources.save_tokens();
         let inode = || std::fs::metadata(data.tokens_path()).unwrap().ino();
         let written = inode();
         // Every atomic write makes a new inode: the same one means no write.
@@ -734,6 +740,7 @@ mod tests {
         sources.save_tokens();
         assert_eq!(inode(), written);
         sources.register(service("db", 5432)).unwrap();
+        sources.save_tokens();
         assert_ne!(inode(), written);
         assert_eq!(saved_tokens(&data).len(), 2);
     }

@@ -147,6 +147,9 @@ fn a_registration_keeps_its_proxys_token_in_its_own_file() {
     }
     let proxy = ServiceId::new("web").unwrap().proxy_id();
     assert_eq!(loaded.tokens, BTreeMap::from([(proxy, token.clone())]));
+    assert_eq!(store.token(&ServiceId::new("web").unwrap()), Some(token.clone()));
+    assert_eq!(store.token(&ServiceId::new("api").unwrap()), None);
+    assert_eq!(store.token(&ServiceId::new("none").unwrap()), None);
     // What is not a token is left out; the registration still loads.
     let file = fs::File::open(dir.registrations_dir().join("web.json")).unwrap();
     rustix::fs::fsetxattr(&file, TOKEN_ATTRIBUTE, b"not a token", rustix::fs::XattrFlags::empty()).unwrap();
