@@ -380,9 +380,18 @@ fn damaged(dir: &PrivateDir, name: &OsStr, problem: String) -> DamagedFile {
 pub struct LoadedRegistrations {
     /// The services, ordered by id.
     pub services: Vec<Service>,
+    /// The proxies' tokens that their registrations' files hold
+    /// ([`RegistrationStore::save_with_token`]).
+    pub tokens: BTreeMap<ProxyId, ProxyToken>,
     /// Files that could not be read, now moved aside.
     pub damaged: Vec<DamagedFile>,
 }
+
+/// The extended attribute of a registration's file that holds its proxy's token.
+const TOKEN_ATTRIBUTE: &str = "user.tether.token";
+
+/// Longer than any token that [`ProxyToken::from_hex`] takes back from a file.
+const TOKEN_ATTRIBUTE_MAX: usize = 1024;
 
 /// Services registered through the API: `registrations/<service id>.json`, one service
 /// object in the register API's schema per file.
@@ -411,9 +420,49 @@ impl RegistrationStore {
     /// [`PersistError::Write`] or [`PersistError::Encode`].
     pub fn save(&self, service: &Service) -> Result<(), PersistError> {
         let name = Self::name(&service.id);
-        let text = config::to_service_text(service, Format::Json)
-            .map_err(|err| PersistError::Encode { path: self.dir.path().join(&name), message: err.to_string() })?;
+        let text = self.text(service, &name)?;
         self.dir.write_atomic(&name, Durability::PowerLoss, text.as_bytes())
+    }
+
+    /// Saves `service` as [`RegistrationStore::save`] does, with its proxy's `token` in an
+    /// extended attribute of the same file (`user.tether.token`), so that the one fsync
+    /// that makes the registration durable makes the token durable too, without a rewrite
+    /// of `tokens.json` and its every proxy's token first. `Ok(false)`: the file system
+    /// keeps no such attribute; the registration is saved without it, and the token must
+    /// reach `tokens.json` before its proxy may start.
+    ///
+    /// # Errors
+    ///
+    /// [`PersistError::Write`] or [`PersistError::Encode`].
+    pub fn save_with_token(&self, service: &Service, token: &ProxyToken) -> Result<bool, PersistError> {
+        let name = Self::name(&service.id);
+        let text = self.text(service, &name)?;
+        let mut kept = false;
+        self.dir.write_atomic_file(&name, Durability::PowerLoss, |file| {
+            file.write_all(text.as_bytes())?;
+            // Not supported (or refused, for want of room): the caller's other way.
+            kept = rustix::fs::fsetxattr(
+                &*file,
+                TOKEN_ATTRIBUTE,
+                token.expose().as_bytes(),
+                rustix::fs::XattrFlags::empty(),
+            )
+            .is_ok();
+            Ok(())
+        })?;
+        Ok(kept)
+    }
+
+    /// The token that the registration of `id` holds for its proxy, if it has one.
+    pub fn token(&self, id: &ServiceId) -> Option<ProxyToken> {
+        let name = Self::name(id);
+        let file = self.dir.open_read(&name).ok()??;
+        read_token(&file, &self.dir.path().join(&name))
+    }
+
+    fn text(&self, service: &Service, name: &str) -> Result<String, PersistError> {
+        config::to_service_text(service, Format::Json)
+            .map_err(|err| PersistError::Encode { path: self.dir.path().join(name), message: err.to_string() })
     }
 
     /// Removes a registration; removing one that does not exist is not an error.
@@ -448,29 +497,49 @@ impl RegistrationStore {
         let mut loaded = LoadedRegistrations::default();
         for name in names {
             match self.read_registration(&name) {
-                Ok(service) => loaded.services.push(service),
+                Ok((service, token)) => {
+                    if let Some(token) = token.filter(|_| service.proxy.is_some()) {
+                        loaded.tokens.insert(service.id.proxy_id(), token);
+                    }
+                    loaded.services.push(service);
+                }
                 Err(problem) => loaded.damaged.push(damaged(&self.dir, &name, problem)),
             }
         }
         Ok(loaded)
     }
 
-    fn read_registration(&self, name: &OsStr) -> Result<Service, String> {
+    fn read_registration(&self, name: &OsStr) -> Result<(Service, Option<ProxyToken>), String> {
         let path = self.dir.path().join(name);
-        let bytes = match self.dir.read(name) {
-            Ok(Some(bytes)) => bytes,
+        let mut file = match self.dir.open_read(name) {
+            Ok(Some(file)) => file,
             Ok(None) => return Err("removed while it was read".to_owned()),
             Err(PersistError::Read { source, .. }) => return Err(source.to_string()),
             Err(err) => return Err(err.to_string()),
         };
+        let mut bytes = Vec::new();
+        io::Read::read_to_end(&mut file, &mut bytes).map_err(|err| err.to_string())?;
         let text = String::from_utf8(bytes).map_err(|err| err.to_string())?;
-        let service = config::parse_service(&text, Format::Json, &Origin::File(path)).map_err(|err| err.to_string())?;
+        let service =
+            config::parse_service(&text, Format::Json, &Origin::File(path.clone())).map_err(|err| err.to_string())?;
         let expected = Self::name(&service.id);
         if name != expected.as_str() {
             return Err(format!("holds service {} but is not named {expected}", service.id));
         }
-        Ok(service)
+        Ok((service, read_token(&file, &path)))
     }
+}
+
+/// The token in a registration's file, if it has one; one that is not a token is reported
+/// and left out (its proxy then has the token of `tokens.json`, or a new one).
+fn read_token(file: &fs::File, path: &Path) -> Option<ProxyToken> {
+    let mut value = [0u8; TOKEN_ATTRIBUTE_MAX];
+    let length = rustix::fs::fgetxattr(file, TOKEN_ATTRIBUTE, &mut value).ok()?;
+    let token = std::str::from_utf8(&value[..length]).ok().and_then(|hex| ProxyToken::from_hex(hex).ok());
+    if token.is_none() {
+        tracing::warn!(path = %DisplayPath(path), attribute = TOKEN_ATTRIBUTE, "registration's token attribute is not a token; left out");
+    }
+    token
 }
 
 /// Every proxy's token, in `tokens.json` (mode 0600).

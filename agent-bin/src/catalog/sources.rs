@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 
 use tether_state::config::{ConfigErrors, ConfigFile, ConfigLoader, ConnectSection, DisplayPath, LoadStats};
 use tether_state::lock;
-use tether_state::persist::{DataDir, PersistError};
+use tether_state::persist::{DataDir, LoadedRegistrations, PersistError};
 use tether_state::{
     CatalogError, DependsOn, Intention, Intentions, LocalState, ProxyId, ProxyToken, ReplaceReport, Service, ServiceId,
     Source, SourceKind, cycle_text, dependency_cycles,
@@ -191,8 +191,16 @@ impl Sources {
         if let Some(damaged) = &tokens.damaged {
             tracing::warn!(path = %DisplayPath(&damaged.path), problem = %damaged.problem, "token file damaged; proxies get new tokens");
         }
+        // Read now, entered after the config: a registration's file holds its proxy's token
+        // when it was written before `tokens.json` was (a crash between the two), and that
+        // token is the one its running proxy has.
+        let registrations = data.registrations().load();
+        let mut restored = tokens.tokens;
+        if let Ok(loaded) = &registrations {
+            restored.extend(loaded.tokens.iter().map(|(proxy, token)| (proxy.clone(), token.clone())));
+        }
         let sources = Self {
-            state: LocalState::with_tokens(tokens.tokens),
+            state: LocalState::with_tokens(restored),
             data,
             config: Mutex::new(ConfigState { loader: ConfigLoader::new(config_dirs), applied: HashMap::new() }),
             allow_api_commands,
@@ -215,13 +223,13 @@ impl Sources {
                 tracing::error!(error = %crate::error::error_chain(&err), "cannot load the config into the catalog");
             }
         }
-        sources.load_registrations();
+        sources.load_registrations(registrations);
         sources.save_tokens();
         Ok(sources)
     }
 
-    fn load_registrations(&self) {
-        let loaded = match self.data.registrations().load() {
+    fn load_registrations(&self, registrations: Result<LoadedRegistrations, PersistError>) {
+        let loaded = match registrations {
             Ok(loaded) => loaded,
             Err(err) => {
                 tracing::error!(error = %crate::error::error_chain(&err), "cannot read API registrations");
@@ -379,7 +387,9 @@ impl Sources {
     }
 
     /// Registers (or replaces) a service through the API and persists it. Returns once the
-    /// registration is durable.
+    /// registration is durable; a new proxy's token is then durable in the registration's
+    /// file, and `tokens.json`, with every proxy's token, follows with
+    /// [`Sources::save_tokens`], which the caller runs once it has answered.
     ///
     /// # Errors
     ///
@@ -424,30 +434,23 @@ impl Sources {
 
     /// A new service: to disk first, its registration and its proxy's token, so that the
     /// engine, which acts on a change at once, never starts a proxy that was not registered
-    /// or whose token a crash could lose; then into the catalog. The registration and the
-    /// tokens are written at the same time.
+    /// or whose token a crash could lose; then into the catalog. The token is written in
+    /// the registration's own file, one fsync for both, and `tokens.json`, which holds every
+    /// proxy's token, is written after, off the way to its start and to the answer; where
+    /// the file system keeps no token in a file, `tokens.json` is written first.
     fn add_registration(&self, service: Service) -> Result<(), RegisterError> {
         let registrations = self.data.registrations();
         let id = service.id.clone();
-        let mut tokens = self.state.tokens();
-        if service.proxy.is_some() {
-            let proxy = id.proxy_id();
-            let token = self.state.token_for(&proxy)?;
-            tokens.insert(proxy, token);
-        }
-        let mut saved_tokens = lock(&self.saved_tokens);
-        let saved = std::thread::scope(|scope| {
-            let registration = scope.spawn(|| registrations.save(&service));
-            let tokens_saved = self.data.tokens().save(&tokens);
-            let registration = registration.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-            registration.and(tokens_saved)
+        let token = service.proxy.as_ref().map(|_| self.state.token_for(&id.proxy_id())).transpose()?;
+        let saved = match &token {
+            Some(token) => registrations.save_with_token(&service, token),
+            None => registrations.save(&service).map(|()| true),
+        };
+        let saved = saved.and_then(|kept| match (kept, &token) {
+            (false, Some(token)) => self.save_tokens_with(&id.proxy_id(), token),
+            _ => Ok(()),
         });
-        // Written or not, the tokens file's content is known only when it was written.
-        *saved_tokens = saved.is_ok().then_some(tokens);
-        drop(saved_tokens);
         if let Err(source) = saved {
-            // The tokens file lists what the catalog holds, not the token kept for a retry.
-            self.save_tokens();
             // Nothing entered the catalog: no proxy started, and the client is told that the
             // service is not registered. A registration file that was written goes again.
             if let Err(err) = registrations.remove(&id) {
@@ -466,16 +469,38 @@ impl Sources {
         Ok(())
     }
 
+    /// Writes `tokens.json` with every proxy's token and `token` for `proxy`, a proxy not in
+    /// the catalog yet.
+    fn save_tokens_with(&self, proxy: &ProxyId, token: &ProxyToken) -> Result<(), PersistError> {
+        let mut saved_tokens = lock(&self.saved_tokens);
+        let mut tokens = self.state.tokens();
+        tokens.insert(proxy.clone(), token.clone());
+        let saved = self.data.tokens().save(&tokens);
+        // Written or not, the tokens file's content is known only when it was written.
+        *saved_tokens = saved.is_ok().then_some(tokens);
+        drop(saved_tokens);
+        if saved.is_err() {
+            // The tokens file lists what the catalog holds, not the token kept for a retry.
+            self.save_tokens();
+        }
+        saved
+    }
+
     /// A changed service: to disk first, so that a failed write leaves its running proxy
     /// alone, then into the catalog.
     fn replace_registration(&self, service: Service, old: &Service) -> Result<(), RegisterError> {
         let registrations = self.data.registrations();
         let id = service.id.clone();
-        registrations.save(&service).map_err(|source| RegisterError::Persist { id: id.clone(), source })?;
+        // Each definition is written with its proxy's token, as a new one is.
+        let save = |service: &Service| match service.proxy.as_ref().map(|_| self.state.token_for(&id.proxy_id())) {
+            Some(Ok(token)) => registrations.save_with_token(service, &token).map(drop),
+            _ => registrations.save(service),
+        };
+        save(&service).map_err(|source| RegisterError::Persist { id: id.clone(), source })?;
         if let Err(err) = self.state.upsert(service, Source::Api) {
             // The id is the API's, so only a token for a new proxy can have failed: the old
             // definition stays in force, and on disk too.
-            if let Err(undo) = registrations.save(old) {
+            if let Err(undo) = save(old) {
                 tracing::error!(service = %id, error = %crate::error::error_chain(&undo), "cannot restore the previous registration");
             }
             return Err(err.into());
@@ -596,6 +621,8 @@ mod tests {
         let root = tempfile::tempdir().unwrap();
         let (sources, data) = open(root.path());
         sources.register(service("db", 5432)).unwrap();
+        // As the API does once it has answered.
+        sources.save_tokens();
         block_registration(&data, "web");
         let revision = sources.state().revision();
 
@@ -618,6 +645,7 @@ mod tests {
         sources.register(service("web", 8080)).unwrap();
         assert!(sources.state().get(&id).is_some());
         assert!(data.registrations_dir().join("web.json").is_file());
+        sources.save_tokens();
         assert_eq!(saved_tokens(&data).len(), 2);
     }
 
@@ -702,6 +730,8 @@ mod tests {
         let root = tempfile::tempdir().unwrap();
         let (sources, data) = open(root.path());
         sources.register(service("web", 8080)).unwrap();
+        // As the API does once it has answered.
+        sources.save_tokens();
         let inode = || std::fs::metadata(data.tokens_path()).unwrap().ino();
         let written = inode();
         // Every atomic write makes a new inode: the same one means no write.
@@ -710,8 +740,34 @@ mod tests {
         sources.save_tokens();
         assert_eq!(inode(), written);
         sources.register(service("db", 5432)).unwrap();
+        sources.save_tokens();
         assert_ne!(inode(), written);
         assert_eq!(saved_tokens(&data).len(), 2);
+    }
+
+    #[test]
+    fn a_registered_proxy_keeps_its_token_when_the_agent_died_before_the_tokens_file_was_written() {
+        let root = tempfile::tempdir().unwrap();
+        let (sources, data) = open(root.path());
+        sources.register(service("web", 8080)).unwrap();
+        let proxy = ServiceId::new("web").unwrap().proxy_id();
+        let token = sources.state().token_for(&proxy).unwrap();
+        if !data.registrations().load().unwrap().tokens.contains_key(&proxy) {
+            // A file system without extended attributes: tokens.json had it before the start.
+            assert_eq!(data.tokens().load().tokens.get(&proxy), Some(&token));
+            return;
+        }
+        drop(sources);
+        // The file as it was before this registration: none for the proxy, or a token it had
+        // in an earlier life (deregistered, then registered again).
+        std::fs::remove_file(data.tokens_path()).unwrap();
+        let (again, _) = open(root.path());
+        assert_eq!(again.state().token_for(&proxy).unwrap(), token);
+        assert_eq!(data.tokens().load().tokens.get(&proxy), Some(&token));
+        drop(again);
+        data.tokens().save(&BTreeMap::from([(proxy.clone(), ProxyToken::generate().unwrap())])).unwrap();
+        let (again, _) = open(root.path());
+        assert_eq!(again.state().token_for(&proxy).unwrap(), token);
     }
 
     /// The catalog's config services, as (service, file).

@@ -14,7 +14,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use serde_json::{Value, json};
 use tether_state::config::DisplayPath;
-use tether_state::persist::{PrivateDir, TokenStore};
+use tether_state::persist::{PrivateDir, RegistrationStore, TokenStore};
 use tether_state::{ProxyId, ProxyToken, proxy_env};
 
 use super::{SOCKET_NAME, TOKEN_METADATA};
@@ -151,7 +151,7 @@ pub(crate) fn run(request: &BootstrapRequest) -> anyhow::Result<ExitCode> {
 }
 
 /// The first of `candidates` that has a token: from the environment when it is the proxy
-/// this runs as, else from `data_dir`'s `tokens.json`.
+/// this runs as, else from `data_dir`'s `tokens.json`, else from its API registration.
 fn token_of(candidates: &[ProxyId], own_id: Option<&str>, data_dir: &Path) -> anyhow::Result<(ProxyId, ProxyToken)> {
     if let (Some(own), Ok(token)) = (own_id, std::env::var(proxy_env::PROXY_TOKEN)) {
         if let Some(proxy) = candidates.iter().find(|id| id.as_str() == own) {
@@ -171,20 +171,51 @@ fn token_of(candidates: &[ProxyId], own_id: Option<&str>, data_dir: &Path) -> an
             damaged.problem
         ));
     }
-    candidates.iter().find_map(|id| loaded.tokens.get(id).map(|token| (id.clone(), token.clone()))).ok_or_else(|| {
-        let names: Vec<&str> = candidates.iter().map(ProxyId::as_str).collect();
-        UsageError(format!(
-            "no proxy {} has a token in {}: is it in the agent's catalog?",
-            names.join(" or "),
-            DisplayPath(&absolute)
-        ))
-        .into()
-    })
+    // An API registration holds its proxy's token from before `tokens.json` does.
+    let registrations = PrivateDir::open_no_follow(&absolute.join("registrations")).ok().map(RegistrationStore::new);
+    let registered = |id: &ProxyId| registrations.as_ref().and_then(|store| store.token(&id.service_id()));
+    let found = candidates.iter().find_map(|id| loaded.tokens.get(id).map(|token| (id.clone(), token.clone())));
+    found.or_else(|| candidates.iter().find_map(|id| registered(id).map(|token| (id.clone(), token)))).ok_or_else(
+        || {
+            let names: Vec<&str> = candidates.iter().map(ProxyId::as_str).collect();
+            UsageError(format!(
+                "no proxy {} has a token in {}: is it in the agent's catalog?",
+                names.join(" or "),
+                DisplayPath(&absolute)
+            ))
+            .into()
+        },
+    )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_registered_proxys_token_is_found_in_its_registration_before_tokens_json_has_it() {
+        let root = tempfile::tempdir().unwrap();
+        let data = tether_state::persist::DataDir::open(root.path()).unwrap();
+        let service = tether_state::Service::new(
+            tether_state::ServiceId::new("web").unwrap(),
+            tether_state::ServiceName::new("web").unwrap(),
+        )
+        .with_proxy(tether_state::ProxySpec::default());
+        let token = ProxyToken::generate().unwrap();
+        let kept = data.registrations().save_with_token(&service, &token).unwrap();
+        let proxy = service.id.proxy_id();
+        let found = token_of(std::slice::from_ref(&proxy), None, root.path());
+        if kept {
+            assert_eq!(found.unwrap(), (proxy.clone(), token));
+        } else {
+            // A file system without extended attributes: only tokens.json can tell.
+            assert!(found.unwrap_err().to_string().contains("no proxy web-proxy has a token"));
+        }
+        // Once tokens.json has it, that is where it comes from.
+        let other = ProxyToken::generate().unwrap();
+        data.tokens().save(&std::collections::BTreeMap::from([(proxy.clone(), other.clone())])).unwrap();
+        assert_eq!(token_of(std::slice::from_ref(&proxy), None, root.path()).unwrap(), (proxy, other));
+    }
 
     #[test]
     fn the_bootstrap_names_the_node_carries_the_token_and_reaches_the_socket() {

@@ -131,6 +131,39 @@ fn damaged_registrations_are_moved_aside_and_reported() {
 }
 
 #[test]
+fn a_registration_keeps_its_proxys_token_in_its_own_file() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = DataDir::open(root.path()).unwrap();
+    let store = dir.registrations();
+    let token = ProxyToken::generate().unwrap();
+    let kept = store.save_with_token(&service("web"), &token).unwrap();
+    store.save(&service("api")).unwrap();
+    let loaded = store.load().unwrap();
+    assert_eq!(loaded.services, [service("api"), service("web")]);
+    if !kept {
+        // A file system without extended attributes: the caller writes tokens.json first.
+        assert!(loaded.tokens.is_empty());
+        return;
+    }
+    let proxy = ServiceId::new("web").unwrap().proxy_id();
+    assert_eq!(loaded.tokens, BTreeMap::from([(proxy, token.clone())]));
+    assert_eq!(store.token(&ServiceId::new("web").unwrap()), Some(token.clone()));
+    assert_eq!(store.token(&ServiceId::new("api").unwrap()), None);
+    assert_eq!(store.token(&ServiceId::new("none").unwrap()), None);
+    // What is not a token is left out; the registration still loads.
+    let file = fs::File::open(dir.registrations_dir().join("web.json")).unwrap();
+    rustix::fs::fsetxattr(&file, TOKEN_ATTRIBUTE, b"not a token", rustix::fs::XattrFlags::empty()).unwrap();
+    let loaded = store.load().unwrap();
+    assert!(loaded.tokens.is_empty());
+    assert!(loaded.damaged.is_empty());
+    assert_eq!(loaded.services.len(), 2);
+    // Saved again without its token: the new file has none.
+    assert!(store.save_with_token(&service("web"), &token).unwrap());
+    store.save(&service("web")).unwrap();
+    assert!(store.load().unwrap().tokens.is_empty());
+}
+
+#[test]
 fn tokens_round_trip_in_a_private_file() {
     let root = tempfile::tempdir().unwrap();
     let dir = DataDir::open(root.path()).unwrap();
