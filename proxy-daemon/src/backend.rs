@@ -231,7 +231,7 @@ impl Shared {
         process.logs.limits = spec.log;
         process.logs.journal = self.journal_sink(proxy);
         process.health = health_checks(spec);
-        process.reload.clone_from(&spec.reload);
+        process.reload = spec.reload.clone().map(Box::new);
         process.identity_env = identity_env.into();
         process.limits = spec.limits;
         process
@@ -357,7 +357,7 @@ pub fn missing_programs(spec: &tether_state::ProxySpec) -> Vec<MissingProgram> {
 }
 
 fn health_checks(spec: &tether_state::ProxySpec) -> HealthChecks {
-    HealthChecks { readiness: spec.readiness.clone(), liveness: spec.liveness.clone() }
+    HealthChecks::new(spec.readiness.clone(), spec.liveness.clone())
 }
 
 /// A process name for a proxy id; both follow the same rule.

@@ -362,11 +362,11 @@ impl Generations {
         }
         spec.env.extend(told(begun.epoch));
         let (registry, id, key) = (Arc::clone(self), id.clone(), begun.key);
-        spec.restarted = Some(Restarted {
+        spec.restarted = Some(Box::new(Restarted {
             args: cold_args,
             env: cold_env.into(),
             after: Arc::new(move || Arc::clone(&registry).alone(id.clone(), key)),
-        });
+        }));
     }
 }
 

@@ -304,7 +304,7 @@ impl ProcessSpecBuilder {
             pid_file: self.pid_file,
             identity_env: self.identity_env,
             limits: self.limits,
-            reload: self.reload,
+            reload: self.reload.map(Box::new),
         }
     }
 }
