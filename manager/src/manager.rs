@@ -696,12 +696,20 @@ impl Manager {
         let mut changes = status.clone();
         let notify = self.status_tx.clone();
         let watched = id.clone();
-        let watcher = self.background.spawn(async move {
-            while changes.changed().await.is_ok() {
-                if notify.send((watched.clone(), generation)).is_err() {
-                    break;
+        // Told by the backend, if it can: no task of the engine's per proxy.
+        let told = handle.on_status_change(Box::new(move || {
+            let _engine_gone = notify.send((watched.clone(), generation));
+        }));
+        let watcher = (!told).then(|| {
+            let notify = self.status_tx.clone();
+            let watched = id.clone();
+            self.background.spawn(async move {
+                while changes.changed().await.is_ok() {
+                    if notify.send((watched.clone(), generation)).is_err() {
+                        break;
+                    }
                 }
-            }
+            })
         });
         if let Some(slot) = self.slots.get_mut(id) {
             slot.installed = Some(Installed { handle, status, generation, watcher, service, token });
@@ -712,7 +720,9 @@ impl Manager {
     fn uninstall(&mut self, id: &ProxyId) {
         let Some(slot) = self.slots.get_mut(id) else { return };
         if let Some(installed) = slot.installed.take() {
-            installed.watcher.abort();
+            if let Some(watcher) = installed.watcher {
+                watcher.abort();
+            }
             self.send_record(id);
         }
     }

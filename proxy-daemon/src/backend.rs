@@ -14,13 +14,13 @@ use std::collections::{BTreeSet, HashMap};
 use std::ffi::OsString;
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use tether_manager::{
     Adopted, BackendError, BackendRecord, BackendState, BackendStats, Histogram, Meter, ProxyBackend, ProxyHandle,
-    ResourceUsage,
+    ResourceUsage, StatusChanged,
 };
 use tether_state::lock;
 use tether_state::persist::DataDir;
@@ -487,12 +487,59 @@ impl OsProcessBackend {
     }
 }
 
+/// A handle's status channel, and whom to tell of each change besides its receivers: the
+/// engine, once it asked ([`ProxyHandle::on_status_change`]), which then needs no task per
+/// proxy to wait on the channel. Every change of the status goes through it. Clones share
+/// both.
+#[derive(Clone)]
+struct StatusSender {
+    sender: watch::Sender<tether_manager::BackendStatus>,
+    changed: Arc<OnceLock<StatusChanged>>,
+}
+
+impl std::fmt::Debug for StatusSender {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StatusSender")
+            .field("status", &*self.sender.borrow())
+            .field("told", &self.changed.get().is_some())
+            .finish()
+    }
+}
+
+impl StatusSender {
+    fn new() -> Self {
+        Self { sender: watch::Sender::new(tether_manager::BackendStatus::default()), changed: Arc::default() }
+    }
+
+    fn subscribe(&self) -> watch::Receiver<tether_manager::BackendStatus> {
+        self.sender.subscribe()
+    }
+
+    fn send_replace(&self, status: tether_manager::BackendStatus) {
+        self.sender.send_replace(status);
+        self.tell();
+    }
+
+    fn send_if_modified(&self, modify: impl FnOnce(&mut tether_manager::BackendStatus) -> bool) {
+        if self.sender.send_if_modified(modify) {
+            self.tell();
+        }
+    }
+
+    /// Called after the new status is in the channel, outside its borrow.
+    fn tell(&self) {
+        if let Some(changed) = self.changed.get() {
+            changed();
+        }
+    }
+}
+
 /// One proxy: its spec, its supervised process, and its status as the manager sees it.
 struct OsProxyHandle {
     shared: Arc<Shared>,
     id: ProxyId,
     state: Mutex<HandleState>,
-    status: watch::Sender<tether_manager::BackendStatus>,
+    status: StatusSender,
     /// What its process runs, when restore took it over.
     adopted: Adopted,
 }
@@ -510,7 +557,7 @@ struct HandleState {
 
 impl OsProxyHandle {
     fn new(shared: Arc<Shared>, id: ProxyId, proxy: Option<Arc<ManagedProxy>>) -> Self {
-        let (status, _) = watch::channel(tether_manager::BackendStatus::default());
+        let status = StatusSender::new();
         Self {
             shared,
             id,
@@ -741,6 +788,10 @@ impl ProxyHandle for OsProxyHandle {
 
     fn status(&self) -> watch::Receiver<tether_manager::BackendStatus> {
         self.status.subscribe()
+    }
+
+    fn on_status_change(&self, changed: StatusChanged) -> bool {
+        self.status.changed.set(changed).is_ok()
     }
 
     fn adopted(&self) -> Adopted {
