@@ -196,7 +196,8 @@ impl EncodedSnapshot {
 
     /// The text of the file.
     pub fn to_bytes(&self) -> Vec<u8> {
-        let mut bytes = Vec::with_capacity(self.records.iter().map(|record| record.len_guess() + 2).sum::<usize>() + 64);
+        let mut bytes =
+            Vec::with_capacity(self.records.iter().map(|record| record.len_guess() + 2).sum::<usize>() + 64);
         self.write_to(&mut bytes).unwrap_or_else(|_| unreachable!("writing to a Vec cannot fail"));
         bytes
     }

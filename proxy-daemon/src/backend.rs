@@ -95,6 +95,9 @@ struct Shared {
     listeners: Mutex<HashMap<ProxyId, Vec<OpenListener>>>,
     /// The live generations of the proxies with `update = "epoch"`, and their base ids.
     generations: Arc<epoch::Generations>,
+    /// The agent's own `PATH` and `HOME`, the layer beneath every proxy's environment but
+    /// those that inherit the whole of it: read once, shared by their specs.
+    agent_env: Arc<crate::spec::Environment>,
     /// The backend's own tasks (a draining generation's wait, the sweep of unclaimed
     /// cgroups), aborted with the backend: a waiting drain then leaves its process running,
     /// for the next agent, which adopts it from the snapshot.
@@ -139,7 +142,8 @@ impl OsProcessBackend {
         let supervisor = Supervisor::with_cgroups(data.notify_address(), cgroups)?;
         let generations = Arc::default();
         let background = Mutex::default();
-        let shared = Shared { supervisor, data, environment, found, listeners, generations, background };
+        let agent_env = Arc::new(agent_paths().into());
+        let shared = Shared { supervisor, data, environment, found, listeners, generations, agent_env, background };
         Ok(Self { shared: Arc::new(shared) })
     }
 
@@ -208,7 +212,13 @@ impl Shared {
             ProxyKind::Envoy { .. } => envoy_args(self.data.envoy_bootstrap_path(id), spec.update.strategy, args),
             _ => args,
         };
-        let mut env = agent_layer(spec);
+        // The agent's `PATH` and `HOME` are one layer that every proxy's spec shares; a
+        // proxy that inherits the whole environment gets a copy of its own, as it is now.
+        let (base_env, mut env) = if spec.inherit_env {
+            (Arc::default(), agent_layer(spec))
+        } else {
+            (Arc::clone(&self.agent_env), Vec::new())
+        };
         let identity_env = vec![
             (OsString::from(proxy_env::PROXY_ID), OsString::from(id.as_str())),
             (OsString::from(proxy_env::PROXY_TOKEN), OsString::from(proxy.token().expose())),
@@ -224,6 +234,7 @@ impl Shared {
         let mut process = ProcessSpec::new(name, program, &self.data);
         process.args = args;
         process.env = env.into();
+        process.base_env = base_env;
         process.working_dir = spec.working_dir.clone().unwrap_or_else(|| PathBuf::from("/"));
         process.user.clone_from(&spec.user);
         process.kill = kill_policy(proxy);
@@ -295,8 +306,13 @@ fn agent_layer(spec: &tether_state::ProxySpec) -> Vec<(OsString, OsString)> {
     if spec.inherit_env {
         std::env::vars_os().filter(|(key, _)| !key.to_string_lossy().starts_with(proxy_env::PREFIX)).collect()
     } else {
-        ["PATH", "HOME"].into_iter().filter_map(|key| Some((OsString::from(key), std::env::var_os(key)?))).collect()
+        agent_paths()
     }
+}
+
+/// The agent's own `PATH` and `HOME`, those it has.
+fn agent_paths() -> Vec<(OsString, OsString)> {
+    ["PATH", "HOME"].into_iter().filter_map(|key| Some((OsString::from(key), std::env::var_os(key)?))).collect()
 }
 
 /// The layer of a proxy's environment that its `env` sets, last: it replaces the others.

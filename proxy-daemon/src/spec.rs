@@ -219,6 +219,10 @@ pub struct ProcessSpec {
     /// replaces an earlier one ([`ProcessSpec::environment`]), so that a caller appends its
     /// own layers (defaults, then what was configured) without looking for duplicates.
     pub env: Environment,
+    /// A layer beneath [`env`](Self::env), shared by the specs of many processes rather
+    /// than copied into each (such as a caller's own `PATH` and `HOME`): its entries come
+    /// first, and an entry of `env` of the same name replaces one of it (default empty).
+    pub base_env: Arc<Environment>,
     /// The working directory (default `/`).
     pub working_dir: PathBuf,
     /// Run as this user (uid, primary gid and supplementary groups), if set.
@@ -304,15 +308,17 @@ impl ProcessSpec {
 }
 
 impl ProcessSpec {
-    /// The environment the process gets: each variable of `env` once, where it first
-    /// appears, with the value of its last entry. Every way of creating the process passes
-    /// exactly this, so that a variable set twice (an inherited `PATH`, then a configured
-    /// one) is never seen twice by the process, where `getenv` would return the first.
+    /// The environment the process gets: each variable of `base_env`, then `env`, once,
+    /// where it first appears, with the value of its last entry. Every way of creating the
+    /// process passes exactly this, so that a variable set twice (an inherited `PATH`, then
+    /// a configured one) is never seen twice by the process, where `getenv` would return the
+    /// first.
     pub fn environment(&self) -> Vec<(OsString, OsString)> {
         use std::collections::hash_map::Entry;
-        let mut merged: Vec<(OsString, OsString)> = Vec::with_capacity(self.env.len());
-        let mut places: HashMap<&OsStr, usize> = HashMap::with_capacity(self.env.len());
-        for (key, value) in &self.env {
+        let count = self.base_env.len() + self.env.len();
+        let mut merged: Vec<(OsString, OsString)> = Vec::with_capacity(count);
+        let mut places: HashMap<&OsStr, usize> = HashMap::with_capacity(count);
+        for (key, value) in self.base_env.iter().chain(&self.env) {
             match places.entry(key.as_os_str()) {
                 Entry::Occupied(place) => merged[*place.get()].1.clone_from(value),
                 Entry::Vacant(place) => {
@@ -533,6 +539,20 @@ mod tests {
                 pair("TETHER_PROXY_ID", "web-proxy"),
                 pair("LOG_LEVEL", "debug"),
             ]
+        );
+    }
+
+    #[test]
+    fn the_shared_layer_comes_first_and_env_replaces_its_entries() {
+        let temp = tempfile::tempdir().unwrap();
+        let data = DataDir::open(temp.path()).unwrap();
+        let mut spec = ProcessSpec::new(ProcessName::new("web-proxy").unwrap(), "/bin/true", &data);
+        let pair = |key: &str, value: &str| (OsString::from(key), OsString::from(value));
+        spec.base_env = Arc::new(vec![pair("PATH", "/usr/bin:/bin"), pair("HOME", "/root")].into());
+        spec.env = vec![pair("TETHER_PROXY_ID", "web-proxy"), pair("PATH", "/opt/envoy/bin")].into();
+        assert_eq!(
+            spec.environment(),
+            [pair("PATH", "/opt/envoy/bin"), pair("HOME", "/root"), pair("TETHER_PROXY_ID", "web-proxy")]
         );
     }
 

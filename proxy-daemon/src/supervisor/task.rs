@@ -178,7 +178,11 @@ impl Task {
                     Event::Commands(commands) => {
                         if let Some(update) = commands.update {
                             if let Some(health) = &update.health {
-                                checks.update(health.readiness.as_deref().cloned(), health.liveness.as_deref().cloned(), &self.shared);
+                                checks.update(
+                                    health.readiness.as_deref().cloned(),
+                                    health.liveness.as_deref().cloned(),
+                                    &self.shared,
+                                );
                             }
                             let rewatch = update.reload.as_ref().is_some_and(|new| {
                                 new.as_ref().map(|r| &r.watch) != self.spec.reload.as_ref().map(|r| &r.watch)
