@@ -3,9 +3,10 @@
 //! snapshot's bookkeeping in `records`.
 //!
 //! This module owns the engine's state and every task it spawns (action tasks, status
-//! watchers, the snapshot writer), each in a `JoinSet` held by the manager, so that nothing
-//! outlives it. It must never touch a process itself (only through [`ProxyHandle`]), never
-//! hold a lock across an await, and never run two actions on one proxy at once.
+//! watchers of backends that do not tell of changes themselves, the snapshot writer), each
+//! in a `JoinSet` held by the manager, so that nothing outlives it. It must never touch a
+//! process itself (only through [`ProxyHandle`]), never hold a lock across an await, and
+//! never run two actions on one proxy at once.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, BinaryHeap, HashMap, HashSet, VecDeque};
