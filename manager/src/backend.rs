@@ -412,6 +412,18 @@ pub trait ProxyHandle: Send + Sync {
     /// The proxy's status, which changes whenever the backend observes something.
     fn status(&self) -> watch::Receiver<BackendStatus>;
 
+    /// Asks the backend to call `changed` after every change of [`ProxyHandle::status`]
+    /// from now on, for as long as it holds the handle's status; returns whether it will.
+    ///
+    /// A backend that can tell spares the engine a task per proxy that waits on the status
+    /// channel (about 400 bytes a proxy); one that cannot returns `false`, the default, and
+    /// the engine then waits on the channel. `changed` is called after the new status is in
+    /// the channel, and must not be called from inside a borrow of it.
+    fn on_status_change(&self, changed: StatusChanged) -> bool {
+        let _ = changed;
+        false
+    }
+
     /// Lets the proxy's process drain and exit on its own: called instead of
     /// [`ProxyHandle::stop`] on the old handle of a hot restart by the proxy itself
     /// (`update = "epoch"`), once the new generation, which took its listeners, is ready.
@@ -462,6 +474,10 @@ pub trait ProxyHandle: Send + Sync {
         Adopted::AsRecorded
     }
 }
+
+/// What a backend calls after each change of a handle's status
+/// ([`ProxyHandle::on_status_change`]).
+pub type StatusChanged = Box<dyn Fn() + Send + Sync>;
 
 /// Builds [`ProxyHandle`]s: the engine's only way to make something run.
 ///

@@ -225,7 +225,7 @@ mod users;
 
 pub use backend::{
     Adopted, BackendError, BackendRecord, BackendState, BackendStats, BackendStatus, BoxError, Generation, Histogram,
-    Meter, ProxyBackend, ProxyHandle, ProxyState, ResourceUsage,
+    Meter, ProxyBackend, ProxyHandle, ProxyState, ResourceUsage, StatusChanged,
 };
 #[cfg(any(test, feature = "mock"))]
 pub use backend::{MockProxyBackend, MockProxyHandle};

@@ -3,9 +3,10 @@
 //! snapshot's bookkeeping in `records`.
 //!
 //! This module owns the engine's state and every task it spawns (action tasks, status
-//! watchers, the snapshot writer), each in a `JoinSet` held by the manager, so that nothing
-//! outlives it. It must never touch a process itself (only through [`ProxyHandle`]), never
-//! hold a lock across an await, and never run two actions on one proxy at once.
+//! watchers of backends that do not tell of changes themselves, the snapshot writer), each
+//! in a `JoinSet` held by the manager, so that nothing outlives it. It must never touch a
+//! process itself (only through [`ProxyHandle`]), never hold a lock across an await, and
+//! never run two actions on one proxy at once.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, BinaryHeap, HashMap, HashSet, VecDeque};
@@ -696,12 +697,20 @@ impl Manager {
         let mut changes = status.clone();
         let notify = self.status_tx.clone();
         let watched = id.clone();
-        let watcher = self.background.spawn(async move {
-            while changes.changed().await.is_ok() {
-                if notify.send((watched.clone(), generation)).is_err() {
-                    break;
+        // Told by the backend, if it can: no task of the engine's per proxy.
+        let told = handle.on_status_change(Box::new(move || {
+            let _engine_gone = notify.send((watched.clone(), generation));
+        }));
+        let watcher = (!told).then(|| {
+            let notify = self.status_tx.clone();
+            let watched = id.clone();
+            self.background.spawn(async move {
+                while changes.changed().await.is_ok() {
+                    if notify.send((watched.clone(), generation)).is_err() {
+                        break;
+                    }
                 }
-            }
+            })
         });
         if let Some(slot) = self.slots.get_mut(id) {
             slot.installed = Some(Installed { handle, status, generation, watcher, service, token });
@@ -712,7 +721,9 @@ impl Manager {
     fn uninstall(&mut self, id: &ProxyId) {
         let Some(slot) = self.slots.get_mut(id) else { return };
         if let Some(installed) = slot.installed.take() {
-            installed.watcher.abort();
+            if let Some(watcher) = installed.watcher {
+                watcher.abort();
+            }
             self.send_record(id);
         }
     }

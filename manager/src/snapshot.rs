@@ -196,7 +196,8 @@ impl EncodedSnapshot {
 
     /// The text of the file.
     pub fn to_bytes(&self) -> Vec<u8> {
-        let mut bytes = Vec::with_capacity(self.records.iter().map(|record| record.len() + 2).sum::<usize>() + 64);
+        let mut bytes =
+            Vec::with_capacity(self.records.iter().map(|record| record.len_guess() + 2).sum::<usize>() + 64);
         self.write_to(&mut bytes).unwrap_or_else(|_| unreachable!("writing to a Vec cannot fail"));
         bytes
     }
@@ -216,8 +217,9 @@ impl EncodedSnapshot {
 /// place in the list of proxies. Shared, never copied, between the writer's current and
 /// last written content.
 ///
-/// Its service's text is the one the engine keeps for the proxy ([`EncodedService`]),
-/// shared rather than copied into the record: at 10 000 proxies a copy would be 8 MiB.
+/// Its service is the value the engine runs the proxy from ([`EncodedService`]), shared
+/// rather than kept as text: it is encoded when the record is written, so that the engine
+/// holds no second form of every service (at 10 000 proxies its text would be 4 MiB).
 #[derive(Debug, Clone)]
 pub(crate) struct EncodedRecord {
     /// Up to the service's value (or the whole record).
@@ -233,15 +235,18 @@ const RECORD_INDENT: &str = "    ";
 /// The indentation of a record's fields.
 const FIELD_INDENT: &str = "      ";
 
+/// Room for a service's compact text when the size of a file is guessed ahead of a write.
+const SERVICE_TEXT_GUESS: usize = 512;
+
 impl EncodedRecord {
     /// The encoding of `record`.
     pub(crate) fn from_record(record: &ProxyRecord) -> Result<Self, serde_json::Error> {
-        let service = record.service.as_ref().map(EncodedService::new).transpose()?;
+        let service = record.service.as_ref().map(|service| EncodedService::new(Arc::new(service.clone())));
         Self::new(&record.id, service.as_ref(), record.token.as_ref(), &record.backend)
     }
 
-    /// The encoding of `ProxyRecord { id, service, token, backend }`, from a service that
-    /// is already encoded: the record pretty-printed, its service and backend record compact.
+    /// The encoding of `ProxyRecord { id, service, token, backend }`, the service shared:
+    /// the record pretty-printed, its service and backend record compact.
     pub(crate) fn new(
         id: &ProxyId,
         service: Option<&EncodedService>,
@@ -261,51 +266,50 @@ impl EncodedRecord {
         Ok(Self { head: head.into(), service: service.cloned(), tail: tail.into() })
     }
 
-    fn pieces(&self) -> impl Iterator<Item = &str> {
-        [Some(&*self.head), self.service.as_ref().map(|service| &*service.0), Some(&*self.tail)].into_iter().flatten()
-    }
-
-    fn len(&self) -> usize {
-        self.pieces().map(str::len).sum()
+    /// About how long its text is: exact but for the service's.
+    fn len_guess(&self) -> usize {
+        self.head.len() + self.service.as_ref().map_or(0, |_| SERVICE_TEXT_GUESS) + self.tail.len()
     }
 
     fn write_to(&self, out: &mut dyn Write) -> io::Result<()> {
-        self.pieces().try_for_each(|piece| out.write_all(piece.as_bytes()))
+        out.write_all(self.head.as_bytes())?;
+        if let Some(service) = &self.service {
+            serde_json::to_writer(&mut *out, &*service.0)?;
+        }
+        out.write_all(self.tail.as_bytes())
     }
 }
 
 impl PartialEq for EncodedRecord {
-    /// The same text, however it is split.
+    /// The same text: the same pieces around the same service.
     fn eq(&self, other: &Self) -> bool {
-        let shared = |a: &Option<EncodedService>, b: &Option<EncodedService>| match (a, b) {
-            (Some(a), Some(b)) => Arc::ptr_eq(&a.0, &b.0),
-            (None, None) => true,
-            _ => false,
-        };
-        if Arc::ptr_eq(&self.head, &other.head)
-            && Arc::ptr_eq(&self.tail, &other.tail)
-            && shared(&self.service, &other.service)
-        {
-            return true;
-        }
-        self.len() == other.len() && self.pieces().flat_map(str::bytes).eq(other.pieces().flat_map(str::bytes))
+        self.head == other.head && self.tail == other.tail && self.service == other.service
     }
 }
 
 impl Eq for EncodedRecord {}
 
-/// The service of a record, encoded once (compact: every field of the schema is written
-/// out, and indentation would double its size), so that the record can be encoded again,
-/// when its process changes, without the service's value. Shared by the engine and the
-/// snapshot's records: one copy per proxy.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct EncodedService(Arc<str>);
+/// The service of a record: the engine's own value, shared, and encoded (compact: every
+/// field of the schema is written out, and indentation would double its size) each time the
+/// record is written. Its record can thus be encoded again, when its process changes,
+/// without the service's value, and costs the engine no copy of it.
+#[derive(Debug, Clone)]
+pub(crate) struct EncodedService(Arc<Service>);
 
 impl EncodedService {
-    pub(crate) fn new(service: &Service) -> Result<Self, serde_json::Error> {
-        Ok(Self(serde_json::to_string(service)?.into()))
+    pub(crate) fn new(service: Arc<Service>) -> Self {
+        Self(service)
     }
 }
+
+impl PartialEq for EncodedService {
+    /// The same value; the same one shared, without a look at its fields.
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0) || self.0 == other.0
+    }
+}
+
+impl Eq for EncodedService {}
 
 /// Reads the text of a snapshot file.
 ///

@@ -14,13 +14,13 @@ use std::collections::{BTreeSet, HashMap};
 use std::ffi::OsString;
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use tether_manager::{
     Adopted, BackendError, BackendRecord, BackendState, BackendStats, Histogram, Meter, ProxyBackend, ProxyHandle,
-    ResourceUsage,
+    ResourceUsage, StatusChanged,
 };
 use tether_state::lock;
 use tether_state::persist::DataDir;
@@ -95,6 +95,9 @@ struct Shared {
     listeners: Mutex<HashMap<ProxyId, Vec<OpenListener>>>,
     /// The live generations of the proxies with `update = "epoch"`, and their base ids.
     generations: Arc<epoch::Generations>,
+    /// The agent's own `PATH` and `HOME`, the layer beneath every proxy's environment but
+    /// those that inherit the whole of it: read once, shared by their specs.
+    agent_env: Arc<crate::spec::Environment>,
     /// The backend's own tasks (a draining generation's wait, the sweep of unclaimed
     /// cgroups), aborted with the backend: a waiting drain then leaves its process running,
     /// for the next agent, which adopts it from the snapshot.
@@ -139,7 +142,8 @@ impl OsProcessBackend {
         let supervisor = Supervisor::with_cgroups(data.notify_address(), cgroups)?;
         let generations = Arc::default();
         let background = Mutex::default();
-        let shared = Shared { supervisor, data, environment, found, listeners, generations, background };
+        let agent_env = Arc::new(agent_paths().into());
+        let shared = Shared { supervisor, data, environment, found, listeners, generations, agent_env, background };
         Ok(Self { shared: Arc::new(shared) })
     }
 
@@ -208,7 +212,13 @@ impl Shared {
             ProxyKind::Envoy { .. } => envoy_args(self.data.envoy_bootstrap_path(id), spec.update.strategy, args),
             _ => args,
         };
-        let mut env = agent_layer(spec);
+        // The agent's `PATH` and `HOME` are one layer that every proxy's spec shares; a
+        // proxy that inherits the whole environment gets a copy of its own, as it is now.
+        let (base_env, mut env) = if spec.inherit_env {
+            (Arc::default(), agent_layer(spec))
+        } else {
+            (Arc::clone(&self.agent_env), Vec::new())
+        };
         let identity_env = vec![
             (OsString::from(proxy_env::PROXY_ID), OsString::from(id.as_str())),
             (OsString::from(proxy_env::PROXY_TOKEN), OsString::from(proxy.token().expose())),
@@ -224,6 +234,7 @@ impl Shared {
         let mut process = ProcessSpec::new(name, program, &self.data);
         process.args = args;
         process.env = env.into();
+        process.base_env = base_env;
         process.working_dir = spec.working_dir.clone().unwrap_or_else(|| PathBuf::from("/"));
         process.user.clone_from(&spec.user);
         process.kill = kill_policy(proxy);
@@ -231,7 +242,7 @@ impl Shared {
         process.logs.limits = spec.log;
         process.logs.journal = self.journal_sink(proxy);
         process.health = health_checks(spec);
-        process.reload.clone_from(&spec.reload);
+        process.reload = spec.reload.clone().map(Box::new);
         process.identity_env = identity_env.into();
         process.limits = spec.limits;
         process
@@ -295,8 +306,13 @@ fn agent_layer(spec: &tether_state::ProxySpec) -> Vec<(OsString, OsString)> {
     if spec.inherit_env {
         std::env::vars_os().filter(|(key, _)| !key.to_string_lossy().starts_with(proxy_env::PREFIX)).collect()
     } else {
-        ["PATH", "HOME"].into_iter().filter_map(|key| Some((OsString::from(key), std::env::var_os(key)?))).collect()
+        agent_paths()
     }
+}
+
+/// The agent's own `PATH` and `HOME`, those it has.
+fn agent_paths() -> Vec<(OsString, OsString)> {
+    ["PATH", "HOME"].into_iter().filter_map(|key| Some((OsString::from(key), std::env::var_os(key)?))).collect()
 }
 
 /// The layer of a proxy's environment that its `env` sets, last: it replaces the others.
@@ -357,7 +373,7 @@ pub fn missing_programs(spec: &tether_state::ProxySpec) -> Vec<MissingProgram> {
 }
 
 fn health_checks(spec: &tether_state::ProxySpec) -> HealthChecks {
-    HealthChecks { readiness: spec.readiness.clone(), liveness: spec.liveness.clone() }
+    HealthChecks::new(spec.readiness.clone(), spec.liveness.clone())
 }
 
 /// A process name for a proxy id; both follow the same rule.
@@ -487,12 +503,59 @@ impl OsProcessBackend {
     }
 }
 
+/// A handle's status channel, and whom to tell of each change besides its receivers: the
+/// engine, once it asked ([`ProxyHandle::on_status_change`]), which then needs no task per
+/// proxy to wait on the channel. Every change of the status goes through it. Clones share
+/// both.
+#[derive(Clone)]
+struct StatusSender {
+    sender: watch::Sender<tether_manager::BackendStatus>,
+    changed: Arc<OnceLock<StatusChanged>>,
+}
+
+impl std::fmt::Debug for StatusSender {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StatusSender")
+            .field("status", &*self.sender.borrow())
+            .field("told", &self.changed.get().is_some())
+            .finish()
+    }
+}
+
+impl StatusSender {
+    fn new() -> Self {
+        Self { sender: watch::Sender::new(tether_manager::BackendStatus::default()), changed: Arc::default() }
+    }
+
+    fn subscribe(&self) -> watch::Receiver<tether_manager::BackendStatus> {
+        self.sender.subscribe()
+    }
+
+    fn send_replace(&self, status: tether_manager::BackendStatus) {
+        self.sender.send_replace(status);
+        self.tell();
+    }
+
+    fn send_if_modified(&self, modify: impl FnOnce(&mut tether_manager::BackendStatus) -> bool) {
+        if self.sender.send_if_modified(modify) {
+            self.tell();
+        }
+    }
+
+    /// Called after the new status is in the channel, outside its borrow.
+    fn tell(&self) {
+        if let Some(changed) = self.changed.get() {
+            changed();
+        }
+    }
+}
+
 /// One proxy: its spec, its supervised process, and its status as the manager sees it.
 struct OsProxyHandle {
     shared: Arc<Shared>,
     id: ProxyId,
     state: Mutex<HandleState>,
-    status: watch::Sender<tether_manager::BackendStatus>,
+    status: StatusSender,
     /// What its process runs, when restore took it over.
     adopted: Adopted,
 }
@@ -510,7 +573,7 @@ struct HandleState {
 
 impl OsProxyHandle {
     fn new(shared: Arc<Shared>, id: ProxyId, proxy: Option<Arc<ManagedProxy>>) -> Self {
-        let (status, _) = watch::channel(tether_manager::BackendStatus::default());
+        let status = StatusSender::new();
         Self {
             shared,
             id,
@@ -741,6 +804,10 @@ impl ProxyHandle for OsProxyHandle {
 
     fn status(&self) -> watch::Receiver<tether_manager::BackendStatus> {
         self.status.subscribe()
+    }
+
+    fn on_status_change(&self, changed: StatusChanged) -> bool {
+        self.status.changed.set(changed).is_ok()
     }
 
     fn adopted(&self) -> Adopted {

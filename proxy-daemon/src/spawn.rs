@@ -303,7 +303,7 @@ impl Prepared {
         // Descriptors the child holds at fixed numbers: the listeners from 3, then the write
         // end of its notification pipe.
         let mut targets: Vec<RawFd> = (3..).take(spec.listeners.len()).collect();
-        let pipe = match &spec.health.readiness {
+        let pipe = match spec.health.readiness.as_deref() {
             Some(Readiness { probe: Probe::Fd(fd), .. }) => {
                 let pipe =
                     nix::unistd::pipe2(OFlag::O_CLOEXEC | OFlag::O_NONBLOCK).map_err(|e| exec_error(e.into()))?;

@@ -103,12 +103,30 @@ pub use tether_state::{
 
 /// When an instance counts as ready, and when it is restarted because it stopped answering
 /// ([`Readiness`] and [`Liveness`]). The supervisor probes `tcp`, `http` and `exec`.
+///
+/// Each check is boxed: a spec lives as long as its process, and most processes have no
+/// check, whose room would otherwise be in every spec.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct HealthChecks {
     /// Until it first passes, a new instance is `starting`; `None`: ready once it runs.
-    pub readiness: Option<Readiness>,
+    pub readiness: Option<Box<Readiness>>,
     /// Probed while the instance is ready; `failures` in a row restart it.
-    pub liveness: Option<Liveness>,
+    pub liveness: Option<Box<Liveness>>,
+}
+
+impl HealthChecks {
+    /// The checks `readiness` and `liveness`, either of which may be absent.
+    ///
+    /// ```
+    /// use tether_proxy_daemon::{HealthChecks, Probe, Readiness};
+    ///
+    /// let checks = HealthChecks::new(Some(Readiness::new(Probe::Notify)), None);
+    /// assert_eq!(checks.readiness.map(|readiness| readiness.probe), Some(Probe::Notify));
+    /// assert_eq!(HealthChecks::new(None, None), HealthChecks::default());
+    /// ```
+    pub fn new(readiness: Option<Readiness>, liveness: Option<Liveness>) -> Self {
+        Self { readiness: readiness.map(Box::new), liveness: liveness.map(Box::new) }
+    }
 }
 
 /// A log file: a name in a directory opened once without following links (the data dir's
@@ -201,6 +219,10 @@ pub struct ProcessSpec {
     /// replaces an earlier one ([`ProcessSpec::environment`]), so that a caller appends its
     /// own layers (defaults, then what was configured) without looking for duplicates.
     pub env: Environment,
+    /// A layer beneath [`env`](Self::env), shared by the specs of many processes rather
+    /// than copied into each (such as a caller's own `PATH` and `HOME`): its entries come
+    /// first, and an entry of `env` of the same name replaces one of it (default empty).
+    pub base_env: Arc<Environment>,
     /// The working directory (default `/`).
     pub working_dir: PathBuf,
     /// Run as this user (uid, primary gid and supplementary groups), if set.
@@ -216,8 +238,9 @@ pub struct ProcessSpec {
     /// arguments and environment, and what it waits for first (default `None`: the same
     /// arguments and environment, at once). A proxy that hands over to its successor by
     /// itself (`update = "epoch"`) is started again cold: epoch 0, once no other
-    /// generation runs.
-    pub restarted: Option<Restarted>,
+    /// generation runs. Boxed, as every setting that most processes leave unset: the spec
+    /// lives as long as its process, and it is only as large as what is set.
+    pub restarted: Option<Box<Restarted>>,
     /// Where its output goes.
     pub logs: LogSpec,
     /// Its readiness and liveness checks (default none).
@@ -239,10 +262,10 @@ pub struct ProcessSpec {
     /// none). A limit whose controller is not enabled fails the start, naming it.
     pub limits: ResourceLimits,
     /// How the process reloads its files in place ([`ProcessHandle::reload`]), when it can
-    /// (default `None`: it cannot).
+    /// (default `None`: it cannot). Boxed: most processes have none.
     ///
     /// [`ProcessHandle::reload`]: crate::ProcessHandle::reload
-    pub reload: Option<ReloadPolicy>,
+    pub reload: Option<Box<ReloadPolicy>>,
 }
 
 impl ProcessSpec {
@@ -285,15 +308,17 @@ impl ProcessSpec {
 }
 
 impl ProcessSpec {
-    /// The environment the process gets: each variable of `env` once, where it first
-    /// appears, with the value of its last entry. Every way of creating the process passes
-    /// exactly this, so that a variable set twice (an inherited `PATH`, then a configured
-    /// one) is never seen twice by the process, where `getenv` would return the first.
+    /// The environment the process gets: each variable of `base_env`, then `env`, once,
+    /// where it first appears, with the value of its last entry. Every way of creating the
+    /// process passes exactly this, so that a variable set twice (an inherited `PATH`, then
+    /// a configured one) is never seen twice by the process, where `getenv` would return the
+    /// first.
     pub fn environment(&self) -> Vec<(OsString, OsString)> {
         use std::collections::hash_map::Entry;
-        let mut merged: Vec<(OsString, OsString)> = Vec::with_capacity(self.env.len());
-        let mut places: HashMap<&OsStr, usize> = HashMap::with_capacity(self.env.len());
-        for (key, value) in &self.env {
+        let count = self.base_env.len() + self.env.len();
+        let mut merged: Vec<(OsString, OsString)> = Vec::with_capacity(count);
+        let mut places: HashMap<&OsStr, usize> = HashMap::with_capacity(count);
+        for (key, value) in self.base_env.iter().chain(&self.env) {
             match places.entry(key.as_os_str()) {
                 Entry::Occupied(place) => merged[*place.get()].1.clone_from(value),
                 Entry::Vacant(place) => {
@@ -470,12 +495,12 @@ mod tests {
         let mut spec = ProcessSpec::new(ProcessName::new("web-proxy").unwrap(), "/bin/true", &data);
         spec.env = vec![("TETHER_PROXY_TOKEN".into(), "s3cr3t".into())].into();
         spec.identity_env = spec.env.clone();
-        spec.restarted = Some(Restarted {
+        spec.restarted = Some(Box::new(Restarted {
             args: Vec::new(),
             env: vec![("RESTART_TOKEN".into(), "s3cr3t".into())].into(),
             after: Arc::new(|| Box::pin(async {})),
-        });
-        spec.reload = Some(ReloadPolicy::new(ReloadAction::Signal(KillSignal::Hup)));
+        }));
+        spec.reload = Some(Box::new(ReloadPolicy::new(ReloadAction::Signal(KillSignal::Hup))));
         let debug = format!("{spec:?}");
         for name in ["TETHER_PROXY_TOKEN", "RESTART_TOKEN", "reload", "restarted"] {
             assert!(debug.contains(name), "{name}: {debug}");
@@ -514,6 +539,20 @@ mod tests {
                 pair("TETHER_PROXY_ID", "web-proxy"),
                 pair("LOG_LEVEL", "debug"),
             ]
+        );
+    }
+
+    #[test]
+    fn the_shared_layer_comes_first_and_env_replaces_its_entries() {
+        let temp = tempfile::tempdir().unwrap();
+        let data = DataDir::open(temp.path()).unwrap();
+        let mut spec = ProcessSpec::new(ProcessName::new("web-proxy").unwrap(), "/bin/true", &data);
+        let pair = |key: &str, value: &str| (OsString::from(key), OsString::from(value));
+        spec.base_env = Arc::new(vec![pair("PATH", "/usr/bin:/bin"), pair("HOME", "/root")].into());
+        spec.env = vec![pair("TETHER_PROXY_ID", "web-proxy"), pair("PATH", "/opt/envoy/bin")].into();
+        assert_eq!(
+            spec.environment(),
+            [pair("PATH", "/opt/envoy/bin"), pair("HOME", "/root"), pair("TETHER_PROXY_ID", "web-proxy")]
         );
     }
 

@@ -537,6 +537,12 @@ impl ManagedProxy {
         &self.service
     }
 
+    /// The service the proxy belongs to, shared: the catalog's own value, which whoever keeps
+    /// it beside the proxy (the engine's snapshot records) holds without a copy.
+    pub fn shared_service(&self) -> &Arc<Service> {
+        &self.service
+    }
+
     /// How the proxy runs.
     pub fn spec(&self) -> &ProxySpec {
         match &self.service.proxy {

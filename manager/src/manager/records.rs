@@ -6,6 +6,7 @@
 //! flush.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use tether_state::{ManagedProxy, ProxyId};
 use tokio::sync::mpsc;
@@ -49,11 +50,7 @@ impl Manager {
     }
 }
 
-/// The service of `proxy`, encoded as the snapshot records it.
+/// The service of `proxy`, as the snapshot records it: shared, encoded when written.
 pub(super) fn encoded_service(proxy: &ManagedProxy) -> Option<EncodedService> {
-    EncodedService::new(proxy.service())
-        .inspect_err(
-            |err| tracing::warn!(proxy = %proxy.id(), error = %err, "cannot encode the service for the snapshot"),
-        )
-        .ok()
+    Some(EncodedService::new(Arc::clone(proxy.shared_service())))
 }

@@ -137,8 +137,11 @@ impl Manager {
                     Adopted::Desired => true,
                     Adopted::Unknown => false,
                 };
+                // The wanted proxy's service is shared with the catalog, not copied.
+                let mut shared = None;
                 match wanted.get(&id) {
                     Some(proxy) if runs_wanted => {
+                        shared = Some(Arc::clone(proxy.shared_service()));
                         record.service = Some(proxy.service().clone());
                         record.token = Some(proxy.token().fingerprint());
                     }
@@ -151,7 +154,7 @@ impl Manager {
                     }
                 }
                 let origin = origin_of(&record);
-                let service = record.service.as_ref().and_then(|service| EncodedService::new(service).ok());
+                let service = shared.or_else(|| record.service.take().map(Arc::new)).map(EncodedService::new);
                 let mut slot = Slot::new();
                 slot.observed = Observed::Adopted { origin };
                 self.slots.insert(id.clone(), Box::new(slot));

@@ -20,7 +20,9 @@ pub(super) struct Installed {
     pub(super) handle: Arc<dyn ProxyHandle>,
     pub(super) status: watch::Receiver<BackendStatus>,
     pub(super) generation: u64,
-    pub(super) watcher: AbortHandle,
+    /// The task that waits on `status`, when the backend does not tell of its changes
+    /// itself ([`ProxyHandle::on_status_change`]).
+    pub(super) watcher: Option<AbortHandle>,
     /// What the snapshot records the process was started from, encoded once.
     pub(super) service: Option<EncodedService>,
     pub(super) token: Option<TokenFingerprint>,

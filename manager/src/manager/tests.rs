@@ -396,6 +396,7 @@ async fn actions_beyond_the_bound_wait_for_a_free_slot() {
 
 fn mock_handle(start: Result<(), ()>) -> MockProxyHandle {
     let mut handle = MockProxyHandle::new();
+    handle.expect_on_status_change().returning(|_| false);
     let (status, receiver) = watch::channel(BackendStatus {
         state: BackendState::Running,
         figures: ProcessFigures { pid: Some(7), ..ProcessFigures::default() },

@@ -97,7 +97,7 @@ fn an_assembled_snapshot_is_the_pretty_encoding_of_the_whole_with_compact_servic
 #[test]
 fn a_record_encoded_from_its_parts_equals_the_encoding_of_the_record() {
     for record in varied_records() {
-        let service = record.service.as_ref().map(|service| EncodedService::new(service).unwrap());
+        let service = record.service.as_ref().map(|service| EncodedService::new(std::sync::Arc::new(service.clone())));
         let parts = EncodedRecord::new(&record.id, service.as_ref(), record.token.as_ref(), &record.backend).unwrap();
         assert_eq!(parts, EncodedRecord::from_record(&record).unwrap(), "{record:?}");
     }

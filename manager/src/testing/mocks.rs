@@ -46,7 +46,8 @@ pub fn mock_backend(expect: impl FnOnce(&mut MockProxyBackend)) -> MockProxyBack
 
 /// A [`MockProxyHandle`] with the expectations that `expect` sets, then defaults, each for
 /// any number of calls: [`status`] is [`BackendState::Running`] (with no pid) and never
-/// changes, [`record`] records nothing, and [`detach`] does nothing.
+/// changes, [`record`] records nothing, [`detach`] does nothing, and
+/// [`on_status_change`] declines (the engine waits on the status channel).
 ///
 /// `start`, `stop` and `update` have no default: a call of one the test did not expect fails
 /// it. The order of the defaults and their fall-through are as for [`mock_backend`].
@@ -54,6 +55,7 @@ pub fn mock_backend(expect: impl FnOnce(&mut MockProxyBackend)) -> MockProxyBack
 /// [`status`]: crate::ProxyHandle::status
 /// [`record`]: crate::ProxyHandle::record
 /// [`detach`]: crate::ProxyHandle::detach
+/// [`on_status_change`]: crate::ProxyHandle::on_status_change
 pub fn mock_handle(expect: impl FnOnce(&mut MockProxyHandle)) -> MockProxyHandle {
     let mut handle = MockProxyHandle::new();
     expect(&mut handle);
@@ -64,5 +66,6 @@ pub fn mock_handle(expect: impl FnOnce(&mut MockProxyHandle)) -> MockProxyHandle
     handle.expect_status().returning(move || status.subscribe());
     handle.expect_record().returning(BackendRecord::none);
     handle.expect_detach().return_const(());
+    handle.expect_on_status_change().returning(|_| false);
     handle
 }

@@ -40,6 +40,7 @@ fn running_handle() -> MockProxyHandle {
     // Kept alive with the handle, so that the status never closes.
     let status = Arc::new(status);
     let mut handle = MockProxyHandle::new();
+    handle.expect_on_status_change().returning(|_| false);
     handle.expect_start().returning(|| Ok(()));
     handle.expect_status().returning(move || {
         let _keep = &status;

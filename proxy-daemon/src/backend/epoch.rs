@@ -75,7 +75,7 @@ struct Live {
     draining: Option<Draining>,
     /// The status of the handle whose generation it is; `None` once it drains (the engine
     /// has dropped that handle).
-    status: Option<watch::Sender<BackendStatus>>,
+    status: Option<super::StatusSender>,
     /// The pid whose listening sockets were kept (`keep_listening`), once it was ready.
     kept_from: Option<u32>,
 }
@@ -129,7 +129,7 @@ impl Generations {
     pub(super) fn begin(
         &self,
         id: &ProxyId,
-        status: Option<watch::Sender<BackendStatus>>,
+        status: Option<super::StatusSender>,
         epoch: Option<u32>,
         draining: Option<Draining>,
     ) -> Begun {
@@ -176,7 +176,7 @@ impl Generations {
         id: &ProxyId,
         key: u64,
         current: &ProcessStatus,
-        next: Option<(BackendStatus, &watch::Sender<BackendStatus>)>,
+        next: Option<(BackendStatus, &super::StatusSender)>,
     ) {
         let mut inner = self.lock();
         if let Some(proxy) = inner.proxies.get_mut(id) {
@@ -362,11 +362,11 @@ impl Generations {
         }
         spec.env.extend(told(begun.epoch));
         let (registry, id, key) = (Arc::clone(self), id.clone(), begun.key);
-        spec.restarted = Some(Restarted {
+        spec.restarted = Some(Box::new(Restarted {
             args: cold_args,
             env: cold_env.into(),
             after: Arc::new(move || Arc::clone(&registry).alone(id.clone(), key)),
-        });
+        }));
     }
 }
 
@@ -561,21 +561,21 @@ mod tests {
     fn epochs_count_hot_restarts_from_a_cold_start_and_lists_put_each_generation_first() {
         let registry = Generations::default();
         let web = id("web");
-        let (first, _) = watch::channel(BackendStatus::default());
+        let first = crate::backend::StatusSender::new();
         let zero = registry.begin(&web, Some(first.clone()), None, None);
         assert_eq!(zero.epoch, 0);
         runs(&registry, &web, zero.key, Some(10));
-        let (second, _) = watch::channel(BackendStatus::default());
+        let second = crate::backend::StatusSender::new();
         let one = registry.begin(&web, Some(second.clone()), None, None);
         assert_eq!(one.epoch, 1);
         runs(&registry, &web, one.key, Some(11));
-        assert_eq!(first.borrow().generations.iter().map(|g| g.epoch).collect::<Vec<_>>(), [0, 1]);
-        assert_eq!(second.borrow().generations.iter().map(|g| g.epoch).collect::<Vec<_>>(), [1, 0]);
+        assert_eq!(first.subscribe().borrow().generations.iter().map(|g| g.epoch).collect::<Vec<_>>(), [0, 1]);
+        assert_eq!(second.subscribe().borrow().generations.iter().map(|g| g.epoch).collect::<Vec<_>>(), [1, 0]);
 
         let identity = Identity { pid: 10, pgid: 10, start_time: 1, boot_id: "b".into(), cgroup: None };
         let draining = Draining { identity, epoch: 0, kill: KillPolicy::default(), until: SystemTime::now() };
         registry.drain(&web, zero.key, draining.clone());
-        let listed = second.borrow().generations.clone();
+        let listed = second.subscribe().borrow().generations.clone();
         assert_eq!(listed.iter().map(|g| (g.epoch, g.draining)).collect::<Vec<_>>(), [(1, false), (0, true)]);
         assert_eq!(registry.recorded(&web, one.key), Some((1, one.base_id, vec![draining])));
         assert!(!registry.without_parent(&web));

@@ -8,6 +8,7 @@
 use std::ffi::OsString;
 use std::io;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use tether_state::persist::{DataDir, PersistError, PrivateDir};
 
@@ -292,6 +293,7 @@ impl ProcessSpecBuilder {
             program: self.program,
             args: self.args,
             env: self.env,
+            base_env: Arc::default(),
             working_dir: self.working_dir,
             user: self.user,
             kill: self.kill,
@@ -304,7 +306,7 @@ impl ProcessSpecBuilder {
             pid_file: self.pid_file,
             identity_env: self.identity_env,
             limits: self.limits,
-            reload: self.reload,
+            reload: self.reload.map(Box::new),
         }
     }
 }

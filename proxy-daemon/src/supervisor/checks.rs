@@ -131,12 +131,13 @@ impl Active {
     fn new(spec: &ProcessSpec, ready: bool, instance: &mut Instance, shared: &Shared) -> Self {
         let hub = &shared.notify;
         let (seed, pgid) = (instance.pid, instance.pgid);
-        let readiness = if ready { None } else { spec.health.readiness.clone().filter(|r| is_checked(&r.probe)) };
+        let readiness =
+            if ready { None } else { spec.health.readiness.as_deref().cloned().filter(|r| is_checked(&r.probe)) };
         let pipe =
             instance.notification.take().filter(|_| matches!(&readiness, Some(r) if matches!(r.probe, Probe::Fd(_))));
         let mut checks = Self::empty(u64::from(seed).wrapping_mul(0x9E37_79B9), shared);
         checks.readiness = readiness;
-        checks.set_liveness(spec.health.liveness.clone());
+        checks.set_liveness(spec.health.liveness.as_deref().cloned());
         if let (Some(Readiness { probe: Probe::LogLine(pattern), .. }), Some(offsets)) =
             (&checks.readiness, instance.log_offsets.take())
         {

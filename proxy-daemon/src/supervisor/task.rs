@@ -178,7 +178,11 @@ impl Task {
                     Event::Commands(commands) => {
                         if let Some(update) = commands.update {
                             if let Some(health) = &update.health {
-                                checks.update(health.readiness.clone(), health.liveness.clone(), &self.shared);
+                                checks.update(
+                                    health.readiness.as_deref().cloned(),
+                                    health.liveness.as_deref().cloned(),
+                                    &self.shared,
+                                );
                             }
                             let rewatch = update.reload.as_ref().is_some_and(|new| {
                                 new.as_ref().map(|r| &r.watch) != self.spec.reload.as_ref().map(|r| &r.watch)
@@ -250,7 +254,7 @@ impl Task {
             return;
         }
         tracing::info!("reloading");
-        *reload = Some(Box::new(Reload::new(policy, &self.spec, replies)));
+        *reload = Some(Box::new(Reload::new(*policy, &self.spec, replies)));
     }
 
     /// Carries out a reload's `step`: sends its signal to `instance`, or ends it.
@@ -402,7 +406,7 @@ impl Task {
             self.spec.limits = limits;
         }
         if let Some(reload) = update.reload {
-            self.spec.reload = reload;
+            self.spec.reload = reload.map(Box::new);
         }
         if let Some(restart) = update.restart_on_exit {
             self.spec.restart_on_exit = restart;

@@ -28,7 +28,7 @@ async fn an_instance_is_starting_until_its_readiness_probe_passes() {
     let mut spec = fx.spec("late-proxy", &["--delay", "1500", "--serve-http", &address]);
     let mut readiness = Readiness::new(Probe::Tcp(TcpTarget::parse(&address).unwrap()));
     readiness.interval = Duration::from_millis(100);
-    spec.health = HealthChecks { readiness: Some(readiness), liveness: None };
+    spec.health = HealthChecks::new(Some(readiness), None);
     let handle = fx.supervisor.spawn(spec).await.unwrap();
     let first = handle.status();
     assert_eq!((first.state, first.ready, first.figures.pid.is_some()), (ProcessState::Starting, false, true));
@@ -57,7 +57,7 @@ async fn an_instance_that_stops_answering_is_restarted_after_its_liveness_failur
     // Ready once it listens, so that the stop below finds it serving.
     let mut readiness = Readiness::new(Probe::Tcp(TcpTarget::parse(&address).unwrap()));
     readiness.interval = Duration::from_millis(50);
-    spec.health = HealthChecks { readiness: Some(readiness), liveness: Some(liveness) };
+    spec.health = HealthChecks::new(Some(readiness), Some(liveness));
     spec.kill.timeout = Duration::from_millis(300);
     let handle = fx.supervisor.spawn(spec).await.unwrap();
     let first =
@@ -97,7 +97,7 @@ async fn an_exec_probe_that_hangs_is_killed_at_its_timeout() {
     let probe = Probe::Exec(CommandLine::from_words(vec!["/bin/sleep".into(), "30".into()]).unwrap());
     let mut readiness = Readiness::new(probe);
     (readiness.interval, readiness.timeout) = (Duration::from_millis(400), Duration::from_millis(300));
-    spec.health = HealthChecks { readiness: Some(readiness), liveness: None };
+    spec.health = HealthChecks::new(Some(readiness), None);
     let handle = fx.supervisor.spawn(spec).await.unwrap();
     let proxy = handle.status().figures.pid.unwrap();
 
@@ -132,7 +132,7 @@ async fn an_exec_probe_runs_like_the_proxy_and_passes_on_exit_zero() {
     let probe = Probe::Exec(CommandLine::from_words(vec!["/bin/sh".into(), "-c".into(), check.into()]).unwrap());
     let mut readiness = Readiness::new(probe);
     readiness.interval = Duration::from_millis(100);
-    spec.health = HealthChecks { readiness: Some(readiness), liveness: None };
+    spec.health = HealthChecks::new(Some(readiness), None);
     let handle = fx.supervisor.spawn(spec).await.unwrap();
     let ready = status_where(&handle, "readiness", |status| status.ready).await;
     assert_eq!((ready.state, ready.figures.error), (ProcessState::Running, None));
@@ -152,7 +152,7 @@ async fn an_exec_probe_finds_a_bare_name_in_the_path_of_the_proxys_environment()
     let readiness = |word: &str| {
         let mut readiness = Readiness::new(Probe::Exec(CommandLine::from_words(vec![word.into()]).unwrap()));
         readiness.interval = Duration::from_millis(100);
-        HealthChecks { readiness: Some(readiness), liveness: None }
+        HealthChecks::new(Some(readiness), None)
     };
 
     let mut spec = fx.spec("found-check-proxy", &["--sleep"]);
@@ -179,14 +179,14 @@ async fn an_exec_probe_finds_a_bare_name_in_the_path_of_the_proxys_environment()
 }
 
 fn notify_checks(readiness: bool, liveness: Option<(u64, u32)>) -> HealthChecks {
-    HealthChecks {
-        readiness: readiness.then(|| Readiness::new(Probe::Notify)),
-        liveness: liveness.map(|(interval_ms, failures)| {
+    HealthChecks::new(
+        readiness.then(|| Readiness::new(Probe::Notify)),
+        liveness.map(|(interval_ms, failures)| {
             let mut liveness = Liveness::new(Probe::Notify);
             (liveness.interval, liveness.failures) = (Duration::from_millis(interval_ms), failures);
             liveness
         }),
-    }
+    )
 }
 
 #[tokio::test]
@@ -254,7 +254,7 @@ async fn an_fd_instance_is_ready_when_it_writes_a_newline_to_its_descriptor() {
     let fx = Fixture::new();
     let mut spec = fx
         .spec("fd-proxy", &["--delay", "300", "--write-fd", "5", "almost", "--delay", "200", "--write-fd", "5", "\\n"]);
-    spec.health = HealthChecks { readiness: Some(Readiness::new(Probe::Fd(5))), liveness: None };
+    spec.health = HealthChecks::new(Some(Readiness::new(Probe::Fd(5))), None);
     let handle = fx.supervisor.spawn(spec).await.unwrap();
     assert_eq!(handle.status().state, ProcessState::Starting);
     let ready = status_where(&handle, "the newline", |status| status.ready).await;
@@ -269,7 +269,7 @@ async fn an_fd_instance_that_closes_its_descriptor_without_a_newline_is_not_read
     let mut spec = fx.spec("closing-proxy", &[]);
     spec.program = "/bin/sh".into();
     spec.args = vec!["-c".into(), "printf 'no newline' >&4; exec 4>&-; exec sleep 3600".into()];
-    spec.health = HealthChecks { readiness: Some(Readiness::new(Probe::Fd(4))), liveness: None };
+    spec.health = HealthChecks::new(Some(Readiness::new(Probe::Fd(4))), None);
     let handle = fx.supervisor.spawn(spec).await.unwrap();
     let closed = Some("readiness fd 4: closed without writing a newline");
     let status =
@@ -292,7 +292,7 @@ async fn a_log_line_instance_is_ready_when_its_line_appears_even_in_a_rotated_lo
         tether_proxy_daemon::LogPolicy { max_size: 16384, keep: 1, ..tether_proxy_daemon::LogPolicy::default() };
     let mut readiness = Readiness::new(Probe::LogLine(tether_state::LinePattern::new("^ready: ").unwrap()));
     readiness.interval = Duration::from_millis(1500);
-    spec.health = HealthChecks { readiness: Some(readiness), liveness: None };
+    spec.health = HealthChecks::new(Some(readiness), None);
     let rotated = fx.data_dir().join("logs/log-proxy-stdout.log.1");
     let handle = fx.supervisor.spawn(spec).await.unwrap();
     let not_yet = status_where(&handle, "a look without the line", |status| status.figures.error.is_some()).await;
@@ -317,7 +317,7 @@ async fn an_adopted_instance_is_not_asked_for_readiness_again_and_its_liveness_r
     let mut liveness = Liveness::new(Probe::Http(HttpTarget::parse(&format!("http://{address}/")).unwrap()));
     (liveness.interval, liveness.timeout, liveness.failures) =
         (Duration::from_millis(500), Duration::from_millis(200), 2);
-    spec.health = HealthChecks { readiness: Some(readiness), liveness: Some(liveness) };
+    spec.health = HealthChecks::new(Some(readiness), Some(liveness));
     spec.kill.timeout = Duration::from_millis(300);
     let handle = fx.supervisor.spawn(spec.clone()).await.unwrap();
     let pid = status_where(&handle, "ready", |status| status.ready).await.figures.pid.unwrap();
@@ -349,7 +349,7 @@ async fn a_restarted_log_line_instance_is_ready_again_when_its_line_appears() {
     let mut spec = fx.spec("relog-proxy", &["--print", "ready: listening", "--delay", "1500", "--exit", "1"]);
     let mut readiness = Readiness::new(Probe::LogLine(tether_state::LinePattern::new("^ready: ").unwrap()));
     readiness.interval = Duration::from_millis(100);
-    spec.health = HealthChecks { readiness: Some(readiness), liveness: None };
+    spec.health = HealthChecks::new(Some(readiness), None);
     let handle = fx.supervisor.spawn(spec).await.unwrap();
     let again = status_where(&handle, "a restarted instance that is ready", |status| {
         status.figures.restarts >= 1 && status.state == ProcessState::Running
@@ -372,7 +372,7 @@ async fn a_liveness_check_given_by_an_update_to_an_instance_without_checks_appli
     let probe = Probe::Exec(CommandLine::from_words(vec!["/bin/false".into()]).unwrap());
     let mut liveness = Liveness::new(probe);
     (liveness.interval, liveness.timeout, liveness.failures) = (Duration::from_millis(100), Duration::from_secs(2), 1);
-    let health = HealthChecks { readiness: None, liveness: Some(liveness) };
+    let health = HealthChecks::new(None, Some(liveness));
     handle.update(ProcessUpdate { health: Some(health), ..ProcessUpdate::default() }).unwrap();
     let mut watched = handle.subscribe();
     let status =

@@ -17,7 +17,7 @@ fn by_signal(timeout: Duration) -> ReloadPolicy {
 }
 
 fn notify_ready() -> HealthChecks {
-    HealthChecks { readiness: Some(Readiness::new(Probe::Notify)), liveness: None }
+    HealthChecks::new(Some(Readiness::new(Probe::Notify)), None)
 }
 
 fn words(words: &[&str]) -> CommandLine {
@@ -53,7 +53,7 @@ async fn a_reload_is_applied_by_the_instances_own_reloading_then_ready() {
     ];
     let mut spec = fx.spec("applied-proxy", &args);
     spec.health = notify_ready();
-    spec.reload = Some(by_signal(Duration::from_secs(5)));
+    spec.reload = Some(Box::new(by_signal(Duration::from_secs(5))));
     let handle = fx.supervisor.spawn(spec).await.unwrap();
     let ready = status_where(&handle, "ready", |status| status.ready).await;
     let started = std::time::Instant::now();
@@ -86,7 +86,7 @@ async fn a_reload_without_a_verdict_times_out_and_the_proxy_keeps_running() {
     ];
     let mut spec = fx.spec("silent-proxy", &args);
     spec.health = notify_ready();
-    spec.reload = Some(by_signal(Duration::from_millis(500)));
+    spec.reload = Some(Box::new(by_signal(Duration::from_millis(500))));
     let handle = fx.supervisor.spawn(spec).await.unwrap();
     let ready = status_where(&handle, "ready", |status| status.ready).await;
     let outcome = within("the verdict", handle.reload()).await.unwrap();
@@ -108,7 +108,7 @@ async fn an_exit_during_a_reload_fails_it_and_the_proxy_is_restarted() {
     let args = ["--block", "HUP", "--notify", "READY=1", "--await", "HUP", "--exit", "3"];
     let mut spec = fx.spec("exiting-proxy", &args);
     spec.health = notify_ready();
-    spec.reload = Some(by_signal(Duration::from_secs(5)));
+    spec.reload = Some(Box::new(by_signal(Duration::from_secs(5))));
     let handle = fx.supervisor.spawn(spec).await.unwrap();
     let first = status_where(&handle, "ready", |status| status.ready).await.figures.pid.unwrap();
     let outcome = within("the verdict", handle.reload()).await.unwrap();
@@ -127,7 +127,7 @@ async fn a_failed_check_refuses_the_reload_with_its_output_and_signals_nothing()
     let mut spec = fx.spec("checked-proxy", &["--sleep"]);
     let mut policy = by_signal(Duration::from_secs(5));
     policy.check = Some(words(&["/bin/sh", "-c", "echo line 3: unknown keyword >&2; exit 2"]));
-    spec.reload = Some(policy);
+    spec.reload = Some(Box::new(policy));
     let handle = fx.supervisor.spawn(spec).await.unwrap();
     let pid = handle.status().figures.pid;
     let outcome = within("the verdict", handle.reload()).await.unwrap();
@@ -146,7 +146,7 @@ async fn reloads_of_one_process_never_overlap_and_one_asked_meanwhile_runs_after
     let mut policy = by_signal(Duration::from_secs(5));
     let script = format!("echo start >> {0}; sleep 0.2; echo end >> {0}", trace.display());
     policy.check = Some(words(&["/bin/sh", "-c", &script]));
-    spec.reload = Some(policy);
+    spec.reload = Some(Box::new(policy));
     let handle = fx.supervisor.spawn(spec).await.unwrap();
     // The first runs; the two asked during its check are answered by one reload after it.
     let first = handle.reload();

@@ -236,7 +236,7 @@ async fn a_process_started_again_waits_for_its_condition_and_runs_its_restarted_
     let mut spec = fx.spec("cold-proxy", &["--sleep"]);
     spec.env.push(("GENERATION".into(), "first".into()));
     let (open, asked, cold) = gate();
-    spec.restarted = Some(cold);
+    spec.restarted = Some(Box::new(cold));
     let handle = fx.supervisor.spawn(spec).await.unwrap();
     let first = handle.status().figures.pid.unwrap();
 
@@ -261,7 +261,7 @@ async fn restarts_turned_off_while_it_waits_to_start_again_end_supervision() {
     let fx = Fixture::new();
     let mut spec = fx.spec("drained-proxy", &["--sleep"]);
     let (_open, asked, cold) = gate();
-    spec.restarted = Some(cold);
+    spec.restarted = Some(Box::new(cold));
     let handle = fx.supervisor.spawn(spec).await.unwrap();
     let first = handle.status().figures.pid.unwrap();
     send(first, Signal::SIGKILL);

@@ -85,6 +85,7 @@ async fn a_backend_restart_rewrites_the_snapshot_with_the_new_pid() {
     });
     let status = Arc::new(status);
     let mut handle = MockProxyHandle::new();
+    handle.expect_on_status_change().returning(|_| false);
     handle.expect_start().returning(|| Ok(()));
     handle.expect_status().returning(move || receiver.clone());
     let reader = status.clone();
