@@ -134,7 +134,8 @@ impl<T: prost::Message + Default> Requests<T> {
             )));
         }
         if self.buffer.len() < PREFIX + length {
-            self.buffer.reserve(PREFIX + length - self.buffer.len());
+            // The buffer grows with what arrives, not with what the prefix announces: a
+            // client that announces 4 MiB and sends 5 bytes holds 5 bytes.
             return Ok(None);
         }
         self.buffer.advance(PREFIX);
@@ -295,6 +296,15 @@ mod tests {
         let mut requests = requests(vec![framed(&large)]);
         assert_eq!(requests.message().await.unwrap(), Some(large));
         assert_eq!(requests.buffer.capacity(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_request_that_announces_more_than_it_sends_holds_only_what_it_sent() {
+        let announced = [0, 0, 0x40, 0, 0, 1, 2, 3].to_vec();
+        let mut requests = requests(vec![announced]);
+        let status = requests.message().await.unwrap_err();
+        assert_eq!(status.code(), tonic::Code::Internal, "{status:?}");
+        assert!(requests.buffer.capacity() < 1024, "{} bytes held", requests.buffer.capacity());
     }
 
     #[tokio::test]
