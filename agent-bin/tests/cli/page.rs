@@ -247,6 +247,18 @@ pub(crate) fn artifact(state: &str) -> std::path::PathBuf {
     Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("status-page-{state}.png"))
 }
 
+/// Opens the detail of proxy `id` once the page lists its row: a page just opened may
+/// not have received its first list yet.
+fn open_detail(browser: &Browser, id: &str) {
+    wait_for(&format!("{id}'s row to click"), || {
+        let script = format!(
+            "const cell = document.querySelector('tr[data-proxy=\"{id}\"] td.id'); \
+             if (!cell) return false; cell.click(); return true;"
+        );
+        (browser.eval(&script) == json!(true)).then_some(())
+    });
+}
+
 /// The text of the detail's entry `key` of proxy `id`, or null while it is not shown.
 fn detail_script(id: &str, key: &str) -> String {
     format!(
@@ -288,7 +300,7 @@ fn the_page_shows_a_failed_reload_with_its_message_and_a_restart_on_the_proxys_t
     // A refused reload: its verdict and message in web's detail, and in the events feed.
     let answer = put(&dirs.socket(), "/v1/agent/proxy/web-proxy/reload", None).unwrap();
     assert!(answer.body.contains("bad config line 7"), "the check refuses the reload: {}", answer.body);
-    browser.eval("document.querySelector('tr[data-proxy=\"web-proxy\"] td.id').click(); return null;");
+    open_detail(&browser, "web-proxy");
     let shown = wait_for("the failed reload in web's detail", || {
         browser.eval(&detail_script("web-proxy", "last-reload")).as_str().map(str::to_owned)
     });
@@ -300,7 +312,7 @@ fn the_page_shows_a_failed_reload_with_its_message_and_a_restart_on_the_proxys_t
     browser.screenshot(&artifact("failed-reload"));
 
     // A kill from outside: db's timeline gets a restart mark, and its detail names it.
-    browser.eval("document.querySelector('tr[data-proxy=\"db-proxy\"] td.id').click(); return null;");
+    open_detail(&browser, "db-proxy");
     kill(Pid::from_raw(i32::try_from(db).unwrap()), Signal::SIGKILL).unwrap();
     wait_for("a restart on db's timeline", || {
         let marks = browser.eval("const d = document.querySelector('tr[data-detail=\"db-proxy\"]'); return d ? [...d.querySelectorAll('svg.timeline .mark')].map(m => m.dataset.event) : [];");
@@ -357,7 +369,7 @@ fn the_detail_shows_each_dependency_with_its_state_the_last_render_and_the_last_
 
     let browser = Browser::start();
     browser.open(&format!("http://{http_addr}/"));
-    browser.eval("document.querySelector('tr[data-proxy=\"web-proxy\"] td.id').click(); return null;");
+    open_detail(&browser, "web-proxy");
     let waiting = wait_for("web's dependency in its detail", || {
         browser.eval(&detail_script("web-proxy", "depends-on")).as_str().map(str::to_owned)
     });
@@ -379,7 +391,7 @@ fn the_detail_shows_each_dependency_with_its_state_the_last_render_and_the_last_
     assert_eq!(status["templates"][0]["error"], Value::Null, "{status}");
 
     // db's output, through the logs endpoint that the agent serves with --http-logs.
-    browser.eval("document.querySelector('tr[data-proxy=\"db-proxy\"] td.id').click(); return null;");
+    open_detail(&browser, "db-proxy");
     let logs = wait_for("db's output in its detail", || {
         let shown = browser.eval(&detail_script("db-proxy", "logs"));
         shown.as_str().filter(|text| text.contains("second line")).map(str::to_owned)
