@@ -412,9 +412,8 @@ async fn register(State(state): State<ApiState>, body: Bytes) -> Result<Json<ser
         .await
         .map_err(|err| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, err.to_string()))??;
     // The proxy's token is durable with its registration: `tokens.json`, which holds every
-    // proxy's, follows without holding the answer back.
-    let sources = state.sources.clone();
-    drop(tokio::task::spawn_blocking(move || sources.save_tokens()));
+    // proxy's, follows soon, once for a burst of registrations.
+    state.sources.save_tokens_soon();
     Ok(Json(serde_json::json!({ "registered": id.as_str() })))
 }
 

@@ -13,6 +13,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use tether_state::config::{ConfigErrors, ConfigFile, ConfigLoader, ConnectSection, DisplayPath, LoadStats};
 use tether_state::lock;
@@ -100,6 +101,8 @@ pub(crate) struct Sources {
     /// The tokens last written to `tokens.json`. Held while a snapshot of the catalog's
     /// tokens is taken and written, so that an older snapshot never overwrites a newer one.
     saved_tokens: Mutex<Option<BTreeMap<ProxyId, ProxyToken>>>,
+    /// The `tokens.json` write that follows API registrations ([`Sources::save_tokens_soon`]).
+    tokens_soon: Mutex<TokensSoon>,
     /// The `[connect]` table and intentions of the config applied.
     connect: Mutex<ConnectSection>,
     /// The fleet's intentions, each with its etcd key, as last read (none without a fleet).
@@ -206,6 +209,7 @@ impl Sources {
             allow_api_commands,
             api_changes: Mutex::new(()),
             saved_tokens: Mutex::new(None),
+            tokens_soon: Mutex::default(),
             connect: Mutex::new(ConnectSection::default()),
             fleet_intentions: Mutex::default(),
             intentions: Mutex::default(),
@@ -530,6 +534,45 @@ impl Sources {
         Ok(())
     }
 
+    /// Writes `tokens.json` soon, off the way of what the caller answers: once
+    /// [`TOKENS_SETTLE`] has passed, and at most once per [`TOKENS_INTERVAL`], with every
+    /// token of that moment. For tokens that are already durable elsewhere (a registration's
+    /// file keeps its proxy's): the file holds every proxy's token and grows with their
+    /// number, and writing it at each of a burst of registrations would cost each one more
+    /// than the registration itself.
+    ///
+    /// # Panics
+    ///
+    /// When called outside a tokio runtime.
+    pub(crate) fn save_tokens_soon(self: &Arc<Self>) {
+        let now = tokio::time::Instant::now();
+        let due = {
+            let mut soon = lock(&self.tokens_soon);
+            if soon.scheduled {
+                return;
+            }
+            soon.scheduled = true;
+            soon.last.map_or(now + TOKENS_SETTLE, |last| (last + TOKENS_INTERVAL).max(now + TOKENS_SETTLE))
+        };
+        let sources = Arc::clone(self);
+        drop(tokio::spawn(async move {
+            tokio::time::sleep_until(due).await;
+            let write = tokio::task::spawn_blocking(move || {
+                {
+                    // Cleared before the tokens are read: a registration from now on asks
+                    // for a write of its own.
+                    let mut soon = lock(&sources.tokens_soon);
+                    soon.scheduled = false;
+                    soon.last = Some(tokio::time::Instant::now());
+                }
+                sources.save_tokens();
+            });
+            if let Err(err) = write.await {
+                tracing::error!(error = %err, "the write of proxy tokens did not finish");
+            }
+        }));
+    }
+
     /// Persists every proxy's token, unless they are those written last; the fleet
     /// follower calls it after each change too.
     pub(crate) fn save_tokens(&self) {
@@ -547,6 +590,22 @@ impl Sources {
             }
         }
     }
+}
+
+/// How long a `tokens.json` write asked for by [`Sources::save_tokens_soon`] waits, so
+/// that the registrations of a burst share it.
+const TOKENS_SETTLE: Duration = Duration::from_millis(100);
+
+/// At most one such write in this long.
+const TOKENS_INTERVAL: Duration = Duration::from_secs(1);
+
+/// The state of the `tokens.json` write that follows API registrations.
+#[derive(Default)]
+struct TokensSoon {
+    /// A write is due: a later request joins it.
+    scheduled: bool,
+    /// When the last such write began.
+    last: Option<tokio::time::Instant>,
 }
 
 #[cfg(test)]
@@ -614,6 +673,39 @@ mod tests {
         assert_eq!(*index.borrow(), after, "the same reading changes nothing");
         sources.set_fleet_intentions(Vec::new());
         assert_eq!(sources.intentions().decide(&name("web"), &name("db")).action, Allow);
+    }
+
+    #[tokio::test]
+    async fn registrations_of_a_burst_share_one_write_of_the_tokens_file_and_the_next_waits_its_interval() {
+        let root = tempfile::tempdir().unwrap();
+        let (sources, data) = open(root.path());
+        let sources = Arc::new(sources);
+        let proxy = |id: &str| ServiceId::new(id).unwrap().proxy_id();
+        let inode = || std::fs::metadata(data.root().join("tokens.json")).unwrap().ino();
+        let opened = inode();
+        let began = std::time::Instant::now();
+        for (id, port) in [("a", 1), ("b", 2), ("c", 3)] {
+            sources.register(service(id, port)).unwrap();
+            sources.save_tokens_soon();
+        }
+        // Each write replaces the file: its first new version already holds all three.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while inode() == opened {
+            assert!(std::time::Instant::now() < deadline, "tokens.json was not written");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(saved_tokens(&data), [proxy("a"), proxy("b"), proxy("c")]);
+
+        let written = inode();
+        sources.register(service("d", 4)).unwrap();
+        sources.save_tokens_soon();
+        while inode() == written {
+            assert!(std::time::Instant::now() < deadline + TOKENS_INTERVAL, "tokens.json was not written again");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // The first write began after the settle, the second one interval after it.
+        assert!(began.elapsed() >= TOKENS_SETTLE + TOKENS_INTERVAL, "written again {:?} in", began.elapsed());
+        assert_eq!(saved_tokens(&data).len(), 4);
     }
 
     #[test]
