@@ -8,6 +8,7 @@
 //! the current and the last written content, and copies none of them.
 
 use std::collections::BTreeMap;
+use std::fmt::Write as _;
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -222,11 +223,11 @@ impl EncodedSnapshot {
 /// holds no second form of every service (at 10 000 proxies its text would be 4 MiB).
 #[derive(Debug, Clone)]
 pub(crate) struct EncodedRecord {
-    /// Up to the service's value (or the whole record).
-    head: Arc<str>,
+    /// The record's text but for its service's value: up to `split` what comes before it
+    /// (or the whole record), then what comes after. One allocation: every proxy has one.
+    text: Arc<str>,
+    split: usize,
     service: Option<EncodedService>,
-    /// After the service's value.
-    tail: Arc<str>,
 }
 
 /// The indentation of a record in the file: it is an element of the list in `proxies`.
@@ -255,35 +256,48 @@ impl EncodedRecord {
     ) -> Result<Self, serde_json::Error> {
         let field = FIELD_INDENT;
         let token = serde_json::to_string(&token)?;
-        let mut head =
+        let mut text =
             format!("{RECORD_INDENT}{{\n{field}\"id\": {},\n{field}\"service\": ", serde_json::to_string(id)?);
         if service.is_none() {
-            head.push_str("null");
+            text.push_str("null");
         }
+        let split = text.len();
         // As the backend wrote it: raw JSON is copied, never re-formatted.
-        let tail =
-            format!(",\n{field}\"token\": {token},\n{field}\"backend\": {}\n{RECORD_INDENT}}}", backend.as_json());
-        Ok(Self { head: head.into(), service: service.cloned(), tail: tail.into() })
+        let backend = backend.as_json();
+        // Writing into a `String` cannot fail.
+        let _infallible =
+            write!(text, ",\n{field}\"token\": {token},\n{field}\"backend\": {backend}\n{RECORD_INDENT}}}");
+        Ok(Self { text: text.into(), split, service: service.cloned() })
+    }
+
+    /// Up to the service's value (or the whole record).
+    fn head(&self) -> &str {
+        &self.text[..self.split]
+    }
+
+    /// After the service's value.
+    fn tail(&self) -> &str {
+        &self.text[self.split..]
     }
 
     /// About how long its text is: exact but for the service's.
     fn len_guess(&self) -> usize {
-        self.head.len() + self.service.as_ref().map_or(0, |_| SERVICE_TEXT_GUESS) + self.tail.len()
+        self.text.len() + self.service.as_ref().map_or(0, |_| SERVICE_TEXT_GUESS)
     }
 
     fn write_to(&self, out: &mut dyn Write) -> io::Result<()> {
-        out.write_all(self.head.as_bytes())?;
+        out.write_all(self.head().as_bytes())?;
         if let Some(service) = &self.service {
             serde_json::to_writer(&mut *out, &*service.0)?;
         }
-        out.write_all(self.tail.as_bytes())
+        out.write_all(self.tail().as_bytes())
     }
 }
 
 impl PartialEq for EncodedRecord {
     /// The same text: the same pieces around the same service.
     fn eq(&self, other: &Self) -> bool {
-        self.head == other.head && self.tail == other.tail && self.service == other.service
+        self.split == other.split && self.text == other.text && self.service == other.service
     }
 }
 

@@ -10,8 +10,9 @@
 //! longer takes them.
 
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
 
-use tokio::sync::{Notify, oneshot, watch};
+use tokio::sync::{oneshot, watch};
 
 use crate::error::DetachError;
 use crate::proc::Identity;
@@ -68,22 +69,39 @@ pub(crate) enum Stop {
 #[derive(Debug, Default)]
 struct Pending {
     commands: Commands,
+    /// The task's, while it waits for commands: woken by the next one.
+    waiting: Option<Waker>,
     /// The task takes no more commands.
     closed: bool,
 }
 
-#[derive(Default)]
 struct Link {
     pending: Mutex<Pending>,
-    wake: Notify,
-    /// Held while the status changes and the observer is told, so that it is told of every
-    /// change once, in order, and of none twice.
-    observer: Mutex<Option<Observer>>,
+    /// The status, and whom to tell of its changes. One lock: the observer is told of every
+    /// change once, in order, and of none twice, and a subscription misses none.
+    status: Mutex<StatusSlot>,
+}
+
+/// A process's status where its handle and its task both reach it. The channel that
+/// [`Sender::subscribe`] hands out is made on the first subscription: most processes are
+/// followed through an observer, and a channel costs about 500 bytes a process.
+struct StatusSlot {
+    current: ProcessStatus,
+    observer: Option<Observer>,
+    channel: Option<watch::Sender<ProcessStatus>>,
+    /// The task has ended: no change comes any more, and a subscription sees its sender gone.
+    ended: bool,
 }
 
 impl std::fmt::Debug for Link {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Link").field("pending", &self.pending).finish_non_exhaustive()
+    }
+}
+
+impl std::fmt::Debug for StatusView {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("StatusView").field(&self.get()).finish()
     }
 }
 
@@ -93,16 +111,31 @@ impl Link {
         tether_state::lock(&self.pending)
     }
 
-    fn observer(&self) -> MutexGuard<'_, Option<Observer>> {
+    fn status(&self) -> MutexGuard<'_, StatusSlot> {
         // An observer that panicked left nothing half-changed here.
-        tether_state::lock(&self.observer)
+        tether_state::lock(&self.status)
     }
 }
 
-/// A new link: the handle's end and the task's end.
-pub(crate) fn link() -> (Sender, Receiver) {
-    let link = Arc::new(Link::default());
+/// A new link, its process's status at first `status`: the handle's end and the task's end.
+pub(crate) fn link(status: ProcessStatus) -> (Sender, Receiver) {
+    let link = Arc::new(Link {
+        pending: Mutex::default(),
+        status: Mutex::new(StatusSlot { current: status, observer: None, channel: None, ended: false }),
+    });
     (Sender(Arc::clone(&link)), Receiver(link))
+}
+
+/// A process's status, for whoever lists processes; it outlives neither handle nor task
+/// in use, only in memory.
+#[derive(Clone)]
+pub(crate) struct StatusView(Arc<Link>);
+
+impl StatusView {
+    /// The last status.
+    pub(crate) fn get(&self) -> ProcessStatus {
+        self.0.status().current.clone()
+    }
 }
 
 /// The handle's end. Dropping it tells the task that the handle is gone.
@@ -118,9 +151,12 @@ impl Sender {
             return false;
         }
         add(&mut pending.commands);
+        let waiting = pending.waiting.take();
         drop(pending);
-        // A wake-up with no waiter is kept for the task's next wait.
-        self.0.wake.notify_one();
+        // A task that is not waiting finds the command at its next look.
+        if let Some(waker) = waiting {
+            waker.wake();
+        }
         true
     }
 
@@ -141,10 +177,39 @@ impl Sender {
 
     /// Tells `observer` of the current status, then of every change, until the task ends;
     /// replaces an earlier observer.
-    pub(crate) fn observe(&self, status: &watch::Receiver<ProcessStatus>, observer: Observer) {
-        let mut slot = self.0.observer();
-        observer(&status.borrow());
-        *slot = Some(observer);
+    pub(crate) fn observe(&self, observer: Observer) {
+        let mut slot = self.0.status();
+        observer(&slot.current);
+        slot.observer = Some(observer);
+    }
+
+    /// The last status.
+    pub(crate) fn status(&self) -> ProcessStatus {
+        self.0.status().current.clone()
+    }
+
+    /// What `read` makes of the last status, read in place.
+    pub(crate) fn read_status<T>(&self, read: impl FnOnce(&ProcessStatus) -> T) -> T {
+        read(&self.0.status().current)
+    }
+
+    /// A channel of the status: the last one, then every change until the task ends (then
+    /// its sender is gone).
+    pub(crate) fn subscribe(&self) -> watch::Receiver<ProcessStatus> {
+        let mut slot = self.0.status();
+        if let Some(channel) = &slot.channel {
+            return channel.subscribe();
+        }
+        let (channel, receiver) = watch::channel(slot.current.clone());
+        if !slot.ended {
+            slot.channel = Some(channel);
+        }
+        receiver
+    }
+
+    /// The status, for a list of processes.
+    pub(crate) fn view(&self) -> StatusView {
+        StatusView(Arc::clone(&self.0))
     }
 
     /// Asks the task to reload the process and answer on `reply`. `Err` gives `reply` back
@@ -193,34 +258,37 @@ impl Receiver {
     ///
     /// Cancel safe: commands are taken only in the poll that returns them.
     pub(crate) async fn recv(&self) -> Commands {
-        loop {
-            if let Some(taken) = self.take() {
-                return taken;
-            }
-            // A command sent after the check left a wake-up that ends this wait at once.
-            self.0.wake.notified().await;
+        std::future::poll_fn(|cx| self.poll_recv(cx)).await
+    }
+
+    /// Takes every pending command, or leaves `cx`'s waker to be woken by the next one. A
+    /// poll of its own, so that a waiting task keeps no future for it: it costs each
+    /// supervised process nothing while it waits.
+    pub(crate) fn poll_recv(&self, cx: &mut Context<'_>) -> Poll<Commands> {
+        let mut pending = self.0.lock();
+        if !pending.commands.is_empty() {
+            pending.waiting = None;
+            return Poll::Ready(std::mem::take(&mut pending.commands));
         }
+        if !pending.waiting.as_ref().is_some_and(|waiting| waiting.will_wake(cx.waker())) {
+            pending.waiting = Some(cx.waker().clone());
+        }
+        Poll::Pending
     }
 
-    /// The pending commands, if any. Not inlined into `recv`, whose future would otherwise
-    /// keep room for them across its wait.
-    #[inline(never)]
-    fn take(&self) -> Option<Commands> {
-        let taken = std::mem::take(&mut self.0.lock().commands);
-        (!taken.is_empty()).then_some(taken)
-    }
-
-    /// Changes `status` with `change` (which says whether it changed anything), and tells
-    /// the observer, if there is one, of the new status. Returns what `change` returned.
-    pub(crate) fn publish(
-        &self,
-        status: &watch::Sender<ProcessStatus>,
-        change: impl FnOnce(&mut ProcessStatus) -> bool,
-    ) -> bool {
-        let observer = self.0.observer();
-        let changed = status.send_if_modified(change);
-        if let (true, Some(observer)) = (changed, observer.as_ref()) {
-            observer(&status.borrow());
+    /// Changes the status with `change` (which says whether it changed anything), and
+    /// tells the observer and the subscribers, if there are any, of the new status.
+    /// Returns what `change` returned.
+    pub(crate) fn publish(&self, change: impl FnOnce(&mut ProcessStatus) -> bool) -> bool {
+        let mut slot = self.0.status();
+        let changed = change(&mut slot.current);
+        if changed {
+            if let Some(channel) = &slot.channel {
+                channel.send_replace(slot.current.clone());
+            }
+            if let Some(observer) = &slot.observer {
+                observer(&slot.current);
+            }
         }
         changed
     }
@@ -240,6 +308,13 @@ impl Receiver {
 impl Drop for Receiver {
     fn drop(&mut self) {
         self.close();
+        // The subscribers learn that no change comes any more; dropped outside the lock.
+        let channel = {
+            let mut slot = self.0.status();
+            slot.ended = true;
+            slot.channel.take()
+        };
+        drop(channel);
     }
 }
 
@@ -251,8 +326,41 @@ mod tests {
     use crate::spec::KillPolicy;
 
     #[tokio::test]
+    async fn the_status_channel_is_made_on_the_first_subscription_and_closes_when_the_task_ends() {
+        let first = ProcessStatus::running(1, std::time::SystemTime::UNIX_EPOCH, None, true);
+        let (sender, receiver) = link(first);
+        assert!(tether_state::lock(&sender.0.status).channel.is_none(), "no channel before a subscription");
+        let told = Arc::new(Mutex::new(Vec::new()));
+        let seen = Arc::clone(&told);
+        sender.observe(Box::new(move |status| tether_state::lock(&seen).push(status.figures.restarts)));
+        assert!(receiver.publish(|status| {
+            status.figures.restarts = 1;
+            true
+        }));
+        let mut subscribed = sender.subscribe();
+        assert_eq!(subscribed.borrow_and_update().figures.restarts, 1, "the last status, not the first");
+        assert!(!receiver.publish(|_| false), "an unchanged status tells nobody");
+        assert!(receiver.publish(|status| {
+            status.figures.restarts = 2;
+            true
+        }));
+        let deadline = Duration::from_secs(10);
+        tokio::time::timeout(deadline, subscribed.changed()).await.unwrap().unwrap();
+        assert_eq!(subscribed.borrow().figures.restarts, 2);
+        assert_eq!(*tether_state::lock(&told), [0, 1, 2], "the observer is told of each change once");
+        assert_eq!(sender.status().figures.restarts, 2);
+
+        drop(receiver);
+        assert!(tokio::time::timeout(deadline, subscribed.changed()).await.unwrap().is_err(), "the task is gone");
+        let late = sender.subscribe();
+        assert_eq!(late.borrow().figures.restarts, 2);
+        assert!(late.has_changed().is_err(), "a subscription after the end sees no sender");
+        assert_eq!(sender.view().get(), sender.status());
+    }
+
+    #[tokio::test]
     async fn commands_sent_before_the_wait_are_taken_together_with_updates_merged() {
-        let (sender, receiver) = link();
+        let (sender, receiver) = link(ProcessStatus::running(1, std::time::SystemTime::UNIX_EPOCH, None, true));
         let kill = KillPolicy { timeout: Duration::from_secs(1), ..KillPolicy::default() };
         assert!(sender.update(ProcessUpdate { kill: Some(kill), ..ProcessUpdate::default() }));
         let limits = crate::spec::LogPolicy { max_size: 10, keep: 1, ..crate::spec::LogPolicy::default() };
@@ -278,7 +386,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_waiting_task_wakes_for_a_command_and_for_a_dropped_handle() {
-        let (sender, receiver) = link();
+        let (sender, receiver) = link(ProcessStatus::running(1, std::time::SystemTime::UNIX_EPOCH, None, true));
         let (first_taken, first) = oneshot::channel();
         let waiting = tokio::spawn(async move {
             let _ = first_taken.send(receiver.recv().await.stop == Some(Stop::Awaited));
@@ -295,7 +403,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_closed_link_refuses_commands_and_answers_a_pending_detach_by_dropping_it() {
-        let (sender, receiver) = link();
+        let (sender, receiver) = link(ProcessStatus::running(1, std::time::SystemTime::UNIX_EPOCH, None, true));
         let (reply, answer) = oneshot::channel();
         assert!(sender.detach(reply).is_ok());
         drop(receiver);

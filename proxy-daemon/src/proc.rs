@@ -221,9 +221,14 @@ impl Pidfd {
     ///
     /// Cancel-safe: dropping the future loses nothing; the exit stays observable.
     pub(crate) async fn exited(&self) -> io::Result<()> {
+        std::future::poll_fn(|cx| self.poll_exited(cx)).await
+    }
+
+    /// Whether the process has exited; else `cx`'s waker is woken once it has. A waiting
+    /// task keeps no future for it.
+    pub(crate) fn poll_exited(&self, cx: &mut std::task::Context<'_>) -> std::task::Poll<io::Result<()>> {
         // The readiness is never cleared: a pidfd stays readable once its process exited.
-        let _guard = self.0.readable().await?;
-        Ok(())
+        self.0.poll_read_ready(cx).map_ok(drop)
     }
 }
 

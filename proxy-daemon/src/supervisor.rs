@@ -69,7 +69,7 @@ struct Shared {
     /// Every process under supervision, by its supervising task's key (the order
     /// supervision began in): its name and its status. A task takes its entry out as its
     /// supervision ends.
-    processes: Mutex<BTreeMap<u64, (ProcessName, watch::Receiver<ProcessStatus>)>>,
+    processes: Mutex<BTreeMap<u64, (ProcessName, control::StatusView)>>,
     /// The keepers that are the parents of its processes, once it uses them
     /// ([`Supervisor::use_keeper`]); else its own spawn threads are.
     keepers: tokio::sync::OnceCell<crate::keeper::Keepers>,
@@ -216,7 +216,7 @@ impl Supervisor {
         let processes = self.shared.lock_processes();
         processes
             .values()
-            .map(|(name, status)| SupervisedProcess { name: name.clone(), status: status.borrow().clone() })
+            .map(|(name, status)| SupervisedProcess { name: name.clone(), status: status.get() })
             .collect()
     }
 
@@ -275,21 +275,18 @@ impl Supervisor {
         let handover = journal.as_ref().map(|(_, handover, _)| Arc::clone(handover));
         self.shared.rotator.watch(key, &spec.logs, journal, instance.pid, instance.log_sizes);
         let ready = status.ready;
-        let (status_sender, status) = watch::channel(status);
-        let (commands, receiver) = control::link();
+        let (commands, receiver) = control::link(status);
         let name = spec.name.clone();
-        self.shared.lock_processes().insert(key, (name.clone(), status.clone()));
+        self.shared.lock_processes().insert(key, (name.clone(), commands.view()));
         let last_pid = write_pid_file.then_some(instance.pid);
-        let task = Task::new(key, spec, Arc::clone(&self.shared), status_sender, receiver, last_pid, handover);
+        let task = Task::new(key, spec, Arc::clone(&self.shared), receiver, last_pid, handover);
         let task = tokio::spawn(InProxySpan { name: name.clone(), future: task.run(instance, ready) });
-        ProcessHandle { name, commands, status, task, cgroups: self.shared.cgroups.clone() }
+        ProcessHandle { name, commands, task, cgroups: self.shared.cgroups.clone() }
     }
 }
 
 impl Shared {
-    fn lock_processes(
-        &self,
-    ) -> std::sync::MutexGuard<'_, BTreeMap<u64, (ProcessName, watch::Receiver<ProcessStatus>)>> {
+    fn lock_processes(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, (ProcessName, control::StatusView)>> {
         // Every critical section only inserts, removes or clones.
         tether_state::lock(&self.processes)
     }
@@ -333,7 +330,6 @@ fn read_boot_time() -> Option<(u64, u64)> {
 pub struct ProcessHandle {
     name: ProcessName,
     commands: control::Sender,
-    status: watch::Receiver<ProcessStatus>,
     task: tokio::task::JoinHandle<()>,
     cgroups: Option<Cgroups>,
 }
@@ -345,7 +341,7 @@ impl ProcessHandle {
     /// changed).
     /// `false` when nothing runs or `/proc` cannot tell.
     pub fn runs(&self, spec: &ProcessSpec) -> bool {
-        let Some(pid) = self.status.borrow().figures.pid else { return false };
+        let Some(pid) = self.commands.read_status(|status| status.figures.pid) else { return false };
         let mut expected = vec![spec.program.clone().into_os_string()];
         expected.extend(spec.args.iter().cloned());
         let same_command = proc::read_cmdline(pid).is_ok_and(|words| words == expected);
@@ -363,12 +359,12 @@ impl ProcessHandle {
 
     /// The last observed status.
     pub fn status(&self) -> ProcessStatus {
-        self.status.borrow().clone()
+        self.commands.status()
     }
 
     /// A subscription to every change of the status.
     pub fn subscribe(&self) -> watch::Receiver<ProcessStatus> {
-        self.status.clone()
+        self.commands.subscribe()
     }
 
     /// Calls `observer` with the current status at once, then after every change, from the
@@ -378,7 +374,7 @@ impl ProcessHandle {
     /// costs nothing between changes. It runs while the status is locked: keep it short,
     /// and never call this handle from it.
     pub fn observe(&self, observer: impl Fn(&ProcessStatus) + Send + Sync + 'static) {
-        self.commands.observe(&self.status, Box::new(observer));
+        self.commands.observe(Box::new(observer));
     }
 
     /// Stops the process: its kill signal to the process group, up to its kill timeout
@@ -411,9 +407,9 @@ impl ProcessHandle {
 
     async fn stop_as(&self, how: control::Stop) -> ProcessStatus {
         let _already_ended = self.commands.stop(how);
-        let mut status = self.status.clone();
+        let mut status = self.commands.subscribe();
         let result = status.wait_for(|status| status.state.is_final()).await.map(|status| status.clone());
-        result.unwrap_or_else(|_task_gone| status.borrow().clone())
+        result.unwrap_or_else(|_task_gone| self.commands.status())
     }
 
     /// Ends supervision and leaves the process running; returns the [`Identity`] through
@@ -431,12 +427,11 @@ impl ProcessHandle {
     /// identity is lost.
     pub async fn detach(self) -> Result<Identity, DetachError> {
         let (reply, identity) = oneshot::channel();
-        let not_running =
-            |status: &watch::Receiver<ProcessStatus>| DetachError::NotRunning { state: status.borrow().state };
+        let not_running = |commands: &control::Sender| DetachError::NotRunning { state: commands.status().state };
         if self.commands.detach(reply).is_err() {
-            return Err(not_running(&self.status));
+            return Err(not_running(&self.commands));
         }
-        let result = identity.await.unwrap_or_else(|_task_gone| Err(not_running(&self.status)));
+        let result = identity.await.unwrap_or_else(|_task_gone| Err(not_running(&self.commands)));
         let _panicked = self.task.await;
         result
     }
@@ -459,12 +454,12 @@ impl ProcessHandle {
     pub fn reload(&self) -> impl Future<Output = Option<ReloadOutcome>> + Send + 'static {
         let (reply, verdict) = oneshot::channel();
         let asked = self.commands.reload(reply).is_ok();
-        let status = self.status.clone();
+        let status = self.commands.view();
         async move {
             let answer = if asked { verdict.await.ok() } else { None };
             answer.unwrap_or_else(|| {
                 // Supervision ended before the verdict: the process stopped or was detached.
-                let state = status.borrow().state;
+                let state = status.get().state;
                 Some(ReloadOutcome::now(ReloadResult::Failed, Some(format!("the process is {state}"))))
             })
         }
@@ -479,10 +474,9 @@ impl ProcessHandle {
     /// instance's cgroup (a controller is missing); every other change is applied, and
     /// the next instance gets the new limits, or fails to start naming the controller.
     pub fn update(&self, update: ProcessUpdate) -> Result<(), CgroupError> {
-        let written = match (&update.limits, &self.cgroups, self.status.borrow().identity.as_ref()) {
-            (Some(limits), Some(cgroups), Some(Identity { cgroup: Some(cgroup), .. })) => {
-                cgroups.set_limits(cgroup, limits)
-            }
+        let cgroup = self.commands.read_status(|status| status.identity.as_ref().and_then(|i| i.cgroup.clone()));
+        let written = match (&update.limits, &self.cgroups, cgroup) {
+            (Some(limits), Some(cgroups), Some(cgroup)) => cgroups.set_limits(&cgroup, limits),
             _ => Ok(()),
         };
         let _already_ended = self.commands.update(update);
@@ -493,9 +487,7 @@ impl ProcessHandle {
     /// instance runs.
     pub fn usage(&self) -> Option<Usage> {
         let cgroups = self.cgroups.as_ref()?;
-        let status = self.status.borrow();
-        let cgroup = status.identity.as_ref()?.cgroup.as_deref()?;
-        cgroups.usage_in(cgroup)
+        self.commands.read_status(|status| cgroups.usage_in(status.identity.as_ref()?.cgroup.as_deref()?))
     }
 }
 

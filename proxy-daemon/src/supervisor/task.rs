@@ -3,11 +3,11 @@
 
 use std::io;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::{Duration, SystemTime};
 
 use nix::sys::signal::Signal;
 use tether_state::error_chain;
-use tokio::sync::watch;
 
 use super::Shared;
 use super::checks::{self, Checked, Checks};
@@ -26,7 +26,6 @@ pub(super) struct Task {
     key: u64,
     spec: ProcessSpec,
     shared: Arc<Shared>,
-    status: watch::Sender<ProcessStatus>,
     commands: control::Receiver,
     /// The attempt number of the restart that began the current run (0: first start).
     attempt: u32,
@@ -75,7 +74,6 @@ impl Task {
         key: u64,
         spec: ProcessSpec,
         shared: Arc<Shared>,
-        status: watch::Sender<ProcessStatus>,
         commands: control::Receiver,
         last_pid: Option<u32>,
         handover: Option<Arc<Handover>>,
@@ -84,7 +82,6 @@ impl Task {
             key,
             spec,
             shared,
-            status,
             commands,
             attempt: 0,
             last_pid,
@@ -111,36 +108,37 @@ impl Task {
             // The reload's watched files, if any.
             let mut watch = Watch::of(&self.spec);
             loop {
-                let (running, spec, watching) = (&mut reload, &self.spec, &mut watch);
-                let event = tokio::select! {
-                    // Every branch is cancel-safe: `recv` loses no command, a pidfd stays
-                    // readable once its process exited, and a dropped check changes nothing.
-                    commands = self.commands.recv() => Event::Commands(Box::new(commands)),
-                    exited = instance.pidfd.exited() => Event::Exited(exited),
-                    // Checks, and the rarer paths below, are boxed: the task's future, one
-                    // allocation per supervised process for as long as it runs, keeps room only
-                    // for its waits, and a process without checks costs nothing for them.
-                    checked = async {
-                        if checks.idle() {
-                            std::future::pending().await
-                        } else {
-                            Box::pin(checks.next(&self.spec)).await
+                let event = {
+                    // Each wait is a poll of its own (commands, the exit) or a boxed future
+                    // made only when there is something to wait for (checks, a reload, watched
+                    // files): the task's future, one allocation per supervised process for as
+                    // long as it runs, keeps no room for any of them. Every wait is cancel-safe:
+                    // commands are taken only when returned, a pidfd stays readable once its
+                    // process exited, and a dropped check changes nothing.
+                    let spec = &self.spec;
+                    let mut checked = (!checks.idle()).then(|| Box::pin(checks.next(spec)));
+                    let mut step = reload.as_mut().map(|running| Box::pin(running.next(spec)));
+                    let mut watched = watch.as_mut().map(|watching| Box::pin(watching.changed()));
+                    let (commands, pidfd) = (&self.commands, &instance.pidfd);
+                    std::future::poll_fn(|cx| {
+                        if let Poll::Ready(commands) = commands.poll_recv(cx) {
+                            return Poll::Ready(Event::Commands(Box::new(commands)));
                         }
-                    } => Event::Checked(checked),
-                    step = async {
-                        match running.as_mut() {
-                            Some(running) => Box::pin(running.next(spec)).await,
-                            None => std::future::pending().await,
+                        if let Poll::Ready(exited) = pidfd.poll_exited(cx) {
+                            return Poll::Ready(Event::Exited(exited));
                         }
-                    } => Event::Reload(step),
-                    () = async {
-                        match watching.as_mut() {
-                            // Boxed, as the other branches' futures: held inline, its timer
-                            // would grow every process's task, though few watch files.
-                            Some(watching) => Box::pin(watching.changed()).await,
-                            None => std::future::pending().await,
+                        if let Some(Poll::Ready(checked)) = checked.as_mut().map(|f| f.as_mut().poll(cx)) {
+                            return Poll::Ready(Event::Checked(checked));
                         }
-                    } => Event::Watched,
+                        if let Some(Poll::Ready(step)) = step.as_mut().map(|f| f.as_mut().poll(cx)) {
+                            return Poll::Ready(Event::Reload(step));
+                        }
+                        if let Some(Poll::Ready(())) = watched.as_mut().map(|f| f.as_mut().poll(cx)) {
+                            return Poll::Ready(Event::Watched);
+                        }
+                        Poll::Pending
+                    })
+                    .await
                 };
                 match event {
                     Event::Checked(checked) => {
@@ -321,7 +319,7 @@ impl Task {
 
     /// Changes the status, and tells the handle's observer.
     fn set_status(&self, change: impl FnOnce(&mut ProcessStatus)) {
-        self.commands.publish(&self.status, |status| {
+        self.commands.publish(|status| {
             change(status);
             true
         });
@@ -330,7 +328,7 @@ impl Task {
     /// Changes the status if `change` says it changed anything, and then tells the
     /// handle's observer.
     fn set_status_if(&self, change: impl FnOnce(&mut ProcessStatus) -> bool) -> bool {
-        self.commands.publish(&self.status, change)
+        self.commands.publish(change)
     }
 
     /// Shows what a check found.
