@@ -470,6 +470,19 @@ mod tests {
     use super::*;
     use crate::error::SpecError;
 
+    /// A spec of `web-proxy` running `/bin/true`, its files in a data dir that lives as long
+    /// as the directory returned with it.
+    fn web_spec() -> (tempfile::TempDir, ProcessSpec) {
+        let temp = tempfile::tempdir().unwrap();
+        let data = DataDir::open(temp.path()).unwrap();
+        let spec = ProcessSpec::new(ProcessName::new("web-proxy").unwrap(), "/bin/true", &data);
+        (temp, spec)
+    }
+
+    fn pair(key: &str, value: &str) -> (OsString, OsString) {
+        (OsString::from(key), OsString::from(value))
+    }
+
     #[test]
     fn names_follow_the_id_rule() {
         // Up to 134 bytes: the id of the proxy of a 128-byte service id.
@@ -490,9 +503,7 @@ mod tests {
 
     #[test]
     fn debug_output_hides_environment_values() {
-        let temp = tempfile::tempdir().unwrap();
-        let data = DataDir::open(temp.path()).unwrap();
-        let mut spec = ProcessSpec::new(ProcessName::new("web-proxy").unwrap(), "/bin/true", &data);
+        let (_temp, mut spec) = web_spec();
         spec.env = vec![("TETHER_PROXY_TOKEN".into(), "s3cr3t".into())].into();
         spec.identity_env = spec.env.clone();
         spec.restarted = Some(Box::new(Restarted {
@@ -518,10 +529,7 @@ mod tests {
 
     #[test]
     fn environment_has_each_variable_once_with_its_last_value() {
-        let temp = tempfile::tempdir().unwrap();
-        let data = DataDir::open(temp.path()).unwrap();
-        let mut spec = ProcessSpec::new(ProcessName::new("web-proxy").unwrap(), "/bin/true", &data);
-        let pair = |key: &str, value: &str| (OsString::from(key), OsString::from(value));
+        let (_temp, mut spec) = web_spec();
         spec.env = vec![
             pair("PATH", "/usr/bin:/bin"),
             pair("HOME", "/root"),
@@ -544,10 +552,7 @@ mod tests {
 
     #[test]
     fn the_shared_layer_comes_first_and_env_replaces_its_entries() {
-        let temp = tempfile::tempdir().unwrap();
-        let data = DataDir::open(temp.path()).unwrap();
-        let mut spec = ProcessSpec::new(ProcessName::new("web-proxy").unwrap(), "/bin/true", &data);
-        let pair = |key: &str, value: &str| (OsString::from(key), OsString::from(value));
+        let (_temp, mut spec) = web_spec();
         spec.base_env = Arc::new(vec![pair("PATH", "/usr/bin:/bin"), pair("HOME", "/root")].into());
         spec.env = vec![pair("TETHER_PROXY_ID", "web-proxy"), pair("PATH", "/opt/envoy/bin")].into();
         assert_eq!(
