@@ -1,10 +1,10 @@
 //! The commands a [`ProcessHandle`](crate::ProcessHandle) sends to the task that supervises
 //! its process: stop (or finish a stop that an earlier supervisor began), detach, and
-//! changes applied in place; and the observer that the task tells of every change of the
-//! status.
+//! changes applied in place; and the process's status, which both ends read, with the
+//! observer that the task tells of every change of it.
 //!
 //! This module owns that one-to-one link and nothing else. It is a slot of pending commands
-//! and a wake-up, not a queue: a handle sends few commands in its life, and every
+//! and the waiting task's waker, not a queue: a handle sends few commands in its life, and every
 //! supervised process pays for the link while it runs, so it must stay a few words. It
 //! never loses a command that was accepted, and it refuses commands once the task no
 //! longer takes them.
@@ -115,6 +115,10 @@ impl Link {
         // An observer that panicked left nothing half-changed here.
         tether_state::lock(&self.status)
     }
+
+    fn read_status<T>(&self, read: impl FnOnce(&ProcessStatus) -> T) -> T {
+        read(&self.status().current)
+    }
 }
 
 /// A new link, its process's status at first `status`: the handle's end and the task's end.
@@ -134,7 +138,7 @@ pub(crate) struct StatusView(Arc<Link>);
 impl StatusView {
     /// The last status.
     pub(crate) fn get(&self) -> ProcessStatus {
-        self.0.status().current.clone()
+        self.0.read_status(ProcessStatus::clone)
     }
 }
 
@@ -185,12 +189,12 @@ impl Sender {
 
     /// The last status.
     pub(crate) fn status(&self) -> ProcessStatus {
-        self.0.status().current.clone()
+        self.read_status(ProcessStatus::clone)
     }
 
     /// What `read` makes of the last status, read in place.
     pub(crate) fn read_status<T>(&self, read: impl FnOnce(&ProcessStatus) -> T) -> T {
-        read(&self.0.status().current)
+        self.0.read_status(read)
     }
 
     /// A channel of the status: the last one, then every change until the task ends (then
