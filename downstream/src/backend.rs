@@ -152,7 +152,7 @@ impl ProxyHandle for SupervisedProxy {
             kill: Some(spec.kill),
             restart: Some(spec.restart),
             log_limits: Some(spec.log),
-            health: Some(HealthChecks::new(spec.readiness.clone(), spec.liveness.clone())),
+            health: Some(HealthChecks::from(spec)),
             ..ProcessUpdate::default()
         };
         if let Some(process) = self.process.lock().unwrap_or_else(PoisonError::into_inner).as_ref() {
@@ -190,7 +190,7 @@ fn process_spec(proxy: &ManagedProxy, logs: &PrivateDir) -> Result<ProcessSpec, 
         .kill(spec.kill)
         .restart(spec.restart)
         .log_limits(spec.log)
-        .health(HealthChecks::new(spec.readiness.clone(), spec.liveness.clone()))
+        .health(HealthChecks::from(spec))
         .logs(LogTarget::In(logs.clone()));
     if let Some(user) = &spec.user {
         builder = builder.user(user.clone());

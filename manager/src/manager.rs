@@ -693,27 +693,28 @@ impl Manager {
     ) {
         self.generation += 1;
         let generation = self.generation;
-        let status = handle.status();
-        let mut changes = status.clone();
         let notify = self.status_tx.clone();
         let watched = id.clone();
-        // Told by the backend, if it can: no task of the engine's per proxy.
+        // Told by the backend, if it can: no task of the engine's per proxy, and no channel.
         let told = handle.on_status_change(Box::new(move || {
             let _engine_gone = notify.send((watched.clone(), generation));
         }));
-        let watcher = (!told).then(|| {
+        let watched = (!told).then(|| {
+            let status = handle.status();
+            let mut changes = status.clone();
             let notify = self.status_tx.clone();
             let watched = id.clone();
-            self.background.spawn(async move {
+            let watcher = self.background.spawn(async move {
                 while changes.changed().await.is_ok() {
                     if notify.send((watched.clone(), generation)).is_err() {
                         break;
                     }
                 }
-            })
+            });
+            (status, watcher)
         });
         if let Some(slot) = self.slots.get_mut(id) {
-            slot.installed = Some(Installed { handle, status, generation, watcher, service, token });
+            slot.installed = Some(Installed { handle, watched, generation, service, token });
         }
         self.send_record(id);
     }
@@ -721,7 +722,7 @@ impl Manager {
     fn uninstall(&mut self, id: &ProxyId) {
         let Some(slot) = self.slots.get_mut(id) else { return };
         if let Some(installed) = slot.installed.take() {
-            if let Some(watcher) = installed.watcher {
+            if let Some((_, watcher)) = installed.watched {
                 watcher.abort();
             }
             self.send_record(id);
@@ -756,7 +757,7 @@ impl Manager {
 
     fn publish(&self, id: &ProxyId) {
         let Some(slot) = self.slots.get(id) else { return };
-        let process = slot.installed.as_ref().map(|installed| installed.status.borrow().clone()).unwrap_or_default();
+        let process = slot.installed.as_ref().map(Installed::status).unwrap_or_default();
         let queued = self.in_backlog.contains(id);
         let update = slot.overlap.as_ref().and_then(|(next, _)| next.borrow().clone()).map(|next| UpdateStatus {
             state: next.state.into(),

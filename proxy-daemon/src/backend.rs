@@ -241,8 +241,8 @@ impl Shared {
         process.restart = spec.restart;
         process.logs.limits = spec.log;
         process.logs.journal = self.journal_sink(proxy);
-        process.health = health_checks(spec);
-        process.reload = spec.reload.clone().map(Box::new);
+        process.health = HealthChecks::from(spec);
+        process.reload.clone_from(&spec.reload);
         process.identity_env = identity_env.into();
         process.limits = spec.limits;
         process
@@ -344,10 +344,10 @@ pub fn missing_programs(spec: &tether_state::ProxySpec) -> Vec<MissingProgram> {
     if let ProxyCommand::Exec(command) = &spec.command {
         named.push(("command", command));
     }
-    if let Some(Readiness { probe: Probe::Exec(command), .. }) = &spec.readiness {
+    if let Some(Readiness { probe: Probe::Exec(command), .. }) = spec.readiness.as_deref() {
         named.push(("readiness.exec", command));
     }
-    if let Some(Liveness { probe: Probe::Exec(command), .. }) = &spec.liveness {
+    if let Some(Liveness { probe: Probe::Exec(command), .. }) = spec.liveness.as_deref() {
         named.push(("liveness.exec", command));
     }
     if let Some(reload) = &spec.reload {
@@ -370,10 +370,6 @@ pub fn missing_programs(spec: &tether_state::ProxySpec) -> Vec<MissingProgram> {
             Some(MissingProgram { field, error })
         })
         .collect()
-}
-
-fn health_checks(spec: &tether_state::ProxySpec) -> HealthChecks {
-    HealthChecks::new(spec.readiness.clone(), spec.liveness.clone())
 }
 
 /// A process name for a proxy id; both follow the same rule.
@@ -503,48 +499,99 @@ impl OsProcessBackend {
     }
 }
 
-/// A handle's status channel, and whom to tell of each change besides its receivers: the
-/// engine, once it asked ([`ProxyHandle::on_status_change`]), which then needs no task per
-/// proxy to wait on the channel. Every change of the status goes through it. Clones share
-/// both.
+/// A handle's status, and whom to tell of each change: the engine, once it asked
+/// ([`ProxyHandle::on_status_change`]), which then reads it with
+/// [`ProxyHandle::status_now`] and needs neither a task nor a channel per proxy. The
+/// channel of [`ProxyHandle::status`] is made for its first receiver and dropped at a change
+/// once none is left (a `watch` channel costs about 480 bytes, most of them its wakers).
+/// Every change of the status goes through it. Clones share it.
 #[derive(Clone)]
-struct StatusSender {
-    sender: watch::Sender<tether_manager::BackendStatus>,
-    changed: Arc<OnceLock<StatusChanged>>,
+struct StatusSender(Arc<StatusCell>);
+
+struct StatusCell {
+    held: Mutex<HeldStatus>,
+    changed: OnceLock<StatusChanged>,
+}
+
+struct HeldStatus {
+    current: tether_manager::BackendStatus,
+    channel: Option<watch::Sender<tether_manager::BackendStatus>>,
+}
+
+impl HeldStatus {
+    /// Hands the current status to the channel's receivers, if any is left.
+    fn forward(&mut self) {
+        if let Some(channel) = &self.channel {
+            if channel.receiver_count() == 0 {
+                self.channel = None;
+            } else {
+                channel.send_replace(self.current.clone());
+            }
+        }
+    }
 }
 
 impl std::fmt::Debug for StatusSender {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StatusSender")
-            .field("status", &*self.sender.borrow())
-            .field("told", &self.changed.get().is_some())
+            .field("status", &self.lock().current)
+            .field("told", &self.0.changed.get().is_some())
             .finish()
     }
 }
 
 impl StatusSender {
     fn new() -> Self {
-        Self { sender: watch::Sender::new(tether_manager::BackendStatus::default()), changed: Arc::default() }
+        let held = HeldStatus { current: tether_manager::BackendStatus::default(), channel: None };
+        Self(Arc::new(StatusCell { held: Mutex::new(held), changed: OnceLock::new() }))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HeldStatus> {
+        lock(&self.0.held)
     }
 
     fn subscribe(&self) -> watch::Receiver<tether_manager::BackendStatus> {
-        self.sender.subscribe()
+        let mut held = self.lock();
+        match &held.channel {
+            Some(channel) => channel.subscribe(),
+            None => {
+                let (channel, receiver) = watch::channel(held.current.clone());
+                held.channel = Some(channel);
+                receiver
+            }
+        }
+    }
+
+    fn now(&self) -> tether_manager::BackendStatus {
+        self.lock().current.clone()
     }
 
     fn send_replace(&self, status: tether_manager::BackendStatus) {
-        self.sender.send_replace(status);
+        {
+            let mut held = self.lock();
+            held.current = status;
+            held.forward();
+        }
         self.tell();
     }
 
     fn send_if_modified(&self, modify: impl FnOnce(&mut tether_manager::BackendStatus) -> bool) {
-        if self.sender.send_if_modified(modify) {
+        let modified = {
+            let mut held = self.lock();
+            let modified = modify(&mut held.current);
+            if modified {
+                held.forward();
+            }
+            modified
+        };
+        if modified {
             self.tell();
         }
     }
 
-    /// Called after the new status is in the channel, outside its borrow.
+    /// Called after the new status is held, outside the lock.
     fn tell(&self) {
-        if let Some(changed) = self.changed.get() {
+        if let Some(changed) = self.0.changed.get() {
             changed();
         }
     }
@@ -785,9 +832,9 @@ impl ProxyHandle for OsProxyHandle {
             restart: Some(spec.restart),
             log_limits: Some(spec.log),
             journal: self.shared.journal_sink(&proxy),
-            health: Some(health_checks(spec)),
+            health: Some(HealthChecks::from(spec)),
             limits: Some(spec.limits),
-            reload: Some(spec.reload.clone()),
+            reload: Some(spec.reload.as_deref().cloned()),
             restart_on_exit: None,
         };
         let mut state = self.lock();
@@ -806,8 +853,12 @@ impl ProxyHandle for OsProxyHandle {
         self.status.subscribe()
     }
 
+    fn status_now(&self) -> tether_manager::BackendStatus {
+        self.status.now()
+    }
+
     fn on_status_change(&self, changed: StatusChanged) -> bool {
-        self.status.changed.set(changed).is_ok()
+        self.status.0.changed.set(changed).is_ok()
     }
 
     fn adopted(&self) -> Adopted {
@@ -871,6 +922,43 @@ mod tests {
         // is the engine's own `stopped`.
         assert_eq!(BackendState::from(Stopped), BackendState::Stopping);
         assert_eq!(Stopped.as_str(), ProxyState::Stopped.as_str());
+    }
+
+    #[test]
+    fn a_status_is_held_without_a_channel_until_one_is_asked_for_and_the_channel_goes_with_its_last_receiver() {
+        let status = StatusSender::new();
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let told = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&told);
+        assert!(status.0.changed.set(Box::new(move || _ = counted.fetch_add(1, Ordering::SeqCst))).is_ok());
+        let running = |pid| tether_manager::BackendStatus {
+            state: BackendState::Running,
+            figures: tether_state::ProcessFigures { pid: Some(pid), ..Default::default() },
+            generations: Vec::new(),
+        };
+
+        status.send_replace(running(10));
+        assert!(status.lock().channel.is_none(), "no channel before a receiver");
+        assert_eq!(status.now(), running(10));
+        assert_eq!(told.load(Ordering::SeqCst), 1);
+
+        let mut receiver = status.subscribe();
+        assert_eq!(*receiver.borrow_and_update(), running(10));
+        status.send_if_modified(|held| {
+            held.figures.restarts = 1;
+            true
+        });
+        assert!(receiver.has_changed().unwrap());
+        assert_eq!(receiver.borrow_and_update().figures.restarts, 1);
+        status.send_if_modified(|_| false);
+        assert!(!receiver.has_changed().unwrap(), "no change, no wake-up");
+        assert_eq!(told.load(Ordering::SeqCst), 2);
+
+        drop(receiver);
+        status.send_replace(running(11));
+        assert!(status.lock().channel.is_none(), "the channel went with its last receiver");
+        assert_eq!(status.now(), running(11));
+        assert_eq!(*status.subscribe().borrow(), running(11), "a new receiver starts from the last status");
     }
 
     #[test]

@@ -111,7 +111,13 @@ fn rotation_threshold(max_size: u64, rate: Option<f64>, rotation_took: Duration)
 }
 
 /// One stream of one supervised process.
-type FileKey = (u64, u8);
+/// A process's key and a stream (0 stdout, 1 stderr) in one word: a key in three tables of
+/// two entries per process, where every byte counts twice.
+type FileKey = u64;
+
+fn file_key(process: u64, stream: u8) -> FileKey {
+    process << 1 | u64::from(stream & 1)
+}
 
 enum Command {
     Watch(Box<Watch>),
@@ -331,7 +337,7 @@ impl State<'_> {
             Command::Watch(watch) => {
                 let Watch { process, files, limits, journal, pid, from } = *watch;
                 for (stream, file) in (0u8..).zip(files) {
-                    let key = (process, stream);
+                    let key = file_key(process, stream);
                     let from = from.map(|sizes| sizes[usize::from(stream)]);
                     // The lines of the instance before, up to where this one's begin.
                     let (watch, tee) = match self.files.remove(&key) {
@@ -361,28 +367,28 @@ impl State<'_> {
                     handover.release(*generation);
                 }
                 for stream in 0..2 {
-                    self.arm((process, stream));
+                    self.arm(file_key(process, stream));
                 }
             }
             Command::Limits { process, limits, journal } => {
                 for stream in 0..2 {
-                    if let Some(mut file) = self.files.remove(&(process, stream)) {
+                    if let Some(mut file) = self.files.remove(&file_key(process, stream)) {
                         file.limits = limits;
                         if journal.is_none() {
                             self.forward(&mut file, false);
                         }
                         let sink = journal.as_ref().map(|(sink, handover)| (sink, handover));
                         file.tee = tee_for(&mut file, sink, stream, None);
-                        self.files.insert((process, stream), file);
+                        self.files.insert(file_key(process, stream), file);
                     }
                 }
                 for stream in 0..2 {
-                    self.check((process, stream));
+                    self.check(file_key(process, stream));
                 }
             }
             Command::Forget { process } => {
                 for stream in 0..2 {
-                    let Some(mut watched) = self.files.remove(&(process, stream)) else { continue };
+                    let Some(mut watched) = self.files.remove(&file_key(process, stream)) else { continue };
                     // Its last lines, which an event not yet read may tell of.
                     self.forward(&mut watched, true);
                     if let Some(watch) = watched.watch {

@@ -129,20 +129,28 @@ impl HealthChecks {
     }
 }
 
+impl From<&tether_state::ProxySpec> for HealthChecks {
+    /// A proxy's checks, as its spec gives them (boxed there too).
+    fn from(spec: &tether_state::ProxySpec) -> Self {
+        Self { readiness: spec.readiness.clone(), liveness: spec.liveness.clone() }
+    }
+}
+
 /// A log file: a name in a directory opened once without following links (the data dir's
 /// `logs/`, or any directory a caller opened as a [`PrivateDir`]), so that a link planted
 /// at the name or in place of the directory never redirects the output.
 #[derive(Clone, PartialEq, Eq)]
 pub struct LogFile {
     dir: PrivateDir,
-    name: String,
+    /// Shared by the clones: the spec's, the rotation's, each restart's.
+    name: Arc<str>,
 }
 
 impl LogFile {
     /// The file `name` in `dir`. `name` is one path component; an operation on a file
     /// with any other name fails.
     pub fn new(dir: PrivateDir, name: impl Into<String>) -> Self {
-        Self { dir, name: name.into() }
+        Self { dir, name: name.into().into() }
     }
 
     /// The directory the file is in.
@@ -157,7 +165,7 @@ impl LogFile {
 
     /// Where the file is, for messages and for readers outside the supervisor.
     pub fn path(&self) -> PathBuf {
-        self.dir.path().join(&self.name)
+        self.dir.path().join(&*self.name)
     }
 }
 

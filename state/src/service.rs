@@ -477,10 +477,11 @@ pub struct ProxySpec {
     pub log: LogPolicy,
     /// Opaque configuration served to the proxy.
     pub config: ProxyConfigMap,
-    /// When a started instance counts as ready; without one, once it runs.
-    pub readiness: Option<Readiness>,
+    /// When a started instance counts as ready; without one, once it runs. (Boxed, as are
+    /// `liveness` and `reload`: most proxies have none, and an agent holds a spec per proxy.)
+    pub readiness: Option<Box<Readiness>>,
     /// When a running instance is restarted because it stopped answering.
-    pub liveness: Option<Liveness>,
+    pub liveness: Option<Box<Liveness>>,
     /// Sockets the agent binds and hands to every instance, in descriptor order from 3.
     pub listeners: Vec<Listener>,
     /// How a restart-requiring change replaces the running instance.
@@ -488,7 +489,7 @@ pub struct ProxySpec {
     /// Its cgroup's limits, applied in place when they change.
     pub limits: ResourceLimits,
     /// How it reloads its files without a restart, when it can.
-    pub reload: Option<ReloadPolicy>,
+    pub reload: Option<Box<ReloadPolicy>>,
     /// Files the agent renders for it from the catalog, before each start and when their
     /// data changes.
     pub templates: Vec<crate::Template>,
@@ -666,15 +667,21 @@ mod tests {
         assert_eq!(change(|s| spec(s).limits.memory_max = Some(64 << 20)), ProxyChange::InPlace);
         assert_eq!(change(|s| spec(s).log.keep = 1), ProxyChange::InPlace);
         let reload = crate::ReloadPolicy::new(crate::ReloadAction::Signal(KillSignal::Hup));
-        assert_eq!(change(|s| spec(s).reload = Some(reload)), ProxyChange::InPlace);
+        assert_eq!(change(|s| spec(s).reload = Some(Box::new(reload))), ProxyChange::InPlace);
         assert_eq!(change(|s| drop(spec(s).config.insert("bind_port".into(), 1.into()))), ProxyChange::InPlace);
         assert_eq!(change(|s| s.address = "10.0.0.1".into()), ProxyChange::InPlace);
         assert_eq!(change(|s| s.port = Some(1)), ProxyChange::InPlace);
         assert_eq!(change(|s| s.tags.push("v2".into())), ProxyChange::InPlace);
         assert_eq!(change(|s| drop(s.meta.insert("k".into(), "v".into()))), ProxyChange::InPlace);
         assert_eq!(change(|s| s.name = ServiceName::new("Web").unwrap()), ProxyChange::InPlace);
-        assert_eq!(change(|s| spec(s).readiness = Some(Readiness::new(crate::Probe::Notify))), ProxyChange::InPlace);
-        assert_eq!(change(|s| spec(s).liveness = Some(Liveness::new(crate::Probe::Notify))), ProxyChange::InPlace);
+        assert_eq!(
+            change(|s| spec(s).readiness = Some(Box::new(Readiness::new(crate::Probe::Notify)))),
+            ProxyChange::InPlace
+        );
+        assert_eq!(
+            change(|s| spec(s).liveness = Some(Box::new(Liveness::new(crate::Probe::Notify)))),
+            ProxyChange::InPlace
+        );
         assert_eq!(change(|s| spec(s).update.strategy = crate::UpdateStrategy::Overlap), ProxyChange::InPlace);
         assert_eq!(change(|s| spec(s).update.timeout = Duration::from_secs(1)), ProxyChange::InPlace);
         let dependency = crate::Dependency::new("db").unwrap();

@@ -37,7 +37,7 @@ impl Manager {
         // instance while the old one serves. Only a generation (its status lists the
         // proxy's generations) can hand over by itself: an instance started otherwise (before
         // `update = "epoch"` was set, or by a backend without generations) is restarted.
-        let hands_over = slot.installed.as_ref().is_some_and(|i| !i.status.borrow().generations.is_empty());
+        let hands_over = slot.installed.as_ref().is_some_and(|i| !i.status().generations.is_empty());
         let overlap = match (action, &wanted, &installed) {
             (Action::Restart, Some(proxy), Some((_, generation)))
                 if proxy.spec().update.strategy == UpdateStrategy::Overlap

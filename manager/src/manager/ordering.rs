@@ -108,7 +108,7 @@ impl Manager {
             return false;
         }
         let Some(installed) = &slot.installed else { return false };
-        let status = installed.status.borrow();
+        let status = installed.status();
         match condition {
             Condition::Ready => status.state == BackendState::Running,
             Condition::Started => {

@@ -18,14 +18,24 @@ use crate::status::RequestError;
 /// A handle the engine holds, with what it needs to report and snapshot it.
 pub(super) struct Installed {
     pub(super) handle: Arc<dyn ProxyHandle>,
-    pub(super) status: watch::Receiver<BackendStatus>,
+    /// The handle's status channel, and the task that waits on it, when the backend does not
+    /// tell of its changes itself ([`ProxyHandle::on_status_change`]); `None` when it does:
+    /// its status is then read from the handle ([`ProxyHandle::status_now`]).
+    pub(super) watched: Option<(watch::Receiver<BackendStatus>, AbortHandle)>,
     pub(super) generation: u64,
-    /// The task that waits on `status`, when the backend does not tell of its changes
-    /// itself ([`ProxyHandle::on_status_change`]).
-    pub(super) watcher: Option<AbortHandle>,
     /// What the snapshot records the process was started from, encoded once.
     pub(super) service: Option<EncodedService>,
     pub(super) token: Option<TokenFingerprint>,
+}
+
+impl Installed {
+    /// The handle's status now.
+    pub(super) fn status(&self) -> BackendStatus {
+        match &self.watched {
+            Some((status, _)) => status.borrow().clone(),
+            None => self.handle.status_now(),
+        }
+    }
 }
 
 /// Everything the engine knows of one proxy.

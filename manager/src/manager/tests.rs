@@ -756,7 +756,7 @@ async fn a_restart_asked_through_the_handle_stops_and_starts_and_keeps_the_count
 async fn a_reload_asked_through_the_handle_reaches_only_a_running_proxy_with_a_reload_table() {
     use tether_state::{KillSignal, ReloadAction, ReloadPolicy, ReloadResult};
     let mut web = service("web");
-    web.proxy.as_mut().unwrap().reload = Some(ReloadPolicy::new(ReloadAction::Signal(KillSignal::Hup)));
+    web.proxy.as_mut().unwrap().reload = Some(Box::new(ReloadPolicy::new(ReloadAction::Signal(KillSignal::Hup))));
     let running = run(&[web, service("db")]);
     let before = running.until_state(&pid("web"), ProxyState::Running).await;
     running.until_state(&pid("db"), ProxyState::Running).await;

@@ -72,7 +72,7 @@ pub(super) enum UpdateDef {
 
 /// Listeners take descriptors 3, 4, … of every instance: a readiness `fd` may not be one.
 pub(super) fn check_descriptors(proxy: &ProxySpec) -> Result<(), String> {
-    if let Some(Readiness { probe: Probe::Fd(fd), .. }) = &proxy.readiness {
+    if let Some(Readiness { probe: Probe::Fd(fd), .. }) = proxy.readiness.as_deref() {
         let taken = 3..3 + proxy.listeners.len() as u64;
         if taken.contains(&u64::from(*fd)) {
             let listener = &proxy.listeners[(u64::from(*fd) - 3) as usize];

@@ -532,8 +532,8 @@ impl From<ProxyDef> for ProxySpec {
                 output: def.log_target.map_or(log_default.output, LogOutput::from),
             },
             config: def.config.map(|c| c.0).unwrap_or_default(),
-            readiness: def.readiness.map(|r| r.0),
-            liveness: def.liveness.map(|l| l.0),
+            readiness: def.readiness.map(|r| Box::new(r.0)),
+            liveness: def.liveness.map(|l| Box::new(l.0)),
             listeners: def.listener.map(|l| l.0).unwrap_or_default(),
             update: UpdatePolicy {
                 strategy: match def.update {
@@ -552,7 +552,7 @@ impl From<ProxyDef> for ProxySpec {
                 pids_max: def.pids_max.map(|p| p.0),
             },
             templates: def.template.map(|t| t.resolve(def.reload.is_some())).unwrap_or_default(),
-            reload: def.reload.map(|r| r.0),
+            reload: def.reload.map(|r| Box::new(r.0)),
             depends_on: def.depends_on.unwrap_or_default(),
         }
     }

@@ -584,7 +584,9 @@ fn kind_envoy_runs_envoy_from_path_with_epoch_updates_and_an_admin_port_is_its_r
     );
     assert_eq!(given.kind, ProxyKind::Envoy { admin_port: Some(19000) });
     assert_eq!(given.update.strategy, UpdateStrategy::Restart);
-    let Some(Readiness { probe: Probe::Http(target), .. }) = &given.readiness else { panic!("{:?}", given.readiness) };
+    let Some(Readiness { probe: Probe::Http(target), .. }) = given.readiness.as_deref() else {
+        panic!("{:?}", given.readiness)
+    };
     assert_eq!(target.as_str(), "http://127.0.0.1:19000/ready");
 }
 

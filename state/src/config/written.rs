@@ -217,7 +217,7 @@ impl<'a> From<&'a ProxySpec> for ProxyOut<'a> {
             memory_max: spec.limits.memory_max,
             cpus: spec.limits.cpus.map(CpuLimit::cores),
             pids_max: spec.limits.pids_max,
-            reload: spec.reload.as_ref().map(ReloadOut::from),
+            reload: spec.reload.as_deref().map(ReloadOut::from),
             template: spec.templates.iter().map(TemplateOut::from).collect(),
             depends_on: spec.depends_on.iter().map(|(name, condition)| (name.as_str(), condition.as_str())).collect(),
         }

@@ -110,10 +110,10 @@ fn update() -> impl Strategy<Value = UpdatePolicy> {
 fn proxy_spec() -> impl Strategy<Value = ProxySpec> {
     (proxy_spec_without_health(), health(), listeners(), update()).prop_map(
         |(mut spec, (readiness, liveness), listeners, update)| {
-            spec.readiness = readiness;
-            spec.liveness = liveness;
+            spec.readiness = readiness.map(Box::new);
+            spec.liveness = liveness.map(Box::new);
             // Listeners take descriptors from 3: a readiness `fd` moves above them.
-            if let Some(Readiness { probe: Probe::Fd(fd), .. }) = &mut spec.readiness {
+            if let Some(Readiness { probe: Probe::Fd(fd), .. }) = spec.readiness.as_deref_mut() {
                 *fd += listeners.len() as u32;
             }
             spec.listeners = listeners;
