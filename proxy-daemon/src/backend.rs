@@ -230,6 +230,8 @@ impl Shared {
             env.push((proxy_env::HTTP_ADDR.into(), addr.into()));
         }
         env.extend(configured_layer(spec));
+        // Held as long as the process is supervised: no room for pairs that never come.
+        env.shrink_to_fit();
         // The data dir's layout: pid file and logs named by the proxy id.
         let mut process = ProcessSpec::new(name, program, &self.data);
         process.args = args;
@@ -388,7 +390,7 @@ impl ProxyBackend for OsProcessBackend {
         // replaces: held by both handles, they stay open in between.
         let listeners = self.shared.listeners(&proxy, Vec::new());
         let handle = OsProxyHandle::new(self.shared.clone(), proxy.id().clone(), Some(proxy));
-        handle.lock().listeners = Some(listeners);
+        handle.lock().listeners = Some(Box::new(listeners));
         Box::new(handle)
     }
 
@@ -501,10 +503,14 @@ impl OsProcessBackend {
 
 /// A handle's status, and whom to tell of each change: the engine, once it asked
 /// ([`ProxyHandle::on_status_change`]), which then reads it with
-/// [`ProxyHandle::status_now`] and needs neither a task nor a channel per proxy. The
-/// channel of [`ProxyHandle::status`] is made for its first receiver and dropped at a change
-/// once none is left (a `watch` channel costs about 480 bytes, most of them its wakers).
-/// Every change of the status goes through it. Clones share it.
+/// [`ProxyHandle::status_now`] and needs neither a task nor a channel per proxy.
+///
+/// The status of a handle whose process is its own alone is read from the process, never
+/// copied; a generation's (which lists the proxy's generations), and the last one once the
+/// process is gone, are held. The channel of [`ProxyHandle::status`] is made for its first
+/// receiver and dropped at a change once none is left (a `watch` channel costs about 480
+/// bytes, most of them its wakers). Every change of the status goes through it. Clones
+/// share it.
 #[derive(Clone)]
 struct StatusSender(Arc<StatusCell>);
 
@@ -513,19 +519,23 @@ struct StatusCell {
     changed: OnceLock<StatusChanged>,
 }
 
+#[derive(Default)]
 struct HeldStatus {
-    current: tether_manager::BackendStatus,
+    /// The status when it is not its process's alone.
+    own: Option<Box<tether_manager::BackendStatus>>,
+    /// The process whose status is read when there is no `own`.
+    process: Option<crate::control::StatusView>,
     channel: Option<watch::Sender<tether_manager::BackendStatus>>,
 }
 
 impl HeldStatus {
-    /// Hands the current status to the channel's receivers, if any is left.
-    fn forward(&mut self) {
+    /// Hands `status` to the channel's receivers, if any is left.
+    fn forward(&mut self, status: impl FnOnce() -> tether_manager::BackendStatus) {
         if let Some(channel) = &self.channel {
             if channel.receiver_count() == 0 {
                 self.channel = None;
             } else {
-                channel.send_replace(self.current.clone());
+                channel.send_replace(status());
             }
         }
     }
@@ -534,7 +544,7 @@ impl HeldStatus {
 impl std::fmt::Debug for StatusSender {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StatusSender")
-            .field("status", &self.lock().current)
+            .field("status", &self.now())
             .field("told", &self.0.changed.get().is_some())
             .finish()
     }
@@ -542,8 +552,7 @@ impl std::fmt::Debug for StatusSender {
 
 impl StatusSender {
     fn new() -> Self {
-        let held = HeldStatus { current: tether_manager::BackendStatus::default(), channel: None };
-        Self(Arc::new(StatusCell { held: Mutex::new(held), changed: OnceLock::new() }))
+        Self(Arc::new(StatusCell { held: Mutex::default(), changed: OnceLock::new() }))
     }
 
     fn lock(&self) -> MutexGuard<'_, HeldStatus> {
@@ -551,36 +560,63 @@ impl StatusSender {
     }
 
     fn subscribe(&self) -> watch::Receiver<tether_manager::BackendStatus> {
+        let current = self.now();
         let mut held = self.lock();
         match &held.channel {
             Some(channel) => channel.subscribe(),
             None => {
-                let (channel, receiver) = watch::channel(held.current.clone());
+                let (channel, receiver) = watch::channel(current);
                 held.channel = Some(channel);
                 receiver
             }
         }
     }
 
+    /// The status now. The process is read outside this lock: its observer, which holds
+    /// the process's lock, takes this one ([`StatusSender::process_changed`]).
     fn now(&self) -> tether_manager::BackendStatus {
-        self.lock().current.clone()
+        let (own, process) = {
+            let held = self.lock();
+            (held.own.as_deref().cloned(), held.process.clone())
+        };
+        own.or_else(|| process.map(|process| process.read_status(translate))).unwrap_or_default()
+    }
+
+    /// From now on, reads the status from `process` while no status is held.
+    fn follow(&self, process: crate::control::StatusView) {
+        self.lock().process = Some(process);
+    }
+
+    /// The followed process's status is now `current`.
+    fn process_changed(&self, current: &ProcessStatus) {
+        {
+            let mut held = self.lock();
+            if held.own.is_none() {
+                held.forward(|| translate(current));
+            }
+        }
+        self.tell();
     }
 
     fn send_replace(&self, status: tether_manager::BackendStatus) {
         {
             let mut held = self.lock();
-            held.current = status;
-            held.forward();
+            held.forward(|| status.clone());
+            held.own = Some(Box::new(status));
         }
         self.tell();
     }
 
+    /// Changes the held status (the default one when none is held yet: only a generation,
+    /// which follows no process, is changed so).
     fn send_if_modified(&self, modify: impl FnOnce(&mut tether_manager::BackendStatus) -> bool) {
         let modified = {
             let mut held = self.lock();
-            let modified = modify(&mut held.current);
+            let own = held.own.get_or_insert_default();
+            let modified = modify(own);
             if modified {
-                held.forward();
+                let status = (**own).clone();
+                held.forward(|| status);
             }
             modified
         };
@@ -589,7 +625,7 @@ impl StatusSender {
         }
     }
 
-    /// Called after the new status is held, outside the lock.
+    /// Called after the new status is readable, outside the lock.
     fn tell(&self) {
         if let Some(changed) = self.0.changed.get() {
             changed();
@@ -612,8 +648,9 @@ struct HandleState {
     process: Option<ProcessHandle>,
     /// The last identity seen, kept after a detach for the final snapshot.
     record: Option<Record>,
-    /// The listeners its start hands over, taken when it was created.
-    listeners: Option<Result<Vec<InheritedSocket>, ListenError>>,
+    /// The listeners its start hands over, taken when it was created (boxed: held only
+    /// until the start, by a handle that lives as long as its process).
+    listeners: Option<Box<Result<Vec<InheritedSocket>, ListenError>>>,
     /// Its generation's key among the proxy's generations, for `update = "epoch"`.
     generation: Option<u64>,
 }
@@ -650,9 +687,10 @@ impl OsProxyHandle {
                     generations.observe(&id, key, current, Some((translate(current), &status)));
                 });
             }
-            None => process.observe(move |current| {
-                status.send_replace(translate(current));
-            }),
+            None => {
+                status.follow(process.view());
+                process.observe(move |current| status.process_changed(current));
+            }
         }
         state.process = Some(process);
     }
@@ -713,7 +751,7 @@ impl ProxyHandle for OsProxyHandle {
                 .map_err(|source| BackendError::Start { id: self.id.clone(), source })?;
         }
         let mut spec = self.shared.process_spec(&proxy);
-        let listeners = self.lock().listeners.take();
+        let listeners = self.lock().listeners.take().map(|listeners| *listeners);
         spec.listeners = match listeners {
             Some(Ok(sockets)) => sockets,
             Some(Err(error)) => return Err(BackendError::Start { id: self.id.clone(), source: Box::new(error) }),
@@ -959,6 +997,47 @@ mod tests {
         assert!(status.lock().channel.is_none(), "the channel went with its last receiver");
         assert_eq!(status.now(), running(11));
         assert_eq!(*status.subscribe().borrow(), running(11), "a new receiver starts from the last status");
+    }
+
+    #[test]
+    fn a_status_that_follows_its_process_is_read_from_it_until_a_last_status_is_held() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let status = StatusSender::new();
+        let told = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&told);
+        assert!(status.0.changed.set(Box::new(move || _ = counted.fetch_add(1, Ordering::SeqCst))).is_ok());
+        let (commands, task) =
+            crate::control::link(ProcessStatus::running(41, std::time::SystemTime::now(), None, false));
+        status.follow(commands.view());
+        let observer = status.clone();
+        commands.observe(Box::new(move |current| observer.process_changed(current)));
+        let mut receiver = status.subscribe();
+
+        assert_eq!(status.now().state, BackendState::Starting);
+        let started = |current: &mut ProcessStatus| {
+            current.state = ProcessState::Running;
+            current.figures.pid = Some(42);
+            true
+        };
+        assert!(task.publish(started));
+        assert_eq!(status.now().state, BackendState::Running);
+        assert_eq!(status.now().figures.pid, Some(42));
+        assert!(status.lock().own.is_none(), "nothing copied of the process's status");
+        assert!(receiver.has_changed().unwrap());
+        assert_eq!(receiver.borrow_and_update().figures.pid, Some(42));
+
+        // Once the process is gone, its last status is held, whatever it tells after.
+        let mut last = status.now();
+        last.state = BackendState::Stopping;
+        status.send_replace(last.clone());
+        assert!(task.publish(|current| {
+            current.figures.pid = None;
+            true
+        }));
+        assert_eq!(status.now(), last);
+        assert_eq!(*receiver.borrow_and_update(), last);
+        // Each change told: the start (and the observer's first call), the last status, the exit.
+        assert_eq!(told.load(Ordering::SeqCst), 4);
     }
 
     #[test]

@@ -140,6 +140,12 @@ impl StatusView {
     pub(crate) fn get(&self) -> ProcessStatus {
         self.0.read_status(ProcessStatus::clone)
     }
+
+    /// What `read` makes of the last status, read in place.
+    #[cfg_attr(not(feature = "manager"), allow(dead_code))] // the engine adapter's
+    pub(crate) fn read_status<T>(&self, read: impl FnOnce(&ProcessStatus) -> T) -> T {
+        self.0.read_status(read)
+    }
 }
 
 /// The handle's end. Dropping it tells the task that the handle is gone.

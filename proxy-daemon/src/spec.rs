@@ -264,7 +264,8 @@ pub struct ProcessSpec {
     pub pid_file: Option<PathBuf>,
     /// Environment entries that prove a process found through `pid_file` is this one:
     /// every pair must appear in its `/proc/<pid>/environ` (for example `TETHER_PROXY_ID`
-    /// and `TETHER_PROXY_TOKEN`). Empty means that pid files prove nothing.
+    /// and `TETHER_PROXY_TOKEN`). Empty means that pid files prove nothing. Only an
+    /// adoption reads them: the supervisor lets go of them once the process is supervised.
     pub identity_env: Environment,
     /// The limits of each instance's cgroup, when the supervisor uses cgroups (default
     /// none). A limit whose controller is not enabled fails the start, naming it.

@@ -25,7 +25,7 @@ use crate::probe::{ProbeDurations, ProbeStats};
 use crate::proc::{self, Identity};
 use crate::rotate::Rotator;
 use crate::spawn;
-use crate::spec::{ProcessName, ProcessSpec, ProcessUpdate, ReloadOutcome, ReloadResult};
+use crate::spec::{Environment, ProcessName, ProcessSpec, ProcessUpdate, ReloadOutcome, ReloadResult};
 use crate::status::{ProcessStatus, SupervisedProcess};
 
 mod adopt;
@@ -266,6 +266,9 @@ impl Supervisor {
         // The instances it restarts are told the notification socket (an adopted one was
         // told by whoever started it).
         checks::set_notify_env(&mut spec, self.shared.notify.address());
+        // It proved an adopted instance; a supervised process is never proved again, and
+        // every supervised process would hold it.
+        spec.identity_env = Environment::default();
         let key = self.shared.next_key.fetch_add(1, Ordering::Relaxed);
         if let (true, Some(pid_file)) = (write_pid_file, &spec.pid_file) {
             self.shared.pid_files.write(pid_file, instance.pid);
@@ -360,6 +363,12 @@ impl ProcessHandle {
     /// The last observed status.
     pub fn status(&self) -> ProcessStatus {
         self.commands.status()
+    }
+
+    /// The status as it changes, to read without the handle.
+    #[cfg_attr(not(feature = "manager"), allow(dead_code))] // the engine adapter's
+    pub(crate) fn view(&self) -> control::StatusView {
+        self.commands.view()
     }
 
     /// A subscription to every change of the status.

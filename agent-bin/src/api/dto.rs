@@ -8,6 +8,8 @@
 //! status. Nothing here holds a secret but `LeafDto`, which only a proxy's own token reads: a
 //! proxy's token travels only in its own header.
 
+use std::time::SystemTime;
+
 use serde::{Deserialize, Serialize};
 use tether_state::{ProcessFigures, ProxyConfigMap};
 
@@ -296,11 +298,16 @@ pub(crate) struct LogLineDto {
     pub(crate) text: String,
 }
 
+fn rfc3339_millis<S: serde::Serializer>(time: &SystemTime, serializer: S) -> Result<S::Ok, S::Error> {
+    serializer.collect_str(&humantime::format_rfc3339_millis(*time))
+}
+
 /// One event, as a line of the stream.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub(crate) struct EventDto {
-    /// When it was seen, RFC 3339 with milliseconds.
-    pub(crate) time: String,
+    /// When it was seen; RFC 3339 with milliseconds on the wire.
+    #[serde(serialize_with = "rfc3339_millis")]
+    pub(crate) time: SystemTime,
     /// The proxy it happened to; `None` for the agent's own events (the store lost or back).
     pub(crate) proxy: Option<String>,
     pub(crate) event: &'static str,

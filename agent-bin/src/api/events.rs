@@ -216,13 +216,7 @@ impl Events {
 }
 
 fn event(now: SystemTime, id: &ProxyId, name: &'static str, pid: Option<u32>, detail: Option<String>) -> EventDto {
-    EventDto {
-        time: humantime::format_rfc3339_millis(now).to_string(),
-        proxy: Some(id.as_str().to_owned()),
-        event: name,
-        pid,
-        detail,
-    }
+    EventDto { time: now, proxy: Some(id.as_str().to_owned()), event: name, pid, detail }
 }
 
 /// The next store event, or never when the agent follows no etcd.
@@ -237,13 +231,7 @@ async fn recv_store(
 
 /// The store lost or back: an event of the agent's own, with no proxy.
 fn store_event(told: &StoreEvent) -> EventDto {
-    EventDto {
-        time: humantime::format_rfc3339_millis(told.time).to_string(),
-        proxy: None,
-        event: told.event,
-        pid: None,
-        detail: Some(told.detail.clone()),
-    }
+    EventDto { time: told.time, proxy: None, event: told.event, pid: None, detail: Some(told.detail.clone()) }
 }
 
 /// A leaf certificate's event, told as an event of the service's proxy: `leaf-issued`,
