@@ -673,7 +673,7 @@ impl Manager {
     /// it is planned once it has given up.
     fn supersede_waiting(&self, id: &ProxyId, slot: &Slot) {
         let Some(superseded) = &slot.superseded else { return };
-        let waits = slot.overlap.as_ref().is_some_and(|(next, _)| {
+        let waits = slot.overlap.as_deref().is_some_and(|(next, _)| {
             next.borrow().as_ref().is_some_and(|next| next.state == crate::backend::BackendState::Pending)
         });
         let wanted = self.desired.get(id).map(|desired| &desired.proxy);
@@ -759,7 +759,7 @@ impl Manager {
         let Some(slot) = self.slots.get(id) else { return };
         let process = slot.installed.as_ref().map(Installed::status).unwrap_or_default();
         let queued = self.in_backlog.contains(id);
-        let update = slot.overlap.as_ref().and_then(|(next, _)| next.borrow().clone()).map(|next| UpdateStatus {
+        let update = slot.overlap.as_deref().and_then(|(next, _)| next.borrow().clone()).map(|next| UpdateStatus {
             state: next.state.into(),
             pid: next.figures.pid,
             started_at: next.figures.started_at,
@@ -768,7 +768,7 @@ impl Manager {
             // The old instance serves while the new one starts beside it.
             (Some(Action::Restart), _) if slot.overlap.is_some() => {
                 // A hot restart that waits for an old generation to exit says so.
-                let waits = slot.overlap.as_ref().and_then(|(next, _)| {
+                let waits = slot.overlap.as_deref().and_then(|(next, _)| {
                     next.borrow()
                         .as_ref()
                         .filter(|next| next.state == crate::backend::BackendState::Pending)?

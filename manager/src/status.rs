@@ -184,7 +184,8 @@ impl ReconcileStats {
 
 #[derive(Debug, Default)]
 pub(crate) struct Board {
-    pub(crate) proxies: BTreeMap<ProxyId, ProxyStatus>,
+    /// Boxed: the tree's nodes keep free slots, each as large as its value.
+    pub(crate) proxies: BTreeMap<ProxyId, Box<ProxyStatus>>,
     pub(crate) stats: ReconcileStats,
 }
 
@@ -287,7 +288,7 @@ impl Published {
     /// Publishes `status` if it differs from what is shown.
     pub(crate) fn set(&self, status: ProxyStatus) {
         let mut board = self.lock();
-        let shown = board.proxies.get(&status.id);
+        let shown = board.proxies.get(&status.id).map(|shown| &**shown);
         if shown == Some(&status) {
             return;
         }
@@ -300,7 +301,7 @@ impl Published {
         if let (true, Some(exit)) = (grown > 0, status.figures.last_exit) {
             *board.stats.exits.entry(exit).or_default() += grown;
         }
-        board.proxies.insert(status.id.clone(), status.clone());
+        board.proxies.insert(status.id.clone(), Box::new(status.clone()));
         drop(board);
         // No subscriber is not an error: the API and metrics may not have started yet.
         let _ = self.events.send(ProxyEvent::Changed(status));
@@ -327,7 +328,8 @@ pub struct ManagerHandle {
 impl ManagerHandle {
     /// The status of every proxy, ordered by id, with what each one uses now.
     pub fn status(&self) -> Vec<ProxyStatus> {
-        let mut statuses: Vec<ProxyStatus> = self.published.lock().proxies.values().cloned().collect();
+        let mut statuses: Vec<ProxyStatus> =
+            self.published.lock().proxies.values().map(|status| (**status).clone()).collect();
         // Measured outside the lock: the engine never waits for a reader's measurements.
         for status in &mut statuses {
             self.measure(status);
@@ -339,12 +341,12 @@ impl ManagerHandle {
     /// `usage`, which takes a read of each proxy's accounting (for a cgroup, a flush of the
     /// kernel's counters). For readers that only want states, pids and errors, often.
     pub fn status_unmeasured(&self) -> Vec<ProxyStatus> {
-        self.published.lock().proxies.values().cloned().collect()
+        self.published.lock().proxies.values().map(|status| (**status).clone()).collect()
     }
 
     /// The status of one proxy, with what it uses now.
     pub fn proxy(&self, id: &ProxyId) -> Option<ProxyStatus> {
-        let mut status = self.published.lock().proxies.get(id).cloned()?;
+        let mut status = self.published.lock().proxies.get(id).map(|status| (**status).clone())?;
         self.measure(&mut status);
         Some(status)
     }

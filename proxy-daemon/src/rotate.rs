@@ -268,7 +268,8 @@ impl Watched {
 struct State<'a> {
     inotify: &'a Inotify,
     journal: Sender,
-    files: HashMap<FileKey, Watched>,
+    /// Boxed: the table keeps a fifth or more of its slots free, each as large as its value.
+    files: HashMap<FileKey, Box<Watched>>,
     by_watch: HashMap<WatchDescriptor, FileKey>,
     /// Files to watch again, the earliest deadline first.
     rearm: BinaryHeap<Reverse<(Instant, FileKey)>>,
@@ -361,7 +362,7 @@ impl State<'_> {
                     };
                     let sink = journal.as_ref().map(|(sink, handover, _)| (sink, handover));
                     watched.tee = tee_for(&mut watched, sink, stream, from);
-                    self.files.insert(key, watched);
+                    self.files.insert(key, Box::new(watched));
                 }
                 if let Some((_, handover, generation)) = &journal {
                     handover.release(*generation);

@@ -5,6 +5,7 @@
 
 use std::borrow::Borrow;
 use std::fmt;
+use std::sync::Arc;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
@@ -90,7 +91,8 @@ fn check_alphabet(id: &str) -> Result<(), &'static str> {
 /// The id of a service: `^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$`.
 ///
 /// A `ServiceId` is always valid, so it is safe to use as a file name: it has no `/`, no NUL,
-/// cannot be `.` or `..`, and is short enough for every file system.
+/// cannot be `.` or `..`, and is short enough for every file system. A clone shares the text
+/// (as a [`ProxyId`]'s does): an agent keeps an id in several maps per service.
 ///
 /// ```
 /// use tether_state::ServiceId;
@@ -100,7 +102,7 @@ fn check_alphabet(id: &str) -> Result<(), &'static str> {
 /// assert!(ServiceId::new("../etc").is_err());
 /// ```
 #[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct ServiceId(Box<str>);
+pub struct ServiceId(Arc<str>);
 
 impl ServiceId {
     /// Validates `id`.
@@ -111,7 +113,7 @@ impl ServiceId {
     pub fn new(id: impl Into<String>) -> Result<Self, IdError> {
         let id = id.into();
         match check_service_id(&id) {
-            Ok(()) => Ok(Self(id.into_boxed_str())),
+            Ok(()) => Ok(Self(id.into())),
             Err(reason) => Err(IdError::Service { id, reason }),
         }
     }
@@ -123,11 +125,12 @@ impl ServiceId {
 
     /// The id of this service's managed proxy, `<id>-proxy`.
     pub fn proxy_id(&self) -> ProxyId {
-        ProxyId(format!("{}{PROXY_SUFFIX}", self.0).into_boxed_str())
+        ProxyId(format!("{}{PROXY_SUFFIX}", self.0).into())
     }
 }
 
-/// The id of a managed proxy: always `<service id>-proxy`.
+/// The id of a managed proxy: always `<service id>-proxy`. A clone shares the text: the
+/// engine, the backend and the API each key a map or two by it, per proxy.
 ///
 /// ```
 /// use tether_state::ProxyId;
@@ -137,7 +140,7 @@ impl ServiceId {
 /// assert!(ProxyId::parse("web").is_err());
 /// ```
 #[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct ProxyId(Box<str>);
+pub struct ProxyId(Arc<str>);
 
 impl ProxyId {
     /// Parses a proxy id, as found in an API path or a file name.
@@ -154,7 +157,7 @@ impl ProxyId {
         if let Err(reason) = check_service_id(service) {
             return Err(IdError::Proxy { id, reason });
         }
-        Ok(Self(id.into_boxed_str()))
+        Ok(Self(id.into()))
     }
 
     /// The id as a string.

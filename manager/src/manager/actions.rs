@@ -54,7 +54,7 @@ impl Manager {
                         }
                     }
                 });
-                slot.overlap = Some((next, watcher));
+                slot.overlap = Some(Box::new((next, watcher)));
                 let superseded = CancellationToken::new();
                 if proxy.spec().update.strategy == UpdateStrategy::Epoch {
                     slot.superseded = Some(superseded.clone());
@@ -119,7 +119,7 @@ impl Manager {
         }
         let Some(slot) = self.slots.get_mut(&id) else { return };
         let action = slot.busy.take();
-        if let Some((_, watcher)) = slot.overlap.take() {
+        if let Some((_, watcher)) = slot.overlap.take().map(|overlap| *overlap) {
             watcher.abort();
         }
         slot.superseded = None;
@@ -140,7 +140,7 @@ impl Manager {
                 slot.start_failures = 0;
                 slot.retry_at = None;
                 // A restart asked by the operator keeps the count; any other start is new.
-                slot.restarts_base = slot.requested.as_ref().map_or(0, |(_, base)| *base);
+                slot.restarts_base = slot.requested.as_deref().map_or(0, |(_, base)| *base);
                 slot.applied_revision = wanted_revision;
                 self.uninstall(&id);
                 self.install(&id, handle.into(), encoded_service(&proxy), Some(proxy.token().fingerprint()));
@@ -229,7 +229,7 @@ impl Manager {
             self.published.lock().stats.failures += 1;
         }
         if let Some(slot) = self.slots.get_mut(&id) {
-            if let Some((done, _)) = slot.requested.take() {
+            if let Some((done, _)) = slot.requested.take().map(|requested| *requested) {
                 let answer = match (&slot.observed, &slot.error) {
                     (Observed::Running { .. }, None) => Ok(()),
                     (_, error) => Err(RequestError::Failed {
@@ -266,7 +266,7 @@ impl Manager {
                 }
                 let restarts = self.published.lock().proxies.get(&id).map_or(0, |status| status.figures.restarts);
                 if let Some(slot) = self.slots.get_mut(&id) {
-                    slot.requested = Some((done, restarts));
+                    slot.requested = Some(Box::new((done, restarts)));
                 }
             }
             Request::Reload { id, done } => self.reload(id, done),

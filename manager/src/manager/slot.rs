@@ -15,6 +15,9 @@ use crate::plan::{Action, Observed};
 use crate::snapshot::EncodedService;
 use crate::status::RequestError;
 
+/// Where the answer to a restart asked through a handle goes.
+pub(super) type RequestDone = oneshot::Sender<Result<(), RequestError>>;
+
 /// A handle the engine holds, with what it needs to report and snapshot it.
 pub(super) struct Installed {
     pub(super) handle: Arc<dyn ProxyHandle>,
@@ -58,10 +61,11 @@ pub(super) struct Slot {
     pub(super) restarts_base: u64,
     /// A restart asked through a handle, answered when its action is done, with the
     /// restart count to keep.
-    pub(super) requested: Option<(oneshot::Sender<Result<(), RequestError>>, u64)>,
+    pub(super) requested: Option<Box<(RequestDone, u64)>>,
     /// The new instance of the overlapping update in flight, and the task that publishes
-    /// its changes.
-    pub(super) overlap: Option<(watch::Receiver<Option<BackendStatus>>, AbortHandle)>,
+    /// its changes. (Boxed, as is `requested`: the engine holds a slot per proxy, and few
+    /// are updated or restarted at any moment.)
+    pub(super) overlap: Option<Box<(watch::Receiver<Option<BackendStatus>>, AbortHandle)>>,
     /// Cancelled to give up a hot restart (`update = "epoch"`) that still waits for an old
     /// generation to exit, when what it would start is no longer wanted.
     pub(super) superseded: Option<CancellationToken>,
