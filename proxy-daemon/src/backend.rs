@@ -560,16 +560,34 @@ impl StatusSender {
     }
 
     fn subscribe(&self) -> watch::Receiver<tether_manager::BackendStatus> {
-        let current = self.now();
-        let mut held = self.lock();
-        match &held.channel {
-            Some(channel) => channel.subscribe(),
-            None => {
-                let (channel, receiver) = watch::channel(current);
-                held.channel = Some(channel);
-                receiver
+        let process = {
+            let held = self.lock();
+            if let Some(channel) = &held.channel {
+                return channel.subscribe();
             }
+            held.process.clone()
+        };
+        match process {
+            // Made under the process's lock, then this one, as its observer takes them: no
+            // change can come between the status read and the channel that forwards the next.
+            Some(process) => process.read_status(|current| Self::open_channel(&mut self.lock(), || translate(current))),
+            None => Self::open_channel(&mut self.lock(), tether_manager::BackendStatus::default),
         }
+    }
+
+    /// A receiver of `held`'s channel, made now if there is none, from the held status or
+    /// else `current`.
+    fn open_channel(
+        held: &mut HeldStatus,
+        current: impl FnOnce() -> tether_manager::BackendStatus,
+    ) -> watch::Receiver<tether_manager::BackendStatus> {
+        if let Some(channel) = &held.channel {
+            return channel.subscribe();
+        }
+        let status = held.own.as_deref().cloned().unwrap_or_else(current);
+        let (channel, receiver) = watch::channel(status);
+        held.channel = Some(channel);
+        receiver
     }
 
     /// The status now. The process is read outside this lock: its observer, which holds
@@ -1012,6 +1030,11 @@ mod tests {
         let observer = status.clone();
         commands.observe(Box::new(move |current| observer.process_changed(current)));
         let mut receiver = status.subscribe();
+        assert_eq!(
+            receiver.borrow_and_update().figures.pid,
+            Some(41),
+            "a new receiver starts from the process's status"
+        );
 
         assert_eq!(status.now().state, BackendState::Starting);
         let started = |current: &mut ProcessStatus| {
