@@ -425,7 +425,19 @@ fn with_keep_listening_a_crash_mid_hand_over_refuses_nothing_and_the_cold_start_
     wait_for("the old copy to be released", || agent.logs().contains(r#""kept":1,"released":1"#).then_some(()));
     let (tried, refused) = prober.counts();
     drop(prober);
-    assert_eq!(refused, 0, "{refused} of {tried} connections refused across the crash");
+    // On a refusal, what the agent did with the sockets tells when: kept, released, closed.
+    let sockets = |logs: String| {
+        logs.lines()
+            .filter(|line| line.contains("listening sockets") || line.contains("generation"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    assert_eq!(
+        refused,
+        0,
+        "{refused} of {tried} connections refused across the crash; the agent:\n{}",
+        sockets(agent.logs())
+    );
     // A figure, not a bound: the machines are shared.
     eprintln!("running again {running_after:?} after the crash; 0 of {tried} connections refused");
 
