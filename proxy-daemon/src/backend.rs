@@ -958,6 +958,8 @@ fn envoy_args(bootstrap: PathBuf, update: UpdateStrategy, given: Vec<OsString>) 
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
     use tether_manager::ProxyState;
     use tether_state::config::{Format, Origin, parse_service};
 
@@ -980,13 +982,18 @@ mod tests {
         assert_eq!(Stopped.as_str(), ProxyState::Stopped.as_str());
     }
 
-    #[test]
-    fn a_status_is_held_without_a_channel_until_one_is_asked_for_and_the_channel_goes_with_its_last_receiver() {
+    /// A status that counts the changes it tells, and the count.
+    fn counting_status() -> (StatusSender, Arc<AtomicUsize>) {
         let status = StatusSender::new();
-        use std::sync::atomic::{AtomicUsize, Ordering};
         let told = Arc::new(AtomicUsize::new(0));
         let counted = Arc::clone(&told);
         assert!(status.0.changed.set(Box::new(move || _ = counted.fetch_add(1, Ordering::SeqCst))).is_ok());
+        (status, told)
+    }
+
+    #[test]
+    fn a_status_is_held_without_a_channel_until_one_is_asked_for_and_the_channel_goes_with_its_last_receiver() {
+        let (status, told) = counting_status();
         let running = |pid| tether_manager::BackendStatus {
             state: BackendState::Running,
             figures: tether_state::ProcessFigures { pid: Some(pid), ..Default::default() },
@@ -1019,11 +1026,7 @@ mod tests {
 
     #[test]
     fn a_status_that_follows_its_process_is_read_from_it_until_a_last_status_is_held() {
-        use std::sync::atomic::{AtomicUsize, Ordering};
-        let status = StatusSender::new();
-        let told = Arc::new(AtomicUsize::new(0));
-        let counted = Arc::clone(&told);
-        assert!(status.0.changed.set(Box::new(move || _ = counted.fetch_add(1, Ordering::SeqCst))).is_ok());
+        let (status, told) = counting_status();
         let (commands, task) =
             crate::control::link(ProcessStatus::running(41, std::time::SystemTime::now(), None, false));
         status.follow(commands.view());
