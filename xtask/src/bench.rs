@@ -23,6 +23,7 @@ mod health;
 mod lab;
 mod ordering;
 mod peers;
+mod redirect;
 mod reload;
 mod report;
 mod scale;

@@ -8,10 +8,12 @@
 //! minimal one, in threads of this process, that copies each direction with blocking
 //! reads and writes of 256 KiB; another splices each direction through a 1 MiB pipe with
 //! blocking calls, the least work per byte that any forwarder splicing can do, so its rate
-//! is the ceiling of the built-in proxy's here. A third is what operators run: Debian's HAProxy in tcp mode
+//! is the ceiling of the built-in proxy's here. A third forwards in the kernel
+//! ([`super::redirect`], as root): no user space per byte, only the TCP work of the extra hop.
+//! A fourth is what operators run: Debian's HAProxy in tcp mode
 //! with `option splice-auto` (installed when missing, as root; a row says so when it is
-//! still missing). Direct, minimal, HAProxy and built-in transfers alternate round by
-//! round, so that a noisy neighbour slows all of them alike; the figures are medians.
+//! still missing). Direct, minimal, in-kernel, HAProxy and built-in transfers alternate
+//! round by round, so that a noisy neighbour slows all of them alike; the figures are medians.
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -24,6 +26,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use super::lab::Lab;
+use super::redirect::{Redirect, kernel_forwarder};
 use super::report::{Met, Row, median, met, percentile, ratio};
 use super::sys;
 
@@ -51,7 +54,7 @@ impl Upstream {
     }
 
     /// Hands each accepted connection to `accept`, on the accepting thread.
-    fn accepting(mut accept: impl FnMut(TcpStream) + Send + 'static) -> Result<Self, String> {
+    pub(super) fn accepting(mut accept: impl FnMut(TcpStream) + Send + 'static) -> Result<Self, String> {
         let listener = TcpListener::bind("127.0.0.1:0").map_err(|err| format!("bind: {err}"))?;
         let addr = listener.local_addr().map_err(|err| err.to_string())?;
         let stop = Arc::new(AtomicBool::new(false));
@@ -241,6 +244,11 @@ fn haproxy_program() -> Option<String> {
     find().map(str::to_owned)
 }
 
+/// A row for a figure against the in-kernel forwarder when it could not be loaded.
+fn kernel_unmeasured(figure: &str, reason: &str) -> Row {
+    Row::new(figure, "—".into(), format!("not measured: {reason}"), "—".into(), "—", Met::Info)
+}
+
 pub(super) fn free_port() -> Result<u16, String> {
     let listener = TcpListener::bind("127.0.0.1:0").map_err(|err| format!("bind: {err}"))?;
     listener.local_addr().map(|addr| addr.port()).map_err(|err| err.to_string())
@@ -333,17 +341,24 @@ pub(crate) fn run(lab: &Lab, rows: &mut Vec<Row>) -> Result<(), String> {
     let minimal = minimal_forwarder(sink_upstream.addr, Arc::clone(&minimal_cpu))?;
     let spliced = splice_forwarder(sink_upstream.addr)?;
     let haproxy = Haproxy::start(lab, sink_upstream.addr)?;
+    let redirect = Redirect::load().map(Arc::new);
+    let kernel = match &redirect {
+        Ok(redirect) => Some(kernel_forwarder(redirect, sink_upstream.addr)?),
+        Err(_) => None,
+    };
     let proxy_pid = agent.proxy("sink-proxy")?.pid.ok_or_else(|| agent.error("sink-proxy has no pid"))?;
     // Warm-up: connection set-up, page cache of the binaries, TCP autotuning.
     for addr in [sink_upstream.addr, minimal.addr, spliced.addr, through_sink]
         .into_iter()
         .chain(haproxy.as_ref().map(|h| h.addr))
+        .chain(kernel.as_ref().map(|k| k.addr))
     {
         bulk(addr, BULK / 16)?;
     }
     let (mut direct, mut reference, mut proxied, mut of_haproxy) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let (mut of_direct, mut of_reference, mut haproxied) = (Vec::new(), Vec::new(), Vec::new());
     let (mut ceiling, mut of_ceiling) = (Vec::new(), Vec::new());
+    let (mut floor, mut of_floor) = (Vec::new(), Vec::new());
     let (mut reference_cpu, mut proxied_cpu) = (Vec::new(), Vec::new());
     for _ in 0..BULK_ROUNDS {
         let direct_rate = gib_per_second(bulk(sink_upstream.addr, BULK)?);
@@ -366,6 +381,10 @@ pub(crate) fn run(lab: &Lab, rows: &mut Vec<Row>) -> Result<(), String> {
             Some(haproxy) => Some(gib_per_second(bulk(haproxy.addr, BULK)?)),
             None => None,
         };
+        let kernel_rate = match &kernel {
+            Some(kernel) => Some(gib_per_second(bulk(kernel.addr, BULK)?)),
+            None => None,
+        };
         let before = sys::cpu_time(proxy_pid)?;
         let proxied_rate = gib_per_second(bulk(through_sink, BULK)?);
         proxied_cpu.push(sys::cpu_time(proxy_pid)? - before);
@@ -376,6 +395,10 @@ pub(crate) fn run(lab: &Lab, rows: &mut Vec<Row>) -> Result<(), String> {
         of_reference.push(proxied_rate / reference_rate);
         ceiling.push(ceiling_rate / direct_rate);
         of_ceiling.push(proxied_rate / ceiling_rate);
+        if let Some(kernel_rate) = kernel_rate {
+            floor.push(kernel_rate / direct_rate);
+            of_floor.push(proxied_rate / kernel_rate);
+        }
         if let Some(haproxy_rate) = haproxy_rate {
             haproxied.push(haproxy_rate);
             of_haproxy.push(proxied_rate / haproxy_rate);
@@ -383,6 +406,7 @@ pub(crate) fn run(lab: &Lab, rows: &mut Vec<Row>) -> Result<(), String> {
     }
     drop(minimal);
     drop(spliced);
+    drop(kernel);
     let (direct_rate, reference_rate, proxied_rate) =
         (median_f64(&direct), median_f64(&reference), median_f64(&proxied));
     let (of_direct, of_reference) = (median_f64(&of_direct), median_f64(&of_reference));
@@ -402,6 +426,17 @@ pub(crate) fn run(lab: &Lab, rows: &mut Vec<Row>) -> Result<(), String> {
         "—",
         Met::Info,
     ));
+    rows.push(match &redirect {
+        Ok(_) => Row::new(
+            "built-in proxy: bulk throughput against an in-kernel forwarder (sockmap redirect: no user space per byte)",
+            format!("in-kernel forwarder: {:.2} of direct", median_f64(&floor)),
+            format!("{proxied_rate:.2} GiB/s"),
+            format!("{:.2}", median_f64(&of_floor)),
+            "—",
+            Met::Info,
+        ),
+        Err(reason) => kernel_unmeasured("built-in proxy: bulk throughput against an in-kernel forwarder", reason),
+    });
     if haproxy.is_some() {
         let (haproxy_rate, of_haproxy) = (median_f64(&haproxied), median_f64(&of_haproxy));
         rows.push(Row::new(
@@ -435,13 +470,21 @@ pub(crate) fn run(lab: &Lab, rows: &mut Vec<Row>) -> Result<(), String> {
     drop(haproxy);
 
     let echo_spliced = splice_forwarder(echo_upstream.addr)?;
-    let (mut direct, mut proxied, mut minimal) = (Vec::new(), Vec::new(), Vec::new());
+    let echo_kernel = match &redirect {
+        Ok(redirect) => Some(kernel_forwarder(redirect, echo_upstream.addr)?),
+        Err(_) => None,
+    };
+    let (mut direct, mut proxied, mut minimal, mut in_kernel) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for _ in 0..2 {
         direct.extend(round_trips(echo_upstream.addr, ROUND_TRIPS)?);
         minimal.extend(round_trips(echo_spliced.addr, ROUND_TRIPS)?);
+        if let Some(kernel) = &echo_kernel {
+            in_kernel.extend(round_trips(kernel.addr, ROUND_TRIPS)?);
+        }
         proxied.extend(round_trips(through_echo, ROUND_TRIPS)?);
     }
     drop(echo_spliced);
+    drop(echo_kernel);
     let (direct_median, proxied_median) = (median(&direct), median(&proxied));
     rows.push(Row::new(
         "built-in proxy: 64-byte round trip, median (4 000)",
@@ -464,6 +507,22 @@ pub(crate) fn run(lab: &Lab, rows: &mut Vec<Row>) -> Result<(), String> {
         "—",
         Met::Info,
     ));
+    let kernel_median = median(&in_kernel);
+    rows.push(match &redirect {
+        Ok(_) => Row::new(
+            "built-in proxy: 64-byte round trip against the in-kernel forwarder, median (4 000)",
+            format!(
+                "in-kernel forwarder: {} (+{} over direct)",
+                us(kernel_median),
+                us(kernel_median.saturating_sub(direct_median))
+            ),
+            us(proxied_median),
+            ratio(proxied_median.as_secs_f64(), kernel_median.as_secs_f64()),
+            "—",
+            Met::Info,
+        ),
+        Err(reason) => kernel_unmeasured("built-in proxy: 64-byte round trip against the in-kernel forwarder", reason),
+    });
     let (direct_p99, proxied_p99) = (percentile(&direct, 99.0), percentile(&proxied, 99.0));
     rows.push(Row::new(
         "built-in proxy: 64-byte round trip, p99",
