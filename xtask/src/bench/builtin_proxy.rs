@@ -244,6 +244,19 @@ fn haproxy_program() -> Option<String> {
     find().map(str::to_owned)
 }
 
+/// The row of the built-in proxy's median round trip against `forwarder`'s, both beside
+/// direct's.
+fn round_trip_against(forwarder: &str, its: Duration, direct: Duration, proxied: Duration) -> Row {
+    Row::new(
+        &format!("built-in proxy: 64-byte round trip against the {forwarder}, median (4 000)"),
+        format!("{forwarder}: {} (+{} over direct)", us(its), us(its.saturating_sub(direct))),
+        us(proxied),
+        ratio(proxied.as_secs_f64(), its.as_secs_f64()),
+        "—",
+        Met::Info,
+    )
+}
+
 /// A row for a figure against the in-kernel forwarder when it could not be loaded.
 fn kernel_unmeasured(figure: &str, reason: &str) -> Row {
     Row::new(figure, "—".into(), format!("not measured: {reason}"), "—".into(), "—", Met::Info)
@@ -494,33 +507,9 @@ pub(crate) fn run(lab: &Lab, rows: &mut Vec<Row>) -> Result<(), String> {
         "≤ direct + 10 µs",
         met(proxied_median <= direct_median + Duration::from_micros(10)),
     ));
-    let minimal_median = median(&minimal);
-    rows.push(Row::new(
-        "built-in proxy: 64-byte round trip against the minimal splice forwarder, median (4 000)",
-        format!(
-            "minimal splice forwarder: {} (+{} over direct)",
-            us(minimal_median),
-            us(minimal_median.saturating_sub(direct_median))
-        ),
-        us(proxied_median),
-        ratio(proxied_median.as_secs_f64(), minimal_median.as_secs_f64()),
-        "—",
-        Met::Info,
-    ));
-    let kernel_median = median(&in_kernel);
+    rows.push(round_trip_against("minimal splice forwarder", median(&minimal), direct_median, proxied_median));
     rows.push(match &redirect {
-        Ok(_) => Row::new(
-            "built-in proxy: 64-byte round trip against the in-kernel forwarder, median (4 000)",
-            format!(
-                "in-kernel forwarder: {} (+{} over direct)",
-                us(kernel_median),
-                us(kernel_median.saturating_sub(direct_median))
-            ),
-            us(proxied_median),
-            ratio(proxied_median.as_secs_f64(), kernel_median.as_secs_f64()),
-            "—",
-            Met::Info,
-        ),
+        Ok(_) => round_trip_against("in-kernel forwarder", median(&in_kernel), direct_median, proxied_median),
         Err(reason) => kernel_unmeasured("built-in proxy: 64-byte round trip against the in-kernel forwarder", reason),
     });
     let (direct_p99, proxied_p99) = (percentile(&direct, 99.0), percentile(&proxied, 99.0));

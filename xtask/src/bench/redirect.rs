@@ -47,8 +47,7 @@ const BPF_PSEUDO_MAP_FD: u8 = 1;
 /// Sockets in the map at most; the bench forwards one connection at a time.
 const MAX_SOCKETS: u32 = 1024;
 /// Send buffer of each paired socket. A segment redirected to a full send queue waits for
-/// a timer tick before it is tried again, which stalls a bulk transfer; a send queue this
-/// large is rarely full on loopback.
+/// a timer tick before it is tried again; a send queue this large is rarely full on loopback.
 const SEND_BUFFER: usize = 32 << 20;
 
 /// `union bpf_attr`, as the words the commands below use; the rest stays zero, as the
