@@ -355,10 +355,7 @@ pub(crate) fn run(lab: &Lab, rows: &mut Vec<Row>) -> Result<(), String> {
     let spliced = splice_forwarder(sink_upstream.addr)?;
     let haproxy = Haproxy::start(lab, sink_upstream.addr)?;
     let redirect = Redirect::load().map(Arc::new);
-    let kernel = match &redirect {
-        Ok(redirect) => Some(kernel_forwarder(redirect, sink_upstream.addr)?),
-        Err(_) => None,
-    };
+    let kernel = redirect.as_ref().ok().map(|redirect| kernel_forwarder(redirect, sink_upstream.addr)).transpose()?;
     let proxy_pid = agent.proxy("sink-proxy")?.pid.ok_or_else(|| agent.error("sink-proxy has no pid"))?;
     // Warm-up: connection set-up, page cache of the binaries, TCP autotuning.
     for addr in [sink_upstream.addr, minimal.addr, spliced.addr, through_sink]
@@ -371,7 +368,7 @@ pub(crate) fn run(lab: &Lab, rows: &mut Vec<Row>) -> Result<(), String> {
     let (mut direct, mut reference, mut proxied, mut of_haproxy) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let (mut of_direct, mut of_reference, mut haproxied) = (Vec::new(), Vec::new(), Vec::new());
     let (mut ceiling, mut of_ceiling) = (Vec::new(), Vec::new());
-    let (mut floor, mut of_floor) = (Vec::new(), Vec::new());
+    let (mut kernel_of_direct, mut of_kernel) = (Vec::new(), Vec::new());
     let (mut reference_cpu, mut proxied_cpu) = (Vec::new(), Vec::new());
     for _ in 0..BULK_ROUNDS {
         let direct_rate = gib_per_second(bulk(sink_upstream.addr, BULK)?);
@@ -394,10 +391,7 @@ pub(crate) fn run(lab: &Lab, rows: &mut Vec<Row>) -> Result<(), String> {
             Some(haproxy) => Some(gib_per_second(bulk(haproxy.addr, BULK)?)),
             None => None,
         };
-        let kernel_rate = match &kernel {
-            Some(kernel) => Some(gib_per_second(bulk(kernel.addr, BULK)?)),
-            None => None,
-        };
+        let kernel_rate = kernel.as_ref().map(|kernel| bulk(kernel.addr, BULK).map(gib_per_second)).transpose()?;
         let before = sys::cpu_time(proxy_pid)?;
         let proxied_rate = gib_per_second(bulk(through_sink, BULK)?);
         proxied_cpu.push(sys::cpu_time(proxy_pid)? - before);
@@ -409,8 +403,8 @@ pub(crate) fn run(lab: &Lab, rows: &mut Vec<Row>) -> Result<(), String> {
         ceiling.push(ceiling_rate / direct_rate);
         of_ceiling.push(proxied_rate / ceiling_rate);
         if let Some(kernel_rate) = kernel_rate {
-            floor.push(kernel_rate / direct_rate);
-            of_floor.push(proxied_rate / kernel_rate);
+            kernel_of_direct.push(kernel_rate / direct_rate);
+            of_kernel.push(proxied_rate / kernel_rate);
         }
         if let Some(haproxy_rate) = haproxy_rate {
             haproxied.push(haproxy_rate);
@@ -442,9 +436,9 @@ pub(crate) fn run(lab: &Lab, rows: &mut Vec<Row>) -> Result<(), String> {
     rows.push(match &redirect {
         Ok(_) => Row::new(
             "built-in proxy: bulk throughput against an in-kernel forwarder (sockmap redirect: no user space per byte)",
-            format!("in-kernel forwarder: {:.2} of direct", median_f64(&floor)),
+            format!("in-kernel forwarder: {:.2} of direct", median_f64(&kernel_of_direct)),
             format!("{proxied_rate:.2} GiB/s"),
-            format!("{:.2}", median_f64(&of_floor)),
+            format!("{:.2}", median_f64(&of_kernel)),
             "—",
             Met::Info,
         ),
@@ -483,10 +477,8 @@ pub(crate) fn run(lab: &Lab, rows: &mut Vec<Row>) -> Result<(), String> {
     drop(haproxy);
 
     let echo_spliced = splice_forwarder(echo_upstream.addr)?;
-    let echo_kernel = match &redirect {
-        Ok(redirect) => Some(kernel_forwarder(redirect, echo_upstream.addr)?),
-        Err(_) => None,
-    };
+    let echo_kernel =
+        redirect.as_ref().ok().map(|redirect| kernel_forwarder(redirect, echo_upstream.addr)).transpose()?;
     let (mut direct, mut proxied, mut minimal, mut in_kernel) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for _ in 0..2 {
         direct.extend(round_trips(echo_upstream.addr, ROUND_TRIPS)?);
