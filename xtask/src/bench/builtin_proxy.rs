@@ -14,6 +14,9 @@
 //! with `option splice-auto` (installed when missing, as root; a row says so when it is
 //! still missing). Direct, minimal, in-kernel, HAProxy and built-in transfers alternate
 //! round by round, so that a noisy neighbour slows all of them alike; the figures are medians.
+//!
+//! A third upstream accepts and never reads: how much a client gets queued before its
+//! writes block shows what each path buffers, and that the in-kernel one does not stop.
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -289,6 +292,42 @@ pub(super) fn bulk(addr: SocketAddr, bytes: u64) -> Result<Duration, String> {
     Ok(took)
 }
 
+/// Where [`queued_unread`] stops writing if the writes have not blocked yet.
+const UNREAD_CAP: u64 = 1 << 30;
+
+/// How many bytes a client writes to `addr` before its writes make no progress for a
+/// second, up to [`UNREAD_CAP`], while the upstream behind it holds its connections in
+/// `held` unread: what the path in between queues for it. The client then resets, and the
+/// held connections close.
+fn queued_unread(addr: SocketAddr, held: &Mutex<Vec<TcpStream>>) -> Result<u64, String> {
+    let fail = |err: std::io::Error| format!("writing to an upstream that does not read, through {addr}: {err}");
+    let stream = TcpStream::connect(addr).map_err(fail)?;
+    stream.set_write_timeout(Some(Duration::from_secs(1))).map_err(fail)?;
+    let chunk = vec![0x5a_u8; 256 * 1024];
+    let mut queued = 0;
+    while queued < UNREAD_CAP {
+        match (&stream).write(&chunk) {
+            Ok(written) => queued += written as u64,
+            Err(err) if matches!(err.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => break,
+            Err(err) => return Err(fail(err)),
+        }
+    }
+    // A reset, not an orderly close: whatever is queued is dropped at once.
+    nix::sys::socket::setsockopt(
+        &stream,
+        nix::sys::socket::sockopt::Linger,
+        &nix::libc::linger { l_onoff: 1, l_linger: 0 },
+    )
+    .map_err(|err| fail(err.into()))?;
+    drop(stream);
+    lock(held).clear();
+    Ok(queued)
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// Round trips of one small message through `addr`, after a warm-up of as many.
 fn round_trips(addr: SocketAddr, count: usize) -> Result<Vec<Duration>, String> {
     let fail = |err: std::io::Error| format!("round trips through {addr}: {err}");
@@ -329,17 +368,26 @@ pub(super) fn us(duration: Duration) -> String {
 pub(crate) fn run(lab: &Lab, rows: &mut Vec<Row>) -> Result<(), String> {
     let sink_upstream = Upstream::start(sink)?;
     let echo_upstream = Upstream::start(echo)?;
-    let (sink_port, echo_port) = (free_port()?, free_port()?);
+    let held = Arc::new(Mutex::new(Vec::new()));
+    let holding = Arc::clone(&held);
+    let hold_upstream = Upstream::accepting(move |stream| lock(&holding).push(stream))?;
+    let (sink_port, echo_port, hold_port) = (free_port()?, free_port()?, free_port()?);
     let config = lab.subdir("p-config")?;
-    let text = format!(
-        "[[service]]\nname = \"sink\"\nport = {}\n\n[service.proxy]\nconfig = {{ bind_port = {sink_port} }}\n\n\
-         [[service]]\nname = \"echo\"\nport = {}\n\n[service.proxy]\nconfig = {{ bind_port = {echo_port} }}\n",
-        sink_upstream.addr.port(),
-        echo_upstream.addr.port()
-    );
+    let text = [
+        ("sink", sink_upstream.addr, sink_port),
+        ("echo", echo_upstream.addr, echo_port),
+        ("hold", hold_upstream.addr, hold_port),
+    ]
+    .map(|(name, upstream, port)| {
+        format!(
+            "[[service]]\nname = \"{name}\"\nport = {}\n\n[service.proxy]\nconfig = {{ bind_port = {port} }}\n\n",
+            upstream.port()
+        )
+    })
+    .concat();
     std::fs::write(config.join("proxies.toml"), text).map_err(|err| err.to_string())?;
     let mut agent = lab.agent("p", &config, &lab.dir.join("p-data"), &[])?;
-    agent.wait_running(2, Duration::from_secs(60))?;
+    agent.wait_running(3, Duration::from_secs(60))?;
     let through_sink = SocketAddr::from(([127, 0, 0, 1], sink_port));
     let through_echo = SocketAddr::from(([127, 0, 0, 1], echo_port));
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -475,6 +523,39 @@ pub(crate) fn run(lab: &Lab, rows: &mut Vec<Row>) -> Result<(), String> {
         Met::Info,
     ));
     drop(haproxy);
+
+    // What a client gets queued on its way to an upstream that does not read.
+    let through_hold = SocketAddr::from(([127, 0, 0, 1], hold_port));
+    let direct = queued_unread(hold_upstream.addr, &held)?;
+    let proxied = queued_unread(through_hold, &held)?;
+    let mib = |bytes: u64| format!("{:.1} MiB", bytes as f64 / f64::from(1_u32 << 20));
+    rows.push(Row::new(
+        "built-in proxy: a client's bytes queued before its writes block, the upstream not reading",
+        format!("direct: {}", mib(direct)),
+        mib(proxied),
+        ratio(proxied as f64, direct as f64),
+        "—",
+        Met::Info,
+    ));
+    let unread_kernel =
+        "in-kernel forwarder: a client's bytes queued before its writes block, the upstream not reading";
+    rows.push(match &redirect {
+        Ok(redirect) => {
+            let kernel = kernel_forwarder(redirect, hold_upstream.addr)?;
+            let queued = queued_unread(kernel.addr, &held)?;
+            let shown = if queued >= UNREAD_CAP { format!("≥ {} (stopped there)", mib(queued)) } else { mib(queued) };
+            Row::new(
+                unread_kernel,
+                format!("direct: {}", mib(direct)),
+                shown,
+                ratio(queued as f64, direct as f64),
+                "—",
+                Met::Info,
+            )
+        }
+        Err(reason) => kernel_unmeasured(unread_kernel, reason),
+    });
+    drop(hold_upstream);
 
     let echo_spliced = splice_forwarder(echo_upstream.addr)?;
     let echo_kernel =

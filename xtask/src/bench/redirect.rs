@@ -296,8 +296,11 @@ pub(super) fn kernel_forwarder(redirect: &Arc<Redirect>, upstream: SocketAddr) -
         let _ = server.set_nodelay(true);
         let redirect = Arc::clone(&redirect);
         thread::spawn(move || {
-            if let Err(err) = redirect.forward(&client, &server) {
-                eprintln!("xtask: bench: in-kernel forwarder: {err}");
+            match redirect.forward(&client, &server) {
+                // The bench resets connections on purpose.
+                Err(err) if err.kind() == io::ErrorKind::ConnectionReset => {}
+                Err(err) => eprintln!("xtask: bench: in-kernel forwarder: {err}"),
+                Ok(()) => {}
             }
         });
     })
