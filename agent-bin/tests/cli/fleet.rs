@@ -14,7 +14,7 @@ use base64::Engine;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use nix::sys::signal::Signal;
 
-use crate::support::{self, Agent, Dirs, Prober, alive, is_root, mode, tether, wait_for, wait_until};
+use crate::support::{self, Agent, Dirs, Prober, ReservedPort, alive, is_root, mode, tether, wait_for, wait_until};
 
 /// The etcd binary, if this machine has one.
 fn etcd_binary() -> Option<PathBuf> {
@@ -34,6 +34,8 @@ pub struct Etcd {
     dir: tempfile::TempDir,
     client_port: u16,
     peer_port: u16,
+    /// Its ports, kept for it while it is stopped.
+    _ports: [ReservedPort; 2],
     /// With TLS: the certificates of `make_certificates`, in `dir`.
     tls: bool,
 }
@@ -56,12 +58,14 @@ impl Etcd {
             eprintln!("skipping {test}: no etcd binary on PATH (apt-get install etcd-server)");
             return None;
         };
+        let ports = [ReservedPort::new(), ReservedPort::new()];
         let mut etcd = Self {
             binary,
             child: None,
             dir: tempfile::tempdir().unwrap(),
-            client_port: free_port(),
-            peer_port: free_port(),
+            client_port: ports[0].port(),
+            peer_port: ports[1].port(),
+            _ports: ports,
             tls,
         };
         if tls {

@@ -605,3 +605,49 @@ impl Drop for Prober {
         }
     }
 }
+
+/// A loopback TCP port held for one test for as long as this lives, for a server that the
+/// test stops and starts again on the same port (an etcd member that restarts).
+///
+/// A port from `bind(:0)` is in the ephemeral range, where the kernel also picks the local
+/// port of every outgoing connection: once its server stops, any connection of a test
+/// running beside it can take the port, and the server cannot start again. A reserved port
+/// lies below that range, and a Unix socket of an abstract name that only one process can
+/// bind, which the kernel releases when the test's process ends however it ends, keeps
+/// every other test from reserving it too.
+pub struct ReservedPort {
+    port: u16,
+    _claim: std::os::unix::net::UnixListener,
+}
+
+impl ReservedPort {
+    /// How many ports below the ephemeral range the reservations draw from.
+    const SPAN: u16 = 8192;
+
+    pub fn new() -> Self {
+        use std::os::linux::net::SocketAddrExt;
+        let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+            .ok()
+            .and_then(|range| range.split_whitespace().next()?.parse::<u16>().ok())
+            .unwrap_or(32768);
+        let low = ephemeral.saturating_sub(Self::SPAN).max(1024);
+        let span = u32::from(ephemeral - low);
+        // A different start in each process, so that tests rarely try the same ports.
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
+        let start = (std::process::id() ^ nanos) % span;
+        for offset in 0..span {
+            let port = low + u16::try_from((start + offset) % span).unwrap();
+            let name = std::os::unix::net::SocketAddr::from_abstract_name(format!("tether-test-port-{port}")).unwrap();
+            let Ok(claim) = std::os::unix::net::UnixListener::bind_addr(&name) else { continue };
+            // Claimed by no test, but perhaps in use by another program.
+            if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                return Self { port, _claim: claim };
+            }
+        }
+        panic!("no free loopback port in {low}..{ephemeral} to reserve");
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+}

@@ -12,6 +12,8 @@ struct Member {
     client_port: u16,
     peer_port: u16,
     child: Option<Child>,
+    /// Its ports, kept for it while it is down.
+    _ports: [ReservedPort; 2],
 }
 
 impl Member {
@@ -49,7 +51,11 @@ impl Cluster {
             return None;
         };
         let members = (0..3)
-            .map(|i| Member { name: format!("m{i}"), client_port: free_port(), peer_port: free_port(), child: None })
+            .map(|i| {
+                let ports = [ReservedPort::new(), ReservedPort::new()];
+                let (client_port, peer_port) = (ports[0].port(), ports[1].port());
+                Member { name: format!("m{i}"), client_port, peer_port, child: None, _ports: ports }
+            })
             .collect();
         let mut cluster = Self { binary, dir: tempfile::tempdir().unwrap(), members, also_at };
         for i in 0..3 {
