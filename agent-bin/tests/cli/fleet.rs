@@ -501,7 +501,9 @@ fn a_compacted_revision_triggers_a_full_read_and_nothing_is_lost() {
 #[test]
 fn fleet_commands_check_their_input_first_and_fail_when_etcd_is_unreachable() {
     let dirs = Dirs::new();
-    let closed = format!("http://127.0.0.1:{}", free_port());
+    // Claimed, never listened on: no other test's server can take it meanwhile.
+    let unused = ReservedPort::new();
+    let closed = format!("http://127.0.0.1:{}", unused.port());
     let file = service_file(&dirs, "web", 3600, "2s");
     let file = file.to_str().unwrap();
 
@@ -538,7 +540,9 @@ fn fleet_commands_check_their_input_first_and_fail_when_etcd_is_unreachable() {
 #[test]
 fn an_agent_with_an_unreachable_etcd_starts_and_reports_it() {
     let dirs = Dirs::new();
-    let closed = format!("http://127.0.0.1:{}", free_port());
+    // Claimed, never listened on: no other test's server can take it meanwhile.
+    let unused = ReservedPort::new();
+    let closed = format!("http://127.0.0.1:{}", unused.port());
     let agent = Agent::start(&dirs, &["--etcd", closed.as_str(), "--node", "n1"]);
     wait_until("the failed connection to show", || {
         let status = fleet_status(&agent);
@@ -1231,7 +1235,9 @@ fn a_template_lists_the_fleets_ready_instances_and_follows_them() {
 fn a_template_whose_fleet_instances_are_unknown_fails_its_proxy_naming_why() {
     let dirs = Dirs::new();
     let _sweep = support::SweepOnDrop(dirs.socket());
-    let closed = format!("http://127.0.0.1:{}", free_port());
+    // Claimed, never listened on: no other test's server can take it meanwhile.
+    let unused = ReservedPort::new();
+    let closed = format!("http://127.0.0.1:{}", unused.port());
     let rendered = dirs.temp.path().join("api.list");
     dirs.write_config(
         "web.toml",
