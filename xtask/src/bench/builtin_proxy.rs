@@ -301,12 +301,12 @@ const UNREAD_CAP: u64 = 1 << 30;
 /// held connections close.
 fn queued_unread(addr: SocketAddr, held: &Mutex<Vec<TcpStream>>) -> Result<u64, String> {
     let fail = |err: std::io::Error| format!("writing to an upstream that does not read, through {addr}: {err}");
-    let stream = TcpStream::connect(addr).map_err(fail)?;
+    let mut stream = TcpStream::connect(addr).map_err(fail)?;
     stream.set_write_timeout(Some(Duration::from_secs(1))).map_err(fail)?;
     let chunk = vec![0x5a_u8; 256 * 1024];
     let mut queued = 0;
     while queued < UNREAD_CAP {
-        match (&stream).write(&chunk) {
+        match stream.write(&chunk) {
             Ok(written) => queued += written as u64,
             Err(err) if matches!(err.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => break,
             Err(err) => return Err(fail(err)),
