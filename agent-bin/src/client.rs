@@ -1,8 +1,10 @@
-//! A small HTTP/1.1 client for the control socket, used by the CLI commands.
+//! A small HTTP/1.1 client for the control socket, used by the CLI commands and the
+//! built-in proxy (which may reach the agent at its `--http-addr` instead).
 //!
 //! One request per connection; no retries. It knows the wire format only as JSON values.
 
-use std::path::Path;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use http_body_util::{BodyExt, Full};
@@ -10,7 +12,7 @@ use hyper::body::Bytes;
 use hyper::{Method, Request, StatusCode};
 use hyper_util::rt::TokioIo;
 use tether_state::config::DisplayPath;
-use tokio::net::UnixStream;
+use tokio::net::{TcpStream, UnixStream};
 
 /// How long a CLI command waits for the agent.
 const TIMEOUT: Duration = Duration::from_secs(30);
@@ -24,12 +26,61 @@ pub(crate) enum ClientError {
         #[source]
         source: std::io::Error,
     },
+    #[error(
+        "cannot open the agent's socket {}: it is the agent's user's alone; \
+         a proxy with another `user` reaches the agent at its --http-addr",
+        DisplayPath(.socket)
+    )]
+    Closed {
+        socket: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot reach the agent at http://{address}")]
+    ConnectHttp {
+        address: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("the agent did not answer within {}", humantime::format_duration(TIMEOUT))]
     Timeout,
     #[error("the request to the agent failed")]
     Http(#[source] hyper::Error),
     #[error("cannot build the request")]
     Request(#[source] hyper::http::Error),
+}
+
+/// Where the agent answers: its socket, or its `--http-addr`, which serves the read
+/// endpoints only.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum AgentAt {
+    Socket(PathBuf),
+    Http(SocketAddr),
+}
+
+impl AgentAt {
+    fn borrowed(&self) -> Via<'_> {
+        match self {
+            Self::Socket(socket) => Via::Socket(socket),
+            Self::Http(address) => Via::Http(*address),
+        }
+    }
+}
+
+impl std::fmt::Display for AgentAt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Socket(socket) => DisplayPath(socket).fmt(f),
+            Self::Http(address) => write!(f, "http://{address}"),
+        }
+    }
+}
+
+/// [`AgentAt`], borrowed.
+#[derive(Clone, Copy)]
+enum Via<'a> {
+    Socket(&'a Path),
+    Http(SocketAddr),
 }
 
 /// An answer from the agent.
@@ -55,46 +106,75 @@ pub(crate) async fn request(
     path: &str,
     body: Option<Vec<u8>>,
 ) -> Result<Response, ClientError> {
-    tokio::time::timeout(TIMEOUT, send(socket, method, path, body, &[])).await.map_err(|_| ClientError::Timeout)?
-}
-
-/// Sends one request with extra headers, waiting up to `timeout` for the answer.
-pub(crate) async fn request_with(
-    socket: &Path,
-    path: &str,
-    headers: &[(&str, &str)],
-    timeout: Duration,
-) -> Result<Response, ClientError> {
-    tokio::time::timeout(timeout, send(socket, Method::GET, path, None, headers))
+    tokio::time::timeout(TIMEOUT, send(Via::Socket(socket), method, path, body, &[]))
         .await
         .map_err(|_| ClientError::Timeout)?
 }
 
-/// Sends one PUT with a JSON body and extra headers.
+/// Sends one GET with extra headers to the agent `at`, waiting up to `timeout` for the
+/// answer.
+pub(crate) async fn request_with(
+    at: &AgentAt,
+    path: &str,
+    headers: &[(&str, &str)],
+    timeout: Duration,
+) -> Result<Response, ClientError> {
+    tokio::time::timeout(timeout, send(at.borrowed(), Method::GET, path, None, headers))
+        .await
+        .map_err(|_| ClientError::Timeout)?
+}
+
+/// Sends one PUT with a JSON body and extra headers to the agent's socket.
 pub(crate) async fn put_with(
     socket: &Path,
     path: &str,
     headers: &[(&str, &str)],
     body: Vec<u8>,
 ) -> Result<Response, ClientError> {
-    tokio::time::timeout(TIMEOUT, send(socket, Method::PUT, path, Some(body), headers))
+    tokio::time::timeout(TIMEOUT, send(Via::Socket(socket), Method::PUT, path, Some(body), headers))
         .await
         .map_err(|_| ClientError::Timeout)?
 }
 
-/// Connects to the agent's socket and runs the HTTP/1.1 connection in a task of its own.
-async fn connect(
-    socket: &Path,
-) -> Result<
-    (hyper::client::conn::http1::SendRequest<Full<Bytes>>, tokio::task::JoinHandle<hyper::Result<()>>),
-    ClientError,
-> {
-    let stream = UnixStream::connect(socket)
-        .await
-        .map_err(|source| ClientError::Connect { socket: socket.to_owned(), source })?;
+/// An HTTP/1.1 connection to the agent: what sends requests, and the task that runs it.
+type Connection = (hyper::client::conn::http1::SendRequest<Full<Bytes>>, tokio::task::JoinHandle<hyper::Result<()>>);
+
+/// Connects to the agent and runs the HTTP/1.1 connection in a task of its own.
+async fn connect(at: Via<'_>) -> Result<Connection, ClientError> {
+    match at {
+        Via::Socket(socket) => {
+            let stream = UnixStream::connect(socket).await.map_err(|source| {
+                let socket = socket.to_owned();
+                match source.kind() {
+                    std::io::ErrorKind::PermissionDenied => ClientError::Closed { socket, source },
+                    _ => ClientError::Connect { socket, source },
+                }
+            })?;
+            handshake(stream).await
+        }
+        Via::Http(address) => {
+            let stream =
+                TcpStream::connect(address).await.map_err(|source| ClientError::ConnectHttp { address, source })?;
+            handshake(stream).await
+        }
+    }
+}
+
+async fn handshake<S>(stream: S) -> Result<Connection, ClientError>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
+{
     let (sender, connection) =
         hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(ClientError::Http)?;
     Ok((sender, tokio::spawn(connection)))
+}
+
+/// The `Host` of a request: over TCP, the loopback address the agent checks for.
+fn host(at: Via<'_>) -> String {
+    match at {
+        Via::Socket(_) => "tether".to_owned(),
+        Via::Http(address) => address.to_string(),
+    }
 }
 
 /// Sends a GET and hands each chunk of a successful answer's body to `chunk` as it
@@ -106,7 +186,7 @@ pub(crate) async fn stream(
     mut chunk: impl FnMut(&[u8]) -> std::io::Result<()>,
 ) -> Result<Response, ClientError> {
     let begun = async {
-        let (mut sender, connection) = connect(socket).await?;
+        let (mut sender, connection) = connect(Via::Socket(socket)).await?;
         let request = Request::builder()
             .method(Method::GET)
             .uri(path)
@@ -138,21 +218,21 @@ pub(crate) async fn stream(
 }
 
 async fn send(
-    socket: &Path,
+    at: Via<'_>,
     method: Method,
     path: &str,
     body: Option<Vec<u8>>,
     headers: &[(&str, &str)],
 ) -> Result<Response, ClientError> {
     // The connection task ends with the request; it is awaited below through the response.
-    let (mut sender, connection) = connect(socket).await?;
+    let (mut sender, connection) = connect(at).await?;
     let mut request = Request::builder().method(method);
     for (name, value) in headers {
         request = request.header(*name, *value);
     }
     let request = request
         .uri(path)
-        .header(hyper::header::HOST, "tether")
+        .header(hyper::header::HOST, host(at))
         .header(hyper::header::CONTENT_TYPE, "application/json")
         .body(Full::new(Bytes::from(body.unwrap_or_default())))
         .map_err(ClientError::Request)?;

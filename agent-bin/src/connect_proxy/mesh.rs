@@ -58,7 +58,7 @@ pub(super) async fn follow<T: DeserializeOwned>(
         let headers = [(TOKEN_HEADER, identity.token.as_str())];
         let answer = tokio::select! {
             () = stop.cancelled() => return,
-            answer = client::request_with(&identity.socket, &url, &headers, QUERY_WAIT + Duration::from_secs(30)) => answer,
+            answer = client::request_with(&identity.agent, &url, &headers, QUERY_WAIT + Duration::from_secs(30)) => answer,
         };
         let problem = match answer {
             Ok(response) if response.status == StatusCode::OK => match serde_json::from_slice::<T>(&response.body) {

@@ -39,7 +39,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::api::dto::{CaRootsDto, IntentionsDto, LeafDto, ProxyConfigDto, RefusalDto, TOKEN_HEADER, UpstreamDto};
-use crate::client;
+use crate::client::{self, AgentAt};
 use crate::error::UsageError;
 use crate::xds::resources::{Upstream, read_upstreams};
 use mesh::{Answer, MeshTls};
@@ -122,11 +122,11 @@ fn join_host_port(host: &str, port: u16) -> String {
     if host.contains(':') && !host.starts_with('[') { format!("[{host}]:{port}") } else { format!("{host}:{port}") }
 }
 
-/// Who the proxy is to the agent.
+/// Who the proxy is to the agent, and where it reaches the agent.
 struct Identity {
     proxy_id: String,
     token: String,
-    socket: PathBuf,
+    agent: AgentAt,
 }
 
 fn identity() -> Result<Identity, UsageError> {
@@ -135,11 +135,33 @@ fn identity() -> Result<Identity, UsageError> {
             UsageError(format!("{name} is not set: connect-proxy is started by the agent, which sets TETHER_*"))
         })
     };
+    let http = match std::env::var(proxy_env::HTTP_ADDR) {
+        Ok(address) => Some(address.parse().map_err(|err| {
+            UsageError(format!("{}: `{address}` is not an address and port: {err}", proxy_env::HTTP_ADDR))
+        })?),
+        Err(_) => None,
+    };
     Ok(Identity {
         proxy_id: var(proxy_env::PROXY_ID)?,
         token: var(proxy_env::PROXY_TOKEN)?,
-        socket: var(proxy_env::SOCKET)?.into(),
+        agent: agent_at(PathBuf::from(var(proxy_env::SOCKET)?), http),
     })
+}
+
+/// The agent's socket, unless this proxy's user may not open it (it is the agent's user's
+/// alone) and the agent serves its read endpoints at `http` (`--http-addr`), which carry
+/// all that the proxy asks for.
+fn agent_at(socket: PathBuf, http: Option<std::net::SocketAddr>) -> AgentAt {
+    use nix::unistd::{AccessFlags, access};
+    match (access(&socket, AccessFlags::W_OK), http) {
+        (Err(nix::errno::Errno::EACCES | nix::errno::Errno::EPERM), Some(address)) => {
+            tracing::info!(socket = %socket.display(), %address, "the agent's socket is closed to this user; asking the agent at its HTTP address");
+            AgentAt::Http(address)
+        }
+        // Absent, the agent may be starting; closed with no HTTP address, every request
+        // fails and says why.
+        _ => AgentAt::Socket(socket),
+    }
 }
 
 /// Runs the proxy until SIGINT or SIGTERM.
@@ -322,9 +344,14 @@ async fn report(
         };
         let Some(service_id) = route.borrow().as_ref().map(|route| route.service_id.clone()) else { continue };
         let Ok(body) = serde_json::to_vec(&refusal) else { continue };
+        let AgentAt::Socket(socket) = &identity.agent else {
+            // The HTTP address takes no reports: the refusal is only in this proxy's log.
+            tracing::info!(reason = refusal.reason, detail = refusal.detail, "connection refused");
+            continue;
+        };
         let path = format!("/v1/agent/connect/refused/{service_id}");
         let headers = [(TOKEN_HEADER, identity.token.as_str())];
-        match client::put_with(&identity.socket, &path, &headers, body).await {
+        match client::put_with(socket, &path, &headers, body).await {
             Ok(response) if response.status.is_success() => {}
             Ok(response) => tracing::debug!(status = %response.status, "the agent did not take a refusal report"),
             Err(err) => tracing::debug!(error = %crate::error::error_chain(&err), "cannot report a refusal"),
@@ -350,7 +377,7 @@ async fn follow_config(
         let headers = [(TOKEN_HEADER, identity.token.as_str())];
         let answer = tokio::select! {
             () = stop.cancelled() => return Ok(()),
-            answer = client::request_with(&identity.socket, &path, &headers, QUERY_WAIT + Duration::from_secs(30)) => answer,
+            answer = client::request_with(&identity.agent, &path, &headers, QUERY_WAIT + Duration::from_secs(30)) => answer,
         };
         let config = match answer {
             Ok(response) if response.status == StatusCode::OK => {

@@ -543,3 +543,46 @@ fn the_built_in_proxy_carries_on_when_its_log_cannot_be_written() {
     let _ = proxy.kill();
     proxy.wait().unwrap();
 }
+
+/// The built-in proxy as `user` (root only: switching users), in front of an upstream that
+/// answers lines, with `extra` agent flags: the running agent, the dirs, and the port.
+fn run_as_nobody(extra: &[&str]) -> (Agent, Dirs, u16) {
+    let upstream = Upstream::start("up");
+    let bind = free_port();
+    let dirs = Dirs::new();
+    dirs.write_config(
+        "a.toml",
+        &builtin("web", upstream.port, bind).replace("kill_timeout", "user = \"nobody\"\nkill_timeout"),
+    );
+    let agent = Agent::start(&dirs, extra);
+    agent.wait_state("web-proxy", "running");
+    (agent, dirs, bind)
+}
+
+#[test]
+fn as_root_a_built_in_proxy_with_a_user_reaches_the_agent_at_its_http_address() {
+    if !is_root() {
+        eprintln!("skipped: needs root (switching users)");
+        return;
+    }
+    let http = format!("127.0.0.1:{}", free_port());
+    let (_agent, dirs, bind) = run_as_nobody(&["--http-addr", &http]);
+    let mut stream = connect(bind);
+    assert_eq!(exchange(&mut stream, "one"), "up: one");
+    let log = std::fs::read_to_string(dirs.data.join("logs/web-proxy-stderr.log")).unwrap();
+    assert!(log.contains("the agent's socket is closed to this user; asking the agent at its HTTP address"), "{log}");
+}
+
+#[test]
+fn as_root_a_built_in_proxy_with_a_user_and_no_http_address_says_what_it_needs() {
+    if !is_root() {
+        eprintln!("skipped: needs root (switching users)");
+        return;
+    }
+    let (_agent, dirs, _) = run_as_nobody(&[]);
+    let log = dirs.data.join("logs/web-proxy-stderr.log");
+    wait_for("the proxy to say why it has no config", || {
+        let text = std::fs::read_to_string(&log).ok()?;
+        text.contains("a proxy with another `user` reaches the agent at its --http-addr").then_some(())
+    });
+}
