@@ -545,8 +545,9 @@ fn the_built_in_proxy_carries_on_when_its_log_cannot_be_written() {
 }
 
 /// The built-in proxy as `user` (root only: switching users), in front of an upstream that
-/// answers lines, with `extra` agent flags: the running agent, the dirs, and the port.
-fn run_as_nobody(extra: &[&str]) -> (Agent, Dirs, u16) {
+/// answers lines, with `extra` agent flags: the running agent, the dirs, the port, and the
+/// directory of the agent's binary, which must outlive the agent.
+fn run_as_nobody(extra: &[&str]) -> (Agent, Dirs, u16, tempfile::TempDir) {
     let upstream = Upstream::start("up");
     let bind = free_port();
     let dirs = Dirs::new();
@@ -554,9 +555,20 @@ fn run_as_nobody(extra: &[&str]) -> (Agent, Dirs, u16) {
         "a.toml",
         &builtin("web", upstream.port, bind).replace("kill_timeout", "user = \"nobody\"\nkill_timeout"),
     );
-    let agent = Agent::start(&dirs, extra);
+    // The built-in proxy is the agent's own binary, which `nobody` must be able to run: the
+    // build's directory may be closed to other users (a checkout in a private directory),
+    // so the agent runs from a copy in one that is open to them.
+    let bin = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(bin.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let program = bin.path().join("tether");
+    let built = Path::new(env!("CARGO_BIN_EXE_tether"));
+    if std::fs::hard_link(built, &program).is_err() {
+        std::fs::copy(built, &program).unwrap();
+    }
+    let agent = Agent::spawn_with(&program, &dirs, extra);
+    wait_for("the agent's socket", || get(&agent.socket, "/v1/agent/health").ok().filter(|r| r.status == 200));
     agent.wait_state("web-proxy", "running");
-    (agent, dirs, bind)
+    (agent, dirs, bind, bin)
 }
 
 #[test]
@@ -566,7 +578,7 @@ fn as_root_a_built_in_proxy_with_a_user_reaches_the_agent_at_its_http_address() 
         return;
     }
     let http = format!("127.0.0.1:{}", free_port());
-    let (_agent, dirs, bind) = run_as_nobody(&["--http-addr", &http]);
+    let (_agent, dirs, bind, _bin) = run_as_nobody(&["--http-addr", &http]);
     let mut stream = connect(bind);
     assert_eq!(exchange(&mut stream, "one"), "up: one");
     let log = std::fs::read_to_string(dirs.data.join("logs/web-proxy-stderr.log")).unwrap();
@@ -579,7 +591,7 @@ fn as_root_a_built_in_proxy_with_a_user_and_no_http_address_says_what_it_needs()
         eprintln!("skipped: needs root (switching users)");
         return;
     }
-    let (_agent, dirs, _) = run_as_nobody(&[]);
+    let (_agent, dirs, _, _bin) = run_as_nobody(&[]);
     let log = dirs.data.join("logs/web-proxy-stderr.log");
     wait_for("the proxy to say why it has no config", || {
         let text = std::fs::read_to_string(&log).ok()?;
