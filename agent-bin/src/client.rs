@@ -26,11 +26,7 @@ pub(crate) enum ClientError {
         #[source]
         source: std::io::Error,
     },
-    #[error(
-        "cannot open the agent's socket {}: it is the agent's user's alone; \
-         a proxy with another `user` reaches the agent at its --http-addr",
-        DisplayPath(.socket)
-    )]
+    #[error("cannot open the agent's socket {}: it is the agent's user's alone (or root's)", DisplayPath(.socket))]
     Closed {
         socket: std::path::PathBuf,
         #[source]

@@ -144,23 +144,29 @@ fn identity() -> Result<Identity, UsageError> {
     Ok(Identity {
         proxy_id: var(proxy_env::PROXY_ID)?,
         token: var(proxy_env::PROXY_TOKEN)?,
-        agent: agent_at(PathBuf::from(var(proxy_env::SOCKET)?), http),
+        agent: agent_at(PathBuf::from(var(proxy_env::SOCKET)?), http)?,
     })
 }
 
 /// The agent's socket, unless this proxy's user may not open it (it is the agent's user's
 /// alone) and the agent serves its read endpoints at `http` (`--http-addr`), which carry
-/// all that the proxy asks for.
-fn agent_at(socket: PathBuf, http: Option<std::net::SocketAddr>) -> AgentAt {
+/// all that the proxy asks for. Closed with no HTTP address, the proxy could never get its
+/// config: that is an error, so that its state shows it rather than a proxy that runs and
+/// listens nowhere.
+fn agent_at(socket: PathBuf, http: Option<std::net::SocketAddr>) -> Result<AgentAt, UsageError> {
     use nix::unistd::{AccessFlags, access};
     match (access(&socket, AccessFlags::W_OK), http) {
         (Err(nix::errno::Errno::EACCES | nix::errno::Errno::EPERM), Some(address)) => {
             tracing::info!(socket = %socket.display(), %address, "the agent's socket is closed to this user; asking the agent at its HTTP address");
-            AgentAt::Http(address)
+            Ok(AgentAt::Http(address))
         }
-        // Absent, the agent may be starting; closed with no HTTP address, every request
-        // fails and says why.
-        _ => AgentAt::Socket(socket),
+        (Err(nix::errno::Errno::EACCES | nix::errno::Errno::EPERM), None) => Err(UsageError(format!(
+            "cannot open the agent's socket {}: it is the agent's user's alone; \
+             a proxy with another `user` reaches the agent at its --http-addr, which this agent does not serve",
+            socket.display()
+        ))),
+        // Absent, the agent may be starting: asked again on the backoff.
+        _ => Ok(AgentAt::Socket(socket)),
     }
 }
 

@@ -567,7 +567,6 @@ fn run_as_nobody(extra: &[&str]) -> (Agent, Dirs, u16, tempfile::TempDir) {
     }
     let agent = Agent::spawn_with(&program, &dirs, extra);
     wait_for("the agent's socket", || get(&agent.socket, "/v1/agent/health").ok().filter(|r| r.status == 200));
-    agent.wait_state("web-proxy", "running");
     (agent, dirs, bind, bin)
 }
 
@@ -578,7 +577,8 @@ fn as_root_a_built_in_proxy_with_a_user_reaches_the_agent_at_its_http_address() 
         return;
     }
     let http = format!("127.0.0.1:{}", free_port());
-    let (_agent, dirs, bind, _bin) = run_as_nobody(&["--http-addr", &http]);
+    let (agent, dirs, bind, _bin) = run_as_nobody(&["--http-addr", &http]);
+    agent.wait_state("web-proxy", "running");
     let mut stream = connect(bind);
     assert_eq!(exchange(&mut stream, "one"), "up: one");
     let log = std::fs::read_to_string(dirs.data.join("logs/web-proxy-stderr.log")).unwrap();
@@ -586,15 +586,20 @@ fn as_root_a_built_in_proxy_with_a_user_reaches_the_agent_at_its_http_address() 
 }
 
 #[test]
-fn as_root_a_built_in_proxy_with_a_user_and_no_http_address_says_what_it_needs() {
+fn as_root_a_built_in_proxy_with_a_user_and_no_http_address_exits_saying_what_it_needs() {
     if !is_root() {
         eprintln!("skipped: needs root (switching users)");
         return;
     }
-    let (_agent, dirs, _, _bin) = run_as_nobody(&[]);
+    let (agent, dirs, _, _bin) = run_as_nobody(&[]);
     let log = dirs.data.join("logs/web-proxy-stderr.log");
-    wait_for("the proxy to say why it has no config", || {
+    wait_for("the proxy to say why it cannot run", || {
         let text = std::fs::read_to_string(&log).ok()?;
         text.contains("a proxy with another `user` reaches the agent at its --http-addr").then_some(())
     });
+    // It exits as for a usage error, and the agent tries again on its backoff.
+    let status = wait_for("the proxy's exit", || {
+        agent.proxy("web-proxy").filter(|status| status["last_exit"] == serde_json::json!({ "code": 2 }))
+    });
+    assert!(status["restarts"].as_u64() >= Some(1), "{status}");
 }
