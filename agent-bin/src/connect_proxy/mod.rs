@@ -1,6 +1,7 @@
 //! `tether connect-proxy`: the built-in TCP proxy, normally started by the agent.
 //!
-//! It reads its identity from `TETHER_*`, fetches its config from the agent and follows
+//! It reads its identity from `TETHER_*`, fetches its config from the agent (through its
+//! socket, or at its `--http-addr` when the proxy's user may not open the socket) and follows
 //! changes through blocking queries: a new bind address gets a new listener (the old one
 //! closes; established connections keep flowing), a new upstream applies to new
 //! connections. It keeps forwarding while the agent is away, and reconnects with backoff.
@@ -10,7 +11,8 @@
 //! intentions let through; a connection that a later intention denies is closed. Each
 //! `config.upstreams` entry is a local plaintext listener whose connections go out over
 //! mutual TLS to a ready instance of the destination, which must prove the destination's
-//! identity. Each refusal is reported to the agent, which counts it and tells it as an event.
+//! identity. Each refusal is reported to the agent, which counts it and tells it as an event
+//! (or, when the proxy reaches the agent at its HTTP address, only logged here).
 //! Without a CA the public listener forwards plaintext, and upstreams have nowhere to go.
 //!
 //! Handed a listener by the agent (socket activation: `LISTEN_FDS`, `LISTEN_PID`), it
@@ -348,13 +350,13 @@ async fn report(
                 None => return Ok(()),
             },
         };
-        let Some(service_id) = route.borrow().as_ref().map(|route| route.service_id.clone()) else { continue };
-        let Ok(body) = serde_json::to_vec(&refusal) else { continue };
         let AgentAt::Socket(socket) = &identity.agent else {
             // The HTTP address takes no reports: the refusal is only in this proxy's log.
             tracing::info!(reason = refusal.reason, detail = refusal.detail, "connection refused");
             continue;
         };
+        let Some(service_id) = route.borrow().as_ref().map(|route| route.service_id.clone()) else { continue };
+        let Ok(body) = serde_json::to_vec(&refusal) else { continue };
         let path = format!("/v1/agent/connect/refused/{service_id}");
         let headers = [(TOKEN_HEADER, identity.token.as_str())];
         match client::put_with(socket, &path, &headers, body).await {
