@@ -598,8 +598,9 @@ fn as_root_a_built_in_proxy_with_a_user_and_no_http_address_exits_saying_what_it
         text.contains("a proxy with another `user` reaches the agent at its --http-addr").then_some(())
     });
     // It exits as for a usage error, and the agent tries again on its backoff.
-    let status = wait_for("the proxy's exit", || {
-        agent.proxy("web-proxy").filter(|status| status["last_exit"] == serde_json::json!({ "code": 2 }))
+    wait_until("the proxy's exit and a restart", || {
+        let status = agent.proxy("web-proxy").ok_or("no such proxy")?;
+        let exited = status["last_exit"] == serde_json::json!({ "code": 2 }) && status["restarts"].as_u64() >= Some(1);
+        if exited { Ok(()) } else { Err(status.to_string()) }
     });
-    assert!(status["restarts"].as_u64() >= Some(1), "{status}");
 }
