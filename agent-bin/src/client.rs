@@ -48,34 +48,9 @@ pub(crate) enum ClientError {
 
 /// Where the agent answers: its socket, or its `--http-addr`, which serves the read
 /// endpoints only.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub(crate) enum AgentAt {
     Socket(PathBuf),
-    Http(SocketAddr),
-}
-
-impl AgentAt {
-    fn borrowed(&self) -> Via<'_> {
-        match self {
-            Self::Socket(socket) => Via::Socket(socket),
-            Self::Http(address) => Via::Http(*address),
-        }
-    }
-}
-
-impl std::fmt::Display for AgentAt {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Self::Socket(socket) => DisplayPath(socket).fmt(f),
-            Self::Http(address) => write!(f, "http://{address}"),
-        }
-    }
-}
-
-/// [`AgentAt`], borrowed.
-#[derive(Clone, Copy)]
-enum Via<'a> {
-    Socket(&'a Path),
     Http(SocketAddr),
 }
 
@@ -102,7 +77,7 @@ pub(crate) async fn request(
     path: &str,
     body: Option<Vec<u8>>,
 ) -> Result<Response, ClientError> {
-    tokio::time::timeout(TIMEOUT, send(Via::Socket(socket), method, path, body, &[]))
+    tokio::time::timeout(TIMEOUT, send(&AgentAt::Socket(socket.to_owned()), method, path, body, &[]))
         .await
         .map_err(|_| ClientError::Timeout)?
 }
@@ -115,9 +90,7 @@ pub(crate) async fn request_with(
     headers: &[(&str, &str)],
     timeout: Duration,
 ) -> Result<Response, ClientError> {
-    tokio::time::timeout(timeout, send(at.borrowed(), Method::GET, path, None, headers))
-        .await
-        .map_err(|_| ClientError::Timeout)?
+    tokio::time::timeout(timeout, send(at, Method::GET, path, None, headers)).await.map_err(|_| ClientError::Timeout)?
 }
 
 /// Sends one PUT with a JSON body and extra headers to the agent's socket.
@@ -127,7 +100,7 @@ pub(crate) async fn put_with(
     headers: &[(&str, &str)],
     body: Vec<u8>,
 ) -> Result<Response, ClientError> {
-    tokio::time::timeout(TIMEOUT, send(Via::Socket(socket), Method::PUT, path, Some(body), headers))
+    tokio::time::timeout(TIMEOUT, send(&AgentAt::Socket(socket.to_owned()), Method::PUT, path, Some(body), headers))
         .await
         .map_err(|_| ClientError::Timeout)?
 }
@@ -136,9 +109,9 @@ pub(crate) async fn put_with(
 type Connection = (hyper::client::conn::http1::SendRequest<Full<Bytes>>, tokio::task::JoinHandle<hyper::Result<()>>);
 
 /// Connects to the agent and runs the HTTP/1.1 connection in a task of its own.
-async fn connect(at: Via<'_>) -> Result<Connection, ClientError> {
+async fn connect(at: &AgentAt) -> Result<Connection, ClientError> {
     match at {
-        Via::Socket(socket) => {
+        AgentAt::Socket(socket) => {
             let stream = UnixStream::connect(socket).await.map_err(|source| {
                 let socket = socket.to_owned();
                 match source.kind() {
@@ -148,7 +121,7 @@ async fn connect(at: Via<'_>) -> Result<Connection, ClientError> {
             })?;
             handshake(stream).await
         }
-        Via::Http(address) => {
+        &AgentAt::Http(address) => {
             let stream =
                 TcpStream::connect(address).await.map_err(|source| ClientError::ConnectHttp { address, source })?;
             handshake(stream).await
@@ -166,10 +139,10 @@ where
 }
 
 /// The `Host` of a request: over TCP, the loopback address the agent checks for.
-fn host(at: Via<'_>) -> String {
+fn host(at: &AgentAt) -> String {
     match at {
-        Via::Socket(_) => "tether".to_owned(),
-        Via::Http(address) => address.to_string(),
+        AgentAt::Socket(_) => "tether".to_owned(),
+        AgentAt::Http(address) => address.to_string(),
     }
 }
 
@@ -182,7 +155,7 @@ pub(crate) async fn stream(
     mut chunk: impl FnMut(&[u8]) -> std::io::Result<()>,
 ) -> Result<Response, ClientError> {
     let begun = async {
-        let (mut sender, connection) = connect(Via::Socket(socket)).await?;
+        let (mut sender, connection) = connect(&AgentAt::Socket(socket.to_owned())).await?;
         let request = Request::builder()
             .method(Method::GET)
             .uri(path)
@@ -214,7 +187,7 @@ pub(crate) async fn stream(
 }
 
 async fn send(
-    at: Via<'_>,
+    at: &AgentAt,
     method: Method,
     path: &str,
     body: Option<Vec<u8>>,

@@ -544,10 +544,15 @@ fn the_built_in_proxy_carries_on_when_its_log_cannot_be_written() {
     proxy.wait().unwrap();
 }
 
-/// The built-in proxy as `user` (root only: switching users), in front of an upstream that
-/// answers lines, with `extra` agent flags: the running agent, the dirs, the port, and the
-/// directory of the agent's binary, which must outlive the agent.
-fn run_as_nobody(extra: &[&str]) -> (Agent, Dirs, u16, tempfile::TempDir) {
+/// The built-in proxy as `user` (root only: switching users; `None` elsewhere, said for
+/// `test`), in front of an upstream that answers lines, with `extra` agent flags: the
+/// running agent, the dirs, the port, and the directory of the agent's binary, which must
+/// outlive the agent.
+fn run_as_nobody(test: &str, extra: &[&str]) -> Option<(Agent, Dirs, u16, tempfile::TempDir)> {
+    if !is_root() {
+        eprintln!("skipping {test}: needs root (switching users)");
+        return None;
+    }
     let upstream = Upstream::start("up");
     let bind = free_port();
     let dirs = Dirs::new();
@@ -567,17 +572,14 @@ fn run_as_nobody(extra: &[&str]) -> (Agent, Dirs, u16, tempfile::TempDir) {
     }
     let agent = Agent::spawn_with(&program, &dirs, extra);
     wait_for("the agent's socket", || get(&agent.socket, "/v1/agent/health").ok().filter(|r| r.status == 200));
-    (agent, dirs, bind, bin)
+    Some((agent, dirs, bind, bin))
 }
 
 #[test]
 fn as_root_a_built_in_proxy_with_a_user_reaches_the_agent_at_its_http_address() {
-    if !is_root() {
-        eprintln!("skipped: needs root (switching users)");
-        return;
-    }
     let http = format!("127.0.0.1:{}", free_port());
-    let (agent, dirs, bind, _bin) = run_as_nobody(&["--http-addr", &http]);
+    let test = "as_root_a_built_in_proxy_with_a_user_reaches_the_agent_at_its_http_address";
+    let Some((agent, dirs, bind, _bin)) = run_as_nobody(test, &["--http-addr", &http]) else { return };
     agent.wait_state("web-proxy", "running");
     let mut stream = connect(bind);
     assert_eq!(exchange(&mut stream, "one"), "up: one");
@@ -587,11 +589,8 @@ fn as_root_a_built_in_proxy_with_a_user_reaches_the_agent_at_its_http_address() 
 
 #[test]
 fn as_root_a_built_in_proxy_with_a_user_and_no_http_address_exits_saying_what_it_needs() {
-    if !is_root() {
-        eprintln!("skipped: needs root (switching users)");
-        return;
-    }
-    let (agent, dirs, _, _bin) = run_as_nobody(&[]);
+    let test = "as_root_a_built_in_proxy_with_a_user_and_no_http_address_exits_saying_what_it_needs";
+    let Some((agent, dirs, _, _bin)) = run_as_nobody(test, &[]) else { return };
     let log = dirs.data.join("logs/web-proxy-stderr.log");
     wait_for("the proxy to say why it cannot run", || {
         let text = std::fs::read_to_string(&log).ok()?;

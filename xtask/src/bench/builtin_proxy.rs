@@ -118,7 +118,7 @@ fn minimal_forwarder(upstream: SocketAddr, cpu: Arc<Mutex<(usize, Duration)>>) -
         let up = thread::spawn(move || pump(client_reader, server_writer));
         let down = thread::spawn(move || pump(server, client));
         let took = up.join().unwrap_or_default() + down.join().unwrap_or_default();
-        let mut cpu = cpu.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut cpu = lock(&cpu);
         cpu.0 += 1;
         cpu.1 += took;
     })
@@ -324,6 +324,7 @@ fn queued_unread(addr: SocketAddr, held: &Mutex<Vec<TcpStream>>) -> Result<u64, 
     Ok(queued)
 }
 
+/// The value behind `mutex`, even if a thread panicked holding it.
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
@@ -420,11 +421,11 @@ pub(crate) fn run(lab: &Lab, rows: &mut Vec<Row>) -> Result<(), String> {
     let (mut reference_cpu, mut proxied_cpu) = (Vec::new(), Vec::new());
     for _ in 0..BULK_ROUNDS {
         let direct_rate = gib_per_second(bulk(sink_upstream.addr, BULK)?);
-        let before = *minimal_cpu.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let before = *lock(&minimal_cpu);
         let reference_rate = gib_per_second(bulk(minimal.addr, BULK)?);
         let deadline = Instant::now() + Duration::from_secs(10);
         let after = loop {
-            let now = *minimal_cpu.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let now = *lock(&minimal_cpu);
             if now.0 > before.0 {
                 break now;
             }
